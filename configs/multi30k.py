@@ -1,0 +1,34 @@
+"""Multi30k English->German (29k training pairs) on a small CPU: a 3+3-layer, d_model 256 post-LN
+Transformer with an 8k joint sentencepiece vocabulary, sized to train to its best in about an hour on two
+CPU cores. Reads ../shared/data/multi30k unless --config.data_dir says otherwise.
+"""
+from flaxformer_nmt import config
+
+
+def get_config():
+  c = config.base_config()
+  c.data_dir = config.shared_data_dir('multi30k')
+  c.eval_split = 'valid'
+  c.max_length = 128
+  c.tokens_per_batch = 4096
+  c.vocab_size = 8000
+  c.sentencepiece_max_sentences = 0
+
+  c.model.num_encoder_layers = 3
+  c.model.num_decoder_layers = 3
+  c.model.d_model = 256
+  c.model.d_ff = 1024
+  c.model.num_heads = 4
+  c.model.dropout_rate = 0.1
+
+  c.learning_rate_scale = 1.0
+  c.warmup_steps = 1000
+  # About 58 minutes on two CPU cores (1.6 s per 4096-token step); the time limit is the backstop.
+  c.num_train_steps = 2200
+  c.max_train_minutes = 58.0
+  c.log_every_steps = 50
+  c.eval_every_steps = 250
+  c.checkpoint_every_steps = 250
+  c.keep_checkpoints = 20
+  c.decode_tokens_per_batch = 4096
+  return c

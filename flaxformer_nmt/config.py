@@ -1,0 +1,81 @@
+"""Configuration fields shared by every config, at the values of Transformer base.
+
+Every field the trainer, the model and the decoder read lives here; configs/*.py start from `base_config()` and
+change what differs, so `--config.field=value` overrides work the same everywhere and an unknown field is
+an error.
+"""
+import os
+
+import ml_collections
+
+# ../shared/data next to the repository, where this project's corpora live on the development machines.
+_SHARED_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..', 'shared', 'data')
+
+
+def shared_data_dir(name):
+  """`../shared/data/NAME` beside the repository (the development machines' corpora)."""
+  return os.path.normpath(os.path.join(_SHARED_DATA, name))
+
+
+def base_config():
+  c = ml_collections.ConfigDict()
+
+  # --- Data: `{data_dir}/{split}.{lang}` parallel text, line i of one side translating line i of the other.
+  c.data_dir = ''  # required: --config.data_dir=DIR
+  c.source_lang = 'en'
+  c.target_lang = 'de'
+  c.train_split = 'train'
+  c.eval_split = 'valid'
+  # Pairs with more subword tokens than this on either side are dropped from training.
+  c.max_length = 256
+  # Token budget per step, counted on the padded batch, per side: the paper's ~25k source + ~25k target.
+  c.tokens_per_batch = 25_000
+  # Padded lengths are rounded up to one of these, so the train step compiles once per bucket.
+  c.length_buckets = (8, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
+  c.seed = 0
+
+  # --- Vocabulary: one sentencepiece model trained on both sides of the training text (stored in workdir).
+  c.vocab_size = 37_000
+  c.sentencepiece_model_type = 'bpe'
+  c.sentencepiece_character_coverage = 1.0
+  # Sentences sampled to train sentencepiece (0 = all).
+  c.sentencepiece_max_sentences = 2_000_000
+
+  # --- Model.
+  c.model = ml_collections.ConfigDict()
+  c.model.num_encoder_layers = 6
+  c.model.num_decoder_layers = 6
+  c.model.d_model = 512
+  c.model.d_ff = 2048
+  c.model.num_heads = 8
+  c.model.dropout_rate = 0.1  # P_drop: sublayer outputs and embedding sums.
+  c.model.attention_dropout_rate = 0.0  # on attention weights (not in the paper).
+  c.model.relu_dropout_rate = 0.0  # inside the feed-forward block (not in the paper).
+  c.model.pre_layer_norm = False  # the paper is post-LN: LayerNorm(x + Sublayer(x)).
+  c.model.max_position = 1024  # rows of the sinusoidal table.
+  # 'auto': bfloat16 on GPU/TPU, float32 on CPU (where bf16 matmuls are slower). Params stay float32.
+  c.model.dtype = 'auto'
+
+  # --- Optimization: Adam(0.9, 0.98, 1e-9), lr = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5).
+  c.learning_rate_scale = 1.0
+  c.warmup_steps = 4000
+  c.adam_b1 = 0.9
+  c.adam_b2 = 0.98
+  c.adam_eps = 1e-9
+  c.label_smoothing = 0.1
+  c.grad_clip_norm = 0.0  # 0 disables clipping.
+  c.num_train_steps = 100_000
+  c.max_train_minutes = 0.0  # > 0: also stop (and checkpoint) after this much wall time.
+
+  # --- Loop.
+  c.log_every_steps = 100
+  c.eval_every_steps = 1000
+  c.checkpoint_every_steps = 1000
+  c.keep_checkpoints = 5
+
+  # --- Decoding.
+  c.beam_size = 4
+  c.length_penalty_alpha = 0.6
+  c.max_decode_extra_length = 50  # output at most source length + 50 tokens.
+  c.decode_tokens_per_batch = 8192  # source tokens per decode batch (before the beam).
+  return c
