@@ -1,0 +1,104 @@
+"""One joint sentencepiece vocabulary for source and target (the paper's shared source-target vocabulary).
+
+Reserved ids, the same in every vocabulary this project trains:
+  0 = <pad>  (padding; never a training target, never generated)
+  1 = <unk>
+  2 = <s>    (BOS: the first decoder input)
+  3 = </s>   (EOS: appended to every source and target sentence)
+The model is stored as `vocab.model` in the workdir and reused when training restarts or decoding loads it.
+"""
+import io
+import os
+import tempfile
+
+import numpy as np
+import sentencepiece as spm
+from absl import logging
+from etils import epath
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+VOCAB_FILENAME = 'vocab.model'
+
+
+class TokenizerError(ValueError):
+  """A vocabulary file that cannot be used."""
+
+
+def normalize_whitespace(line):
+  """Strips and folds every run of Unicode whitespace (tabs, no-break spaces) into one ASCII space."""
+  return ' '.join(line.split())
+
+
+def train_sentencepiece(sentences, model_path, *, vocab_size, model_type='bpe', character_coverage=1.0,
+                        max_sentences=0, seed=0):
+  """Trains a sentencepiece model on `sentences` (an iterable of str) and writes it to `model_path`."""
+  sentences = [s for s in sentences if s]
+  if max_sentences and len(sentences) > max_sentences:
+    # A uniform sample keeps training time bounded on large corpora, as the Flax WMT example does.
+    rng = np.random.default_rng(seed)
+    sentences = [sentences[i] for i in sorted(rng.choice(len(sentences), max_sentences, replace=False))]
+  model = io.BytesIO()
+  spm.SentencePieceTrainer.train(
+      sentence_iterator=iter(sentences),
+      model_writer=model,
+      vocab_size=vocab_size,
+      model_type=model_type,
+      character_coverage=character_coverage,
+      pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+      # Whole sentences, however long: the corpus is already one sentence per line.
+      max_sentence_length=1 << 16,
+      input_sentence_size=0,
+      num_threads=os.cpu_count() or 1,
+      minloglevel=2,
+  )
+  path = epath.Path(model_path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  # Write then rename, so a crash never leaves a half-written vocabulary behind.
+  tmp = path.parent / (path.name + '.tmp')
+  tmp.write_bytes(model.getvalue())
+  tmp.rename(path)
+  logging.info('Trained a %d-piece sentencepiece model on %d sentences: %s', vocab_size, len(sentences), path)
+  return path
+
+
+class Tokenizer:
+  """Text <-> ids with the reserved ids above; EOS is appended by `encode`."""
+
+  def __init__(self, model_path):
+    self.path = epath.Path(model_path)
+    try:
+      self.sp = spm.SentencePieceProcessor(model_proto=self.path.read_bytes())
+    except (OSError, RuntimeError) as e:
+      raise TokenizerError(f'{self.path}: cannot load the sentencepiece model ({e})') from None
+    if (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id()) != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
+      raise TokenizerError(f'{self.path}: sentencepiece model does not use the reserved ids pad/unk/bos/eos = 0/1/2/3')
+
+  @property
+  def vocab_size(self):
+    return self.sp.get_piece_size()
+
+  def encode(self, texts):
+    """List of str -> list of int lists, each ending with EOS."""
+    return [ids + [EOS_ID] for ids in self.sp.encode(list(texts))]
+
+  def decode(self, ids):
+    """One id sequence -> text, cut at the first EOS; pad and bos are dropped."""
+    ids = [int(i) for i in ids]
+    if EOS_ID in ids:
+      ids = ids[:ids.index(EOS_ID)]
+    return self.sp.decode([i for i in ids if i not in (PAD_ID, BOS_ID)])
+
+  def pieces(self, ids):
+    return [self.sp.id_to_piece(int(i)) for i in ids]
+
+
+def load_or_train(workdir, sentences_fn, *, vocab_size, model_type='bpe', character_coverage=1.0,
+                  max_sentences=0, seed=0):
+  """The workdir's tokenizer, trained first from `sentences_fn()` if the workdir has none yet."""
+  path = epath.Path(workdir) / VOCAB_FILENAME
+  if not path.exists():
+    train_sentencepiece(sentences_fn(), path, vocab_size=vocab_size, model_type=model_type,
+                        character_coverage=character_coverage, max_sentences=max_sentences, seed=seed)
+  else:
+    logging.info('Reusing the vocabulary in %s', path)
+  return Tokenizer(path)
