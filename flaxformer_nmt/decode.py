@@ -64,18 +64,23 @@ def search(model, params, src, *, beam_size, alpha, extra_length):
 
 
 def load_params(workdir, config, model, checkpoint='latest'):
-  """Parameters of checkpoint `latest` or STEP in `workdir`."""
+  """(parameters, description) of checkpoint `latest`, `averaged` or STEP in `workdir`."""
   optimizer, _ = train_step_lib.make_optimizer(config)
   abstract = jax.eval_shape(functools.partial(train_step_lib.init_state, model, optimizer, config.seed))
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   abstract = checkpoints_lib.abstract_like(abstract, device)
+  if checkpoint == 'averaged':
+    params, info = checkpoints_lib.load_averaged(workdir, abstract.params)
+    return params, f'the average of checkpoints {info["steps"]}'
+  if checkpoint != 'latest' and not checkpoint.isdigit():
+    raise ValueError(f'--checkpoint must be latest, averaged or a step number, not {checkpoint!r}')
   store = checkpoints_lib.Checkpoints(workdir, keep=0, async_save=False)
   step = None if checkpoint == 'latest' else int(checkpoint)
   if step is not None and step not in store.steps():
     raise FileNotFoundError(f'no checkpoint {step} in {store.directory}; there are {store.steps()}')
   state, _ = store.restore(abstract, step)
   store.close()
-  return state.params, int(state.step)
+  return state.params, f'checkpoint {int(state.step)}'
 
 
 class Translator:
@@ -86,7 +91,7 @@ class Translator:
     self.config = train.load_config(workdir)
     self.tokenizer = tokenizer_lib.Tokenizer(self.workdir / tokenizer_lib.VOCAB_FILENAME)
     self.model = train.build_model(self.config, self.tokenizer)
-    self.params, self.step = load_params(workdir, self.config, self.model, checkpoint)
+    self.params, self.checkpoint = load_params(workdir, self.config, self.model, checkpoint)
     self._search = jax.jit(functools.partial(search, self.model),
                            static_argnames=('beam_size', 'alpha', 'extra_length'))
 
@@ -127,20 +132,6 @@ class Translator:
     return [hyps if n_best > 1 else hyps[0] for hyps in results]
 
 
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Training workdir (config.json, vocab.model, checkpoints/).')
-_INPUT = flags.DEFINE_string('input', '-', 'Source sentences, one per line; - reads stdin.')
-_OUTPUT = flags.DEFINE_string('output', '-', 'Where translations go; - writes stdout.')
-_REFERENCE = flags.DEFINE_string('reference', None, 'Raw references: prints cased sacreBLEU (13a) and chrF.')
-_TOK_REFERENCE = flags.DEFINE_string('tok_reference', None,
-                                     'Lowercased Moses-tokenized references: prints the paper-comparable BLEU.')
-_CHECKPOINT = flags.DEFINE_string('checkpoint', 'latest', 'latest, or a step number.')
-_BEAM_SIZE = flags.DEFINE_integer('beam_size', None, 'Beam width (default: the config\'s); 0 is greedy.')
-_GREEDY = flags.DEFINE_bool('greedy', False, 'Greedy decoding (same as --beam_size=0).')
-_ALPHA = flags.DEFINE_float('alpha', None, 'Length penalty exponent (default: the config\'s).')
-_TOKENS_PER_BATCH = flags.DEFINE_integer('tokens_per_batch', None, 'Source tokens per batch.')
-_BUFFER_LINES = flags.DEFINE_integer('buffer_lines', 5000, 'Lines read and translated at a time.')
-
-
 def _read_chunks(path, size):
   stream = sys.stdin if path == '-' else open(path, encoding='utf-8')  # pylint: disable=consider-using-with
   try:
@@ -151,37 +142,54 @@ def _read_chunks(path, size):
       stream.close()
 
 
+def define_flags():
+  flags.DEFINE_string('workdir', None, 'Training workdir (config.json, vocab.model, checkpoints/).')
+  flags.DEFINE_string('input', '-', 'Source sentences, one per line; - reads stdin.')
+  flags.DEFINE_string('output', '-', 'Where translations go; - writes stdout.')
+  flags.DEFINE_string('reference', None, 'Raw references: prints cased sacreBLEU (13a) and chrF.')
+  flags.DEFINE_string('tok_reference', None,
+                      'Lowercased Moses-tokenized references: prints the paper-comparable BLEU.')
+  flags.DEFINE_string('checkpoint', 'latest', 'latest, averaged (see flaxformer_nmt.average) or a step.')
+  flags.DEFINE_integer('beam_size', None, 'Beam width (default: the config\'s); 0 is greedy.')
+  flags.DEFINE_bool('greedy', False, 'Greedy decoding (same as --beam_size=0).')
+  flags.DEFINE_float('alpha', None, 'Length penalty exponent (default: the config\'s).')
+  flags.DEFINE_integer('tokens_per_batch', None, 'Source tokens per batch.')
+  flags.DEFINE_integer('buffer_lines', 5000, 'Lines read and translated at a time.')
+  flags.mark_flags_as_required(['workdir'])
+
+
 def main(argv):
+  FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  train.quiet_library_logs()
+  checkpoints_lib.quiet_orbax_logs()
   try:
-    translator = Translator(_WORKDIR.value, _CHECKPOINT.value)
+    translator = Translator(FLAGS.workdir, FLAGS.checkpoint)
   except (OSError, ValueError) as e:
     sys.exit(f'error: {e}')
-  beam_size = 0 if _GREEDY.value else _BEAM_SIZE.value
-  logging.info('Translating with checkpoint %d of %s (%s)', translator.step, _WORKDIR.value,
+  beam_size = 0 if FLAGS.greedy else FLAGS.beam_size
+  logging.info('Translating with %s of %s (%s)', translator.checkpoint, FLAGS.workdir,
                'greedy' if beam_size == 0 else f'beam {beam_size or translator.config.beam_size}')
-  out = sys.stdout if _OUTPUT.value == '-' else open(_OUTPUT.value, 'w', encoding='utf-8')  # pylint: disable=consider-using-with
+  out = sys.stdout if FLAGS.output == '-' else open(FLAGS.output, 'w', encoding='utf-8')  # pylint: disable=consider-using-with
   hypotheses, done, start = [], 0, time.time()
   try:
-    for chunk in _read_chunks(_INPUT.value, _BUFFER_LINES.value):
-      translations = translator.translate(chunk, beam_size=beam_size, alpha=_ALPHA.value,
-                                          tokens_per_batch=_TOKENS_PER_BATCH.value)
+    for chunk in _read_chunks(FLAGS.input, FLAGS.buffer_lines):
+      translations = translator.translate(chunk, beam_size=beam_size, alpha=FLAGS.alpha,
+                                          tokens_per_batch=FLAGS.tokens_per_batch)
       out.write(''.join(t + '\n' for t in translations))
       out.flush()
-      hypotheses += translations if _REFERENCE.value else []
+      hypotheses += translations if FLAGS.reference else []
       done += len(chunk)
       logging.info('%d sentences, %.1f sentences/s', done, done / (time.time() - start))
   except (OSError, UnicodeDecodeError) as e:
-    sys.exit(f'error: {_INPUT.value}: {e}')
+    sys.exit(f'error: {FLAGS.input}: {e}')
   finally:
     if out is not sys.stdout:
       out.close()
-  if _REFERENCE.value:
+  if FLAGS.reference:
     try:
-      lines, _ = evaluate.report(hypotheses, evaluate.read_text(_REFERENCE.value),
-                                 evaluate.read_text(_TOK_REFERENCE.value) if _TOK_REFERENCE.value else None,
+      lines, _ = evaluate.report(hypotheses, evaluate.read_text(FLAGS.reference),
+                                 evaluate.read_text(_TOKFLAGS.reference) if _TOKFLAGS.reference else None,
                                  translator.config.target_lang)
     except (OSError, ValueError) as e:
       sys.exit(f'error: {e}')
@@ -189,5 +197,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  flags.mark_flags_as_required(['workdir'])
+  define_flags()
   app.run(main)

@@ -71,22 +71,24 @@ def report(hypotheses, references, tokenized_references=None, lang='de'):
   return lines, numbers
 
 
-_HYP = flags.DEFINE_string('hyp', None, 'Detokenized hypotheses, one per line.')
-_REF = flags.DEFINE_string('ref', None, 'Raw references, one per line.')
-_TOK_REF = flags.DEFINE_string('tok_ref', None, 'Lowercased Moses-tokenized references (Multi30k lc.norm.tok).')
-_LANG = flags.DEFINE_string('lang', 'de', 'Target language, for Moses normalization and tokenization.')
+def define_flags():
+  flags.DEFINE_string('hyp', None, 'Detokenized hypotheses, one per line.')
+  flags.DEFINE_string('ref', None, 'Raw references, one per line.')
+  flags.DEFINE_string('tok_ref', None, 'Lowercased Moses-tokenized references (Multi30k lc.norm.tok).')
+  flags.DEFINE_string('lang', 'de', 'Target language, for Moses normalization and tokenization.')
+  flags.mark_flags_as_required(['hyp', 'ref'])
 
 
 def main(argv):
   del argv
+  f = flags.FLAGS
   try:
-    lines, _ = report(read_text(_HYP.value), read_text(_REF.value),
-                      read_text(_TOK_REF.value) if _TOK_REF.value else None, _LANG.value)
+    lines, _ = report(read_text(f.hyp), read_text(f.ref), read_text(f.tok_ref) if f.tok_ref else None, f.lang)
   except (OSError, ValueError) as e:
     sys.exit(f'error: {e}')
   print('\n'.join(lines))
 
 
 if __name__ == '__main__':
-  flags.mark_flags_as_required(['hyp', 'ref'])
+  define_flags()
   app.run(main)
