@@ -11,4 +11,5 @@ def get_config():
   c.model.dropout_rate = 0.3
   c.num_train_steps = 300_000
   c.keep_checkpoints = 20
+  c.average_last_checkpoints = 20
   return c

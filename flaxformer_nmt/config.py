@@ -28,6 +28,10 @@ def base_config():
   c.eval_split = 'valid'
   # Pairs with more subword tokens than this on either side are dropped from training.
   c.max_length = 256
+  # A pair with one empty side, or a line longer than max_line_chars, is an error naming the file and line
+  # (misaligned or broken files); with skip_bad_pairs it is dropped and counted instead.
+  c.max_line_chars = 10_000
+  c.skip_bad_pairs = False
   # Token budget per step, counted on the padded batch, per side: the paper's ~25k source + ~25k target.
   c.tokens_per_batch = 25_000
   # Padded lengths are rounded up to one of these, so the train step compiles once per bucket.
@@ -64,6 +68,9 @@ def base_config():
   c.adam_eps = 1e-9
   c.label_smoothing = 0.1
   c.grad_clip_norm = 0.0  # 0 disables clipping.
+  # A step whose loss or gradient is NaN/Inf is never applied. False: stop with an error naming the step
+  # (the last checkpoint stays good). True: skip such updates, count them, and go on.
+  c.skip_nonfinite_updates = False
   c.num_train_steps = 100_000
   c.max_train_minutes = 0.0  # > 0: also stop (and checkpoint) after this much wall time.
 
@@ -71,7 +78,11 @@ def base_config():
   c.log_every_steps = 100
   c.eval_every_steps = 1000
   c.checkpoint_every_steps = 1000
+  c.checkpoint_every_minutes = 0.0  # > 0: also save when this much time has passed since the last save.
   c.keep_checkpoints = 5
+  # > 0: when training ends, average the newest K checkpoints into {workdir}/averaged (decode
+  # --checkpoint averaged). The paper: last 5 (base), written every 10 minutes; last 20 (big).
+  c.average_last_checkpoints = 5
 
   # --- Decoding.
   c.beam_size = 4

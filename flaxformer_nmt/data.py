@@ -12,6 +12,7 @@ dict `{'epoch', 'batch'}`: saving it with a checkpoint makes resumption exact.
 import dataclasses
 
 import numpy as np
+from absl import logging
 from etils import epath
 
 from flaxformer_nmt import tokenizer as tokenizer_lib
@@ -45,14 +46,39 @@ def split_paths(data_dir, split, source_lang, target_lang):
   return base / f'{split}.{source_lang}', base / f'{split}.{target_lang}'
 
 
-def read_parallel(data_dir, split, source_lang, target_lang):
-  """(source lines, target lines) of one split, checked to be non-empty and aligned."""
+def read_parallel(data_dir, split, source_lang, target_lang, max_line_chars=0, skip_bad_pairs=False):
+  """(source lines, target lines) of one split, checked to be non-empty and aligned.
+
+  A pair with one empty side (a sign of misaligned files) or a line over `max_line_chars` characters (a sign
+  of a broken file) is an error naming the file and line, or with `skip_bad_pairs` is dropped and counted.
+  Pairs empty on both sides are dropped.
+  """
   src_path, tgt_path = split_paths(data_dir, split, source_lang, target_lang)
   src, tgt = read_lines(src_path), read_lines(tgt_path)
   if not src:
     raise DataError(f'{src_path}: file is empty')
   if len(src) != len(tgt):
     raise DataError(f'{src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}: the sides must be aligned')
+  keep, bad = [], 0
+  for number, (s, t) in enumerate(zip(src, tgt), start=1):
+    if not s and not t:
+      continue
+    problem = None
+    if not s or not t:
+      problem = f'{src_path if not s else tgt_path}:{number}: empty line while {tgt_path if not s else src_path}:{number} has text'
+    elif max_line_chars and max(len(s), len(t)) > max_line_chars:
+      problem = (f'{src_path if len(s) > max_line_chars else tgt_path}:{number}: line of '
+                 f'{max(len(s), len(t)):,} characters (config.max_line_chars={max_line_chars:,})')
+    if problem is None:
+      keep.append(number - 1)
+    elif skip_bad_pairs:
+      bad += 1
+    else:
+      raise DataError(problem + '; fix the data or set --config.skip_bad_pairs=true to drop such pairs')
+  if bad:
+    logging.warning('Dropped %d bad pairs from %s/%s (config.skip_bad_pairs)', bad, data_dir, split)
+  if len(keep) < len(src):
+    src, tgt = [src[i] for i in keep], [tgt[i] for i in keep]
   return src, tgt
 
 

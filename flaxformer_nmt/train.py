@@ -7,13 +7,16 @@ checkpoint.
 """
 import functools
 import json
+import signal
 import sys
+import threading
 import time
 
 import jax
 import numpy as np
 from absl import app, flags, logging
 from etils import epath
+from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
 from flaxformer_nmt import checkpoints as checkpoints_lib
@@ -24,9 +27,6 @@ from flaxformer_nmt import tokenizer as tokenizer_lib
 from flaxformer_nmt import train_step as train_step_lib
 
 CONFIG_FILENAME = 'config.json'
-
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Python config file (configs/*.py).', lock_config=True)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for the vocabulary, checkpoints and logs.')
 
 
 class ConfigError(ValueError):
@@ -89,17 +89,6 @@ class MetricsLog:
       self.jsonl.close()
 
 
-class _QuietLibraries:
-  """absl log filter: orbax and tensorstore report every save at INFO; keep their warnings only."""
-
-  def filter(self, record):
-    return record.levelno >= 30 or '/orbax/' not in record.pathname
-
-
-def quiet_library_logs():
-  logging.get_absl_handler().addFilter(_QuietLibraries())
-
-
 def _duration(seconds):
   seconds = int(seconds)
   return f'{seconds // 3600}h{seconds % 3600 // 60:02d}m' if seconds >= 3600 else f'{seconds // 60}m{seconds % 60:02d}s'
@@ -116,20 +105,88 @@ def evaluate(eval_fn, params, batches, batch_sharding):
           'eval/perplexity': float(np.exp(nll))}
 
 
-def train_and_evaluate(config, workdir):
-  """Runs training to config.num_train_steps (or max_train_minutes); returns the last logged metrics."""
-  start_time = time.time()
+def validate_config(config):
   if not config.data_dir:
     raise ConfigError('config.data_dir is empty: pass --config.data_dir=DIR holding {split}.{lang} files')
+  if config.average_last_checkpoints > config.keep_checkpoints > 0:
+    raise ConfigError(f'config.average_last_checkpoints={config.average_last_checkpoints} needs '
+                      f'config.keep_checkpoints >= it (now {config.keep_checkpoints})')
+  for field in ('tokens_per_batch', 'log_every_steps', 'eval_every_steps', 'checkpoint_every_steps'):
+    if config[field] <= 0:
+      raise ConfigError(f'config.{field} must be positive, not {config[field]}')
+
+
+class StopSignal:
+  """SIGTERM/SIGINT (a preemption notice, Ctrl-C) ask the loop to save after the current step and exit 0."""
+
+  def __init__(self):
+    self.received = None
+    self._previous = {}
+
+  def _handle(self, signum, frame):
+    del frame
+    self.received = signal.Signals(signum).name
+    logging.warning('Received %s: finishing this step, saving a checkpoint, then exiting.', self.received)
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      for signum in (signal.SIGTERM, signal.SIGINT):
+        self._previous[signum] = signal.signal(signum, self._handle)
+    return self
+
+  def __exit__(self, *exc):
+    for signum, handler in self._previous.items():
+      signal.signal(signum, handler)
+
+
+class NonFiniteError(RuntimeError):
+  """A NaN/Inf loss or gradient, with config.skip_nonfinite_updates off."""
+
+
+def _interval_metrics(pending, seconds, start_time, epoch):
+  """Summary of the steps since the last log line (one host transfer for all of them)."""
+  pending = jax.device_get(pending)
+  total = lambda key: sum(float(m[key]) for m in pending)
+  tokens = total('target_tokens')
+  return {
+      'train/loss': total('loss_sum') / max(tokens, 1.0),
+      'train/nll': total('nll_sum') / max(tokens, 1.0),
+      'train/learning_rate': float(pending[-1]['learning_rate']),
+      'train/grad_norm': float(pending[-1]['grad_norm']),
+      'train/target_tokens_per_second': tokens / seconds,
+      'train/source_tokens_per_second': total('source_tokens') / seconds,
+      'train/step_time': seconds / len(pending),
+      'train/skipped_updates': total('nonfinite'),
+      'elapsed_seconds': time.time() - start_time,
+      'epoch': epoch,
+  }
+
+
+def _check_finite(pending, first_step, config):
+  """Raises NonFiniteError naming the first step whose loss or gradient was NaN/Inf (unless skipping)."""
+  flags_ = [int(f) for f in jax.device_get([m['nonfinite'] for m in pending])]
+  if any(flags_) and not config.skip_nonfinite_updates:
+    bad = first_step + flags_.index(1) + 1
+    raise NonFiniteError(f'step {bad}: the loss or a gradient is NaN/Inf; the update was not applied and '
+                         'training stopped (the newest checkpoint holds the last good state). Lower the learning '
+                         'rate, set --config.grad_clip_norm, or --config.skip_nonfinite_updates=true.')
+  return sum(flags_)
+
+
+def train_and_evaluate(config, workdir):
+  """Trains to config.num_train_steps (or max_train_minutes, or a stop signal); returns the last metrics."""
+  start_time = time.time()
+  validate_config(config)
   workdir = epath.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   save_or_check_config(config, workdir)
 
   # Data -> vocabulary -> token ids.
-  train_src, train_tgt = data_lib.read_parallel(config.data_dir, config.train_split, config.source_lang,
-                                                config.target_lang)
-  eval_src, eval_tgt = data_lib.read_parallel(config.data_dir, config.eval_split, config.source_lang,
-                                              config.target_lang)
+  read = functools.partial(data_lib.read_parallel, config.data_dir, source_lang=config.source_lang,
+                           target_lang=config.target_lang, max_line_chars=config.max_line_chars,
+                           skip_bad_pairs=config.skip_bad_pairs)
+  train_src, train_tgt = read(config.train_split)
+  eval_src, eval_tgt = read(config.eval_split)
   tokenizer = tokenizer_lib.load_or_train(
       workdir, lambda: train_src + train_tgt, vocab_size=config.vocab_size,
       model_type=config.sentencepiece_model_type, character_coverage=config.sentencepiece_character_coverage,
@@ -155,86 +212,91 @@ def train_and_evaluate(config, workdir):
   state = init()
   logging.info('Model: %s parameters, %s', f'{model_lib.count_params(state.params):,}', model.config)
   checkpoints = checkpoints_lib.Checkpoints(workdir, keep=config.keep_checkpoints)
-  if checkpoints.latest_step() is not None:
-    state, data_state = checkpoints.restore(checkpoints_lib.abstract_like(state))
+  restored = checkpoints.restore_newest_good(checkpoints_lib.abstract_like(state))
+  if restored is not None:
+    state, data_state = restored
     train_batches.restore(data_state)
   train_fn, eval_fn = train_step_lib.jit_steps(model, optimizer, schedule, config, mesh)
 
   log = MetricsLog(workdir)
-  step = int(state.step)
-  first_step = step
+  step = first_step = int(state.step)
   logging.info('Starting at step %d of %d; %d batches per epoch', step, config.num_train_steps,
                train_batches.batches_per_epoch())
-  pending, last = [], {}
-  interval_start = time.time()
+  pending, last, skipped = [], {}, 0
+  interval_start = last_save = time.time()
   time_limit = config.max_train_minutes * 60 if config.max_train_minutes > 0 else float('inf')
-  while step < config.num_train_steps:
-    batch = sharding.put_batch(next(train_batches), batch_sharding)
-    state, metrics = train_fn(state, batch)
-    pending.append(metrics)  # device arrays: reading them waits for the step, so only at log time
-    step += 1
-    out_of_time = time.time() - start_time >= time_limit
-    done = step >= config.num_train_steps or out_of_time
+  save_interval = config.checkpoint_every_minutes * 60 if config.checkpoint_every_minutes > 0 else float('inf')
+  with StopSignal() as stop:
+    while step < config.num_train_steps:
+      batch = sharding.put_batch(next(train_batches), batch_sharding)
+      state, metrics = train_fn(state, batch)
+      pending.append(metrics)  # device arrays: reading them waits for the step, so only at log/save time
+      step += 1
+      out_of_time = time.time() - start_time >= time_limit
+      done = step >= config.num_train_steps or out_of_time or stop.received is not None
+      save = (step % config.checkpoint_every_steps == 0 or time.time() - last_save >= save_interval or done)
+      if jax.process_count() > 1:  # every host must take the same time-based decision
+        save = bool(multihost_utils.broadcast_one_to_all(save))
 
-    if step % config.log_every_steps == 0 or done:
-      sums = jax.device_get(jax.tree_util.tree_map(lambda *xs: sum(xs), *pending))
-      elapsed = time.time() - interval_start
-      steps_left = config.num_train_steps - step
-      eta = min(steps_left * elapsed / len(pending), max(time_limit - (time.time() - start_time), 0))
-      last = {
-          'train/loss': float(sums['loss_sum'] / sums['target_tokens']),
-          'train/nll': float(sums['nll_sum'] / sums['target_tokens']),
-          'train/learning_rate': float(jax.device_get(pending[-1]['learning_rate'])),
-          'train/grad_norm': float(jax.device_get(pending[-1]['grad_norm'])),
-          'train/target_tokens_per_second': float(sums['target_tokens'] / elapsed),
-          'train/source_tokens_per_second': float(sums['source_tokens'] / elapsed),
-          'train/step_time': elapsed / len(pending),
-          'elapsed_seconds': time.time() - start_time,
-          'epoch': train_batches.epoch,
-      }
-      logging.info('step %d/%d | loss %.4f | nll %.4f | lr %.3g | %.0f tgt tok/s | epoch %d | %s elapsed | ETA %s',
-                   step, config.num_train_steps, last['train/loss'], last['train/nll'],
-                   last['train/learning_rate'], last['train/target_tokens_per_second'], train_batches.epoch,
-                   _duration(last['elapsed_seconds']), _duration(eta))
-      log.write(step, last)
-      pending = []
-      interval_start = time.time()
+      if step % config.log_every_steps == 0 or save:
+        skipped += _check_finite(pending, step - len(pending), config)
+      if step % config.log_every_steps == 0 or done:
+        last = _interval_metrics(pending, time.time() - interval_start, start_time, train_batches.epoch)
+        eta = min((config.num_train_steps - step) * last['train/step_time'],
+                  max(time_limit - last['elapsed_seconds'], 0))
+        logging.info('step %d/%d | loss %.4f | nll %.4f | lr %.3g | %.0f tgt tok/s | epoch %d | %s elapsed | '
+                     'ETA %s%s', step, config.num_train_steps, last['train/loss'], last['train/nll'],
+                     last['train/learning_rate'], last['train/target_tokens_per_second'], last['epoch'],
+                     _duration(last['elapsed_seconds']), _duration(eta),
+                     f' | {skipped} skipped updates' if skipped else '')
+        log.write(step, last)
+        pending, interval_start = [], time.time()
 
-    if step % config.eval_every_steps == 0 or done:
-      eval_metrics = evaluate(eval_fn, state.params, eval_batches(), batch_sharding)
-      eval_metrics['elapsed_seconds'] = time.time() - start_time
-      logging.info('step %d | validation loss %.4f | nll %.4f | perplexity %.2f', step, eval_metrics['eval/loss'],
-                   eval_metrics['eval/nll'], eval_metrics['eval/perplexity'])
-      log.write(step, eval_metrics)
-      last.update(eval_metrics)
-      interval_start = time.time()  # keep evaluation out of the tokens/s of the next interval
+      if step % config.eval_every_steps == 0 or done:
+        eval_metrics = evaluate(eval_fn, state.params, eval_batches(), batch_sharding)
+        eval_metrics['elapsed_seconds'] = time.time() - start_time
+        logging.info('step %d | validation loss %.4f | nll %.4f | perplexity %.2f', step,
+                     eval_metrics['eval/loss'], eval_metrics['eval/nll'], eval_metrics['eval/perplexity'])
+        log.write(step, eval_metrics)
+        last.update(eval_metrics)
+        interval_start = time.time()  # keep evaluation out of the next interval's tokens/s
 
-    if step % config.checkpoint_every_steps == 0 or done:
-      checkpoints.save(step, state, train_batches.state(), force=True)
-    if out_of_time:
-      logging.info('Stopping after %s (config.max_train_minutes)', _duration(time.time() - start_time))
-      break
+      if save:
+        checkpoints.save(step, state, train_batches.state(), force=True)
+        last_save = time.time()
+      if done:
+        reason = ('a stop signal' if stop.received else 'config.max_train_minutes' if out_of_time
+                  else 'config.num_train_steps')
+        logging.info('Stopping at step %d after %s (%s)', step, _duration(time.time() - start_time), reason)
+        break
 
   checkpoints.wait()
   checkpoints.close()
   log.close()
+  if config.average_last_checkpoints > 0 and step >= config.num_train_steps:
+    checkpoints_lib.average_last(workdir, last=config.average_last_checkpoints)
   logging.info('Trained steps %d..%d in %s', first_step, step, _duration(time.time() - start_time))
   return last
+
+
+def define_flags():
+  config_flags.DEFINE_config_file('config', None, 'Python config file (configs/*.py).', lock_config=True)
+  flags.DEFINE_string('workdir', None, 'Directory for the vocabulary, checkpoints and logs.')
+  flags.mark_flags_as_required(['config', 'workdir'])
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  if _WORKDIR.value is None:
-    raise app.UsageError('--workdir is required')
-  quiet_library_logs()
+  checkpoints_lib.quiet_orbax_logs()
   try:
-    train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  except (data_lib.DataError, ConfigError, tokenizer_lib.TokenizerError) as e:
+    train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
+  except (data_lib.DataError, ConfigError, tokenizer_lib.TokenizerError, NonFiniteError,
+          checkpoints_lib.AveragingError) as e:
     logging.error('%s', e)
     sys.exit(f'error: {e}')
 
 
 if __name__ == '__main__':
-  flags.mark_flags_as_required(['config'])
+  define_flags()
   app.run(main)

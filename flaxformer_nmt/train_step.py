@@ -74,10 +74,17 @@ def train_step(state, batch, *, model, optimizer, schedule, label_smoothing):
   (_, (loss_sum, nll_sum, tokens)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
+  grad_norm = optax.tree.norm(grads)
+  # A NaN/Inf loss or gradient never reaches the parameters: the update is dropped here, on device, and the
+  # training loop decides (at its next host sync) whether to stop or to go on counting skipped updates.
+  finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
+  keep_if_finite = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
+  params, opt_state = keep_if_finite(params, state.params), keep_if_finite(opt_state, state.opt_state)
   metrics = {
       'loss_sum': loss_sum, 'nll_sum': nll_sum, 'target_tokens': tokens,
       'source_tokens': (batch['src'] != PAD_ID).sum().astype(jnp.float32),
-      'grad_norm': optax.tree.norm(grads), 'learning_rate': schedule(state.step),
+      'grad_norm': grad_norm, 'learning_rate': schedule(state.step),
+      'nonfinite': (~finite).astype(jnp.int32),
   }
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
