@@ -1,0 +1,76 @@
+"""Shared fixtures: a tiny random Transformer and a small synthetic parallel corpus."""
+import random
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from flaxformer_nmt import model as model_lib
+
+
+def tiny_model(vocab_size=16, pre_layer_norm=False, dropout_rate=0.0):
+  config = model_lib.ModelConfig(vocab_size=vocab_size, num_encoder_layers=2, num_decoder_layers=2, d_model=32,
+                                 d_ff=64, num_heads=4, dropout_rate=dropout_rate, pre_layer_norm=pre_layer_norm,
+                                 max_position=128, dtype='float32')
+  model = model_lib.Transformer(config)
+  dummy = jnp.ones((1, 4), jnp.int32)
+  params = model.init(jax.random.PRNGKey(0), dummy, dummy)['params']
+  # Sharper than the init distribution, so that searches have clear winners and losers to find.
+  params = jax.tree_util.tree_map(lambda x: x * 3.0 if x.ndim == 2 else x, params)
+  return model, params
+
+
+@pytest.fixture
+def tiny():
+  return tiny_model()
+
+
+WORDS = {'a': 'ein', 'big': 'grosser', 'small': 'kleiner', 'dog': 'hund', 'cat': 'katze', 'runs': 'rennt',
+         'sleeps': 'schlaeft', 'red': 'roter', 'man': 'mann', 'sees': 'sieht', 'the': 'der', 'ball': 'ball'}
+
+
+def write_toy_corpus(directory, splits=(('train', 300), ('valid', 20), ('test', 20)), seed=0):
+  """Word-by-word 'translation' of random sentences: learnable in a few hundred steps."""
+  rng = random.Random(seed)
+  directory.mkdir(parents=True, exist_ok=True)
+  en_words = list(WORDS)
+  for split, n in splits:
+    src, tgt = [], []
+    for _ in range(n):
+      sentence = [rng.choice(en_words) for _ in range(rng.randint(2, 8))]
+      src.append(' '.join(sentence) + ' .')
+      tgt.append(' '.join(WORDS[w] for w in sentence) + ' .')
+    (directory / f'{split}.en').write_text('\n'.join(src) + '\n')
+    (directory / f'{split}.de').write_text('\n'.join(tgt) + '\n')
+  return directory
+
+
+@pytest.fixture
+def toy_corpus(tmp_path):
+  return write_toy_corpus(tmp_path / 'data')
+
+
+def small_config(data_dir):
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  c = config_lib.base_config()
+  c.data_dir = str(data_dir)
+  c.vocab_size = 64
+  c.tokens_per_batch = 512
+  c.length_buckets = (16, 32)
+  c.model.num_encoder_layers = 1
+  c.model.num_decoder_layers = 1
+  c.model.d_model = 32
+  c.model.d_ff = 64
+  c.model.num_heads = 2
+  c.model.dtype = 'float32'
+  c.warmup_steps = 20
+  c.learning_rate_scale = 2.0
+  c.num_train_steps = 20
+  c.log_every_steps = 5
+  c.eval_every_steps = 10
+  c.checkpoint_every_steps = 10
+  c.keep_checkpoints = 3
+  c.decode_tokens_per_batch = 256
+  return c

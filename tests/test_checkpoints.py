@@ -1,0 +1,45 @@
+"""Checkpoint averaging on hand-made checkpoints: the mean, and the refusal of mismatched shapes."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxformer_nmt import checkpoints as checkpoints_lib
+from flaxformer_nmt.train_step import TrainState
+
+
+def save(store, step, params):
+  state = TrainState(step=jnp.asarray(step), params=params, opt_state={'mu': params}, rng=jnp.zeros(2, jnp.uint32))
+  store.save(step, state, {'epoch': 0, 'batch': step, 'seed': 0}, force=True)
+
+
+def test_average_of_the_last_k_is_their_mean(tmp_path):
+  store = checkpoints_lib.Checkpoints(tmp_path, keep=3)
+  rng = np.random.default_rng(0)
+  saved = {}
+  for step in (1, 2, 3, 4):
+    saved[step] = {'dense': {'kernel': rng.normal(size=(3, 4)).astype(np.float32)},
+                   'bias': rng.normal(size=(4,)).astype(np.float32)}
+    save(store, step, jax_tree(saved[step]))
+  store.wait()
+  assert store.steps() == [2, 3, 4]  # keep=3
+  assert checkpoints_lib.average_last(tmp_path, last=2) == [3, 4]
+  params, info = checkpoints_lib.load_averaged(tmp_path, jax_tree(saved[4]))
+  assert info == {'steps': [3, 4]}
+  np.testing.assert_allclose(params['dense']['kernel'], (saved[3]['dense']['kernel'] + saved[4]['dense']['kernel']) / 2,
+                             rtol=1e-6)
+  np.testing.assert_allclose(params['bias'], (saved[3]['bias'] + saved[4]['bias']) / 2, rtol=1e-6)
+
+
+def test_mismatched_shapes_are_refused_by_name(tmp_path):
+  store = checkpoints_lib.Checkpoints(tmp_path, keep=0)
+  save(store, 1, {'w': jnp.zeros((2, 3))})
+  save(store, 2, {'w': jnp.zeros((2, 4))})
+  store.wait()
+  with pytest.raises(checkpoints_lib.AveragingError, match=r"differ in shape at params\['w'\]: \(2, 3\) vs \(2, 4\)"):
+    checkpoints_lib.average_params(tmp_path, [1, 2])
+  with pytest.raises(checkpoints_lib.AveragingError, match='not found'):
+    checkpoints_lib.average_params(tmp_path, [7])
+
+
+def jax_tree(tree):
+  return {k: jax_tree(v) if isinstance(v, dict) else jnp.asarray(v) for k, v in tree.items()}

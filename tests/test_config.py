@@ -1,0 +1,77 @@
+"""Config files, command-line overrides and their errors, through the real entry point."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_train(*args, cwd=REPO):
+  return subprocess.run([sys.executable, '-m', 'flaxformer_nmt.train', *args], cwd=cwd, capture_output=True,
+                        text=True, timeout=120)
+
+
+@pytest.mark.parametrize('name', ['base', 'big', 'multi30k'])
+def test_configs_load_with_the_paper_values(name):
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, 'configs', f'{name}.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config()
+  assert set(c.keys()) == set(config_lib.base_config().keys())
+  assert (c.adam_b1, c.adam_b2, c.adam_eps, c.label_smoothing) == (0.9, 0.98, 1e-9, 0.1)
+  assert not c.model.pre_layer_norm
+  if name == 'base':
+    assert (c.model.num_encoder_layers, c.model.d_model, c.model.d_ff, c.model.num_heads) == (6, 512, 2048, 8)
+    assert (c.model.dropout_rate, c.warmup_steps, c.tokens_per_batch) == (0.1, 4000, 25_000)
+  if name == 'big':
+    assert (c.model.d_model, c.model.d_ff, c.model.num_heads, c.model.dropout_rate) == (1024, 4096, 16, 0.3)
+
+
+def test_unknown_field_is_a_clear_error(tmp_path):
+  result = run_train('--config', 'configs/multi30k.py', '--workdir', str(tmp_path), '--config.no_such_field=1')
+  assert result.returncode != 0
+  assert 'no_such_field' in result.stderr
+  assert not (tmp_path / 'checkpoints').exists()
+
+
+def test_wrong_type_is_a_clear_error(tmp_path):
+  result = run_train('--config', 'configs/multi30k.py', '--workdir', str(tmp_path), '--config.model.d_model=wide')
+  assert result.returncode != 0
+  assert 'd_model' in result.stderr
+
+
+def test_missing_data_is_one_clear_line(tmp_path):
+  result = run_train('--config', 'configs/multi30k.py', '--workdir', str(tmp_path / 'w'),
+                     f'--config.data_dir={tmp_path}/nowhere')
+  assert result.returncode == 1
+  assert 'nowhere/train.en: file not found' in result.stderr
+  assert 'Traceback' not in result.stderr
+
+
+def test_overrides_reach_the_config():
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  argv = ['prog', '--config', os.path.join(REPO, 'configs', 'multi30k.py'), '--config.model.d_model=128',
+          '--config.length_buckets=(8,16)', '--config.model.pre_layer_norm=true', '--config.data_dir=/data/x']
+  values = flags.FlagValues()
+  # The override flags are found in the argv (sys.argv when run as a program).
+  config_flags.DEFINE_config_file('config', None, flag_values=values, lock_config=True, sys_argv=argv)
+  values(argv)
+  c = values.config
+  assert c.model.d_model == 128 and c.model.pre_layer_norm and tuple(c.length_buckets) == (8, 16)
+  assert c.data_dir == '/data/x' and c.model.num_heads == 4
+
+
+def test_a_workdir_refuses_a_different_model(tmp_path):
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import train  # pylint: disable=g-import-not-at-top
+  config = config_lib.base_config()
+  train.save_or_check_config(config, tmp_path)
+  train.save_or_check_config(config, tmp_path)  # the same model is fine
+  config.model.d_model = 64
+  with pytest.raises(train.ConfigError, match='holds a different model: config.model was'):
+    train.save_or_check_config(config, tmp_path)

@@ -1,0 +1,84 @@
+"""Masks, positions and the model's invariances, checked against direct computations."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from conftest import tiny_model
+from flaxformer_nmt import model as model_lib
+
+
+def test_sinusoidal_positions_match_the_paper_formula():
+  table = model_lib.sinusoidal_positions(50, 16)
+  for pos in (0, 1, 7, 49):
+    for i in range(8):
+      angle = pos / 10000 ** (2 * i / 16)
+      assert math.isclose(table[pos, 2 * i], math.sin(angle), abs_tol=1e-6)
+      assert math.isclose(table[pos, 2 * i + 1], math.cos(angle), abs_tol=1e-6)
+
+
+def test_padding_and_causal_masks_match_loops():
+  q = np.array([[5, 6, 0], [7, 0, 0]])
+  k = np.array([[5, 0, 0, 0], [7, 8, 9, 0]])
+  mask = np.asarray(model_lib.padding_mask(q, k))
+  causal = np.asarray(model_lib.causal_mask(4))
+  for b in range(2):
+    for i in range(3):
+      for j in range(4):
+        assert mask[b, 0, i, j] == (q[b, i] != 0 and k[b, j] != 0)
+  for i in range(4):
+    for j in range(4):
+      assert causal[0, 0, i, j] == (j <= i)
+
+
+def test_no_position_sees_padding_or_the_future():
+  model, params = tiny_model()
+  src = jnp.array([[4, 5, 6, 3, 0, 0]])
+  tgt = jnp.array([[2, 7, 8, 9, 10, 0]])
+  logits = model.apply({'params': params}, src, tgt)
+  # Extra padding columns on either side leave every real position unchanged...
+  longer = model.apply({'params': params}, jnp.pad(src, ((0, 0), (0, 3))), jnp.pad(tgt, ((0, 0), (0, 3))))
+  np.testing.assert_allclose(logits[0, :5], longer[0, :5], atol=1e-5)
+  # ...and changing target token t changes no logit before position t.
+  for t in range(1, 5):
+    changed = model.apply({'params': params}, src, tgt.at[0, t].set(12))
+    np.testing.assert_allclose(logits[0, :t], changed[0, :t], atol=1e-5)
+    assert not np.allclose(logits[0, t], changed[0, t], atol=1e-5)
+
+
+def test_attention_equals_a_numpy_softmax():
+  rng = np.random.default_rng(0)
+  q, k, v = (rng.normal(size=(2, 3, 4, 8)).astype(np.float32) for _ in range(3))
+  mask = rng.random((2, 1, 3, 3)) > 0.3
+  mask[..., 0] = True
+  out, weights = model_lib.scaled_dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                                        jnp.asarray(mask))
+  scores = np.einsum('bqhd,bkhd->bhqk', q, k) / np.sqrt(8)
+  scores = np.where(mask, scores, -np.inf)
+  expected_w = np.exp(scores - scores.max(-1, keepdims=True))
+  expected_w /= expected_w.sum(-1, keepdims=True)
+  np.testing.assert_allclose(weights, expected_w, atol=1e-6)
+  np.testing.assert_allclose(out, np.einsum('bhqk,bkhd->bqhd', expected_w, v), atol=1e-5)
+
+
+def test_embedding_is_shared_and_scaled():
+  model, params = tiny_model()
+  embedding = np.asarray(params['shared_embedding']['embedding'])
+  # One matrix only: no separate source, target or output projection parameters.
+  names = jax.tree_util.tree_flatten_with_path(params)[0]
+  assert sum('embedding' in jax.tree_util.keystr(path) for path, _ in names) == 1
+  src = jnp.array([[4, 3]])
+  x = model.apply({'params': params}, src, jnp.arange(2)[None], True, method=model_lib.Transformer.embed)
+  expected = embedding[[4, 3]] * np.sqrt(32) + model_lib.sinusoidal_positions(2, 32)
+  np.testing.assert_allclose(x[0], expected, atol=1e-5)
+
+
+def test_pre_layer_norm_variant_runs_and_differs():
+  post, params = tiny_model(pre_layer_norm=False)
+  pre, pre_params = tiny_model(pre_layer_norm=True)
+  src = jnp.array([[4, 5, 3]])
+  tgt = jnp.array([[2, 6, 7]])
+  a = post.apply({'params': params}, src, tgt)
+  b = pre.apply({'params': pre_params}, src, tgt)
+  assert a.shape == b.shape and np.all(np.isfinite(b)) and not np.allclose(a, b)

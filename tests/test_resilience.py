@@ -1,0 +1,131 @@
+"""Preemption, crashes, NaNs and damaged checkpoints: a run is never lost and resumes exactly."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import small_config, tiny_model
+from flaxformer_nmt import checkpoints as checkpoints_lib
+from flaxformer_nmt import config as config_lib
+from flaxformer_nmt import train
+from flaxformer_nmt import train_step as ts
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cli_args(config, workdir):
+  """The `python -m flaxformer_nmt.train` command line reproducing `config` from configs/multi30k.py."""
+  args = [sys.executable, '-m', 'flaxformer_nmt.train', f'--config={REPO}/configs/multi30k.py', f'--workdir={workdir}']
+  for key, value in config.items():
+    if key == 'model':
+      args += [f'--config.model.{k}={v}' for k, v in value.items()]
+    else:
+      args.append(f'--config.{key}={value if not isinstance(value, tuple) else str(value).replace(" ", "")}')
+  return args
+
+
+def wait_for_checkpoint(workdir, after, process, timeout=120):
+  """Blocks until a finished checkpoint newer than `after` exists; returns its step."""
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    directory = workdir / 'checkpoints'
+    steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()] if directory.exists() else []
+    if steps and max(steps) > after:
+      return max(steps)
+    assert process.poll() is None, process.communicate()[1][-3000:]
+    time.sleep(0.02)
+  raise TimeoutError
+
+
+def test_sigterm_then_sigkill_then_resume_equals_an_uninterrupted_run(toy_corpus, tmp_path):
+  config = small_config(toy_corpus)
+  config.num_train_steps = 150
+  config.checkpoint_every_steps = 10
+  config.eval_every_steps = 1000
+  config.keep_checkpoints = 3
+  config.average_last_checkpoints = 0
+  workdir = tmp_path / 'interrupted'
+  args = cli_args(config, workdir)
+
+  # A preemption notice: the trainer finishes its step, saves and exits 0.
+  process = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  wait_for_checkpoint(workdir, 0, process)
+  process.send_signal(signal.SIGTERM)
+  _, stderr = process.communicate(timeout=60)
+  assert process.returncode == 0, stderr[-3000:]
+  assert 'Received SIGTERM' in stderr and 'a stop signal' in stderr
+  stopped_at = max(checkpoints_lib.Checkpoints(workdir).steps())
+  assert 0 < stopped_at < config.num_train_steps
+
+  # A crash at an arbitrary point (possibly mid-save): nothing but the finished checkpoints survives.
+  process = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  wait_for_checkpoint(workdir, stopped_at + 10, process)
+  time.sleep(0.05)
+  process.kill()
+  process.communicate()
+  assert process.returncode == -signal.SIGKILL
+
+  # The same command again runs to the end.
+  result = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+
+  reference = tmp_path / 'uninterrupted'
+  train.train_and_evaluate(config, reference)
+  load = lambda w: checkpoints_lib.Checkpoints(w, keep=0).restore_params(config.num_train_steps)
+  for a, b in zip(jax.tree_util.tree_leaves(load(workdir)), jax.tree_util.tree_leaves(load(reference))):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_a_nonfinite_step_is_never_applied():
+  model, _ = tiny_model()
+  c = config_lib.base_config()
+  tx, schedule = ts.make_optimizer(c)
+  state = ts.init_state(model, tx, seed=0)
+  batch = {'src': jnp.array([[4, 5, 3]]), 'tgt_in': jnp.array([[2, 6, 7]]), 'tgt_out': jnp.array([[6, 7, 3]])}
+  poisoned = state.replace(params=jax.tree_util.tree_map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan), state.params))
+  new, metrics = ts.train_step(poisoned, batch, model=model, optimizer=tx, schedule=schedule, label_smoothing=0.1)
+  assert int(metrics['nonfinite']) == 1 and int(new.step) == 1
+  for a, b in zip(jax.tree_util.tree_leaves((new.params, new.opt_state)),
+                  jax.tree_util.tree_leaves((poisoned.params, poisoned.opt_state))):
+    np.testing.assert_array_equal(a, b)
+  _, metrics = ts.train_step(state, batch, model=model, optimizer=tx, schedule=schedule, label_smoothing=0.1)
+  assert int(metrics['nonfinite']) == 0
+
+
+def test_nonfinite_steps_stop_training_with_the_step_named_or_are_counted():
+  config = config_lib.base_config()
+  pending = [{'nonfinite': jnp.asarray(f)} for f in (0, 0, 1, 0, 1)]
+  with pytest.raises(train.NonFiniteError, match='step 103:'):
+    train._check_finite(pending, 100, config)  # pylint: disable=protected-access
+  config.skip_nonfinite_updates = True
+  assert train._check_finite(pending, 100, config) == 2  # pylint: disable=protected-access
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+  model, _ = tiny_model()
+  tx, _ = ts.make_optimizer(config_lib.base_config())
+  state = ts.init_state(model, tx, seed=0)
+  store = checkpoints_lib.Checkpoints(tmp_path, keep=2)
+  for step in (1, 2):
+    store.save(step, state.replace(step=jnp.asarray(step)), {'epoch': 0, 'batch': step, 'seed': 0}, force=True)
+  store.wait()
+  # Truncate every data file of the newest checkpoint.
+  for path in (tmp_path / 'checkpoints' / '2' / 'state').rglob('*'):
+    if path.is_file() and path.stat().st_size > 0 and 'ocdbt' in str(path):
+      path.write_bytes(path.read_bytes()[:10])
+  restored_state, data_state = checkpoints_lib.Checkpoints(tmp_path, keep=2).restore_newest_good(
+      checkpoints_lib.abstract_like(state))
+  assert int(restored_state.step) == 1 and data_state['batch'] == 1
+  assert (tmp_path / 'corrupt_checkpoints' / '2').exists()
+  # Saving on from there keeps the good checkpoint: retention works on what is listed.
+  store = checkpoints_lib.Checkpoints(tmp_path, keep=2)
+  assert store.steps() == [1]
+  store.save(2, state.replace(step=jnp.asarray(2)), {'epoch': 0, 'batch': 2, 'seed': 0}, force=True)
+  store.wait()
+  assert store.steps() == [1, 2]

@@ -1,0 +1,86 @@
+"""Loss, schedule and one optimizer step, against hand computations."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from conftest import tiny_model
+from flaxformer_nmt import config as config_lib
+from flaxformer_nmt import train_step as ts
+
+
+def numpy_label_smoothed_loss(logits, targets, eps):
+  logits = logits.astype(np.float64)
+  vocab = logits.shape[-1]
+  log_probs = logits - logits.max(-1, keepdims=True)
+  log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+  total = nll_total = count = 0.0
+  for b in range(targets.shape[0]):
+    for t in range(targets.shape[1]):
+      if targets[b, t] == 0:
+        continue
+      q = np.full(vocab, eps / (vocab - 1))
+      q[targets[b, t]] = 1 - eps
+      total += -(q * log_probs[b, t]).sum()
+      nll_total += -log_probs[b, t, targets[b, t]]
+      count += 1
+  return total, nll_total, count
+
+
+def test_label_smoothed_loss_equals_numpy():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(3, 5, 11)).astype(np.float32) * 3
+  targets = rng.integers(1, 11, size=(3, 5))
+  targets[0, 3:] = 0
+  targets[2, 1:] = 0
+  loss, nll, count = ts.label_smoothed_cross_entropy(jnp.asarray(logits), jnp.asarray(targets), 0.1)
+  e_loss, e_nll, e_count = numpy_label_smoothed_loss(logits, targets, 0.1)
+  assert count == e_count == 15 - 2 - 4
+  np.testing.assert_allclose(loss, e_loss, rtol=1e-5)
+  np.testing.assert_allclose(nll, e_nll, rtol=1e-5)
+
+
+def test_schedule_equals_the_paper_formula():
+  schedule = ts.paper_schedule(d_model=512, warmup_steps=4000, scale=2.0)
+  for step in (1, 10, 1000, 3999, 4000, 4001, 10_000, 100_000):
+    expected = 2.0 * 512 ** -0.5 * min(step ** -0.5, step * 4000 ** -1.5)
+    np.testing.assert_allclose(schedule(step - 1), expected, rtol=1e-5)  # optax counts updates from 0
+  peak = 512 ** -0.5 * 4000 ** -0.5
+  np.testing.assert_allclose(ts.paper_schedule(512, 4000)(3999), peak, rtol=1e-5)
+
+
+def test_optimizer_is_adam_with_paper_betas_on_the_schedule():
+  c = config_lib.base_config()
+  c.warmup_steps = 10
+  tx, schedule = ts.make_optimizer(c)
+  params = {'w': jnp.array([1.0, -2.0])}
+  grads = {'w': jnp.array([0.5, 0.25])}
+  state = tx.init(params)
+  updates, _ = tx.update(grads, state, params)
+  # First Adam step: m_hat = g, v_hat = g^2, update = -lr * g / (|g| + eps) = -lr * sign(g).
+  lr = float(schedule(0))
+  np.testing.assert_allclose(updates['w'], -lr * np.sign([0.5, 0.25]), rtol=1e-6)
+  reference = optax.adam(schedule, b1=0.9, b2=0.98, eps=1e-9)
+  r_updates, _ = reference.update(grads, reference.init(params), params)
+  np.testing.assert_allclose(updates['w'], r_updates['w'])
+
+
+def test_train_step_lowers_the_loss_on_a_repeated_batch():
+  model, _ = tiny_model()
+  c = config_lib.base_config()
+  c.model.d_model = 32
+  c.warmup_steps = 5
+  c.learning_rate_scale = 5.0
+  tx, schedule = ts.make_optimizer(c)
+  state = ts.init_state(model, tx, seed=0)
+  step = jax.jit(lambda s, b: ts.train_step(s, b, model=model, optimizer=tx, schedule=schedule,
+                                            label_smoothing=0.1))
+  batch = {'src': jnp.array([[4, 5, 6, 3], [7, 8, 3, 0]]), 'tgt_in': jnp.array([[2, 9, 10, 11], [2, 12, 0, 0]]),
+           'tgt_out': jnp.array([[9, 10, 11, 3], [12, 3, 0, 0]])}
+  losses = []
+  for _ in range(20):
+    state, metrics = step(state, batch)
+    losses.append(float(metrics['loss_sum'] / metrics['target_tokens']))
+    assert float(metrics['target_tokens']) == 6
+  assert int(state.step) == 20
+  assert losses[-1] < 0.5 * losses[0]
