@@ -42,8 +42,10 @@ def search(model, params, src, *, beam_size, alpha, extra_length):
   variables = {'params': params}
   batch, src_len = src.shape
   max_length = src_len + extra_length  # static: the cache's length
-  # Limit per sentence: its source length (EOS excluded) + extra tokens, then EOS.
-  max_lengths = (src != PAD_ID).sum(axis=1) - 1 + extra_length + 1
+  # Limit per sentence: its source length (EOS excluded) + extra tokens, then EOS. Rows that only pad the
+  # batch may produce nothing but EOS, so that they never keep the search loop running.
+  src_tokens = (src != PAD_ID).sum(axis=1)
+  max_lengths = jnp.where(src_tokens > 0, src_tokens - 1 + extra_length + 1, 1)
   encoded = model.apply(variables, src, method=Transformer.encode)
   cross_kv = model.apply(variables, encoded, method=Transformer.cross_attention_kv)
   rows = max(beam_size, 1)
