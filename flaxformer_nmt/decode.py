@@ -191,7 +191,7 @@ def main(argv):
   if FLAGS.reference:
     try:
       lines, _ = evaluate.report(hypotheses, evaluate.read_text(FLAGS.reference),
-                                 evaluate.read_text(_TOKFLAGS.reference) if _TOKFLAGS.reference else None,
+                                 evaluate.read_text(FLAGS.tok_reference) if FLAGS.tok_reference else None,
                                  translator.config.target_lang)
     except (OSError, ValueError) as e:
       sys.exit(f'error: {e}')

@@ -58,10 +58,11 @@ def test_train_checkpoint_resume_decode(toy_corpus, tmp_path, monkeypatch):
   (tmp_path / 'ref.de').write_text('\n'.join(references[:5] + [''] + references[5:12] + ['', '']) + '\n')
   result = subprocess.run(
       [sys.executable, '-m', 'flaxformer_nmt.decode', '--workdir=run', '--input=in.en', '--output=hyp.de',
-       '--reference=ref.de', '--buffer_lines=4'],
+       '--reference=ref.de', '--tok_reference=ref.de', '--buffer_lines=4'],
       cwd=tmp_path, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
-  assert 'BLEU = ' in result.stdout and 'nrefs:1|case:mixed|eff:no|tok:13a' in result.stdout
+  assert 'nrefs:1|case:mixed|eff:no|tok:13a' in result.stdout and 'chrF = ' in result.stdout
+  assert 'lowercased moses-tokenized (de)' in result.stdout
   hypotheses = (tmp_path / 'hyp.de').read_text().split('\n')[:-1]
   assert len(hypotheses) == len(mixed)
   assert [i for i, h in enumerate(hypotheses) if not h] == [i for i, s in enumerate(mixed) if not s]
