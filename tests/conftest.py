@@ -72,5 +72,6 @@ def small_config(data_dir):
   c.eval_every_steps = 10
   c.checkpoint_every_steps = 10
   c.keep_checkpoints = 3
+  c.average_last_checkpoints = 0
   c.decode_tokens_per_batch = 256
   return c

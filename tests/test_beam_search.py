@@ -21,8 +21,8 @@ def cached_step_fn(model, params, src, rows):
   cross = jax.tree_util.tree_map(lambda x: jnp.repeat(x, rows, axis=0),
                                  model.apply(variables, encoded, method=Transformer.cross_attention_kv))
   src_rows = jnp.repeat(src, rows, axis=0)
-  return lambda tokens, index, cache: model.apply(variables, tokens, index, cache, cross, src_rows,
-                                                  method=Transformer.decode_step)
+  return jax.jit(lambda tokens, index, cache: model.apply(variables, tokens, index, cache, cross, src_rows,
+                                                          method=Transformer.decode_step))
 
 
 def uncached_step_fn(model, params, src, rows):
