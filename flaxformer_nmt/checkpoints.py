@@ -11,6 +11,7 @@ Averaging (the paper averages the last 5 or 20 checkpoints) reads the parameters
 time, into a float32 running sum, and writes `{workdir}/averaged/` with the steps it averaged.
 """
 import json
+import logging as std_logging
 import os
 
 import jax
@@ -28,7 +29,7 @@ class _QuietOrbax:
   """absl log filter: orbax reports every save at INFO; keep its warnings only."""
 
   def filter(self, record):
-    return record.levelno >= logging.WARNING or '/orbax/' not in record.pathname
+    return record.levelno >= std_logging.WARNING or '/orbax/' not in record.pathname
 
 
 def quiet_orbax_logs():
