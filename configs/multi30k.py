@@ -28,7 +28,10 @@ def get_config():
   c.max_train_minutes = 58.0
   c.log_every_steps = 50
   c.eval_every_steps = 250
-  c.checkpoint_every_steps = 250
+  # Checkpoints every ~3 minutes; the last 5 are averaged when training ends (decode --checkpoint averaged):
+  # +1.9 BLEU on test2016 over the last checkpoint alone (bench/RESULTS.md).
+  c.checkpoint_every_steps = 100
   c.keep_checkpoints = 20
+  c.average_last_checkpoints = 5
   c.decode_tokens_per_batch = 4096
   return c

@@ -1,4 +1,5 @@
 """Train a few steps, checkpoint, resume, decode through the CLI and the Python API."""
+import json
 import subprocess
 import sys
 
@@ -21,11 +22,13 @@ def test_train_checkpoint_resume_decode(toy_corpus, tmp_path, monkeypatch):
   workdir = tmp_path / 'run'
   config = small_config(toy_corpus)
   config.num_train_steps = 20
+  config.average_last_checkpoints = 2
   metrics = train.train_and_evaluate(config, 'run')
   assert np.isfinite(metrics['train/loss']) and np.isfinite(metrics['eval/perplexity'])
   for name in ('vocab.model', 'config.json', 'metrics.jsonl', 'tensorboard'):
     assert (workdir / name).exists(), name
   assert checkpoints_lib.Checkpoints(workdir).steps() == [10, 20]
+  assert json.loads((workdir / 'averaged' / 'averaged.json').read_text()) == {'steps': [10, 20]}  # at the end
 
   # Rerunning with more steps resumes at 20 and reuses the vocabulary.
   vocab_bytes = (workdir / 'vocab.model').read_bytes()

@@ -89,12 +89,13 @@ def test_a_nonfinite_step_is_never_applied():
   state = ts.init_state(model, tx, seed=0)
   batch = {'src': jnp.array([[4, 5, 3]]), 'tgt_in': jnp.array([[2, 6, 7]]), 'tgt_out': jnp.array([[6, 7, 3]])}
   poisoned = state.replace(params=jax.tree_util.tree_map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan), state.params))
-  new, metrics = ts.train_step(poisoned, batch, model=model, optimizer=tx, schedule=schedule, label_smoothing=0.1)
+  step = jax.jit(lambda s, b: ts.train_step(s, b, model=model, optimizer=tx, schedule=schedule, label_smoothing=0.1))
+  new, metrics = step(poisoned, batch)
   assert int(metrics['nonfinite']) == 1 and int(new.step) == 1
   for a, b in zip(jax.tree_util.tree_leaves((new.params, new.opt_state)),
                   jax.tree_util.tree_leaves((poisoned.params, poisoned.opt_state))):
     np.testing.assert_array_equal(a, b)
-  _, metrics = ts.train_step(state, batch, model=model, optimizer=tx, schedule=schedule, label_smoothing=0.1)
+  _, metrics = step(state, batch)
   assert int(metrics['nonfinite']) == 0
 
 
@@ -107,25 +108,47 @@ def test_nonfinite_steps_stop_training_with_the_step_named_or_are_counted():
   assert train._check_finite(pending, 100, config) == 2  # pylint: disable=protected-access
 
 
-def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+def test_damaged_and_partial_checkpoints_fall_back_to_the_last_good_one(tmp_path, caplog):
   model, _ = tiny_model()
   tx, _ = ts.make_optimizer(config_lib.base_config())
   state = ts.init_state(model, tx, seed=0)
-  store = checkpoints_lib.Checkpoints(tmp_path, keep=2)
-  for step in (1, 2):
+  store = checkpoints_lib.Checkpoints(tmp_path, keep=3)
+  for step in (1, 2, 3):
     store.save(step, state.replace(step=jnp.asarray(step)), {'epoch': 0, 'batch': step, 'seed': 0}, force=True)
   store.wait()
-  # Truncate every data file of the newest checkpoint.
-  for path in (tmp_path / 'checkpoints' / '2' / 'state').rglob('*'):
-    if path.is_file() and path.stat().st_size > 0 and 'ocdbt' in str(path):
+  store.close()
+  directory = tmp_path / 'checkpoints'
+  # 3: every data file truncated. 2: its parameter store deleted. 4: a save cut short (never renamed into place).
+  for path in (directory / '3' / 'state').rglob('*'):
+    if path.is_file() and 'ocdbt' in str(path):
       path.write_bytes(path.read_bytes()[:10])
-  restored_state, data_state = checkpoints_lib.Checkpoints(tmp_path, keep=2).restore_newest_good(
-      checkpoints_lib.abstract_like(state))
+  for path in (directory / '2' / 'state').rglob('*'):
+    if path.is_file() and 'ocdbt' in str(path):
+      path.unlink()
+  (directory / '4.orbax-checkpoint-tmp' / 'state').mkdir(parents=True)
+
+  store = checkpoints_lib.Checkpoints(tmp_path, keep=3)
+  restored_state, data_state = store.restore_newest_good(checkpoints_lib.abstract_like(state))
   assert int(restored_state.step) == 1 and data_state['batch'] == 1
-  assert (tmp_path / 'corrupt_checkpoints' / '2').exists()
+  warnings = [r.getMessage() for r in caplog.records if 'cannot be restored' in r.getMessage()]
+  assert [w.split()[1] for w in warnings] == ['3', '2']
+  assert (tmp_path / 'corrupt_checkpoints' / '3').exists() and (tmp_path / 'corrupt_checkpoints' / '2').exists()
   # Saving on from there keeps the good checkpoint: retention works on what is listed.
-  store = checkpoints_lib.Checkpoints(tmp_path, keep=2)
   assert store.steps() == [1]
-  store.save(2, state.replace(step=jnp.asarray(2)), {'epoch': 0, 'batch': 2, 'seed': 0}, force=True)
+  for step in (2, 3):
+    store.save(step, state.replace(step=jnp.asarray(step)), {'epoch': 0, 'batch': step, 'seed': 0}, force=True)
   store.wait()
-  assert store.steps() == [1, 2]
+  assert store.steps() == [1, 2, 3]
+  store.close()
+
+
+def test_a_workdir_of_another_model_is_refused_without_losing_it(toy_corpus, tmp_path):
+  config = small_config(toy_corpus)
+  config.num_train_steps = 10
+  train.train_and_evaluate(config, tmp_path / 'w')
+  before = sorted(p.name for p in (tmp_path / 'w' / 'checkpoints').iterdir())
+  config.model.d_model = 64
+  result = subprocess.run(cli_args(config, tmp_path / 'w'), cwd=tmp_path, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1
+  assert 'holds a different model: config.model was' in result.stderr and 'Traceback' not in result.stderr
+  assert sorted(p.name for p in (tmp_path / 'w' / 'checkpoints').iterdir()) == before
