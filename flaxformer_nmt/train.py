@@ -273,7 +273,8 @@ def train_and_evaluate(config, workdir):
   checkpoints.wait()
   checkpoints.close()
   log.close()
-  if config.average_last_checkpoints > 0 and step >= config.num_train_steps:
+  # Training ended (by steps or time), not paused by a preemption: average for decoding.
+  if config.average_last_checkpoints > 0 and not stop.received:
     checkpoints_lib.average_last(workdir, last=config.average_last_checkpoints)
   logging.info('Trained steps %d..%d in %s', first_step, step, _duration(time.time() - start_time))
   return last
