@@ -9,7 +9,6 @@ The model is stored as `vocab.model` in the workdir and reused when training res
 """
 import io
 import os
-import tempfile
 
 import numpy as np
 import sentencepiece as spm

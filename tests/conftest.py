@@ -3,8 +3,6 @@ import random
 
 import jax
 import jax.numpy as jnp
-import ml_collections
-import numpy as np
 import pytest
 
 from flaxformer_nmt import model as model_lib

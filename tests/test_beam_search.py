@@ -1,10 +1,10 @@
 """Cached decoding against uncached decoding, and beam search against exhaustive search."""
-import functools
 import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from conftest import tiny_model
 from flaxformer_nmt import beam_search
@@ -65,20 +65,13 @@ def test_cached_decoder_step_equals_full_decoder():
     np.testing.assert_allclose(logits, full[:, index], atol=1e-4)
 
 
-def test_greedy_cached_equals_uncached():
+@pytest.mark.parametrize('beam_size', [0, 4])  # 0 is greedy
+def test_search_with_the_cache_equals_search_without_it(beam_size):
   model, params = tiny_model()
-  a = run_search(model, params, True, 0, 10)
-  b = run_search(model, params, False, 0, 10)
-  np.testing.assert_array_equal(a[0], b[0])
-  np.testing.assert_allclose(a[1], b[1], atol=1e-4)
-
-
-def test_beam_cached_equals_uncached():
-  model, params = tiny_model()
-  a = run_search(model, params, True, 4, 10)
-  b = run_search(model, params, False, 4, 10)
-  np.testing.assert_array_equal(a[0], b[0])
-  np.testing.assert_allclose(a[1], b[1], atol=1e-4)
+  cached = run_search(model, params, True, beam_size, 10)
+  uncached = run_search(model, params, False, beam_size, 10)
+  np.testing.assert_array_equal(cached[0], uncached[0])
+  np.testing.assert_allclose(cached[1], uncached[1], atol=1e-4)
 
 
 def exhaustive_best(model, params, src_row, max_length, alpha, vocab):
