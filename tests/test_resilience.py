@@ -152,3 +152,13 @@ def test_a_workdir_of_another_model_is_refused_without_losing_it(toy_corpus, tmp
   assert result.returncode == 1
   assert 'holds a different model: config.model was' in result.stderr and 'Traceback' not in result.stderr
   assert sorted(p.name for p in (tmp_path / 'w' / 'checkpoints').iterdir()) == before
+
+
+def test_checkpoints_by_elapsed_minutes(toy_corpus, tmp_path):
+  config = small_config(toy_corpus)
+  config.num_train_steps = 4
+  config.checkpoint_every_steps = 1000  # never by steps: every save below is by time
+  config.checkpoint_every_minutes = 1e-6
+  config.keep_checkpoints = 0
+  train.train_and_evaluate(config, tmp_path / 'w')
+  assert checkpoints_lib.Checkpoints(tmp_path / 'w', keep=0).steps() == [1, 2, 3, 4]
