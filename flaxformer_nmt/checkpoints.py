@@ -96,14 +96,8 @@ class Checkpoints:
     return None
 
   def restore_params(self, step):
-    """The parameters of checkpoint `step` as host float arrays, reading nothing else from disk."""
-    path = self.directory / str(int(step)) / 'state'
-    checkpointer = ocp.PyTreeCheckpointer()
-    metadata = checkpointer.metadata(path).item_metadata.tree['params']
-    restore_args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), metadata)
-    restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
-        item={'params': metadata}, restore_args={'params': restore_args}, partial_restore=True))
-    return restored['params']
+    """The parameters of checkpoint `step` as host arrays, reading nothing else from disk."""
+    return read_params(self.directory / str(int(step)) / 'state', subtree='params')
 
   def wait(self):
     self.manager.wait_until_finished()
@@ -112,11 +106,21 @@ class Checkpoints:
     self.manager.close()
 
 
-def abstract_like(tree, sharding=None):
-  """ShapeDtypeStructs of `tree` (optionally with one sharding for all leaves), for restore targets."""
-  def to_struct(x):
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding if sharding is not None else x.sharding)
-  return jax.tree_util.tree_map(to_struct, tree)
+def abstract_like(tree):
+  """ShapeDtypeStructs (with shardings) of `tree`: the layout a restore should produce."""
+  return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def read_params(path, subtree=None):
+  """A tree of host numpy arrays saved at `path` (or only its `subtree` item), read without a template."""
+  checkpointer = ocp.PyTreeCheckpointer()
+  metadata = checkpointer.metadata(path).item_metadata.tree
+  if subtree is not None:
+    metadata = {subtree: metadata[subtree]}
+  restore_args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), metadata)
+  restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+      item=metadata, restore_args=restore_args, partial_restore=subtree is not None))
+  return restored[subtree] if subtree is not None else restored
 
 
 class AveragingError(ValueError):
@@ -137,7 +141,7 @@ def average_params(workdir, steps):
       total, reference_step = params, step
       continue
     _check_same_shapes(total, params, reference_step, step)
-    total = jax.tree_util.tree_map(np.add, total, params, is_leaf=lambda x: isinstance(x, np.ndarray))
+    total = jax.tree_util.tree_map(np.add, total, params)
     del params
   store.close()
   return jax.tree_util.tree_map(lambda x: x / len(steps), total)
@@ -177,12 +181,9 @@ def save_averaged(workdir, params, steps):
   return directory
 
 
-def load_averaged(workdir, abstract_params):
-  """(parameters, info) of the workdir's averaged checkpoint, laid out like `abstract_params`."""
+def load_averaged(workdir):
+  """(parameters as host arrays, info) of the workdir's averaged checkpoint."""
   directory = absolute(workdir) / AVERAGED_DIR
   if not (directory / 'averaged.json').exists():
     raise FileNotFoundError(f'{directory} not found: run `python -m flaxformer_nmt.average --workdir {workdir}` first')
-  checkpointer = ocp.StandardCheckpointer()
-  params = checkpointer.restore(directory / 'params', abstract_params)
-  checkpointer.close()
-  return params, json.loads((directory / 'averaged.json').read_text())
+  return read_params(directory / 'params'), json.loads((directory / 'averaged.json').read_text())

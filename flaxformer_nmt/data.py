@@ -116,7 +116,8 @@ def batch_size_for(padded_length, tokens_per_batch, multiple_of=1):
   return max(rows // multiple_of, 1) * multiple_of
 
 
-def _pad(sequences, rows, length, prefix=None):
+def pad_rows(sequences, rows, length, prefix=None):
+  """[rows, length] int32 of PAD holding `sequences` (each optionally shifted right behind `prefix`)."""
   out = np.full((rows, length), tokenizer_lib.PAD_ID, np.int32)
   for r, seq in enumerate(sequences):
     seq = seq if prefix is None else [prefix] + seq[:-1]
@@ -132,13 +133,13 @@ def make_batch(src_seqs, tgt_seqs, rows, length):
   tgt_out: target tokens + EOS (what the decoder predicts); PAD marks positions without a target.
   """
   return {
-      'src': _pad(src_seqs, rows, length),
-      'tgt_in': _pad(tgt_seqs, rows, length, prefix=tokenizer_lib.BOS_ID),
-      'tgt_out': _pad(tgt_seqs, rows, length),
+      'src': pad_rows(src_seqs, rows, length),
+      'tgt_in': pad_rows(tgt_seqs, rows, length, prefix=tokenizer_lib.BOS_ID),
+      'tgt_out': pad_rows(tgt_seqs, rows, length),
   }
 
 
-def _plan_batches(lengths, buckets, tokens_per_batch, multiple_of, order):
+def plan_batches(lengths, buckets, tokens_per_batch, multiple_of, order):
   """Groups example indices (taken in `order`) by bucket into lists of at most the bucket's batch size."""
   by_bucket = {}
   for i in order:
@@ -181,7 +182,7 @@ class TrainBatches:
   def plan(self, epoch):
     if self._plan_epoch != epoch:
       rng = np.random.default_rng((self.seed, epoch))
-      plan = _plan_batches(self.lengths, self.buckets, self.tokens_per_batch, self.multiple_of,
+      plan = plan_batches(self.lengths, self.buckets, self.tokens_per_batch, self.multiple_of,
                            rng.permutation(len(self.lengths)))
       self._plan = [plan[i] for i in rng.permutation(len(plan))]
       self._plan_epoch = epoch
@@ -208,5 +209,5 @@ def eval_batches(corpus, *, tokens_per_batch, buckets, multiple_of=1):
   """Deterministic batches over a whole corpus (sorted by length), for validation loss."""
   lengths = [max(len(s), len(t)) for s, t in zip(corpus.source, corpus.target)]
   order = np.argsort(lengths, kind='stable')
-  for padded, rows, members in _plan_batches(lengths, buckets, tokens_per_batch, multiple_of, order):
+  for padded, rows, members in plan_batches(lengths, buckets, tokens_per_batch, multiple_of, order):
     yield make_batch([corpus.source[i] for i in members], [corpus.target[i] for i in members], rows, padded)

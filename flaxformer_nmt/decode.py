@@ -18,7 +18,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags, logging
 from etils import epath
 
@@ -28,7 +27,6 @@ from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import evaluate
 from flaxformer_nmt import tokenizer as tokenizer_lib
 from flaxformer_nmt import train
-from flaxformer_nmt import train_step as train_step_lib
 from flaxformer_nmt.model import Transformer
 from flaxformer_nmt.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
@@ -65,24 +63,23 @@ def search(model, params, src, *, beam_size, alpha, extra_length):
   return beam_search.beam_search(step_fn, cache, batch_size=batch, beam_size=beam_size, alpha=alpha, **common)
 
 
-def load_params(workdir, config, model, checkpoint='latest'):
-  """(parameters, description) of checkpoint `latest`, `averaged` or STEP in `workdir`."""
-  optimizer, _ = train_step_lib.make_optimizer(config)
-  abstract = jax.eval_shape(functools.partial(train_step_lib.init_state, model, optimizer, config.seed))
-  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  abstract = checkpoints_lib.abstract_like(abstract, device)
+def load_params(workdir, checkpoint='latest'):
+  """(parameters on the default device, description) of checkpoint `latest`, `averaged` or STEP.
+
+  Only the parameters are read: decoding needs neither the optimizer state nor the data position.
+  """
   if checkpoint == 'averaged':
-    params, info = checkpoints_lib.load_averaged(workdir, abstract.params)
-    return params, f'the average of checkpoints {info["steps"]}'
+    params, info = checkpoints_lib.load_averaged(workdir)
+    return jax.device_put(params), f'the average of checkpoints {info["steps"]}'
   if checkpoint != 'latest' and not checkpoint.isdigit():
     raise ValueError(f'--checkpoint must be latest, averaged or a step number, not {checkpoint!r}')
   store = checkpoints_lib.Checkpoints(workdir, keep=0, async_save=False)
-  step = None if checkpoint == 'latest' else int(checkpoint)
-  if step is not None and step not in store.steps():
-    raise FileNotFoundError(f'no checkpoint {step} in {store.directory}; there are {store.steps()}')
-  state, _ = store.restore(abstract, step)
+  steps = store.steps()
   store.close()
-  return state.params, f'checkpoint {int(state.step)}'
+  step = (steps[-1] if steps else None) if checkpoint == 'latest' else int(checkpoint)
+  if step not in steps:
+    raise FileNotFoundError(f'no checkpoint {checkpoint} in {store.directory}; there are {steps}')
+  return jax.device_put(store.restore_params(step)), f'checkpoint {step}'
 
 
 class Translator:
@@ -93,23 +90,18 @@ class Translator:
     self.config = train.load_config(workdir)
     self.tokenizer = tokenizer_lib.Tokenizer(self.workdir / tokenizer_lib.VOCAB_FILENAME)
     self.model = train.build_model(self.config, self.tokenizer)
-    self.params, self.checkpoint = load_params(workdir, self.config, self.model, checkpoint)
+    self.params, self.checkpoint = load_params(workdir, checkpoint)
     self._search = jax.jit(functools.partial(search, self.model),
                            static_argnames=('beam_size', 'alpha', 'extra_length'))
 
   def batches(self, token_lists, tokens_per_batch):
-    """(indices, padded source [rows, len]) batches, sentences sorted by length; each bucket has one shape."""
-    order = sorted((i for i, t in enumerate(token_lists) if len(t) > 1), key=lambda i: len(token_lists[i]))
-    buckets = tuple(self.config.length_buckets)
-    for padded, group in itertools.groupby(order, key=lambda i: data_lib.bucket_length(len(token_lists[i]), buckets)):
-      group = list(group)
-      rows = data_lib.batch_size_for(padded, tokens_per_batch)
-      for start in range(0, len(group), rows):
-        members = group[start:start + rows]
-        src = np.full((rows, padded), PAD_ID, np.int32)
-        for r, i in enumerate(members):
-          src[r, :len(token_lists[i])] = token_lists[i]
-        yield members, src
+    """(indices, padded source [rows, len]) batches, sentences sorted by length; each bucket has one shape.
+    Empty sentences (EOS alone) are left out: they translate to empty lines."""
+    lengths = [len(t) for t in token_lists]
+    order = sorted((i for i, n in enumerate(lengths) if n > 1), key=lengths.__getitem__)
+    for padded, rows, members in data_lib.plan_batches(lengths, self.config.length_buckets, tokens_per_batch, 1,
+                                                       order):
+      yield members, data_lib.pad_rows([token_lists[i] for i in members], rows, padded)
 
   def translate(self, sentences, beam_size=None, alpha=None, n_best=1, tokens_per_batch=None, return_scores=False):
     """Translations of `sentences` (list of str), in order. beam_size=0 decodes greedily.

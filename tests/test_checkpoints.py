@@ -23,7 +23,7 @@ def test_average_of_the_last_k_is_their_mean(tmp_path):
   store.wait()
   assert store.steps() == [2, 3, 4]  # keep=3
   assert checkpoints_lib.average_last(tmp_path, last=2) == [3, 4]
-  params, info = checkpoints_lib.load_averaged(tmp_path, jax_tree(saved[4]))
+  params, info = checkpoints_lib.load_averaged(tmp_path)
   assert info == {'steps': [3, 4]}
   np.testing.assert_allclose(params['dense']['kernel'], (saved[3]['dense']['kernel'] + saved[4]['dense']['kernel']) / 2,
                              rtol=1e-6)
