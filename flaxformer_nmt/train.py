@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 from etils import epath
+import ml_collections
 from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
@@ -54,7 +55,6 @@ def save_or_check_config(config, workdir):
 
 def load_config(workdir):
   """The ConfigDict a workdir was trained with."""
-  import ml_collections  # pylint: disable=g-import-not-at-top
   path = epath.Path(workdir) / CONFIG_FILENAME
   if not path.exists():
     raise ConfigError(f'{path} not found: is {workdir} a training workdir?')
@@ -162,9 +162,13 @@ def _interval_metrics(pending, seconds, start_time, epoch):
   }
 
 
-def _check_finite(pending, first_step, config):
-  """Raises NonFiniteError naming the first step whose loss or gradient was NaN/Inf (unless skipping)."""
-  flags_ = [int(f) for f in jax.device_get([m['nonfinite'] for m in pending])]
+def _check_finite(unchecked, first_step, config):
+  """Consumes the per-step NaN/Inf flags of `unchecked` (steps first_step+1...); returns how many were set.
+
+  Raises NonFiniteError naming the first such step unless config.skip_nonfinite_updates.
+  """
+  flags_ = [int(f) for f in jax.device_get(unchecked)]
+  unchecked.clear()
   if any(flags_) and not config.skip_nonfinite_updates:
     bad = first_step + flags_.index(1) + 1
     raise NonFiniteError(f'step {bad}: the loss or a gradient is NaN/Inf; the update was not applied and '
@@ -222,7 +226,7 @@ def train_and_evaluate(config, workdir):
   step = first_step = int(state.step)
   logging.info('Starting at step %d of %d; %d batches per epoch', step, config.num_train_steps,
                train_batches.batches_per_epoch())
-  pending, last, skipped = [], {}, 0
+  pending, unchecked, last, skipped = [], [], {}, 0
   interval_start = last_save = time.time()
   time_limit = config.max_train_minutes * 60 if config.max_train_minutes > 0 else float('inf')
   save_interval = config.checkpoint_every_minutes * 60 if config.checkpoint_every_minutes > 0 else float('inf')
@@ -231,6 +235,7 @@ def train_and_evaluate(config, workdir):
       batch = sharding.put_batch(next(train_batches), batch_sharding)
       state, metrics = train_fn(state, batch)
       pending.append(metrics)  # device arrays: reading them waits for the step, so only at log/save time
+      unchecked.append(metrics['nonfinite'])
       step += 1
       out_of_time = time.time() - start_time >= time_limit
       done = step >= config.num_train_steps or out_of_time or stop.received is not None
@@ -239,7 +244,7 @@ def train_and_evaluate(config, workdir):
         save = bool(multihost_utils.broadcast_one_to_all(save))
 
       if step % config.log_every_steps == 0 or save:
-        skipped += _check_finite(pending, step - len(pending), config)
+        skipped += _check_finite(unchecked, step - len(unchecked), config)
       if step % config.log_every_steps == 0 or done:
         last = _interval_metrics(pending, time.time() - interval_start, start_time, train_batches.epoch)
         eta = min((config.num_train_steps - step) * last['train/step_time'],

@@ -101,11 +101,13 @@ def test_a_nonfinite_step_is_never_applied():
 
 def test_nonfinite_steps_stop_training_with_the_step_named_or_are_counted():
   config = config_lib.base_config()
-  pending = [{'nonfinite': jnp.asarray(f)} for f in (0, 0, 1, 0, 1)]
+  flags_ = lambda: [jnp.asarray(f) for f in (0, 0, 1, 0, 1)]
   with pytest.raises(train.NonFiniteError, match='step 103:'):
-    train._check_finite(pending, 100, config)  # pylint: disable=protected-access
+    train._check_finite(flags_(), 100, config)  # pylint: disable=protected-access
   config.skip_nonfinite_updates = True
-  assert train._check_finite(pending, 100, config) == 2  # pylint: disable=protected-access
+  unchecked = flags_()
+  assert train._check_finite(unchecked, 100, config) == 2  # pylint: disable=protected-access
+  assert train._check_finite(unchecked, 105, config) == 0  # each step is counted once  # pylint: disable=protected-access
 
 
 def test_damaged_and_partial_checkpoints_fall_back_to_the_last_good_one(tmp_path, caplog):
