@@ -4,7 +4,8 @@ r"""BLEU of every kept checkpoint of a workdir (and of its averaged one), with t
 
 Reads `{data_dir}/{split}.{src,tgt}` from the workdir's config and, for Multi30k, the tokenized references in
 `../shared/data/multi30k_tok`; prints a Markdown table: step, training minutes, validation loss and
-perplexity (from metrics.jsonl), cased sacreBLEU and lowercased tokenized BLEU, decode seconds.
+perplexity (from metrics.jsonl), cased sacreBLEU and lowercased tokenized BLEU, decode seconds. Training
+minutes are those of the process that logged the step: a resumed run starts its clock again.
 """
 import json
 import os
