@@ -4,12 +4,4 @@ from flaxformer_nmt import config
 
 
 def get_config():
-  c = config.base_config()
-  c.model.d_model = 1024
-  c.model.d_ff = 4096
-  c.model.num_heads = 16
-  c.model.dropout_rate = 0.3
-  c.num_train_steps = 300_000
-  c.keep_checkpoints = 20
-  c.average_last_checkpoints = 20
-  return c
+  return config.make_big(config.base_config())

@@ -12,7 +12,7 @@ def get_config():
   c.max_length = 128
   c.tokens_per_batch = 4096
   c.vocab_size = 8000
-  c.sentencepiece_max_sentences = 0
+  c.sentencepiece_max_chars = 0  # all 3.9M characters
 
   c.model.num_encoder_layers = 3
   c.model.num_decoder_layers = 3

@@ -1,15 +1,24 @@
-"""Parallel text -> token-budget batches.
+"""Sentence pairs -> token ids (cached) -> token-budget batches, each host reading its own part.
 
-The road of a sentence pair: `{split}.{src}` / `{split}.{tgt}` lines are read and checked (same line count,
-valid UTF-8), whitespace is normalized, both sides are tokenized with the joint vocabulary (EOS appended),
-overlong pairs are dropped, and pairs are grouped by padded length into batches of about
-`tokens_per_batch` tokens per side.
+The road of a sentence pair: a corpus (corpora.py: checked local text, or a TFDS builder) yields (source,
+target) text; both sides are tokenized with the joint vocabulary (EOS appended) once, and the ids are cached
+in the workdir, so a restarted run does not tokenize again; overlong pairs are left out; pairs are grouped by
+padded length into batches of about `tokens_per_batch` tokens per side.
 
 Every batch of a bucket has the same shape, so the jitted train step compiles once per length bucket. A
 training epoch's batches are a pure function of (seed, epoch), and the iterator's position is the small
-dict `{'epoch', 'batch'}`: saving it with a checkpoint makes resumption exact.
+dict `{'epoch', 'batch', 'seed'}`: saving it with a checkpoint makes resumption exact.
+
+On several hosts every host plans the same global batches (from the lengths of all pairs) and builds only
+its own slice of rows: the hosts' rows are disjoint and together are the global batch, and every host's
+array has the same shape at every step, as the sharded train step needs.
 """
 import dataclasses
+import io
+import json
+import queue
+import threading
+import time
 
 import numpy as np
 from absl import logging
@@ -82,32 +91,158 @@ def read_parallel(data_dir, split, source_lang, target_lang, max_line_chars=0, s
   return src, tgt
 
 
+class Ragged:
+  """Variable-length token id sequences stored flat: sequence i is tokens[offsets[i]:offsets[i + 1]]."""
+
+  def __init__(self, tokens, offsets):
+    self.tokens, self.offsets = tokens, offsets
+
+  @classmethod
+  def from_lists(cls, sequences, dtype=np.int32):
+    lengths = np.array([len(s) for s in sequences], np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    tokens = np.fromiter((t for s in sequences for t in s), dtype, count=int(offsets[-1]))
+    return cls(tokens, offsets)
+
+  @property
+  def lengths(self):
+    return np.diff(self.offsets)
+
+  def __len__(self):
+    return len(self.offsets) - 1
+
+  def __getitem__(self, i):
+    return self.tokens[self.offsets[i]:self.offsets[i + 1]]
+
+
 @dataclasses.dataclass
 class TokenizedCorpus:
-  """Token id sequences (each ending with EOS) of aligned source and target sentences."""
-  source: list
-  target: list
-  # Index of each kept pair in the original files (to restore input order after decoding).
-  line_numbers: np.ndarray
+  """Token ids (each sentence ending with EOS) of aligned source and target sentences; pair i is
+  (source[i], target[i]). Empty sentences have length 0 (no EOS)."""
+  source: Ragged
+  target: Ragged
+
+  @classmethod
+  def from_lists(cls, source, target):
+    return cls(Ragged.from_lists(source), Ragged.from_lists(target))
 
   def __len__(self):
     return len(self.source)
 
+  def lengths(self):
+    """Tokens of the longer side of every pair (what its padded batch row needs)."""
+    return np.maximum(self.source.lengths, self.target.lengths)
 
-def tokenize_parallel(src_lines, tgt_lines, tokenizer, max_length=None):
-  """Tokenizes both sides; drops pairs with an empty side or (if max_length) too many tokens."""
-  src_ids, tgt_ids = tokenizer.encode(src_lines), tokenizer.encode(tgt_lines)
-  keep = [i for i, (s, t) in enumerate(zip(src_ids, tgt_ids))
-          if len(s) > 1 and len(t) > 1 and (not max_length or max(len(s), len(t)) <= max_length)]
-  return TokenizedCorpus([src_ids[i] for i in keep], [tgt_ids[i] for i in keep], np.asarray(keep, np.int64))
+  def usable(self, max_length=None):
+    """Indices of the pairs to train on: both sides non-empty and, with max_length, no side longer."""
+    src, tgt = self.source.lengths, self.target.lengths
+    keep = (src > 1) & (tgt > 1)
+    if max_length:
+      keep &= np.maximum(src, tgt) <= max_length
+    return np.flatnonzero(keep)
+
+
+def _concatenate(corpora):
+  def join(parts):
+    offsets = [np.zeros(1, np.int64)]
+    total = 0
+    for part in parts:
+      offsets.append(part.offsets[1:] + total)
+      total += int(part.offsets[-1])
+    return Ragged(np.concatenate([p.tokens for p in parts]), np.concatenate(offsets))
+  return TokenizedCorpus(join([c.source for c in corpora]), join([c.target for c in corpora]))
+
+
+def _encode(tokenizer, lines, num_threads):
+  ids = tokenizer.encode(lines, num_threads=num_threads)
+  # An empty line stays empty (no EOS), so that `usable` can leave it out.
+  return [seq if len(seq) > 1 else [] for seq in ids]
+
+
+def tokenize(source_lines, target_lines, tokenizer, num_threads=0):
+  """Token ids of parallel lines, in memory (no cache)."""
+  return TokenizedCorpus.from_lists(_encode(tokenizer, source_lines, num_threads),
+                                    _encode(tokenizer, target_lines, num_threads))
+
+
+# Pairs per cache file: the unit of work a host tokenizes. Fixed, so the cache does not depend on how many
+# hosts wrote it.
+CHUNK_PAIRS = 100_000
+
+
+def _no_barrier(name):
+  del name
+
+
+def tokenize_cached(pairs, tokenizer, cache_dir, *, process_index=0, process_count=1, barrier=_no_barrier,
+                    num_threads=0, chunk_pairs=CHUNK_PAIRS):
+  """Token ids of every pair of `pairs` (a corpora.* corpus), tokenized once and cached in `cache_dir`.
+
+  The cache is a directory of `chunk_NNNNN.npz` files of `chunk_pairs` pairs and a `meta.json` naming what
+  they hold (the corpus's fingerprint and the vocabulary's hash): a different corpus or vocabulary is
+  tokenized again. Host p tokenizes the chunks p, p + P, p + 2P, ... that are not cached yet (sentencepiece
+  spreads each chunk over `num_threads` threads); after a barrier every host loads every chunk, so the
+  cache must be on storage all hosts share (as the workdir must be for checkpoints).
+  """
+  cache_dir = epath.Path(cache_dir)
+  meta = {'fingerprint': pairs.fingerprint, 'vocabulary_sha256': tokenizer.sha256, 'pairs': len(pairs),
+          'chunk_pairs': chunk_pairs, 'dtype': 'uint16' if tokenizer.vocab_size <= 1 << 16 else 'int32'}
+  meta_path = cache_dir / 'meta.json'
+  if process_index == 0:
+    if not meta_path.exists() or json.loads(meta_path.read_text()) != meta:
+      if cache_dir.exists():
+        logging.info('Tokenization cache %s is for other data or another vocabulary: rebuilding it', cache_dir)
+        cache_dir.rmtree()
+      cache_dir.mkdir(parents=True, exist_ok=True)
+      meta_path.write_text(json.dumps(meta, sort_keys=True))
+  barrier(f'tokenize-meta-{cache_dir}')
+
+  num_chunks = -(-len(pairs) // chunk_pairs)
+  chunk_path = lambda c: cache_dir / f'chunk_{c:05d}.npz'
+  start_time, tokenized_pairs = time.time(), 0
+  for c in range(process_index, num_chunks, process_count):
+    if chunk_path(c).exists():
+      continue
+    indices = range(c * chunk_pairs, min((c + 1) * chunk_pairs, len(pairs)))
+    source, target = pairs.read(indices)
+    part = tokenize(source, target, tokenizer, num_threads)
+    buffer = io.BytesIO()
+    np.savez(buffer, source_tokens=part.source.tokens.astype(meta['dtype']), source_offsets=part.source.offsets,
+             target_tokens=part.target.tokens.astype(meta['dtype']), target_offsets=part.target.offsets)
+    # Write then rename: a crash never leaves a truncated chunk that a later run would trust.
+    tmp = cache_dir / f'.chunk_{c:05d}.npz.tmp{process_index}'
+    tmp.write_bytes(buffer.getvalue())
+    tmp.rename(chunk_path(c))
+    tokenized_pairs += len(indices)
+  if tokenized_pairs:
+    seconds = time.time() - start_time
+    logging.info('Tokenized %d pairs of %s in %.1f s (%.0f pairs/s) into %s', tokenized_pairs, pairs.description,
+                 seconds, tokenized_pairs / max(seconds, 1e-9), cache_dir)
+  barrier(f'tokenize-chunks-{cache_dir}')
+
+  parts = []
+  for c in range(num_chunks):
+    if not chunk_path(c).exists():
+      raise DataError(f'{chunk_path(c)} is missing after every host tokenized its part: the workdir must be on '
+                      'storage shared by all hosts')
+    with np.load(io.BytesIO(chunk_path(c).read_bytes())) as f:
+      parts.append(TokenizedCorpus(Ragged(f['source_tokens'], f['source_offsets']),
+                                   Ragged(f['target_tokens'], f['target_offsets'])))
+  return _concatenate(parts) if parts else TokenizedCorpus.from_lists([], [])
 
 
 def bucket_length(length, buckets):
   """The smallest bucket that holds `length` tokens (lengths beyond the last bucket round up to x8)."""
-  for b in buckets:
-    if length <= b:
-      return b
-  return -(-length // 8) * 8
+  return int(bucket_lengths(np.asarray([length]), buckets)[0])
+
+
+def bucket_lengths(lengths, buckets):
+  """`bucket_length` of every entry of an int array."""
+  buckets = np.asarray(sorted(buckets))
+  lengths = np.asarray(lengths)
+  index = np.searchsorted(buckets, lengths)  # first bucket >= length
+  beyond = -(-lengths // 8) * 8
+  return np.where(index < len(buckets), buckets[np.minimum(index, len(buckets) - 1)], beyond)
 
 
 def batch_size_for(padded_length, tokens_per_batch, multiple_of=1):
@@ -120,8 +255,12 @@ def pad_rows(sequences, rows, length, prefix=None):
   """[rows, length] int32 of PAD holding `sequences` (each optionally shifted right behind `prefix`)."""
   out = np.full((rows, length), tokenizer_lib.PAD_ID, np.int32)
   for r, seq in enumerate(sequences):
-    seq = seq if prefix is None else [prefix] + seq[:-1]
-    out[r, :len(seq)] = seq
+    n = len(seq)
+    if prefix is None:
+      out[r, :n] = seq
+    elif n:
+      out[r, 0] = prefix
+      out[r, 1:n] = seq[:-1]
   return out
 
 
@@ -140,36 +279,55 @@ def make_batch(src_seqs, tgt_seqs, rows, length):
 
 
 def plan_batches(lengths, buckets, tokens_per_batch, multiple_of, order):
-  """Groups example indices (taken in `order`) by bucket into lists of at most the bucket's batch size."""
-  by_bucket = {}
-  for i in order:
-    by_bucket.setdefault(bucket_length(lengths[i], buckets), []).append(i)
+  """Groups example indices (taken in `order`) by bucket into arrays of at most the bucket's batch size.
+
+  Returns [(padded length, rows, member indices)], buckets in increasing length, members in `order`.
+  """
+  order = np.asarray(order, np.int64)
+  padded = bucket_lengths(np.asarray(lengths)[order], buckets)
+  by_bucket = np.argsort(padded, kind='stable')  # stable: keeps `order` within a bucket
+  order, padded = order[by_bucket], padded[by_bucket]
   plan = []
-  for padded, members in sorted(by_bucket.items()):
-    rows = batch_size_for(padded, tokens_per_batch, multiple_of)
-    for start in range(0, len(members), rows):
-      plan.append((padded, rows, members[start:start + rows]))
+  for length, start, count in zip(*np.unique(padded, return_index=True, return_counts=True)):
+    rows = batch_size_for(int(length), tokens_per_batch, multiple_of)
+    members = order[start:start + count]
+    for first in range(0, count, rows):
+      plan.append((int(length), rows, members[first:first + rows]))
   return plan
 
 
-class TrainBatches:
-  """Endless shuffled token-budget batches with a saveable position.
+def host_slice(members, rows, process_index, process_count):
+  """This host's part of a global batch's members, and its number of rows."""
+  if rows % process_count:
+    raise ValueError(f'{rows} rows cannot be split over {process_count} hosts')
+  host_rows = rows // process_count
+  return members[process_index * host_rows:(process_index + 1) * host_rows], host_rows
 
-  Epoch e is planned from `np.random.default_rng((seed, e))`: examples are shuffled, grouped by bucket, and
-  the batches shuffled again, so a restart at {'epoch': e, 'batch': b} yields exactly the batches an
-  uninterrupted run would have.
+
+class TrainBatches:
+  """Endless shuffled token-budget batches with a saveable position, built ahead in a background thread.
+
+  Epoch e is planned from `np.random.default_rng((seed, e))`: the usable examples are shuffled, grouped by
+  bucket, and the batches shuffled again, so a restart at {'epoch': e, 'batch': b} yields exactly the
+  batches an uninterrupted run would have. Batches are padded `prefetch` ahead of the train step by a
+  thread; the position is that of the batches handed out, not of those built ahead.
   """
 
-  def __init__(self, corpus, *, tokens_per_batch, buckets, seed, multiple_of=1):
+  def __init__(self, corpus, *, tokens_per_batch, buckets, seed, multiple_of=1, examples=None,
+               process_index=0, process_count=1, prefetch=2):
     self.corpus = corpus
+    self.examples = np.arange(len(corpus)) if examples is None else np.asarray(examples)
     self.tokens_per_batch = tokens_per_batch
     self.buckets = tuple(buckets)
     self.seed = seed
     self.multiple_of = multiple_of
-    self.lengths = np.array([max(len(s), len(t)) for s, t in zip(corpus.source, corpus.target)])
+    self.process_index, self.process_count = process_index, process_count
+    self.prefetch = prefetch
+    self.lengths = corpus.lengths()
     self.epoch, self.batch = 0, 0
-    self._plan_epoch = None
-    self._plan = None
+    self._plans = {}
+    self._plan_lock = threading.Lock()
+    self._worker = None
 
   def state(self):
     return {'epoch': self.epoch, 'batch': self.batch, 'seed': self.seed}
@@ -177,37 +335,88 @@ class TrainBatches:
   def restore(self, state):
     if state['seed'] != self.seed:
       raise ValueError(f"checkpointed data seed {state['seed']} differs from the config's seed {self.seed}")
+    self.close()
     self.epoch, self.batch = int(state['epoch']), int(state['batch'])
 
   def plan(self, epoch):
-    if self._plan_epoch != epoch:
-      rng = np.random.default_rng((self.seed, epoch))
-      plan = plan_batches(self.lengths, self.buckets, self.tokens_per_batch, self.multiple_of,
-                           rng.permutation(len(self.lengths)))
-      self._plan = [plan[i] for i in rng.permutation(len(plan))]
-      self._plan_epoch = epoch
-    return self._plan
+    """The global batches of `epoch`: [(padded length, rows, member example indices)]."""
+    with self._plan_lock:
+      if epoch not in self._plans:
+        rng = np.random.default_rng((self.seed, epoch))
+        plan = plan_batches(self.lengths, self.buckets, self.tokens_per_batch, self.multiple_of,
+                            rng.permutation(self.examples))
+        # The consumer's epoch and the one the background thread may have moved on to.
+        self._plans = {e: p for e, p in self._plans.items() if e == epoch - 1}
+        self._plans[epoch] = [plan[i] for i in rng.permutation(len(plan))]
+      return self._plans[epoch]
+
+  def host_members(self, epoch, batch):
+    """This host's example indices of the batch at (epoch, batch), and its number of rows."""
+    _, rows, members = self.plan(epoch)[batch]
+    return host_slice(members, rows, self.process_index, self.process_count)
+
+  def _build(self, epoch, batch):
+    """(the batch at this position, the position after it)."""
+    if batch >= len(self.plan(epoch)):
+      epoch, batch = epoch + 1, 0
+    padded = self.plan(epoch)[batch][0]
+    members, rows = self.host_members(epoch, batch)
+    arrays = make_batch([self.corpus.source[i] for i in members], [self.corpus.target[i] for i in members],
+                        rows, padded)
+    return arrays, (epoch, batch + 1)
+
+  def _produce(self, out, stop, epoch, batch):
+    try:
+      while not stop.is_set():
+        item = self._build(epoch, batch)
+        epoch, batch = item[1]
+        while not stop.is_set():
+          try:
+            out.put(item, timeout=0.1)
+            break
+          except queue.Full:
+            pass
+    except Exception as e:  # pylint: disable=broad-except
+      out.put(e)  # raised in the consumer's thread
 
   def __iter__(self):
     return self
 
   def __next__(self):
-    plan = self.plan(self.epoch)
-    if self.batch >= len(plan):
-      self.epoch, self.batch = self.epoch + 1, 0
-      plan = self.plan(self.epoch)
-    padded, rows, members = plan[self.batch]
-    self.batch += 1
-    return make_batch([self.corpus.source[i] for i in members], [self.corpus.target[i] for i in members],
-                      rows, padded)
+    if self.prefetch <= 0:
+      arrays, (self.epoch, self.batch) = self._build(self.epoch, self.batch)
+      return arrays
+    if self._worker is None:
+      out, stop = queue.Queue(maxsize=self.prefetch), threading.Event()
+      thread = threading.Thread(target=self._produce, args=(out, stop, self.epoch, self.batch), daemon=True,
+                                name='TrainBatches')
+      thread.start()
+      self._worker = (thread, out, stop)
+    item = self._worker[1].get()
+    if isinstance(item, Exception):
+      self.close()
+      raise item
+    arrays, (self.epoch, self.batch) = item
+    return arrays
+
+  def close(self):
+    """Stops the background thread (batches built ahead are dropped; the position is unaffected)."""
+    if self._worker is not None:
+      thread, _, stop = self._worker
+      stop.set()
+      thread.join()
+      self._worker = None
 
   def batches_per_epoch(self):
     return len(self.plan(self.epoch))
 
 
-def eval_batches(corpus, *, tokens_per_batch, buckets, multiple_of=1):
-  """Deterministic batches over a whole corpus (sorted by length), for validation loss."""
-  lengths = [max(len(s), len(t)) for s, t in zip(corpus.source, corpus.target)]
-  order = np.argsort(lengths, kind='stable')
+def eval_batches(corpus, *, tokens_per_batch, buckets, multiple_of=1, examples=None, process_index=0,
+                 process_count=1):
+  """Deterministic batches over the corpus (sorted by length), this host's rows of each, for validation."""
+  examples = corpus.usable() if examples is None else np.asarray(examples)
+  lengths = corpus.lengths()
+  order = examples[np.argsort(lengths[examples], kind='stable')]
   for padded, rows, members in plan_batches(lengths, buckets, tokens_per_batch, multiple_of, order):
-    yield make_batch([corpus.source[i] for i in members], [corpus.target[i] for i in members], rows, padded)
+    members, host_rows = host_slice(members, rows, process_index, process_count)
+    yield make_batch([corpus.source[i] for i in members], [corpus.target[i] for i in members], host_rows, padded)

@@ -7,6 +7,7 @@ Reserved ids, the same in every vocabulary this project trains:
   3 = </s>   (EOS: appended to every source and target sentence)
 The model is stored as `vocab.model` in the workdir and reused when training restarts or decoding loads it.
 """
+import hashlib
 import io
 import os
 
@@ -28,14 +29,29 @@ def normalize_whitespace(line):
   return ' '.join(line.split())
 
 
-def train_sentencepiece(sentences, model_path, *, vocab_size, model_type='bpe', character_coverage=1.0,
-                        max_sentences=0, seed=0):
+def sample_sentences(pairs, max_chars=0, seed=0, read_size=10_000):
+  """Both sides of the pairs of `pairs` (a corpora.* corpus), in a seeded random order, until `max_chars`
+  characters are collected (0: all of them).
+
+  A character budget (the Flax WMT example uses 10M) bounds sentencepiece's time and memory on a large
+  corpus while still seeing a uniform sample of it.
+  """
+  order = np.random.default_rng(seed).permutation(len(pairs)) if max_chars else np.arange(len(pairs))
+  sentences, chars = [], 0
+  for start in range(0, len(order), read_size):
+    source, target = pairs.read(order[start:start + read_size])
+    for line in (x for pair in zip(source, target) for x in pair):
+      if line:
+        sentences.append(line)
+        chars += len(line)
+      if max_chars and chars >= max_chars:
+        return sentences
+  return sentences
+
+
+def train_sentencepiece(sentences, model_path, *, vocab_size, model_type='bpe', character_coverage=1.0):
   """Trains a sentencepiece model on `sentences` (an iterable of str) and writes it to `model_path`."""
   sentences = [s for s in sentences if s]
-  if max_sentences and len(sentences) > max_sentences:
-    # A uniform sample keeps training time bounded on large corpora, as the Flax WMT example does.
-    rng = np.random.default_rng(seed)
-    sentences = [sentences[i] for i in sorted(rng.choice(len(sentences), max_sentences, replace=False))]
   model = io.BytesIO()
   spm.SentencePieceTrainer.train(
       sentence_iterator=iter(sentences),
@@ -65,8 +81,11 @@ class Tokenizer:
 
   def __init__(self, model_path):
     self.path = epath.Path(model_path)
+    proto = self.path.read_bytes()
+    # Names the vocabulary in caches of token ids.
+    self.sha256 = hashlib.sha256(proto).hexdigest()
     try:
-      self.sp = spm.SentencePieceProcessor(model_proto=self.path.read_bytes())
+      self.sp = spm.SentencePieceProcessor(model_proto=proto)
     except (OSError, RuntimeError) as e:
       raise TokenizerError(f'{self.path}: cannot load the sentencepiece model ({e})') from None
     if (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id()) != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
@@ -76,9 +95,10 @@ class Tokenizer:
   def vocab_size(self):
     return self.sp.get_piece_size()
 
-  def encode(self, texts):
-    """List of str -> list of int lists, each ending with EOS."""
-    return [ids + [EOS_ID] for ids in self.sp.encode(list(texts))]
+  def encode(self, texts, num_threads=0):
+    """List of str -> list of int lists, each ending with EOS (num_threads: sentencepiece's; 0 = all cores)."""
+    num_threads = num_threads or os.cpu_count() or 1
+    return [ids + [EOS_ID] for ids in self.sp.encode(list(texts), num_threads=num_threads)]
 
   def decode(self, ids):
     """One id sequence -> text, cut at the first EOS; pad and bos are dropped."""
@@ -92,12 +112,19 @@ class Tokenizer:
 
 
 def load_or_train(workdir, sentences_fn, *, vocab_size, model_type='bpe', character_coverage=1.0,
-                  max_sentences=0, seed=0):
-  """The workdir's tokenizer, trained first from `sentences_fn()` if the workdir has none yet."""
+                  is_leader=True, barrier=lambda name: None):
+  """The workdir's tokenizer, trained first from `sentences_fn()` if the workdir has none yet.
+
+  On several hosts only the leader (process 0) trains and writes the vocabulary; the others wait at
+  `barrier` and then load what it wrote.
+  """
   path = epath.Path(workdir) / VOCAB_FILENAME
-  if not path.exists():
-    train_sentencepiece(sentences_fn(), path, vocab_size=vocab_size, model_type=model_type,
-                        character_coverage=character_coverage, max_sentences=max_sentences, seed=seed)
-  else:
+  if path.exists():
     logging.info('Reusing the vocabulary in %s', path)
+  elif is_leader:
+    train_sentencepiece(sentences_fn(), path, vocab_size=vocab_size, model_type=model_type,
+                        character_coverage=character_coverage)
+  barrier('vocabulary')
+  if not path.exists():
+    raise TokenizerError(f'{path} was not written by process 0: the workdir must be on storage all hosts share')
   return Tokenizer(path)

@@ -21,6 +21,7 @@ from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
 from flaxformer_nmt import checkpoints as checkpoints_lib
+from flaxformer_nmt import corpora
 from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import model as model_lib
 from flaxformer_nmt import sharding
@@ -94,6 +95,48 @@ def _duration(seconds):
   return f'{seconds // 3600}h{seconds % 3600 // 60:02d}m' if seconds >= 3600 else f'{seconds // 60}m{seconds % 60:02d}s'
 
 
+def _barrier(name):
+  """Waits until every process reaches the barrier `name` (nothing to wait for on one process)."""
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
+
+
+def input_pipeline(config, workdir, num_devices):
+  """Corpus -> vocabulary -> cached token ids -> (train batches, eval batches factory, tokenizer).
+
+  Every host plans the same global batches and builds its own rows of them (data.py).
+  """
+  if config.data_source == 'tfds':
+    # Process 0 downloads and prepares; the others find it prepared (shared storage) or prepare their own.
+    if jax.process_index() == 0:
+      corpora.prepare_tfds(config.tfds_name, config.tfds_data_dir)
+    _barrier('prepare-tfds')
+    corpora.prepare_tfds(config.tfds_name, config.tfds_data_dir)
+  train_pairs = corpora.open_split(config, config.train_split)
+  eval_pairs = corpora.open_split(config, config.eval_split)
+  tokenizer = tokenizer_lib.load_or_train(
+      workdir, lambda: tokenizer_lib.sample_sentences(train_pairs, config.sentencepiece_max_chars, config.seed),
+      vocab_size=config.vocab_size, model_type=config.sentencepiece_model_type,
+      character_coverage=config.sentencepiece_character_coverage, is_leader=jax.process_index() == 0,
+      barrier=_barrier)
+  hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
+  tokenize = functools.partial(data_lib.tokenize_cached, tokenizer=tokenizer, barrier=_barrier,
+                               num_threads=config.tokenize_threads, **hosts)
+  train_corpus = tokenize(train_pairs, cache_dir=epath.Path(workdir) / 'tokenized' / config.train_split)
+  eval_corpus = tokenize(eval_pairs, cache_dir=epath.Path(workdir) / 'tokenized' / config.eval_split)
+  train_examples = train_corpus.usable(config.max_length)
+  logging.info('Training pairs: %d of %d kept (at most %d tokens a side) from %s; validation pairs: %d',
+               len(train_examples), len(train_corpus), config.max_length, train_pairs.description,
+               len(eval_corpus.usable()))
+  train_batches = data_lib.TrainBatches(
+      train_corpus, examples=train_examples, tokens_per_batch=config.tokens_per_batch,
+      buckets=config.length_buckets, seed=config.seed, multiple_of=num_devices, prefetch=config.prefetch_batches,
+      **hosts)
+  eval_batches = functools.partial(data_lib.eval_batches, eval_corpus, tokens_per_batch=config.tokens_per_batch,
+                                   buckets=config.length_buckets, multiple_of=num_devices, **hosts)
+  return train_batches, eval_batches, tokenizer
+
+
 def evaluate(eval_fn, params, batches, batch_sharding):
   sums = None
   for batch in batches:
@@ -106,8 +149,12 @@ def evaluate(eval_fn, params, batches, batch_sharding):
 
 
 def validate_config(config):
-  if not config.data_dir:
+  if config.data_source == 'text' and not config.data_dir:
     raise ConfigError('config.data_dir is empty: pass --config.data_dir=DIR holding {split}.{lang} files')
+  if config.data_source == 'tfds' and not config.tfds_name:
+    raise ConfigError("config.tfds_name is empty: name a TFDS builder, e.g. 'wmt14_translate/de-en'")
+  if config.data_source not in ('text', 'tfds'):
+    raise ConfigError(f"config.data_source={config.data_source!r}: use 'text' or 'tfds'")
   if config.average_last_checkpoints > config.keep_checkpoints > 0:
     raise ConfigError(f'config.average_last_checkpoints={config.average_last_checkpoints} needs '
                       f'config.keep_checkpoints >= it (now {config.keep_checkpoints})')
@@ -185,28 +232,9 @@ def train_and_evaluate(config, workdir):
   workdir.mkdir(parents=True, exist_ok=True)
   save_or_check_config(config, workdir)
 
-  # Data -> vocabulary -> token ids.
-  read = functools.partial(data_lib.read_parallel, config.data_dir, source_lang=config.source_lang,
-                           target_lang=config.target_lang, max_line_chars=config.max_line_chars,
-                           skip_bad_pairs=config.skip_bad_pairs)
-  train_src, train_tgt = read(config.train_split)
-  eval_src, eval_tgt = read(config.eval_split)
-  tokenizer = tokenizer_lib.load_or_train(
-      workdir, lambda: train_src + train_tgt, vocab_size=config.vocab_size,
-      model_type=config.sentencepiece_model_type, character_coverage=config.sentencepiece_character_coverage,
-      max_sentences=config.sentencepiece_max_sentences, seed=config.seed)
-  train_corpus = data_lib.tokenize_parallel(train_src, train_tgt, tokenizer, config.max_length)
-  eval_corpus = data_lib.tokenize_parallel(eval_src, eval_tgt, tokenizer)
-  logging.info('Training pairs: %d of %d kept (at most %d tokens a side); validation pairs: %d',
-               len(train_corpus), len(train_src), config.max_length, len(eval_corpus))
-
   mesh = sharding.make_mesh()
   batch_sharding = sharding.batch_sharded(mesh)
-  num_devices = mesh.devices.size
-  train_batches = data_lib.TrainBatches(train_corpus, tokens_per_batch=config.tokens_per_batch,
-                                        buckets=config.length_buckets, seed=config.seed, multiple_of=num_devices)
-  eval_batches = functools.partial(data_lib.eval_batches, eval_corpus, tokens_per_batch=config.tokens_per_batch,
-                                   buckets=config.length_buckets, multiple_of=num_devices)
+  train_batches, eval_batches, tokenizer = input_pipeline(config, workdir, num_devices=mesh.devices.size)
 
   # Model, optimizer, state (fresh or restored).
   model = build_model(config, tokenizer)
@@ -226,13 +254,16 @@ def train_and_evaluate(config, workdir):
   step = first_step = int(state.step)
   logging.info('Starting at step %d of %d; %d batches per epoch', step, config.num_train_steps,
                train_batches.batches_per_epoch())
-  pending, unchecked, last, skipped = [], [], {}, 0
+  pending, unchecked, last, skipped, data_wait = [], [], {}, 0, 0.0
   interval_start = last_save = time.time()
   time_limit = config.max_train_minutes * 60 if config.max_train_minutes > 0 else float('inf')
   save_interval = config.checkpoint_every_minutes * 60 if config.checkpoint_every_minutes > 0 else float('inf')
   with StopSignal() as stop:
     while step < config.num_train_steps:
-      batch = sharding.put_batch(next(train_batches), batch_sharding)
+      wait_start = time.time()
+      host_batch = next(train_batches)
+      data_wait += time.time() - wait_start  # time the step loop stood waiting for input
+      batch = sharding.put_batch(host_batch, batch_sharding)
       state, metrics = train_fn(state, batch)
       pending.append(metrics)  # device arrays: reading them waits for the step, so only at log/save time
       unchecked.append(metrics['nonfinite'])
@@ -247,6 +278,7 @@ def train_and_evaluate(config, workdir):
         skipped += _check_finite(unchecked, step - len(unchecked), config)
       if step % config.log_every_steps == 0 or done:
         last = _interval_metrics(pending, time.time() - interval_start, start_time, train_batches.epoch)
+        last['train/data_wait_fraction'] = data_wait / (time.time() - interval_start)
         eta = min((config.num_train_steps - step) * last['train/step_time'],
                   max(time_limit - last['elapsed_seconds'], 0))
         logging.info('step %d/%d | loss %.4f | nll %.4f | lr %.3g | %.0f tgt tok/s | epoch %d | %s elapsed | '
@@ -255,7 +287,7 @@ def train_and_evaluate(config, workdir):
                      _duration(last['elapsed_seconds']), _duration(eta),
                      f' | {skipped} skipped updates' if skipped else '')
         log.write(step, last)
-        pending, interval_start = [], time.time()
+        pending, interval_start, data_wait = [], time.time(), 0.0
 
       if step % config.eval_every_steps == 0 or done:
         eval_metrics = evaluate(eval_fn, state.params, eval_batches(), batch_sharding)
@@ -264,7 +296,7 @@ def train_and_evaluate(config, workdir):
                      eval_metrics['eval/loss'], eval_metrics['eval/nll'], eval_metrics['eval/perplexity'])
         log.write(step, eval_metrics)
         last.update(eval_metrics)
-        interval_start = time.time()  # keep evaluation out of the next interval's tokens/s
+        interval_start, data_wait = time.time(), 0.0  # keep evaluation out of the next interval's tokens/s
 
       if save:
         checkpoints.save(step, state, train_batches.state(), force=True)
@@ -275,6 +307,7 @@ def train_and_evaluate(config, workdir):
         logging.info('Stopping at step %d after %s (%s)', step, _duration(time.time() - start_time), reason)
         break
 
+  train_batches.close()
   checkpoints.wait()
   checkpoints.close()
   log.close()

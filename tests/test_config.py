@@ -13,7 +13,7 @@ def run_train(*args, cwd=REPO):
                         text=True, timeout=120)
 
 
-@pytest.mark.parametrize('name', ['base', 'big', 'multi30k'])
+@pytest.mark.parametrize('name', ['base', 'big', 'multi30k', 'wmt14_ende_base', 'wmt14_ende_big'])
 def test_configs_load_with_the_paper_values(name):
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
   import importlib.util  # pylint: disable=g-import-not-at-top
@@ -24,10 +24,16 @@ def test_configs_load_with_the_paper_values(name):
   assert set(c.keys()) == set(config_lib.base_config().keys())
   assert (c.adam_b1, c.adam_b2, c.adam_eps, c.label_smoothing) == (0.9, 0.98, 1e-9, 0.1)
   assert not c.model.pre_layer_norm
-  if name == 'base':
+  if name.startswith('wmt14'):
+    assert (c.data_source, c.tfds_name, c.source_lang, c.target_lang) == ('tfds', 'wmt14_translate/de-en', 'en', 'de')
+    assert (c.eval_split, c.vocab_size, c.checkpoint_every_minutes) == ('validation', 37_000, 10.0)
+  if name == 'wmt14_ende_base':
+    assert (c.num_train_steps, c.average_last_checkpoints) == (100_000, 5)
+  if name.endswith('base'):
     assert (c.model.num_encoder_layers, c.model.d_model, c.model.d_ff, c.model.num_heads) == (6, 512, 2048, 8)
     assert (c.model.dropout_rate, c.warmup_steps, c.tokens_per_batch) == (0.1, 4000, 25_000)
-  if name == 'big':
+  if name.endswith('big'):
+    assert (c.num_train_steps, c.average_last_checkpoints) == (300_000, 20)
     assert (c.model.d_model, c.model.d_ff, c.model.num_heads, c.model.dropout_rate) == (1024, 4096, 16, 0.3)
 
 

@@ -1,4 +1,6 @@
 """Reading, checking, tokenizing and batching parallel text."""
+import threading
+
 import numpy as np
 import pytest
 
@@ -63,7 +65,7 @@ def test_tokenizer_round_trip_and_reserved_ids(toy_corpus, tmp_path):
 def corpus_of_lengths(lengths):
   source = [[5] * (n - 1) + [EOS_ID] for n in lengths]
   target = [[6] * (n - 1) + [EOS_ID] for n in lengths]
-  return data_lib.TokenizedCorpus(source, target, np.arange(len(lengths)))
+  return data_lib.TokenizedCorpus.from_lists(source, target)
 
 
 def test_batches_respect_the_token_budget_and_shift_targets():
@@ -91,9 +93,9 @@ def test_epochs_are_shuffled_differently_and_reproducibly():
   corpus = corpus_of_lengths(np.random.default_rng(0).integers(2, 40, size=300))
   a = data_lib.TrainBatches(corpus, tokens_per_batch=128, buckets=(8, 16, 32, 48), seed=3)
   b = data_lib.TrainBatches(corpus, tokens_per_batch=128, buckets=(8, 16, 32, 48), seed=3)
-  first = [a.plan(0)[i][2] for i in range(5)]
-  assert first == [b.plan(0)[i][2] for i in range(5)]
-  assert first != [a.plan(1)[i][2] for i in range(5)]
+  first = [a.plan(0)[i][2].tolist() for i in range(5)]
+  assert first == [b.plan(0)[i][2].tolist() for i in range(5)]
+  assert first != [a.plan(1)[i][2].tolist() for i in range(5)]
 
 
 def test_iterator_resumes_exactly_from_a_saved_position():
@@ -125,5 +127,159 @@ def test_length_filter_drops_long_and_empty_pairs(toy_corpus, tmp_path):
   tokenizer = tokenizer_lib.load_or_train(tmp_path / 'work', lambda: lines, vocab_size=64)
   src = ['a dog', '', 'a dog ' * 50, 'the cat']
   tgt = ['ein hund', 'leer', 'ein hund ' * 50, '']
-  corpus = data_lib.tokenize_parallel(src, tgt, tokenizer, max_length=20)
-  assert list(corpus.line_numbers) == [0]
+  corpus = data_lib.tokenize(src, tgt, tokenizer)
+  assert list(corpus.usable(max_length=20)) == [0]
+  assert list(corpus.usable()) == [0, 2]
+
+
+@pytest.mark.parametrize('hosts', [2, 4])
+def test_host_shards_are_disjoint_equal_shaped_and_cover_every_example(hosts):
+  corpus = corpus_of_lengths(np.random.default_rng(0).integers(2, 40, size=400))
+  usable = np.arange(0, 400, 3)  # a subset, as a length filter would leave
+  make = lambda p: data_lib.TrainBatches(corpus, examples=usable, tokens_per_batch=256, buckets=(8, 16, 32, 48),
+                                         seed=5, multiple_of=hosts, process_index=p, process_count=hosts)
+  shards = [make(p) for p in range(hosts)]
+  single = data_lib.TrainBatches(corpus, examples=usable, tokens_per_batch=256, buckets=(8, 16, 32, 48), seed=5,
+                                 multiple_of=hosts)
+  seen = []
+  for b in range(single.batches_per_epoch()):
+    per_host = [set(s.host_members(0, b)[0].tolist()) for s in shards]
+    for i in range(hosts):
+      for j in range(i):
+        assert not per_host[i] & per_host[j]
+    assert set().union(*per_host) == set(single.plan(0)[b][2].tolist())
+    batches = [next(s) for s in shards]
+    assert len({x['src'].shape for x in batches}) == 1  # every host feeds the same shape at every step
+    assert sum(int((x['src'] != PAD_ID).any(axis=1).sum()) for x in batches) == len(single.plan(0)[b][2])
+    seen += [i for h in per_host for i in h]
+  assert sorted(seen) == usable.tolist()  # one epoch: every usable example exactly once, over all hosts
+  for s in shards:
+    s.close()
+
+
+def test_sharded_iteration_resumes_exactly_with_and_without_prefetch():
+  corpus = corpus_of_lengths(np.random.default_rng(1).integers(2, 40, size=200))
+  make = lambda prefetch: data_lib.TrainBatches(corpus, tokens_per_batch=128, buckets=(8, 16, 32, 48), seed=2,
+                                                multiple_of=2, process_index=1, process_count=2, prefetch=prefetch)
+  reference = make(0)
+  expected = [next(reference) for _ in range(70)]
+  first = make(3)
+  for _ in range(41):
+    next(first)
+  state = first.state()  # the position of the batches handed out, not of those the thread built ahead
+  first.close()
+  resumed = make(3)
+  resumed.restore(state)
+  for want in expected[41:]:
+    got = next(resumed)
+    for key in want:
+      np.testing.assert_array_equal(got[key], want[key])
+  resumed.close()
+
+
+def test_eval_batches_split_rows_over_hosts():
+  corpus = corpus_of_lengths(np.random.default_rng(2).integers(2, 40, size=90))
+  kwargs = dict(tokens_per_batch=128, buckets=(8, 16, 32, 48), multiple_of=2)
+  whole = list(data_lib.eval_batches(corpus, **kwargs))
+  halves = [list(data_lib.eval_batches(corpus, process_index=p, process_count=2, **kwargs)) for p in range(2)]
+  for batch, first, second in zip(whole, *halves):
+    np.testing.assert_array_equal(np.concatenate([first['src'], second['src']]), batch['src'])
+
+
+class CountingTokenizer:
+  """A tokenizer that counts the lines it encodes (to see whether the cache was used)."""
+
+  def __init__(self, tokenizer):
+    self.inner, self.lines = tokenizer, 0
+    self.sha256, self.vocab_size = tokenizer.sha256, tokenizer.vocab_size
+
+  def encode(self, texts, num_threads=0):
+    self.lines += len(texts)
+    return self.inner.encode(texts, num_threads)
+
+
+def toy_tokenizer(toy_corpus, workdir):
+  lines = data_lib.read_lines(toy_corpus / 'train.en') + data_lib.read_lines(toy_corpus / 'train.de')
+  return tokenizer_lib.load_or_train(workdir, lambda: lines, vocab_size=64)
+
+
+def test_tokenization_is_cached_and_rebuilt_when_the_text_changes(toy_corpus, tmp_path):
+  from flaxformer_nmt import corpora  # pylint: disable=g-import-not-at-top
+  tokenizer = CountingTokenizer(toy_tokenizer(toy_corpus, tmp_path / 'work'))
+  pairs = corpora.TextPairs(toy_corpus, 'train', 'en', 'de')
+  cache = tmp_path / 'work' / 'tokenized' / 'train'
+  first = data_lib.tokenize_cached(pairs, tokenizer, cache, chunk_pairs=64)
+  assert tokenizer.lines == 2 * 300 and len(list(cache.glob('chunk_*.npz'))) == 5
+  direct = data_lib.tokenize(*pairs.read(range(len(pairs))), tokenizer.inner)
+  for a, b in ((first.source, direct.source), (first.target, direct.target)):
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.offsets, b.offsets)
+  again = data_lib.tokenize_cached(pairs, tokenizer, cache, chunk_pairs=64)
+  assert tokenizer.lines == 600  # the second run read the cache
+  np.testing.assert_array_equal(again.target.tokens, first.target.tokens)
+  # A changed file (another size) is a different corpus: tokenized again.
+  (toy_corpus / 'train.de').write_text((toy_corpus / 'train.de').read_text().replace('hund', 'hunde'))
+  data_lib.tokenize_cached(corpora.TextPairs(toy_corpus, 'train', 'en', 'de'), tokenizer, cache, chunk_pairs=64)
+  assert tokenizer.lines == 1200
+
+
+def run_as_hosts(count, fn):
+  """Runs fn(process_index, barrier) in `count` threads standing in for hosts; returns their results."""
+  barrier = threading.Barrier(count, timeout=60)
+  results, errors = [None] * count, []
+
+  def host(p):
+    try:
+      results[p] = fn(p, lambda name: barrier.wait())
+    except Exception as e:  # pylint: disable=broad-except
+      errors.append(e)
+      barrier.abort()
+  threads = [threading.Thread(target=host, args=(p,)) for p in range(count)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  if errors:
+    raise errors[0]
+  return results
+
+
+def test_hosts_tokenize_disjoint_chunks_and_load_the_same_corpus(toy_corpus, tmp_path):
+  from flaxformer_nmt import corpora  # pylint: disable=g-import-not-at-top
+  base = toy_tokenizer(toy_corpus, tmp_path / 'work')
+  pairs = corpora.TextPairs(toy_corpus, 'train', 'en', 'de')
+  tokenizers = [CountingTokenizer(base) for _ in range(3)]
+  corpora_ = run_as_hosts(3, lambda p, barrier: data_lib.tokenize_cached(
+      pairs, tokenizers[p], tmp_path / 'cache', process_index=p, process_count=3, barrier=barrier, chunk_pairs=50))
+  # 6 chunks of 50 pairs: each host tokenized its 2, nobody more.
+  assert [t.lines for t in tokenizers] == [200, 200, 200]
+  for c in corpora_[1:]:
+    np.testing.assert_array_equal(c.source.tokens, corpora_[0].source.tokens)
+    np.testing.assert_array_equal(c.target.offsets, corpora_[0].target.offsets)
+  assert len(corpora_[0]) == 300
+
+
+def test_only_the_leader_trains_the_vocabulary(toy_corpus, tmp_path):
+  lines = data_lib.read_lines(toy_corpus / 'train.en') + data_lib.read_lines(toy_corpus / 'train.de')
+  calls = []
+
+  def sentences(p):
+    calls.append(p)
+    return lines
+  tokenizers = run_as_hosts(2, lambda p, barrier: tokenizer_lib.load_or_train(
+      tmp_path / 'work', lambda: sentences(p), vocab_size=64, is_leader=p == 0, barrier=barrier))
+  assert calls == [0]
+  assert tokenizers[0].sha256 == tokenizers[1].sha256
+
+
+def test_vocabulary_sample_respects_the_character_budget(toy_corpus):
+  from flaxformer_nmt import corpora  # pylint: disable=g-import-not-at-top
+  pairs = corpora.TextPairs(toy_corpus, 'train', 'en', 'de')
+  everything = tokenizer_lib.sample_sentences(pairs, max_chars=0)
+  assert len(everything) == 600
+  sample = tokenizer_lib.sample_sentences(pairs, max_chars=2000, seed=1, read_size=7)
+  chars = sum(len(s) for s in sample)
+  assert 2000 <= chars < 2000 + max(len(s) for s in sample)
+  assert sample == tokenizer_lib.sample_sentences(pairs, max_chars=2000, seed=1)  # seeded
+  assert sample != tokenizer_lib.sample_sentences(pairs, max_chars=2000, seed=2)
+  assert sample[:2] != everything[:2] and set(sample) <= set(everything)  # a random draw, not the head

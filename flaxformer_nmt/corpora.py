@@ -1,0 +1,172 @@
+r"""Where sentence pairs come from: local parallel text or a TensorFlow Datasets builder.
+
+Both kinds of corpus are random-access sequences of (source text, target text) pairs, in the direction the
+config asks for, so everything downstream (vocabulary, tokenization cache, batching) is one code path:
+
+  config.data_source = 'text'   `{data_dir}/{split}.{source_lang}` and `.{target_lang}` files, checked line
+                                by line (data.read_parallel).
+  config.data_source = 'tfds'   a TFDS builder such as `wmt14_translate/de-en`, prepared as array_record so
+                                that it is read with random access (`builder.as_data_source`) and without
+                                TensorFlow. Which side is the source is chosen by the language *names*: TFDS
+                                stores WMT pairs as (de, en), and En->De reads the 'en' feature as source.
+
+Preparing a WMT builder downloads and converts the corpus once (TensorFlow is needed for that step only:
+`pip install "flaxformer_nmt[tfds]"`). Training prepares it on first use; to do it ahead of time, or to write
+a split out as text files for decode/evaluate (e.g. newstest2014 as test.en/test.de):
+
+  python -m flaxformer_nmt.corpora prepare --config configs/wmt14_ende_base.py
+  python -m flaxformer_nmt.corpora export --config configs/wmt14_ende_base.py --split test --output_dir data/wmt14
+"""
+import sys
+
+from absl import app, flags, logging
+from etils import epath
+
+from flaxformer_nmt import data as data_lib
+from flaxformer_nmt import tokenizer as tokenizer_lib
+
+
+class TextPairs:
+  """The checked, whitespace-normalized lines of `{data_dir}/{split}.{lang}` files, held in memory."""
+
+  def __init__(self, data_dir, split, source_lang, target_lang, max_line_chars=0, skip_bad_pairs=False):
+    self.source_lines, self.target_lines = data_lib.read_parallel(
+        data_dir, split, source_lang, target_lang, max_line_chars=max_line_chars, skip_bad_pairs=skip_bad_pairs)
+    src_path, tgt_path = data_lib.split_paths(data_dir, split, source_lang, target_lang)
+    # Identifies the text for the tokenization cache: a changed file gets tokenized again.
+    self.fingerprint = {'kind': 'text', 'files': [_file_stamp(src_path), _file_stamp(tgt_path)],
+                        'max_line_chars': max_line_chars, 'skip_bad_pairs': skip_bad_pairs}
+    self.description = f'{src_path} + {tgt_path}'
+
+  def __len__(self):
+    return len(self.source_lines)
+
+  def __getitem__(self, index):
+    return self.source_lines[index], self.target_lines[index]
+
+  def read(self, indices):
+    """(source lines, target lines) of the pairs at `indices`."""
+    return [self.source_lines[i] for i in indices], [self.target_lines[i] for i in indices]
+
+
+def _file_stamp(path):
+  info = epath.Path(path).stat()
+  return [str(path), info.length, int(info.mtime)]
+
+
+def _import_tfds():
+  try:
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise data_lib.DataError(f'config.data_source=tfds needs tensorflow-datasets ({e})') from None
+  return tfds
+
+
+def tfds_builder(name, data_dir=None):
+  """The builder of `name` (e.g. 'wmt14_translate/de-en'), writing array_record files for random access."""
+  tfds = _import_tfds()
+  try:
+    return tfds.builder(name, data_dir=data_dir or None, file_format='array_record')
+  except Exception as e:  # TFDS raises several types for unknown names and missing modules.
+    raise data_lib.DataError(f'config.tfds_name={name!r}: cannot load the TFDS builder: {e}') from None
+
+
+def prepare_tfds(name, data_dir=None):
+  """Downloads and prepares a TFDS builder (once; a prepared builder is left alone)."""
+  builder = tfds_builder(name, data_dir)
+  if not builder.is_prepared():
+    logging.info('Preparing %s in %s (download and conversion; done once)', name, builder.data_dir)
+    try:
+      builder.download_and_prepare()
+    except ImportError as e:
+      raise data_lib.DataError(
+          f'preparing {name} needs TensorFlow ({e}): pip install "flaxformer_nmt[tfds]", or prepare it on '
+          'another machine and point --config.tfds_data_dir at the result') from None
+  return builder
+
+
+class TfdsPairs:
+  """One split of a prepared TFDS translation builder, read as (source, target) by language name."""
+
+  def __init__(self, name, split, source_lang, target_lang, data_dir=None):
+    builder = tfds_builder(name, data_dir)
+    features = set(builder.info.features.keys())
+    for field, lang in (('source_lang', source_lang), ('target_lang', target_lang)):
+      if lang not in features:
+        raise data_lib.DataError(f'config.{field}={lang!r}: {name} has the languages {sorted(features)}')
+    if builder.info.splits and split not in builder.info.splits:  # (unknown before preparation)
+      raise data_lib.DataError(f'split {split!r} not in {name}: it has {sorted(builder.info.splits)}')
+    self.records = builder.as_data_source(split=split)
+    self.source_lang, self.target_lang = source_lang, target_lang
+    self.fingerprint = {'kind': 'tfds', 'name': name, 'version': str(builder.info.version), 'split': split,
+                        'pairs': len(self.records), 'source_lang': source_lang, 'target_lang': target_lang}
+    self.description = f'{name}:{split} ({builder.data_dir})'
+
+  def __len__(self):
+    return len(self.records)
+
+  def _pair(self, example):
+    text = lambda x: tokenizer_lib.normalize_whitespace(x.decode('utf-8') if isinstance(x, bytes) else str(x))
+    return text(example[self.source_lang]), text(example[self.target_lang])
+
+  def __getitem__(self, index):
+    return self._pair(self.records[int(index)])
+
+  def read(self, indices):
+    """(source lines, target lines) of the pairs at `indices`."""
+    pairs = [self[i] for i in indices]
+    return [s for s, _ in pairs], [t for _, t in pairs]
+
+
+def open_split(config, split):
+  """The corpus of `split` as the config describes it."""
+  if config.data_source == 'text':
+    return TextPairs(config.data_dir, split, config.source_lang, config.target_lang,
+                     max_line_chars=config.max_line_chars, skip_bad_pairs=config.skip_bad_pairs)
+  if config.data_source == 'tfds':
+    return TfdsPairs(config.tfds_name, split, config.source_lang, config.target_lang, config.tfds_data_dir)
+  raise data_lib.DataError(f"config.data_source={config.data_source!r}: use 'text' or 'tfds'")
+
+
+def export_text(pairs, output_dir, split, source_lang, target_lang):
+  """Writes `{split}.{source_lang}` / `{split}.{target_lang}` files (for decode --input and evaluate --ref)."""
+  output_dir = epath.Path(output_dir)
+  output_dir.mkdir(parents=True, exist_ok=True)
+  source, target = pairs.read(range(len(pairs)))
+  paths = []
+  for lang, lines in ((source_lang, source), (target_lang, target)):
+    path = output_dir / f'{split}.{lang}'
+    path.write_text(''.join(line + '\n' for line in lines), encoding='utf-8')
+    paths.append(path)
+  return paths
+
+
+def define_flags():
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  config_flags.DEFINE_config_file('config', None, 'Python config file (configs/*.py).', lock_config=True)
+  flags.DEFINE_string('split', None, 'export: the split to write out (e.g. test, validation).')
+  flags.DEFINE_string('output_dir', None, 'export: directory for {split}.{lang} files.')
+  flags.mark_flags_as_required(['config'])
+
+
+def main(argv):
+  if len(argv) != 2 or argv[1] not in ('prepare', 'export'):
+    raise app.UsageError('usage: python -m flaxformer_nmt.corpora prepare|export --config CONFIG [...]')
+  config = flags.FLAGS.config
+  try:
+    if config.data_source == 'tfds':
+      prepare_tfds(config.tfds_name, config.tfds_data_dir)
+    if argv[1] == 'export':
+      if not flags.FLAGS.split or not flags.FLAGS.output_dir:
+        raise app.UsageError('export needs --split and --output_dir')
+      pairs = open_split(config, flags.FLAGS.split)
+      for path in export_text(pairs, flags.FLAGS.output_dir, flags.FLAGS.split, config.source_lang,
+                              config.target_lang):
+        print(f'wrote {path} ({len(pairs):,} lines)')
+  except data_lib.DataError as e:
+    sys.exit(f'error: {e}')
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main)

@@ -1,0 +1,112 @@
+r"""Fetches Multi30k's raw En-De text (task 1) from its public GitHub repository into a data directory.
+
+  python -m flaxformer_nmt.download --data_dir data/multi30k
+  python -m flaxformer_nmt.train --config configs/multi30k.py --config.data_dir=data/multi30k --workdir runs/m30k
+
+The files come from the repository `multi30k/dataset` at a pinned commit, are gunzipped, renamed to this
+project's `{split}.{lang}` layout (train, valid, test2016) and checked against their known sha256 values.
+Files already present and correct are not fetched again; a download goes to a temporary name first, so an
+interrupted run never leaves a half-written file behind.
+"""
+import gzip
+import hashlib
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from absl import app, flags, logging
+from etils import epath
+
+# The last commit touching data/task1/raw/ (2020-11-09).
+MULTI30K_COMMIT = 'c40b37b23d6387214f8ab37335b5a8672b9745f2'
+MULTI30K_URL = f'https://raw.githubusercontent.com/multi30k/dataset/{MULTI30K_COMMIT}/data/task1/raw'
+
+# Our name -> (name in the repository, sha256 of the gunzipped file, lines).
+MULTI30K_FILES = {
+    'train.en': ('train.en.gz', '460a15fbd157e34a7a9957ee388c1ca247fe47af3ef25fb50442af6c274e0fc6', 29000),
+    'train.de': ('train.de.gz', '2c2b73fd2b548fbcde3a875e0a78d6ee94d498bfdee6bd3eae3945779e9ddf72', 29000),
+    'valid.en': ('val.en.gz', '1f2a23d992769b5b3d209b0a10dd0b77c08cceb1f20dfb97ed0aafa49d107227', 1014),
+    'valid.de': ('val.de.gz', '660e09eb7e1da2f856ea13ee5ad3cf6d36b3d5b0b733c857e94c5747a3dfc660', 1014),
+    'test2016.en': ('test_2016_flickr.en.gz', '399a4382932c1aadd3ceb9bef1008d388a64c76d4ae4e9d4728c6f4301cac182',
+                    1000),
+    'test2016.de': ('test_2016_flickr.de.gz', '4be6b5b3236b79c25475c6bb829800a7ce559e9ba7a1f6c2394fe4d40be46d16',
+                    1000),
+}
+
+
+class DownloadError(RuntimeError):
+  """A file that could not be fetched or does not match its checksum; the message names it."""
+
+
+def fetch(url, attempts=3, timeout=60):
+  """The bytes at `url` (http(s):// or file://), retried with backoff on network errors."""
+  for attempt in range(1, attempts + 1):
+    try:
+      with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read()
+    except urllib.error.HTTPError as e:
+      if e.code < 500 or attempt == attempts:  # 404 and the like will not get better
+        raise DownloadError(f'{url}: HTTP {e.code} {e.reason}') from None
+    except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+      if attempt == attempts:
+        raise DownloadError(f'{url}: {getattr(e, "reason", e)} (after {attempts} attempts)') from None
+    logging.warning('%s: attempt %d failed, retrying', url, attempt)
+    time.sleep(2 ** attempt)
+
+
+def sha256(data):
+  return hashlib.sha256(data).hexdigest()
+
+
+def download_multi30k(data_dir, base_url=MULTI30K_URL, files=None, verify=True):
+  """Writes train/valid/test2016 .en/.de into `data_dir`; returns their paths."""
+  files = MULTI30K_FILES if files is None else files
+  data_dir = epath.Path(data_dir)
+  data_dir.mkdir(parents=True, exist_ok=True)
+  written = []
+  for name, (remote, expected, lines) in files.items():
+    path = data_dir / name
+    if path.exists() and (not verify or sha256(path.read_bytes()) == expected):
+      logging.info('%s is present', path)
+      written.append(path)
+      continue
+    url = f'{base_url.rstrip("/")}/{remote}'
+    raw = fetch(url)
+    try:
+      text = gzip.decompress(raw) if remote.endswith('.gz') else raw
+    except (OSError, EOFError) as e:
+      raise DownloadError(f'{url}: not a valid gzip file ({e})') from None
+    if verify and sha256(text) != expected:
+      raise DownloadError(f'{url}: sha256 {sha256(text)} differs from the expected {expected} (a changed or '
+                          'corrupted file)')
+    got_lines = text.count(b'\n')
+    if got_lines != lines:
+      raise DownloadError(f'{url}: {got_lines} lines, expected {lines}')
+    tmp = data_dir / f'.{name}.tmp'
+    tmp.write_bytes(text)
+    tmp.rename(path)
+    logging.info('Wrote %s (%d lines) from %s', path, lines, url)
+    written.append(path)
+  return written
+
+
+def define_flags():
+  flags.DEFINE_string('data_dir', None, 'Directory to write train/valid/test2016 .en/.de into.')
+  flags.DEFINE_string('base_url', MULTI30K_URL, 'Where the raw .gz files are (a mirror, or file:// for a copy).')
+  flags.mark_flags_as_required(['data_dir'])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  try:
+    for path in download_multi30k(flags.FLAGS.data_dir, flags.FLAGS.base_url):
+      print(path)
+  except DownloadError as e:
+    sys.exit(f'error: {e}')
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main)

@@ -1,0 +1,163 @@
+"""Corpora: TFDS WMT builders (on tfds.testing.mock_data), the translation direction, text export and the
+Multi30k download helper (on a local HTTP server)."""
+import functools
+import gzip
+import hashlib
+import http.server
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from flaxformer_nmt import config as config_lib
+from flaxformer_nmt import corpora
+from flaxformer_nmt import download
+from flaxformer_nmt import tokenizer as tokenizer_lib
+from flaxformer_nmt.tokenizer import PAD_ID
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED_MULTI30K = config_lib.shared_data_dir('multi30k')
+
+# The WMT builders need TensorFlow to load, even under mock_data (the `tfds` extra).
+requires_tensorflow = pytest.mark.skipif(
+    subprocess.run([sys.executable, '-c', 'import tensorflow'], capture_output=True).returncode != 0,
+    reason='TensorFlow (the tfds extra) is not installed')
+
+
+def load_config(name):
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, 'configs', f'{name}.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+@requires_tensorflow
+@pytest.mark.parametrize('name', ['wmt14_translate/de-en', 'wmt17_translate/de-en'])
+def test_direction_is_chosen_by_language_name(name):
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  with tfds.testing.mock_data(num_examples=6):
+    records = corpora.tfds_builder(name).as_data_source(split='train')
+    en_de = corpora.TfdsPairs(name, 'train', 'en', 'de')
+    de_en = corpora.TfdsPairs(name, 'train', 'de', 'en')
+    for i in range(len(records)):
+      en, de = (tokenizer_lib.normalize_whitespace(records[i][k].decode()
+                                                   if isinstance(records[i][k], bytes) else records[i][k])
+                for k in ('en', 'de'))
+      assert en_de[i] == (en, de)
+      assert de_en[i] == (de, en)
+    with pytest.raises(corpora.data_lib.DataError, match=r"config.target_lang='fr'.*\['de', 'en'\]"):
+      corpora.TfdsPairs(name, 'train', 'en', 'fr')
+
+
+@requires_tensorflow
+@pytest.mark.parametrize('config_name', ['wmt14_ende_base', 'wmt14_ende_big'])
+def test_wmt_configs_build_their_pipeline_on_mock_data(config_name, tmp_path):
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import train  # pylint: disable=g-import-not-at-top
+  config = load_config(config_name)
+  # Random mock text cannot fill a 37k vocabulary or 25k-token batches; everything else is the config's.
+  config.vocab_size = 200
+  config.tokens_per_batch = 512
+  with tfds.testing.mock_data(num_examples=60):
+    train_batches, eval_batches, tokenizer = train.input_pipeline(config, tmp_path, num_devices=1)
+    records = corpora.tfds_builder(config.tfds_name).as_data_source(split='train')
+    english = {tokenizer_lib.normalize_whitespace(records[i]['en']) for i in range(len(records))}
+    german = {tokenizer_lib.normalize_whitespace(records[i]['de']) for i in range(len(records))}
+  assert (tmp_path / 'vocab.model').exists() and (tmp_path / 'tokenized' / 'train' / 'meta.json').exists()
+  batch = next(train_batches)
+  train_batches.close()
+  rows, length = batch['src'].shape
+  assert rows * length <= 512 and batch['tgt_in'].shape == batch['tgt_out'].shape == (rows, length)
+  # En->De: every source row is an English side, every target row a German side of the builder's pairs.
+  for r in np.flatnonzero((batch['src'] != PAD_ID).any(axis=1)):
+    assert tokenizer.decode(batch['src'][r]) in english
+    assert tokenizer.decode(batch['tgt_out'][r]) in german
+  assert sum(int((b['src'] != PAD_ID).any(axis=1).sum()) for b in eval_batches()) == 60
+
+
+@requires_tensorflow
+def test_export_writes_a_tfds_split_as_text(tmp_path):
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  with tfds.testing.mock_data(num_examples=5):
+    pairs = corpora.TfdsPairs('wmt14_translate/de-en', 'test', 'en', 'de')
+    src_path, tgt_path = corpora.export_text(pairs, tmp_path, 'test', 'en', 'de')
+    expected = [pairs[i] for i in range(5)]
+  assert src_path.read_text().splitlines() == [s for s, _ in expected]
+  assert tgt_path.read_text().splitlines() == [t for _, t in expected]
+
+
+def test_text_corpus_reads_by_index(toy_corpus):
+  pairs = corpora.TextPairs(toy_corpus, 'train', 'en', 'de')
+  source = (toy_corpus / 'train.en').read_text().splitlines()
+  target = (toy_corpus / 'train.de').read_text().splitlines()
+  assert len(pairs) == len(source) and pairs[3] == (source[3], target[3])
+  assert pairs.read([5, 1]) == ([source[5], source[1]], [target[5], target[1]])
+
+
+def test_export_cli_writes_text_splits(toy_corpus, tmp_path):
+  config = os.path.join(REPO, 'configs', 'multi30k.py')
+  result = subprocess.run(
+      [sys.executable, '-m', 'flaxformer_nmt.corpora', 'export', '--config', config,
+       f'--config.data_dir={toy_corpus}', '--split', 'valid', '--output_dir', str(tmp_path / 'out')],
+      capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr
+  assert (tmp_path / 'out' / 'valid.en').read_text() == (toy_corpus / 'valid.en').read_text()
+
+
+# --- The Multi30k download helper, against a local HTTP server --------------------------------------------
+
+@pytest.fixture
+def file_server(tmp_path):
+  """An HTTP server on localhost serving tmp_path/'remote'."""
+  root = tmp_path / 'remote'
+  root.mkdir()
+  handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+  handler.log_message = lambda *args: None
+  server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), handler)
+  thread = threading.Thread(target=server.serve_forever, daemon=True)
+  thread.start()
+  yield root, f'http://127.0.0.1:{server.server_address[1]}'
+  server.shutdown()
+
+
+def test_download_gunzips_renames_and_checks(file_server, tmp_path):
+  root, url = file_server
+  files = {}
+  for name, remote in (('train.en', 'train.en.gz'), ('valid.de', 'val.de.gz')):
+    text = ''.join(f'{name} line {i}\n' for i in range(7)).encode()
+    (root / remote).write_bytes(gzip.compress(text))
+    files[name] = (remote, hashlib.sha256(text).hexdigest(), 7)
+  paths = download.download_multi30k(tmp_path / 'data', base_url=url, files=files)
+  assert [p.name for p in paths] == ['train.en', 'valid.de']
+  assert (tmp_path / 'data' / 'valid.de').read_text().splitlines()[6] == 'valid.de line 6'
+  # Present and correct: not fetched again (the server no longer has it).
+  (root / 'train.en.gz').unlink()
+  download.download_multi30k(tmp_path / 'data', base_url=url, files=files)
+  # A changed upstream file is refused by name, and nothing is written.
+  (root / 'train.en.gz').write_bytes(gzip.compress(b'tampered\n'))
+  (tmp_path / 'data' / 'train.en').unlink()
+  with pytest.raises(download.DownloadError, match=r'train.en.gz: sha256 .* differs'):
+    download.download_multi30k(tmp_path / 'data', base_url=url, files=files)
+  assert not (tmp_path / 'data' / 'train.en').exists()
+  with pytest.raises(download.DownloadError, match=r'missing.gz: HTTP 404'):
+    download.download_multi30k(tmp_path / 'data', base_url=url, files={'x.en': ('missing.gz', '', 1)})
+
+
+@pytest.mark.skipif(not os.path.isdir(SHARED_MULTI30K), reason='../shared/data/multi30k not present')
+def test_download_cli_reproduces_the_shared_multi30k_files(file_server, tmp_path):
+  """Serves gzipped copies of ../shared/data/multi30k under the repository's names; the CLI must rebuild
+  byte-identical files (the pinned checksums are those of the real upstream files)."""
+  root, url = file_server
+  for name, (remote, _, _) in download.MULTI30K_FILES.items():
+    with open(os.path.join(SHARED_MULTI30K, name), 'rb') as f:
+      (root / remote).write_bytes(gzip.compress(f.read()))
+  result = subprocess.run([sys.executable, '-m', 'flaxformer_nmt.download', '--data_dir', str(tmp_path / 'm30k'),
+                           '--base_url', url], capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr
+  for name in download.MULTI30K_FILES:
+    with open(os.path.join(SHARED_MULTI30K, name), 'rb') as f:
+      assert (tmp_path / 'm30k' / name).read_bytes() == f.read()
