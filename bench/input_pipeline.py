@@ -1,0 +1,110 @@
+r"""Throughput of the input pipeline alone (no model): tokenization into the cache, loading the cache, and
+building token-budget batches, in examples/s and tokens/s.
+
+  python bench/input_pipeline.py --config configs/multi30k.py --vocab runs/m30k/vocab.model
+  python bench/input_pipeline.py --config configs/multi30k.py --vocab runs/m30k/vocab.model --repeat 20
+
+--repeat K stands the corpus K times end to end (a K-times larger corpus of the same sentences) to see how
+the stages scale. Without --vocab, a vocabulary is trained first (and timed).
+"""
+import argparse
+import importlib.util
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from flaxformer_nmt import corpora  # pylint: disable=g-import-not-at-top,wrong-import-position
+from flaxformer_nmt import data as data_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from flaxformer_nmt import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+class Repeated:
+  """A corpus `times` times over (same sentences), with a fingerprint of its own."""
+
+  def __init__(self, pairs, times):
+    self.pairs, self.times = pairs, times
+    self.fingerprint = {'repeat': times, **pairs.fingerprint}
+    self.description = f'{pairs.description} x{times}'
+
+  def __len__(self):
+    return len(self.pairs) * self.times
+
+  def read(self, indices):
+    return self.pairs.read([int(i) % len(self.pairs) for i in indices])
+
+
+def load_config(path):
+  spec = importlib.util.spec_from_file_location('config', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--config', default='configs/multi30k.py')
+  parser.add_argument('--vocab', default='', help='an existing vocab.model (else one is trained and timed)')
+  parser.add_argument('--repeat', type=int, default=1)
+  parser.add_argument('--epochs', type=float, default=2.0, help='epochs of batches to build')
+  parser.add_argument('--threads', type=int, default=0, help='sentencepiece threads (0 = all cores)')
+  args = parser.parse_args()
+  config = load_config(args.config)
+  print(f'cores: {os.cpu_count()}; config {args.config}; corpus x{args.repeat}')
+
+  start = time.perf_counter()
+  pairs = corpora.open_split(config, config.train_split)
+  if args.repeat > 1:
+    pairs = Repeated(pairs, args.repeat)
+  print(f'read + check text: {len(pairs):,} pairs in {time.perf_counter() - start:.2f} s')
+
+  with tempfile.TemporaryDirectory() as workdir:
+    if args.vocab:
+      tokenizer = tokenizer_lib.Tokenizer(args.vocab)
+    else:
+      start = time.perf_counter()
+      tokenizer = tokenizer_lib.load_or_train(
+          workdir, lambda: tokenizer_lib.sample_sentences(pairs, config.sentencepiece_max_chars, config.seed),
+          vocab_size=config.vocab_size, model_type=config.sentencepiece_model_type)
+      budget = f'{config.sentencepiece_max_chars:,}' if config.sentencepiece_max_chars else 'all'
+      print(f'sample + sentencepiece training ({budget} characters): {time.perf_counter() - start:.1f} s')
+
+    cache = os.path.join(workdir, 'tokenized')
+    start = time.perf_counter()
+    corpus = data_lib.tokenize_cached(pairs, tokenizer, cache, num_threads=args.threads)
+    cold = time.perf_counter() - start
+    tokens = int(corpus.source.offsets[-1] + corpus.target.offsets[-1])
+    print(f'tokenize + write cache (cold): {cold:.2f} s = {len(corpus) / cold:,.0f} pairs/s, '
+          f'{tokens / cold:,.0f} tokens/s (both sides, {tokens:,} tokens)')
+    start = time.perf_counter()
+    corpus = data_lib.tokenize_cached(pairs, tokenizer, cache)
+    warm = time.perf_counter() - start
+    print(f'load cache (warm, a restarted run): {warm:.3f} s = {len(corpus) / warm:,.0f} pairs/s '
+          f'({cold / warm:.0f}x faster than tokenizing)')
+
+    examples = corpus.usable(config.max_length)
+    for prefetch in (0, config.prefetch_batches):
+      batches = data_lib.TrainBatches(corpus, examples=examples, tokens_per_batch=config.tokens_per_batch,
+                                      buckets=config.length_buckets, seed=config.seed, prefetch=prefetch)
+      count = int(batches.batches_per_epoch() * args.epochs)
+      start = time.perf_counter()
+      real = padded = rows = 0
+      for _ in range(count):
+        batch = next(batches)
+        real += int((batch['src'] != 0).sum() + (batch['tgt_out'] != 0).sum())
+        padded += 2 * batch['src'].size
+        rows += int((batch['src'] != 0).any(axis=1).sum())
+      seconds = time.perf_counter() - start
+      batches.close()
+      print(f'batches (prefetch {prefetch}): {count} batches in {seconds:.2f} s = {count / seconds:,.0f} batches/s, '
+            f'{rows / seconds:,.0f} examples/s, {real / seconds:,.0f} real tokens/s '
+            f'({real / padded:.1%} of padded {padded / seconds:,.0f} tokens/s)')
+    lengths = corpus.lengths()[examples]
+    print(f'example length: mean {np.mean(lengths):.1f}, max {np.max(lengths)} tokens')
+
+
+if __name__ == '__main__':
+  main()
