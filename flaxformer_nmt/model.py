@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
+from flax import struct
 
 from flaxformer_nmt.tokenizer import PAD_ID
 
@@ -43,6 +44,11 @@ class ModelConfig:
   pre_layer_norm: bool = False
   max_position: int = 1024
   dtype: str = 'auto'
+  # How attention is computed (same parameters either way): 'auto' (cuDNN flash attention on GPU in bf16,
+  # else XLA), 'xla', 'cudnn' (jax.nn.dot_product_attention) or 'einsum' (explicit weights).
+  attention_impl: str = 'auto'
+  # Activation rematerialization per layer: 'none', 'full' or 'dots' (see REMAT_POLICIES).
+  remat: str = 'none'
 
   @classmethod
   def from_config(cls, config, vocab_size):
@@ -82,11 +88,30 @@ def causal_mask(length):
 
 # --- 3.2 Attention -----------------------------------------------------------------------------------------
 
+ATTENTION_IMPLEMENTATIONS = ('auto', 'xla', 'cudnn', 'einsum')
+
+
+def resolve_attention_impl(name, dtype, head_dim, backend=None):
+  """'auto' -> 'cudnn' (flash attention) on GPU in bf16/fp16 with a head size cuDNN takes, else 'xla'."""
+  if name not in ATTENTION_IMPLEMENTATIONS:
+    raise ValueError(f'attention_impl must be one of {ATTENTION_IMPLEMENTATIONS}, not {name!r}')
+  if name != 'auto':
+    return name
+  backend = backend or jax.default_backend()
+  flash_ok = (backend == 'gpu' and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+              and head_dim % 8 == 0 and head_dim <= 128)
+  return 'cudnn' if flash_ok else 'xla'
+
+
 def scaled_dot_product_attention(q, k, v, mask, dropout=None):
-  """softmax(Q K^T / sqrt(d_k)) V over [B, T, H, D] arrays; returns (output, weights [B, H, Tq, Tk])."""
+  """softmax(Q K^T / sqrt(d_k)) V over [B, T, H, D] arrays; returns (output, weights [B, H, Tq, Tk]).
+
+  The explicit path: it materializes the float32 weights (attention pictures, attention dropout).
+  """
   q = q / jnp.sqrt(q.shape[-1]).astype(q.dtype)
-  scores = jnp.einsum('bqhd,bkhd->bhqk', q, k).astype(jnp.float32)
-  # A select, not an added large negative: adding overflows to NaN in half precision.
+  scores = jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32)
+  # A select, not an added large negative: adding overflows to NaN in half precision. A fully masked row
+  # (a padding query) gets uniform weights: finite, and the loss ignores it.
   scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
   weights = jax.nn.softmax(scores, axis=-1)
   if dropout is not None:
@@ -95,42 +120,96 @@ def scaled_dot_product_attention(q, k, v, mask, dropout=None):
   return out, weights
 
 
+@struct.dataclass
+class AttentionMask:
+  """Who may attend to whom, in two forms: `mask`, boolean [B or 1, 1, Tq, Tk] (True = may attend), used by
+  the XLA and einsum paths; and, for right-padded rows without packing, the per-row lengths plus a causal
+  flag, which let cuDNN's flash attention skip padding and the future instead of reading a dense mask."""
+  mask: jax.Array
+  query_lengths: jax.Array | None = None
+  key_lengths: jax.Array | None = None
+  causal: bool = struct.field(pytree_node=False, default=False)
+
+
+def fused_attention(q, k, v, mask, impl):
+  """softmax(Q K^T / sqrt(d_k)) V through jax.nn.dot_product_attention (no weights materialized on cuDNN).
+
+  Logits and softmax are float32 inside both implementations; a fully masked query row gives a finite
+  output (XLA: uniform weights over a large negative; cuDNN: rows past their length are not attended).
+  """
+  if impl == 'cudnn' and mask.query_lengths is not None:
+    return jax.nn.dot_product_attention(
+        q, k, v, is_causal=mask.causal, query_seq_lengths=mask.query_lengths.astype(jnp.int32),
+        key_value_seq_lengths=mask.key_lengths.astype(jnp.int32), implementation='cudnn')
+  return jax.nn.dot_product_attention(q, k, v, mask=mask.mask, implementation=impl)
+
+
 class MultiHeadAttention(nn.Module):
-  """MultiHead(Q, K, V) = Concat(head_1..head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V)."""
+  """MultiHead(Q, K, V) = Concat(head_1..head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V).
+
+  Self-attention projects Q, K and V with one fused [d, 3d] matmul (`qkv`); encoder-decoder attention
+  projects Q from the decoder (`query`) and K, V from the encoder output with one fused [d, 2d] matmul
+  (`kv`), computed once per sentence when decoding.
+  """
   num_heads: int
   d_model: int
   attention_dropout_rate: float = 0.0
   dtype: jnp.dtype = jnp.float32
+  is_self_attention: bool = True
+  attention_impl: str = 'xla'  # resolved: 'xla', 'cudnn' or 'einsum'
 
   def setup(self):
     if self.d_model % self.num_heads:
       raise ValueError(f'd_model {self.d_model} is not divisible by num_heads {self.num_heads}')
-    # No biases in the projections, as in the authors' tensor2tensor code.
-    dense = functools.partial(nn.Dense, self.d_model, use_bias=False, kernel_init=xavier_uniform,
-                              dtype=self.dtype)
-    self.query, self.key, self.value, self.output = dense(), dense(), dense(), dense()
+    # No biases in the projections, as in the authors' tensor2tensor code. Parameters stay float32
+    # (param_dtype); the matmuls run in `dtype`.
+    dense = functools.partial(nn.Dense, use_bias=False, kernel_init=xavier_uniform, dtype=self.dtype)
+    if self.is_self_attention:
+      self.qkv = dense(3 * self.d_model)
+    else:
+      self.query = dense(self.d_model)
+      self.kv = dense(2 * self.d_model)
+    self.output = dense(self.d_model)
     self.attention_dropout = nn.Dropout(self.attention_dropout_rate)
 
-  def _split_heads(self, x):
-    return x.reshape(x.shape[:-1] + (self.num_heads, self.d_model // self.num_heads))
+  def _split_heads(self, x, parts):
+    """[B, T, parts * d] -> `parts` arrays [B, T, H, D]."""
+    x = x.reshape(x.shape[:-1] + (parts, self.num_heads, self.d_model // self.num_heads))
+    return [x[..., i, :, :] for i in range(parts)]
+
+  def project_qkv(self, inputs):
+    """Self-attention queries, keys and values [B, T, H, D] of `inputs`, from one fused matmul."""
+    return self._split_heads(self.qkv(inputs), 3)
 
   def project_kv(self, kv_inputs):
-    """Keys and values [B, Tk, H, D] of `kv_inputs` (computed once per sentence for cross-attention)."""
-    return self._split_heads(self.key(kv_inputs)), self._split_heads(self.value(kv_inputs))
+    """Encoder-decoder keys and values [B, Tk, H, D] of `kv_inputs` (computed once per sentence)."""
+    return tuple(self._split_heads(self.kv(kv_inputs), 2))
 
-  def attend(self, q_inputs, k, v, mask, deterministic):
-    q = self._split_heads(self.query(q_inputs))
-    dropout = None
-    if self.attention_dropout_rate > 0 and not deterministic:
-      dropout = functools.partial(self.attention_dropout, deterministic=False)
-    out, weights = scaled_dot_product_attention(q, k, v, mask, dropout)
-    # Kept for attention pictures when 'intermediates' is mutable; free otherwise.
-    self.sow('intermediates', 'attention_weights', weights)
+  def project_q(self, q_inputs):
+    return self._split_heads(self.query(q_inputs), 1)[0]
+
+  def attend(self, q, k, v, mask, deterministic):
+    """Attention of projected queries q over keys k / values v ([B, T, H, D]), then the output projection.
+
+    The explicit einsum path runs when asked for, when attention dropout is active (the fused kernels have
+    none), and whenever 'intermediates' is mutable, where it sows the float32 weights [B, H, Tq, Tk] as
+    `attention_weights` for attention pictures.
+    """
+    dropout_active = self.attention_dropout_rate > 0 and not deterministic
+    if self.attention_impl == 'einsum' or dropout_active or self.is_mutable_collection('intermediates'):
+      dropout = functools.partial(self.attention_dropout, deterministic=False) if dropout_active else None
+      out, weights = scaled_dot_product_attention(q, k, v, mask.mask, dropout)
+      self.sow('intermediates', 'attention_weights', weights)
+    else:
+      out = fused_attention(q, k, v, mask, self.attention_impl)
     return self.output(out.reshape(out.shape[:-2] + (self.d_model,)))
 
   def __call__(self, q_inputs, kv_inputs, mask, deterministic=True):
-    k, v = self.project_kv(kv_inputs)
-    return self.attend(q_inputs, k, v, mask, deterministic)
+    if self.is_self_attention:
+      q, k, v = self.project_qkv(q_inputs)
+    else:
+      q, (k, v) = self.project_q(q_inputs), self.project_kv(kv_inputs)
+    return self.attend(q, k, v, mask, deterministic)
 
 
 # --- 3.3 Feed-forward --------------------------------------------------------------------------------------
@@ -152,29 +231,35 @@ class FeedForward(nn.Module):
 # --- 3.1 Encoder and decoder stacks ------------------------------------------------------------------------
 
 class SublayerConnection(nn.Module):
-  """Post-LN: LayerNorm(x + Dropout(f(x))). Pre-LN: x + Dropout(f(LayerNorm(x)))."""
+  """Post-LN: LayerNorm(x + Dropout(f(x))). Pre-LN: x + Dropout(f(LayerNorm(x))).
+
+  The residual stream is in the compute dtype; LayerNorm normalizes in float32 and casts back.
+  """
   dropout_rate: float
   pre_layer_norm: bool
   dtype: jnp.dtype = jnp.float32
 
   def setup(self):
-    self.norm = nn.LayerNorm(epsilon=1e-5, dtype=self.dtype)
+    self.norm = nn.LayerNorm(epsilon=1e-5, dtype=jnp.float32)
     self.dropout = nn.Dropout(self.dropout_rate)
 
   def __call__(self, x, sublayer, deterministic):
+    norm = lambda z: self.norm(z).astype(self.dtype)
     if self.pre_layer_norm:
-      return x + self.dropout(sublayer(self.norm(x)), deterministic=deterministic)
-    return self.norm(x + self.dropout(sublayer(x), deterministic=deterministic))
+      return x + self.dropout(sublayer(norm(x)), deterministic=deterministic)
+    return norm(x + self.dropout(sublayer(x), deterministic=deterministic))
 
 
 class EncoderLayer(nn.Module):
   config: ModelConfig
   dtype: jnp.dtype
+  attention_impl: str
 
   def setup(self):
     c = self.config
     sublayer = functools.partial(SublayerConnection, c.dropout_rate, c.pre_layer_norm, self.dtype)
-    self.self_attention = MultiHeadAttention(c.num_heads, c.d_model, c.attention_dropout_rate, self.dtype)
+    self.self_attention = MultiHeadAttention(c.num_heads, c.d_model, c.attention_dropout_rate, self.dtype,
+                                             is_self_attention=True, attention_impl=self.attention_impl)
     self.feed_forward = FeedForward(c.d_model, c.d_ff, c.relu_dropout_rate, self.dtype)
     self.attention_block, self.feed_forward_block = sublayer(), sublayer()
 
@@ -186,12 +271,15 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
   config: ModelConfig
   dtype: jnp.dtype
+  attention_impl: str
 
   def setup(self):
     c = self.config
     sublayer = functools.partial(SublayerConnection, c.dropout_rate, c.pre_layer_norm, self.dtype)
-    self.self_attention = MultiHeadAttention(c.num_heads, c.d_model, c.attention_dropout_rate, self.dtype)
-    self.cross_attention = MultiHeadAttention(c.num_heads, c.d_model, c.attention_dropout_rate, self.dtype)
+    attention = functools.partial(MultiHeadAttention, c.num_heads, c.d_model, c.attention_dropout_rate, self.dtype,
+                                  attention_impl=self.attention_impl)
+    self.self_attention = attention(is_self_attention=True)
+    self.cross_attention = attention(is_self_attention=False)
     self.feed_forward = FeedForward(c.d_model, c.d_ff, c.relu_dropout_rate, self.dtype)
     self.self_block, self.cross_block, self.feed_forward_block = sublayer(), sublayer(), sublayer()
 
@@ -200,73 +288,136 @@ class DecoderLayer(nn.Module):
     holds the single position `index`; returns (y, updated cache)."""
     def self_attention(z):
       nonlocal cache
-      k, v = self.self_attention.project_kv(z)
+      q, k, v = self.self_attention.project_qkv(z)
       if cache is not None:
         k = jax.lax.dynamic_update_slice_in_dim(cache['k'], k.astype(cache['k'].dtype), index, axis=1)
         v = jax.lax.dynamic_update_slice_in_dim(cache['v'], v.astype(cache['v'].dtype), index, axis=1)
         cache = {'k': k, 'v': v}
-      return self.self_attention.attend(z, k, v, self_mask, deterministic)
+      return self.self_attention.attend(q, k, v, self_mask, deterministic)
+
+    def cross_attention(z):
+      return self.cross_attention.attend(self.cross_attention.project_q(z), *cross_kv, cross_mask, deterministic)
 
     y = self.self_block(y, self_attention, deterministic)
-    y = self.cross_block(y, lambda z: self.cross_attention.attend(z, *cross_kv, cross_mask, deterministic),
-                         deterministic)
+    y = self.cross_block(y, cross_attention, deterministic)
     y = self.feed_forward_block(y, lambda z: self.feed_forward(z, deterministic), deterministic)
     return y, cache
 
 
+REMAT_POLICIES = {
+    'none': None,
+    # Keep nothing: every layer's activations are recomputed in the backward pass (least memory).
+    'full': jax.checkpoint_policies.nothing_saveable,
+    # Keep the projection and feed-forward matmul outputs, recompute the cheap elementwise work and the
+    # attention scores (which grow with length squared).
+    'dots': jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+def _layer_classes(remat):
+  """(encoder layer, decoder layer) classes, rematerialized per layer when `remat` asks for it."""
+  if remat not in REMAT_POLICIES:
+    raise ValueError(f'remat must be one of {tuple(REMAT_POLICIES)}, not {remat!r}')
+  if remat == 'none':
+    return EncoderLayer, DecoderLayer
+  policy = REMAT_POLICIES[remat]
+  # static_argnums count `self` as 0: `deterministic` is a Python bool (dropout on or off).
+  return (nn.remat(EncoderLayer, policy=policy, static_argnums=(3,)),
+          nn.remat(DecoderLayer, policy=policy, static_argnums=(5,)))
+
+
+def _same_segment(query_segments, key_segments):
+  """[B, 1, Tq, Tk]: packed examples see only themselves."""
+  return query_segments[:, None, :, None] == key_segments[:, None, None, :]
+
+
+def _lengths(tokens):
+  """Real tokens per right-padded row."""
+  return (tokens != PAD_ID).sum(axis=-1).astype(jnp.int32)
+
+
 class Transformer(nn.Module):
-  """Encoder-decoder with one embedding shared by source, target and the output projection."""
+  """Encoder-decoder with one embedding shared by source, target and the output projection.
+
+  Packed rows (several examples per row, see packing.py) pass `*_segments` (example number per token, 0 on
+  padding) and `*_positions` (position within its example): attention stays inside each example and
+  positions restart with each.
+  """
   config: ModelConfig
 
   def setup(self):
     c = self.config
     self.dtype = resolve_dtype(c.dtype)
+    self.attention_impl = resolve_attention_impl(c.attention_impl, self.dtype, c.d_model // c.num_heads)
     # Normal(0, d^-1/2): after the sqrt(d) scale the embeddings enter with unit variance, and as the
     # pre-softmax projection they give unit-scale logits.
     self.embedding = nn.Embed(c.vocab_size, c.d_model, embedding_init=nn.initializers.normal(c.d_model ** -0.5),
                               name='shared_embedding')
     self.positions = sinusoidal_positions(c.max_position, c.d_model)
     self.embedding_dropout = nn.Dropout(c.dropout_rate)
-    self.encoder_layers = [EncoderLayer(c, self.dtype, name=f'encoder_{i}') for i in range(c.num_encoder_layers)]
-    self.decoder_layers = [DecoderLayer(c, self.dtype, name=f'decoder_{i}') for i in range(c.num_decoder_layers)]
+    encoder_layer, decoder_layer = _layer_classes(c.remat)
+    self.encoder_layers = [encoder_layer(c, self.dtype, self.attention_impl, name=f'encoder_{i}')
+                           for i in range(c.num_encoder_layers)]
+    self.decoder_layers = [decoder_layer(c, self.dtype, self.attention_impl, name=f'decoder_{i}')
+                           for i in range(c.num_decoder_layers)]
     if c.pre_layer_norm:
-      self.encoder_norm = nn.LayerNorm(epsilon=1e-5, dtype=self.dtype)
-      self.decoder_norm = nn.LayerNorm(epsilon=1e-5, dtype=self.dtype)
+      self.encoder_norm = nn.LayerNorm(epsilon=1e-5, dtype=jnp.float32)
+      self.decoder_norm = nn.LayerNorm(epsilon=1e-5, dtype=jnp.float32)
 
   def embed(self, tokens, positions, deterministic):
     x = self.embedding(tokens) * jnp.sqrt(self.config.d_model).astype(jnp.float32)
     x = x + jnp.asarray(self.positions)[positions]
     return self.embedding_dropout(x, deterministic=deterministic).astype(self.dtype)
 
-  def encode(self, src, deterministic=True):
+  def encode(self, src, deterministic=True, *, src_segments=None, src_positions=None):
     """src [B, S] -> encoder output [B, S, d]."""
-    mask = padding_mask(src, src)
-    x = self.embed(src, jnp.arange(src.shape[1])[None], deterministic)
+    if src_segments is None:
+      lengths = _lengths(src)
+      mask = AttentionMask(padding_mask(src, src), lengths, lengths)
+    else:
+      mask = AttentionMask(padding_mask(src, src) & _same_segment(src_segments, src_segments))
+    positions = jnp.arange(src.shape[1])[None] if src_positions is None else src_positions
+    x = self.embed(src, positions, deterministic)
     for layer in self.encoder_layers:
       x = layer(x, mask, deterministic)
-    return self.encoder_norm(x) if self.config.pre_layer_norm else x
+    return self.encoder_norm(x).astype(self.dtype) if self.config.pre_layer_norm else x
 
   def cross_attention_kv(self, encoded):
     """Every decoder layer's encoder-decoder attention keys and values, computed once per sentence."""
     return [layer.cross_attention.project_kv(encoded) for layer in self.decoder_layers]
 
   def logits(self, y):
-    """Pre-softmax projection with the shared embedding matrix, in float32."""
+    """Pre-softmax projection with the shared embedding matrix: a compute-dtype matmul with float32 results."""
     if self.config.pre_layer_norm:
       y = self.decoder_norm(y)
-    return self.embedding.attend(y.astype(jnp.float32))
+    embedding = self.embedding.embedding
+    return jnp.einsum('...d,vd->...v', y.astype(self.dtype), embedding.astype(self.dtype),
+                      preferred_element_type=jnp.float32)
 
-  def decode(self, tgt_in, encoded, src, deterministic=True):
+  def decode(self, tgt_in, encoded, src, deterministic=True, *, src_segments=None, tgt_segments=None,
+             tgt_positions=None):
     """Teacher-forced decoder: tgt_in [B, T] (BOS + target) -> logits [B, T, V]."""
-    self_mask = padding_mask(tgt_in, tgt_in) & causal_mask(tgt_in.shape[1])
-    cross_mask = padding_mask(tgt_in, src)
-    y = self.embed(tgt_in, jnp.arange(tgt_in.shape[1])[None], deterministic)
+    causal = padding_mask(tgt_in, tgt_in) & causal_mask(tgt_in.shape[1])
+    cross = padding_mask(tgt_in, src)
+    if tgt_segments is None:
+      self_mask = AttentionMask(causal, _lengths(tgt_in), _lengths(tgt_in), causal=True)
+      cross_mask = AttentionMask(cross, _lengths(tgt_in), _lengths(src))
+    else:
+      self_mask = AttentionMask(causal & _same_segment(tgt_segments, tgt_segments))
+      cross_mask = AttentionMask(cross & _same_segment(tgt_segments, src_segments))
+    positions = jnp.arange(tgt_in.shape[1])[None] if tgt_positions is None else tgt_positions
+    y = self.embed(tgt_in, positions, deterministic)
     for layer, kv in zip(self.decoder_layers, self.cross_attention_kv(encoded)):
       y, _ = layer(y, kv, self_mask, cross_mask, deterministic)
     return self.logits(y)
 
-  def __call__(self, src, tgt_in, deterministic=True):
-    return self.decode(tgt_in, self.encode(src, deterministic), src, deterministic)
+  def __call__(self, src, tgt_in, deterministic=True, *, src_segments=None, tgt_segments=None,
+               src_positions=None, tgt_positions=None):
+    if (src_segments is None) != (tgt_segments is None):
+      raise ValueError('packed batches need both src_segments and tgt_segments')
+    encoded = self.encode(src, deterministic, src_segments=src_segments, src_positions=src_positions)
+    return self.decode(tgt_in, encoded, src, deterministic, src_segments=src_segments, tgt_segments=tgt_segments,
+                       tgt_positions=tgt_positions)
 
   # --- Incremental decoding ---
 
@@ -280,9 +431,10 @@ class Transformer(nn.Module):
   def decode_step(self, tokens, index, cache, cross_kv, src):
     """tokens [B] at position `index` -> (logits [B, V], cache with this position's keys/values)."""
     max_length = cache[0]['k'].shape[1]
-    # The query may see cached positions 0..index, never the unwritten slots after it.
-    self_mask = (jnp.arange(max_length) <= index)[None, None, None, :]
-    cross_mask = (src != PAD_ID)[:, None, None, :]
+    # The query may see cached positions 0..index, never the unwritten slots after it. One query per row:
+    # the dense masks (XLA path), not cuDNN's length form.
+    self_mask = AttentionMask((jnp.arange(max_length) <= index)[None, None, None, :])
+    cross_mask = AttentionMask((src != PAD_ID)[:, None, None, :])
     y = self.embed(tokens[:, None], jnp.full((1, 1), index), deterministic=True)
     new_cache = []
     for layer, kv, layer_cache in zip(self.decoder_layers, cross_kv, cache):
