@@ -1,16 +1,52 @@
-"""Device mesh and shardings: data parallel over every device of every host.
+"""Device mesh and shardings: data parallel over every device of every host, FSDP as an option.
 
-Parameters and optimizer state are replicated; each batch is split along its first axis over the 'data'
-mesh axis. The mesh is built with `jax.sharding.Mesh` (Auto axis types), which linen's embedding gather
-needs under jax 0.10.
+The mesh has two axes, ('data', 'fsdp'), of sizes config.data_parallelism x config.fsdp_parallelism (-1:
+all the devices the other axis leaves). Each batch is split along its rows over both axes, so every device
+computes on its own rows. Parameters and optimizer state are replicated over 'data'; over 'fsdp' each
+matrix is split along its largest dimension that the axis size divides (vectors, scalars and matrices with
+no such dimension stay replicated), ZeRO-3 / FSDP style: XLA gathers a layer's weights just before using
+them and reduce-scatters their gradients. Adam's moments have their parameter's shape, so the same rule
+gives them their parameter's layout.
+
+The mesh is built with `jax.sharding.Mesh` (Auto axis types), which linen's embedding gather needs under
+jax 0.10. Devices are laid out in jax.devices() order (process by process), so the 'fsdp' axis spans
+neighbouring devices (one host's fast interconnect) when fsdp_parallelism <= devices per host.
 """
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+MESH_AXES = ('data', 'fsdp')
+BATCH_AXES = ('data', 'fsdp')  # the batch's rows are split over both
 
-def make_mesh():
-  return Mesh(np.asarray(jax.devices()), ('data',))
+
+class MeshError(ValueError):
+  """A mesh shape that does not match the devices."""
+
+
+def mesh_shape(num_devices, data_parallelism=-1, fsdp_parallelism=1):
+  """(data, fsdp) sizes whose product is num_devices; one of them may be -1 (the rest)."""
+  data, fsdp = data_parallelism, fsdp_parallelism
+  if data == -1 and fsdp == -1:
+    raise MeshError('at most one of data_parallelism and fsdp_parallelism may be -1')
+  if data == -1:
+    data = num_devices // fsdp if fsdp > 0 and num_devices % fsdp == 0 else 0
+  elif fsdp == -1:
+    fsdp = num_devices // data if data > 0 and num_devices % data == 0 else 0
+  if data <= 0 or fsdp <= 0 or data * fsdp != num_devices:
+    raise MeshError(f'mesh data_parallelism={data_parallelism} x fsdp_parallelism={fsdp_parallelism} does not '
+                    f'cover the {num_devices} devices')
+  return data, fsdp
+
+
+def make_mesh(data_parallelism=-1, fsdp_parallelism=1, devices=None):
+  devices = jax.devices() if devices is None else devices
+  shape = mesh_shape(len(devices), data_parallelism, fsdp_parallelism)
+  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+
+
+def mesh_from_config(config):
+  return make_mesh(config.data_parallelism, config.fsdp_parallelism)
 
 
 def replicated(mesh):
@@ -18,13 +54,37 @@ def replicated(mesh):
 
 
 def batch_sharded(mesh):
-  return NamedSharding(mesh, P('data'))
+  return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def fsdp_spec(shape, fsdp_size):
+  """PartitionSpec of an array of `shape`: its largest dimension divisible by the 'fsdp' size is split over
+  'fsdp' (the first such on ties); vectors and scalars, and everything when fsdp_size is 1, are replicated."""
+  if fsdp_size == 1 or len(shape) < 2:
+    return P()
+  candidates = [d for d in range(len(shape)) if shape[d] % fsdp_size == 0]
+  if not candidates:
+    return P()
+  split = max(candidates, key=lambda d: (shape[d], -d))
+  return P(*[('fsdp' if d == split else None) for d in range(len(shape))])
+
+
+def state_shardings(abstract_tree, mesh):
+  """NamedShardings for every leaf of a tree of arrays or ShapeDtypeStructs (a train state)."""
+  fsdp_size = mesh.shape['fsdp']
+  return jax.tree_util.tree_map(lambda x: NamedSharding(mesh, fsdp_spec(x.shape, fsdp_size)), abstract_tree)
+
+
+def rows_multiple(mesh):
+  """Global batch rows must be a multiple of this: every device gets the same number of rows."""
+  return mesh.devices.size
 
 
 def put_batch(batch, sharding):
-  """Host numpy batch -> global device arrays split over the 'data' axis.
+  """Host numpy batch -> global device arrays split over the batch axes.
 
-  Each process passes the rows it read; `make_array_from_process_local_data` stitches them into the global
-  batch (for one process this is a plain sharded device_put).
+  Each process passes the rows it read (its devices' share of the global batch, in process order);
+  `make_array_from_process_local_data` stitches them into the global batch without moving rows between
+  hosts (for one process this is a plain sharded device_put).
   """
   return jax.tree_util.tree_map(lambda x: jax.make_array_from_process_local_data(sharding, x), batch)

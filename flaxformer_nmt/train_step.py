@@ -60,18 +60,59 @@ def label_smoothed_cross_entropy(logits, targets, smoothing):
 
 # --- Steps -------------------------------------------------------------------------------------------------
 
-def train_step(state, batch, *, model, optimizer, schedule, label_smoothing):
+# Optional batch keys of packed rows (packing.py), passed to the model as keyword arguments.
+PACKING_KEYS = ('src_segments', 'tgt_segments', 'src_positions', 'tgt_positions')
+
+
+def apply_model(model, params, batch, deterministic, rngs=None):
+  packing = {key: batch[key] for key in PACKING_KEYS if key in batch}
+  return model.apply({'params': params}, batch['src'], batch['tgt_in'], deterministic, rngs=rngs, **packing)
+
+
+def split_microbatches(batch, num_microbatches):
+  """[B, T] arrays -> [num_microbatches, B / num_microbatches, T]. Microbatch i takes rows i, i + k, i + 2k, ...
+  so that each device's block of rows contributes to every microbatch and no rows move between devices."""
+  def split(x):
+    rows = x.shape[0]
+    if rows % num_microbatches:
+      raise ValueError(f'a batch of {rows} rows does not split into {num_microbatches} microbatches')
+    return jnp.swapaxes(x.reshape((rows // num_microbatches, num_microbatches) + x.shape[1:]), 0, 1)
+  return jax.tree_util.tree_map(split, batch)
+
+
+def train_step(state, batch, *, model, optimizer, schedule, label_smoothing, grad_accumulation_steps=1):
   """One update on the batch loss: smoothed cross entropy summed over all target tokens, divided by their
-  count over the whole (global) batch."""
+  count over the whole (global) batch.
+
+  With grad_accumulation_steps = k the batch is processed as k microbatches in a loop (lax.scan) that sums
+  the gradients of the summed loss; dividing by the total target count afterwards makes the update equal
+  to the one-batch update, at 1/k of the activation memory.
+  """
   dropout_rng = jax.random.fold_in(state.rng, state.step)
 
-  def loss_fn(params):
-    logits = model.apply({'params': params}, batch['src'], batch['tgt_in'], deterministic=False,
-                         rngs={'dropout': dropout_rng})
-    loss_sum, nll_sum, tokens = label_smoothed_cross_entropy(logits, batch['tgt_out'], label_smoothing)
-    return loss_sum / jnp.maximum(tokens, 1.0), (loss_sum, nll_sum, tokens)
+  def loss_sums(params, microbatch, rng):
+    logits = apply_model(model, params, microbatch, deterministic=False, rngs={'dropout': rng})
+    loss_sum, nll_sum, tokens = label_smoothed_cross_entropy(logits, microbatch['tgt_out'], label_smoothing)
+    return loss_sum, (nll_sum, tokens)
 
-  (_, (loss_sum, nll_sum, tokens)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
+  if grad_accumulation_steps == 1:
+    (loss_sum, (nll_sum, tokens)), grad_sums = grad_fn(state.params, batch, dropout_rng)
+  else:
+    def accumulate(carry, inputs):
+      index, microbatch = inputs
+      (loss_sum, (nll_sum, tokens)), grads = grad_fn(state.params, microbatch,
+                                                     jax.random.fold_in(dropout_rng, index))
+      grad_sums, sums = carry
+      grad_sums = jax.tree_util.tree_map(jnp.add, grad_sums, grads)
+      return (grad_sums, sums + jnp.stack([loss_sum, nll_sum, tokens])), None
+
+    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+    microbatches = split_microbatches(batch, grad_accumulation_steps)
+    (grad_sums, sums), _ = jax.lax.scan(accumulate, (zeros, jnp.zeros(3, jnp.float32)),
+                                        (jnp.arange(grad_accumulation_steps), microbatches))
+    loss_sum, nll_sum, tokens = sums[0], sums[1], sums[2]
+  grads = jax.tree_util.tree_map(lambda g: g / jnp.maximum(tokens, 1.0), grad_sums)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   grad_norm = optax.tree.norm(grads)
@@ -91,7 +132,7 @@ def train_step(state, batch, *, model, optimizer, schedule, label_smoothing):
 
 def eval_step(params, batch, *, model, label_smoothing):
   """Sums for validation loss and perplexity (no dropout)."""
-  logits = model.apply({'params': params}, batch['src'], batch['tgt_in'], deterministic=True)
+  logits = apply_model(model, params, batch, deterministic=True)
   loss_sum, nll_sum, tokens = label_smoothed_cross_entropy(logits, batch['tgt_out'], label_smoothing)
   return {'loss_sum': loss_sum, 'nll_sum': nll_sum, 'target_tokens': tokens}
 
@@ -105,13 +146,31 @@ def init_state(model, optimizer, seed, batch_shape=(1, 8)):
                     rng=dropout_rng)
 
 
-def jit_steps(model, optimizer, schedule, config, mesh):
-  """The compiled train and eval steps: state replicated, batch split over the mesh's 'data' axis. The
+def state_shardings(model, optimizer, config, mesh):
+  """The sharding of every leaf of the train state (parameters replicated, or FSDP-sharded over 'fsdp';
+  optimizer moments laid out like their parameters), from its shapes alone (jax.eval_shape, no FLOPs)."""
+  abstract = jax.eval_shape(functools.partial(init_state, model, optimizer, config.seed))
+  return sharding.state_shardings(abstract, mesh)
+
+
+def create_state(model, optimizer, config, mesh):
+  """(fresh train state created directly in its sharded layout, its shardings)."""
+  shardings = state_shardings(model, optimizer, config, mesh)
+  init = jax.jit(functools.partial(init_state, model, optimizer, config.seed), out_shardings=shardings)
+  return init(), shardings
+
+
+def jit_steps(model, optimizer, schedule, config, mesh, state_sharding=None):
+  """The compiled train and eval steps, with explicit shardings: the state as `state_sharding` (default: as
+  state_shardings gives it), the batch's rows split over every device of the mesh, metrics replicated. The
   train state is donated, so its buffers are updated in place."""
+  if state_sharding is None:
+    state_sharding = state_shardings(model, optimizer, config, mesh)
   train = functools.partial(train_step, model=model, optimizer=optimizer, schedule=schedule,
-                            label_smoothing=config.label_smoothing)
+                            label_smoothing=config.label_smoothing,
+                            grad_accumulation_steps=config.grad_accumulation_steps)
   evaluate = functools.partial(eval_step, model=model, label_smoothing=config.label_smoothing)
-  state_sharding, batch_sharding = sharding.replicated(mesh), sharding.batch_sharded(mesh)
-  return (jax.jit(train, in_shardings=(state_sharding, batch_sharding), out_shardings=(state_sharding, state_sharding),
+  batch_sharding, replicated = sharding.batch_sharded(mesh), sharding.replicated(mesh)
+  return (jax.jit(train, in_shardings=(state_sharding, batch_sharding), out_shardings=(state_sharding, replicated),
                   donate_argnums=0),
-          jax.jit(evaluate, in_shardings=(state_sharding, batch_sharding), out_shardings=state_sharding))
+          jax.jit(evaluate, in_shardings=(state_sharding.params, batch_sharding), out_shardings=replicated))
