@@ -12,7 +12,6 @@ time, into a float32 running sum, and writes `{workdir}/averaged/` with the step
 """
 import json
 import logging as std_logging
-import os
 
 import jax
 import numpy as np
@@ -39,7 +38,7 @@ def quiet_orbax_logs():
 def absolute(path):
   """Orbax (tensorstore) needs absolute paths; local relative ones are resolved, URLs (gs://...) kept."""
   path = epath.Path(path)
-  return path if '://' in str(path) else epath.Path(os.path.abspath(path))
+  return path if '://' in str(path) else path.absolute()
 
 
 class Checkpoints:

@@ -4,17 +4,16 @@ Every field the trainer, the model and the decoder read lives here; configs/*.py
 change what differs, so `--config.field=value` overrides work the same everywhere and an unknown field is
 an error.
 """
-import os
-
 import ml_collections
+from etils import epath
 
 # ../shared/data next to the repository, where this project's corpora live on the development machines.
-_SHARED_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..', 'shared', 'data')
+_SHARED_DATA = epath.Path(__file__).resolve().parent.parent.parent / 'shared' / 'data'
 
 
 def shared_data_dir(name):
   """`../shared/data/NAME` beside the repository (the development machines' corpora)."""
-  return os.path.normpath(os.path.join(_SHARED_DATA, name))
+  return str(_SHARED_DATA / name)
 
 
 def base_config():
@@ -70,6 +69,12 @@ def base_config():
   c.model.max_position = 1024  # rows of the sinusoidal table.
   # 'auto': bfloat16 on GPU/TPU, float32 on CPU (where bf16 matmuls are slower). Params stay float32.
   c.model.dtype = 'auto'
+  # How attention is computed (the parameters are the same either way): 'auto' = cuDNN flash attention on
+  # GPU in bf16/fp16, XLA elsewhere; or 'xla', 'cudnn', 'einsum' (explicit weights, the portable reference).
+  c.model.attention_impl = 'auto'
+  # Recompute activations in the backward pass to fit longer batches: 'none', 'full' (keep nothing per
+  # layer) or 'dots' (keep the matmul outputs, recompute the rest).
+  c.model.remat = 'none'
 
   # --- Optimization: Adam(0.9, 0.98, 1e-9), lr = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5).
   c.learning_rate_scale = 1.0
@@ -82,8 +87,23 @@ def base_config():
   # A step whose loss or gradient is NaN/Inf is never applied. False: stop with an error naming the step
   # (the last checkpoint stays good). True: skip such updates, count them, and go on.
   c.skip_nonfinite_updates = False
+  # Microbatches per update (lax.scan inside the step): the token budget on fewer devices, at the memory of
+  # one microbatch. Each step's rows must divide by it (and by the device count).
+  c.grad_accumulation_steps = 1
   c.num_train_steps = 100_000
   c.max_train_minutes = 0.0  # > 0: also stop (and checkpoint) after this much wall time.
+
+  # --- Devices: a ('data', 'fsdp') mesh over every device of every host; -1 = whatever the other axis
+  # leaves. Default: data parallel everywhere. fsdp_parallelism > 1 splits parameters and optimizer state
+  # over that many devices (for models that do not fit replicated).
+  c.data_parallelism = -1
+  c.fsdp_parallelism = 1
+  # Per-device peak FLOP/s for MFU; 0 = from the table in flops.py (GPU/TPU), no MFU where unknown (CPU).
+  c.peak_flops_per_device = 0.0
+  # > 0: trace this many steps with jax.profiler from step profile_start_step (after compilation) into
+  # {workdir}/profile (TensorBoard's profile tab or Perfetto).
+  c.profile_steps = 0
+  c.profile_start_step = 10
 
   # --- Loop.
   c.log_every_steps = 100

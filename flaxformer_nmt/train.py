@@ -23,6 +23,8 @@ from ml_collections import config_flags
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import corpora
 from flaxformer_nmt import data as data_lib
+from flaxformer_nmt import distributed
+from flaxformer_nmt import flops as flops_lib
 from flaxformer_nmt import model as model_lib
 from flaxformer_nmt import sharding
 from flaxformer_nmt import tokenizer as tokenizer_lib
@@ -37,6 +39,15 @@ class ConfigError(ValueError):
 
 # Fields that change the model: a workdir trained with other values cannot be resumed or decoded with these.
 _MODEL_FIELDS = ('model', 'vocab_size', 'sentencepiece_model_type', 'source_lang', 'target_lang')
+# Fields of config.model that change how the model computes, not its parameters: free to differ on resume.
+_RUNTIME_MODEL_FIELDS = ('dtype', 'attention_impl', 'remat')
+
+
+def _model_identity(config_dict, field):
+  value = config_dict.get(field)
+  if field == 'model' and isinstance(value, dict):
+    value = {k: v for k, v in value.items() if k not in _RUNTIME_MODEL_FIELDS}
+  return value
 
 
 def save_or_check_config(config, workdir):
@@ -46,12 +57,14 @@ def save_or_check_config(config, workdir):
   if path.exists():
     saved = json.loads(path.read_text())
     for field in _MODEL_FIELDS:
-      if saved.get(field) != current.get(field):
+      if _model_identity(saved, field) != _model_identity(current, field):
         raise ConfigError(f'{path} holds a different model: config.{field} was {saved.get(field)!r}, '
                           f'now {current.get(field)!r}. Use a new --workdir or the original config.')
-  if jax.process_index() == 0:
+  distributed.barrier('config read')  # nobody reads a half-written file
+  if distributed.is_leader():
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(current, indent=2, sort_keys=True))
+  distributed.barrier('config written')
 
 
 def load_config(workdir):
@@ -67,27 +80,42 @@ def build_model(config, tokenizer):
 
 
 class MetricsLog:
-  """Console lines, TensorBoard scalars and metrics.jsonl, written by process 0 only."""
+  """TensorBoard scalars and metrics.jsonl, written by process 0 only.
+
+  Cloud storage (gs://...) has no append: there metrics.jsonl is rewritten whole at each write (a few
+  thousand lines over a long run); local files are appended to.
+  """
 
   def __init__(self, workdir):
-    self.enabled = jax.process_index() == 0
+    self.enabled = distributed.is_leader()
     if self.enabled:
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
       self.writer = SummaryWriter(str(epath.Path(workdir) / 'tensorboard'))
-      self.jsonl = (epath.Path(workdir) / 'metrics.jsonl').open('a')
+      self.path = epath.Path(workdir) / 'metrics.jsonl'
+      self.remote = '://' in str(self.path)
+      if self.remote:
+        self.lines = self.path.read_text().splitlines(keepends=True) if self.path.exists() else []
+      else:
+        self.jsonl = self.path.open('a')
 
   def write(self, step, scalars):
     if not self.enabled:
       return
     for name, value in scalars.items():
       self.writer.add_scalar(name, value, step)
-    self.jsonl.write(json.dumps({'step': step, **scalars}) + '\n')
-    self.jsonl.flush()
+    line = json.dumps({'step': step, **scalars}) + '\n'
+    if self.remote:
+      self.lines.append(line)
+      self.path.write_text(''.join(self.lines))
+    else:
+      self.jsonl.write(line)
+      self.jsonl.flush()
 
   def close(self):
     if self.enabled:
       self.writer.close()
-      self.jsonl.close()
+      if not self.remote:
+        self.jsonl.close()
 
 
 def _duration(seconds):
@@ -158,7 +186,8 @@ def validate_config(config):
   if config.average_last_checkpoints > config.keep_checkpoints > 0:
     raise ConfigError(f'config.average_last_checkpoints={config.average_last_checkpoints} needs '
                       f'config.keep_checkpoints >= it (now {config.keep_checkpoints})')
-  for field in ('tokens_per_batch', 'log_every_steps', 'eval_every_steps', 'checkpoint_every_steps'):
+  for field in ('tokens_per_batch', 'log_every_steps', 'eval_every_steps', 'checkpoint_every_steps',
+                'grad_accumulation_steps'):
     if config[field] <= 0:
       raise ConfigError(f'config.{field} must be positive, not {config[field]}')
 
@@ -190,12 +219,57 @@ class NonFiniteError(RuntimeError):
   """A NaN/Inf loss or gradient, with config.skip_nonfinite_updates off."""
 
 
-def _interval_metrics(pending, seconds, start_time, epoch):
+class Throughput:
+  """Model FLOPs of the logged steps, from each step's token counts and padded lengths (flops.py), as
+  FLOP/s and MFU against the devices' peak (omitted where the peak is unknown, e.g. CPU)."""
+
+  def __init__(self, model_config, vocab_size, num_devices, peak_per_device):
+    self.model_config, self.vocab_size = model_config, vocab_size
+    self.num_devices, self.peak_per_device = num_devices, peak_per_device
+
+  def metrics(self, pending, lengths, seconds):
+    """pending: the steps' metrics on the host; lengths: their (source, target) padded lengths."""
+    total = sum(flops_lib.train_flops(self.model_config, self.vocab_size, float(m['source_tokens']),
+                                      float(m['target_tokens']), src_len, tgt_len)
+                for m, (src_len, tgt_len) in zip(pending, lengths))
+    out = {'train/tflops_per_second': total / seconds / 1e12,
+           'train/tflops_per_second_per_device': total / seconds / 1e12 / self.num_devices}
+    if self.peak_per_device:
+      out['train/mfu'] = total / seconds / (self.peak_per_device * self.num_devices)
+    return out
+
+
+class Profiler:
+  """Traces steps [start, start + steps) with jax.profiler into {workdir}/profile, on process 0."""
+
+  def __init__(self, workdir, start, steps):
+    self.directory = str(epath.Path(workdir) / 'profile')
+    self.start, self.stop = start, start + steps
+    self.enabled = steps > 0 and distributed.is_leader()
+    self.active = False
+
+  def before_step(self, step):
+    if self.enabled and step == self.start and not self.active:
+      jax.profiler.start_trace(self.directory)
+      self.active = True
+
+  def after_step(self, step, state):
+    """`step`: the number of steps done. The trace ends once the traced steps have run on the device."""
+    if self.active and step >= self.stop:
+      jax.block_until_ready(state)
+      jax.profiler.stop_trace()
+      self.active = False
+      logging.info('Profiled steps %d..%d into %s', self.start, step, self.directory)
+
+
+def _interval_metrics(pending, seconds, start_time, epoch, lengths=None, throughput=None):
   """Summary of the steps since the last log line (one host transfer for all of them)."""
   pending = jax.device_get(pending)
   total = lambda key: sum(float(m[key]) for m in pending)
   tokens = total('target_tokens')
+  accounting = throughput.metrics(pending, lengths, seconds) if throughput is not None else {}
   return {
+      **accounting,
       'train/loss': total('loss_sum') / max(tokens, 1.0),
       'train/nll': total('nll_sum') / max(tokens, 1.0),
       'train/learning_rate': float(pending[-1]['learning_rate']),
@@ -232,29 +306,36 @@ def train_and_evaluate(config, workdir):
   workdir.mkdir(parents=True, exist_ok=True)
   save_or_check_config(config, workdir)
 
-  mesh = sharding.make_mesh()
+  mesh = sharding.mesh_from_config(config)
   batch_sharding = sharding.batch_sharded(mesh)
-  train_batches, eval_batches, tokenizer = input_pipeline(config, workdir, num_devices=mesh.devices.size)
+  num_devices = mesh.devices.size
+  logging.info('Mesh %s over %d devices (%s) in %d processes', dict(mesh.shape), num_devices,
+               jax.devices()[0].device_kind, jax.process_count())
+  # Batch rows: a multiple of the device count times the microbatches, so that every device gets the same
+  # number of rows in every microbatch.
+  train_batches, eval_batches, tokenizer = input_pipeline(
+      config, workdir, num_devices=sharding.rows_multiple(mesh) * config.grad_accumulation_steps)
 
   # Model, optimizer, state (fresh or restored).
   model = build_model(config, tokenizer)
   optimizer, schedule = train_step_lib.make_optimizer(config)
-  init = jax.jit(functools.partial(train_step_lib.init_state, model, optimizer, config.seed),
-                 out_shardings=sharding.replicated(mesh))
-  state = init()
+  state, state_sharding = train_step_lib.create_state(model, optimizer, config, mesh)
   logging.info('Model: %s parameters, %s', f'{model_lib.count_params(state.params):,}', model.config)
   checkpoints = checkpoints_lib.Checkpoints(workdir, keep=config.keep_checkpoints)
   restored = checkpoints.restore_newest_good(checkpoints_lib.abstract_like(state))
   if restored is not None:
     state, data_state = restored
     train_batches.restore(data_state)
-  train_fn, eval_fn = train_step_lib.jit_steps(model, optimizer, schedule, config, mesh)
+  train_fn, eval_fn = train_step_lib.jit_steps(model, optimizer, schedule, config, mesh, state_sharding)
+  peak = flops_lib.peak_flops_per_device(override=config.peak_flops_per_device)
+  throughput = Throughput(model.config, tokenizer.vocab_size, num_devices, peak)
+  profiler = Profiler(workdir, config.profile_start_step, config.profile_steps)
 
   log = MetricsLog(workdir)
   step = first_step = int(state.step)
   logging.info('Starting at step %d of %d; %d batches per epoch', step, config.num_train_steps,
                train_batches.batches_per_epoch())
-  pending, unchecked, last, skipped, data_wait = [], [], {}, 0, 0.0
+  pending, lengths, unchecked, last, skipped, data_wait = [], [], [], {}, 0, 0.0
   interval_start = last_save = time.time()
   time_limit = config.max_train_minutes * 60 if config.max_train_minutes > 0 else float('inf')
   save_interval = config.checkpoint_every_minutes * 60 if config.checkpoint_every_minutes > 0 else float('inf')
@@ -263,11 +344,13 @@ def train_and_evaluate(config, workdir):
       wait_start = time.time()
       host_batch = next(train_batches)
       data_wait += time.time() - wait_start  # time the step loop stood waiting for input
-      batch = sharding.put_batch(host_batch, batch_sharding)
-      state, metrics = train_fn(state, batch)
+      lengths.append((host_batch['src'].shape[1], host_batch['tgt_in'].shape[1]))  # for the FLOP count
+      profiler.before_step(step)
+      state, metrics = train_fn(state, sharding.put_batch(host_batch, batch_sharding))
       pending.append(metrics)  # device arrays: reading them waits for the step, so only at log/save time
       unchecked.append(metrics['nonfinite'])
       step += 1
+      profiler.after_step(step, state)
       out_of_time = time.time() - start_time >= time_limit
       done = step >= config.num_train_steps or out_of_time or stop.received is not None
       save = (step % config.checkpoint_every_steps == 0 or time.time() - last_save >= save_interval or done)
@@ -277,17 +360,21 @@ def train_and_evaluate(config, workdir):
       if step % config.log_every_steps == 0 or save:
         skipped += _check_finite(unchecked, step - len(unchecked), config)
       if step % config.log_every_steps == 0 or done:
-        last = _interval_metrics(pending, time.time() - interval_start, start_time, train_batches.epoch)
+        last = _interval_metrics(pending, time.time() - interval_start, start_time, train_batches.epoch,
+                                 lengths, throughput)
         last['train/data_wait_fraction'] = data_wait / (time.time() - interval_start)
         eta = min((config.num_train_steps - step) * last['train/step_time'],
                   max(time_limit - last['elapsed_seconds'], 0))
-        logging.info('step %d/%d | loss %.4f | nll %.4f | lr %.3g | %.0f tgt tok/s | epoch %d | %s elapsed | '
-                     'ETA %s%s', step, config.num_train_steps, last['train/loss'], last['train/nll'],
-                     last['train/learning_rate'], last['train/target_tokens_per_second'], last['epoch'],
+        mfu = f' | MFU {last["train/mfu"]:.1%}' if 'train/mfu' in last else ''
+        logging.info('step %d/%d | loss %.4f | nll %.4f | lr %.3g | %.0f tgt + %.0f src tok/s | %.3g TFLOP/s%s | '
+                     '%.0f ms/step | epoch %d | %s elapsed | ETA %s%s', step, config.num_train_steps,
+                     last['train/loss'], last['train/nll'], last['train/learning_rate'],
+                     last['train/target_tokens_per_second'], last['train/source_tokens_per_second'],
+                     last['train/tflops_per_second'], mfu, last['train/step_time'] * 1e3, last['epoch'],
                      _duration(last['elapsed_seconds']), _duration(eta),
                      f' | {skipped} skipped updates' if skipped else '')
         log.write(step, last)
-        pending, interval_start, data_wait = [], time.time(), 0.0
+        pending, lengths, interval_start, data_wait = [], [], time.time(), 0.0
 
       if step % config.eval_every_steps == 0 or done:
         eval_metrics = evaluate(eval_fn, state.params, eval_batches(), batch_sharding)
@@ -320,7 +407,12 @@ def train_and_evaluate(config, workdir):
 
 def define_flags():
   config_flags.DEFINE_config_file('config', None, 'Python config file (configs/*.py).', lock_config=True)
-  flags.DEFINE_string('workdir', None, 'Directory for the vocabulary, checkpoints and logs.')
+  flags.DEFINE_string('workdir', None, 'Directory (or gs:// URL) for the vocabulary, checkpoints and logs.')
+  flags.DEFINE_enum('distributed', 'auto', distributed.MODES,
+                    'Multi-host start: auto (a coordinator address, SLURM, Open MPI or a Cloud TPU VM), on, off.')
+  flags.DEFINE_string('coordinator_address', None, 'host:port of process 0 (default: $JAX_COORDINATOR_ADDRESS).')
+  flags.DEFINE_integer('num_processes', None, 'Processes in the job (default: $JAX_NUM_PROCESSES).')
+  flags.DEFINE_integer('process_id', None, 'This process, 0..num_processes-1 (default: $JAX_PROCESS_ID).')
   flags.mark_flags_as_required(['config', 'workdir'])
 
 
@@ -328,6 +420,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   checkpoints_lib.quiet_orbax_logs()
+  distributed.initialize(flags.FLAGS.distributed, flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
+                         flags.FLAGS.process_id)
   try:
     train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
   except (data_lib.DataError, ConfigError, tokenizer_lib.TokenizerError, NonFiniteError,
