@@ -1,0 +1,68 @@
+"""Sharded train steps (data parallel, FSDP, both, with gradient accumulation) against one device.
+
+The comparison runs in a subprocess with 4 virtual CPU devices (the device count is fixed when jax starts).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from flaxformer_nmt import sharding
+
+HERE = os.path.dirname(__file__)
+
+
+@pytest.fixture(scope='module')
+def report():
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get('PYTHONPATH', '')]),
+             JAX_PLATFORMS='cpu')
+  out = subprocess.run([sys.executable, os.path.join(HERE, 'sharded_steps.py')], env=env, capture_output=True,
+                       text=True, timeout=600, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  line = [l for l in out.stdout.splitlines() if l.startswith('REPORT ')][-1]
+  return json.loads(line[len('REPORT '):])
+
+
+@pytest.mark.parametrize('layout', ['data=4,fsdp=1,accumulate=1', 'data=2,fsdp=2,accumulate=1',
+                                    'data=1,fsdp=4,accumulate=1', 'data=1,fsdp=1,accumulate=2',
+                                    'data=2,fsdp=2,accumulate=2'])
+def test_sharded_steps_equal_the_single_device_step(report, layout):
+  result = report[layout]
+  assert result['loss_max_abs_diff'] < 1e-4, result
+  assert result['eval_loss_abs_diff'] < 1e-4, result
+  # Three Adam steps from the same start: parameters agree to float32 reduction-order noise.
+  assert result['param_max_abs_diff'] < 1e-4, result
+  fsdp = int(layout.split('fsdp=')[1].split(',')[0])
+  assert result['optimizer_state_sharded'] == (fsdp > 1)
+  assert any('fsdp' in spec for spec in result['specs']) == (fsdp > 1)
+
+
+def test_training_moved_the_parameters(report):
+  losses = report['reference_losses']
+  assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+def test_mesh_shape_fills_minus_one_and_rejects_mismatches():
+  assert sharding.mesh_shape(8) == (8, 1)
+  assert sharding.mesh_shape(8, -1, 4) == (2, 4)
+  assert sharding.mesh_shape(8, 2, -1) == (2, 4)
+  for bad in ((3, 1), (-1, 3), (-1, -1), (4, 4)):
+    with pytest.raises(sharding.MeshError):
+      sharding.mesh_shape(8, *bad)
+
+
+def test_fsdp_splits_the_largest_divisible_dimension():
+  assert sharding.fsdp_spec((512, 2048), 4) == P(None, 'fsdp')
+  assert sharding.fsdp_spec((2048, 512), 4) == P('fsdp', None)
+  assert sharding.fsdp_spec((6, 512), 4) == P(None, 'fsdp')
+  assert sharding.fsdp_spec((6, 10), 4) == P()          # nothing divisible: replicated
+  assert sharding.fsdp_spec((512,), 4) == P()           # vectors (biases, LayerNorm) replicated
+  assert sharding.fsdp_spec((512, 2048), 1) == P()      # no FSDP axis
+  mesh = sharding.make_mesh(devices=jax.devices()[:1])
+  specs = sharding.state_shardings({'w': np.zeros((4, 8)), 'rng': np.zeros(2)}, mesh)
+  assert specs['w'].spec == P() and specs['rng'].spec == P()
