@@ -1,9 +1,11 @@
 """Masks, positions and the model's invariances, checked against direct computations."""
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from conftest import tiny_model
 from flaxformer_nmt import model as model_lib
@@ -82,3 +84,62 @@ def test_pre_layer_norm_variant_runs_and_differs():
   a = post.apply({'params': params}, src, tgt)
   b = pre.apply({'params': pre_params}, src, tgt)
   assert a.shape == b.shape and np.all(np.isfinite(b)) and not np.allclose(a, b)
+
+
+def _variant(model, **changes):
+  return model.clone(config=dataclasses.replace(model.config, **changes))
+
+
+def test_fused_attention_equals_the_einsum_path_and_keeps_padding_rows_finite():
+  model, params = tiny_model()
+  src = jnp.array([[4, 5, 6, 3, 0, 0], [7, 3, 0, 0, 0, 0]])
+  tgt = jnp.array([[2, 7, 8, 9, 10, 0], [2, 5, 0, 0, 0, 0]])
+  reference = _variant(model, attention_impl='einsum').apply({'params': params}, src, tgt)
+  fused = _variant(model, attention_impl='xla').apply({'params': params}, src, tgt)
+  # Padding query rows attend to nothing: both paths must stay finite there (the loss masks them).
+  assert np.isfinite(np.asarray(fused)).all() and np.isfinite(np.asarray(reference)).all()
+  np.testing.assert_allclose(fused[0, :5], reference[0, :5], atol=1e-5)
+  np.testing.assert_allclose(fused[1, :2], reference[1, :2], atol=1e-5)
+
+
+def test_auto_attention_picks_cudnn_only_for_gpu_half_precision():
+  assert model_lib.resolve_attention_impl('auto', jnp.bfloat16, 64, backend='gpu') == 'cudnn'
+  assert model_lib.resolve_attention_impl('auto', jnp.float32, 64, backend='gpu') == 'xla'
+  assert model_lib.resolve_attention_impl('auto', jnp.bfloat16, 64, backend='tpu') == 'xla'
+  assert model_lib.resolve_attention_impl('auto', jnp.bfloat16, 256, backend='gpu') == 'xla'
+  assert model_lib.resolve_attention_impl('einsum', jnp.bfloat16, 64, backend='gpu') == 'einsum'
+
+
+def test_intermediates_hold_float32_attention_weights_per_module():
+  model, params = tiny_model()
+  src, tgt = jnp.array([[4, 5, 3]]), jnp.array([[2, 6, 7, 8]])
+  _, state = model.apply({'params': params}, src, tgt, mutable=['intermediates'])
+  decoder = state['intermediates']['decoder_1']
+  (self_weights,), (cross_weights,) = decoder['self_attention']['attention_weights'], \
+      decoder['cross_attention']['attention_weights']
+  assert self_weights.shape == (1, 4, 4, 4) and cross_weights.shape == (1, 4, 4, 3)
+  assert self_weights.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(cross_weights).sum(-1), 1.0, atol=1e-5)
+  assert np.allclose(np.triu(np.asarray(self_weights)[0, 0], 1), 0)  # causal
+
+
+@pytest.mark.parametrize('remat', ['full', 'dots'])
+def test_remat_gives_the_same_gradients(remat):
+  model, params = tiny_model()
+  src, tgt = jnp.array([[4, 5, 6, 3]]), jnp.array([[2, 7, 8, 9]])
+  loss = lambda m: jax.grad(lambda p: (m.apply({'params': p}, src, tgt) ** 2).mean())(params)
+  plain, rematerialized = loss(model), loss(_variant(model, remat=remat))
+  for a, b in zip(jax.tree_util.tree_leaves(plain), jax.tree_util.tree_leaves(rematerialized)):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_bfloat16_computes_in_bfloat16_with_float32_params_and_logits():
+  model, params = tiny_model()
+  bf16 = _variant(model, dtype='bfloat16')
+  src, tgt = jnp.array([[4, 5, 6, 3]]), jnp.array([[2, 7, 8, 9]])
+  logits = bf16.apply({'params': params}, src, tgt)
+  assert logits.dtype == jnp.float32
+  np.testing.assert_allclose(logits, model.apply({'params': params}, src, tgt), atol=0.15 * float(jnp.abs(logits).max()))
+  assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(bf16.init(jax.random.PRNGKey(0), src, tgt)))
+  jaxpr = str(jax.make_jaxpr(lambda p: bf16.apply({'params': p}, src, tgt))(params))
+  assert 'bf16' in jaxpr
