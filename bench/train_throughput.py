@@ -1,35 +1,38 @@
-r"""Times the compiled train step of a config after warm-up: tokens/s, model TFLOP/s and, on CPU, the
-achieved rate over a large float32 matmul's rate measured in the same process.
+r"""Times the compiled train step of configs after warm-up: tokens/s, model TFLOP/s, MFU and step time; on
+CPU also the achieved FLOP rate over a large float32 matmul's rate measured in the same process.
 
-  python bench/train_throughput.py --config configs/multi30k.py [--config.tokens_per_batch=4096]
+  python bench/train_throughput.py --configs base,big,multi30k --lengths 32 --tokens_per_batch 4096
+  python bench/train_throughput.py --configs big --tokens_per_batch 32768 --peak 989e12   # an H100
+
+Batches are full rows of random tokens (no padding), `tokens_per_batch` per side over all devices (data
+parallel). Model FLOPs are analytic (flaxformer_nmt/flops.py: 3x the forward matmuls, attention included);
+the first config's compiled step is also checked against XLA's own FLOP count. MFU needs a peak: the
+table in flops.py for GPUs/TPUs, or --peak (per device); on CPU it is left out.
 """
-import functools
+import importlib
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
-from ml_collections import config_flags
 
+from flaxformer_nmt import flops as flops_lib
 from flaxformer_nmt import model as model_lib
 from flaxformer_nmt import sharding
 from flaxformer_nmt import train_step as train_step_lib
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.', lock_config=True)
-_LENGTHS = flags.DEFINE_string('lengths', '16,24,32', 'Padded lengths (per side) to time.')
-_STEPS = flags.DEFINE_integer('steps', 10, 'Timed steps per length.')
-_VOCAB = flags.DEFINE_integer('vocab_size', 0, 'Vocabulary size (default: the config\'s).')
-
-
-def train_flops_per_target_token(c, src_len, tgt_len, vocab):
-  """Analytic matmul FLOPs (forward + backward = 3x forward) per target token of a padded batch row."""
-  d, f = c.d_model, c.d_ff
-  enc = c.num_encoder_layers * (4 * d * d + 2 * d * f + 2 * src_len * d)  # per source token
-  dec = c.num_decoder_layers * (4 * d * d + 2 * d * f + 2 * tgt_len * d + 2 * src_len * d)  # per target token
-  cross_kv = c.num_decoder_layers * 2 * d * d  # per source token
-  per_row = src_len * (enc + cross_kv) + tgt_len * (dec + vocab * d)
-  return 3 * 2 * per_row / tgt_len
+_CONFIGS = flags.DEFINE_list('configs', ['base', 'big', 'multi30k'], 'Configs (configs/NAME.py) to time.')
+_LENGTHS = flags.DEFINE_list('lengths', ['32'], 'Padded lengths (per side) to time.')
+_TOKENS = flags.DEFINE_integer('tokens_per_batch', 4096, 'Tokens per side per step, over all devices.')
+_STEPS = flags.DEFINE_integer('steps', 5, 'Timed steps per length.')
+_VOCAB = flags.DEFINE_integer('vocab_size', 0, "Vocabulary size (default: each config's).")
+_DTYPE = flags.DEFINE_string('dtype', '', "Override config.model.dtype ('auto': bf16 on GPU/TPU, f32 on CPU).")
+_ATTENTION = flags.DEFINE_string('attention_impl', '', 'Override config.model.attention_impl.')
+_REMAT = flags.DEFINE_string('remat', '', 'Override config.model.remat.')
+_ACCUMULATE = flags.DEFINE_integer('grad_accumulation_steps', 1, 'Microbatches per step.')
+_FSDP = flags.DEFINE_integer('fsdp', 1, 'fsdp_parallelism of the mesh.')
+_PEAK = flags.DEFINE_float('peak', 0.0, 'Per-device peak FLOP/s for MFU (default: flops.py table; none on CPU).')
 
 
 def time_fn(fn, *args, steps):
@@ -43,45 +46,82 @@ def time_fn(fn, *args, steps):
 
 
 def matmul_rate():
+  """FLOP/s of a float32 4096x1024x1024 matmul on this machine (the CPU's practical peak)."""
   a = jax.random.normal(jax.random.PRNGKey(0), (4096, 1024), jnp.float32)
   b = jax.random.normal(jax.random.PRNGKey(1), (1024, 1024), jnp.float32)
   seconds = time_fn(jax.jit(jnp.matmul), a, b, steps=20)
   return 2 * 4096 * 1024 * 1024 / seconds
 
 
-def main(_):
-  config = _CONFIG.value
+def xla_flops(compiled):
+  analysis = compiled.cost_analysis()
+  analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+  return float(analysis.get('flops', 0.0)) if analysis else 0.0
+
+
+def load_config(name):
+  config = importlib.import_module(f'configs.{name}').get_config()
+  for field, flag in (('dtype', _DTYPE), ('attention_impl', _ATTENTION), ('remat', _REMAT)):
+    if flag.value:
+      config.model[field] = flag.value
+  config.grad_accumulation_steps = _ACCUMULATE.value
+  config.fsdp_parallelism = _FSDP.value
+  return config
+
+
+def bench_config(name, peak, matmul, check_xla):
+  config = load_config(name)
   vocab = _VOCAB.value or config.vocab_size
   model = model_lib.Transformer(model_lib.ModelConfig.from_config(config, vocab))
   optimizer, schedule = train_step_lib.make_optimizer(config)
-  mesh = sharding.make_mesh()
-  state = jax.jit(functools.partial(train_step_lib.init_state, model, optimizer, config.seed),
-                  out_shardings=sharding.replicated(mesh))()
-  train_fn, _ = train_step_lib.jit_steps(model, optimizer, schedule, config, mesh)
-  backend = jax.default_backend()
-  peak = matmul_rate() if backend == 'cpu' else None
-  print(f'backend {backend}, {jax.device_count()} device(s), {model_lib.count_params(state.params):,} parameters')
-  if peak:
-    print(f'float32 4096x1024x1024 matmul: {peak / 1e9:.1f} GFLOP/s')
-  print(f'{"len":>5} {"rows":>5} {"step ms":>8} {"tgt tok/s":>10} {"TFLOP/s":>8} {"/matmul":>8}')
+  mesh = sharding.mesh_from_config(config)
+  state, state_sharding = train_step_lib.create_state(model, optimizer, config, mesh)
+  train_fn, _ = train_step_lib.jit_steps(model, optimizer, schedule, config, mesh, state_sharding)
+  dtype = jnp.dtype(model_lib.resolve_dtype(config.model.dtype)).name
+  attention = model_lib.resolve_attention_impl(config.model.attention_impl, model_lib.resolve_dtype(config.model.dtype),
+                                               config.model.d_model // config.model.num_heads)
+  print(f'# {name}: {model_lib.count_params(state.params):,} parameters, vocab {vocab}, {dtype}, attention '
+        f'{attention}, remat {config.model.remat}, mesh {dict(mesh.shape)}')
   rng = np.random.default_rng(0)
-  for length in [int(x) for x in _LENGTHS.value.split(',')]:
-    rows = max(config.tokens_per_batch // length, 1)
+  rows_multiple = sharding.rows_multiple(mesh) * config.grad_accumulation_steps
+  for length in [int(x) for x in _LENGTHS.value]:
+    rows = max(_TOKENS.value // length // rows_multiple, 1) * rows_multiple
     tokens = rng.integers(4, vocab, (rows, length), dtype=np.int32)
     batch = sharding.put_batch({'src': tokens, 'tgt_in': tokens, 'tgt_out': tokens}, sharding.batch_sharded(mesh))
-    step = jax.jit(lambda s, b: train_fn(s, b)[0], donate_argnums=0)
-    state = step(state, batch)  # compile + warm-up
+    analytic = flops_lib.train_flops(model.config, vocab, rows * length, rows * length, length, length)
+    if check_xla:
+      counted = xla_flops(train_fn.lower(state, batch).compile())
+      if counted:
+        print(f'# XLA cost analysis / analytic FLOPs: {counted / analytic:.3f}')
+    state, _ = train_fn(state, batch)  # compile + warm-up
     jax.block_until_ready(state)
     start = time.perf_counter()
     for _ in range(_STEPS.value):
-      state = step(state, batch)
+      state, _ = train_fn(state, batch)
     jax.block_until_ready(state)
     seconds = (time.perf_counter() - start) / _STEPS.value
-    flops = train_flops_per_target_token(config.model, length, length, vocab) * rows * length / seconds
-    ratio = f'{flops / peak:8.2f}' if peak else f'{"-":>8}'
-    print(f'{length:5d} {rows:5d} {seconds * 1e3:8.1f} {rows * length / seconds:10.0f} {flops / 1e12:8.3f} {ratio}')
+    achieved = analytic / seconds
+    mfu = f'{achieved / (peak * jax.device_count()):7.1%}' if peak else f'{"-":>7}'
+    ratio = f'{achieved / matmul:8.2f}' if matmul else f'{"-":>8}'
+    print(f'{name:>9} {length:5d} {rows:5d} {seconds * 1e3:9.1f} {rows * length / seconds:10.0f} '
+          f'{achieved / 1e12:8.3f} {mfu} {ratio}', flush=True)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  backend = jax.default_backend()
+  peak = flops_lib.peak_flops_per_device(override=_PEAK.value)
+  matmul = matmul_rate() if backend == 'cpu' else None
+  print(f'# backend {backend}, {jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}, '
+        f'peak {peak / 1e12 if peak else "-"} TFLOP/s per device, {_TOKENS.value} tokens per side per step')
+  if matmul:
+    print(f'# float32 4096x1024x1024 matmul: {matmul / 1e9:.1f} GFLOP/s')
+  print(f'# {"config":>7} {"len":>5} {"rows":>5} {"step ms":>9} {"tgt tok/s":>10} {"TFLOP/s":>8} {"MFU":>7} '
+        f'{"/matmul":>8}')
+  for i, name in enumerate(_CONFIGS.value):
+    bench_config(name, peak, matmul, check_xla=i == 0)
 
 
 if __name__ == '__main__':
-  flags.mark_flags_as_required(['config'])
   app.run(main)
