@@ -1,5 +1,4 @@
 """The analytic FLOP count against the paper's figure and against XLA's own count of the compiled step."""
-import functools
 
 import jax
 import numpy as np
