@@ -137,10 +137,14 @@ def fused_attention(q, k, v, mask, impl):
   Logits and softmax are float32 inside both implementations; a fully masked query row gives a finite
   output (XLA: uniform weights over a large negative; cuDNN: rows past their length are not attended).
   """
-  if impl == 'cudnn' and mask.query_lengths is not None:
-    return jax.nn.dot_product_attention(
-        q, k, v, is_causal=mask.causal, query_seq_lengths=mask.query_lengths.astype(jnp.int32),
-        key_value_seq_lengths=mask.key_lengths.astype(jnp.int32), implementation='cudnn')
+  if impl == 'cudnn':
+    if mask.query_lengths is not None:
+      return jax.nn.dot_product_attention(
+          q, k, v, is_causal=mask.causal, query_seq_lengths=mask.query_lengths.astype(jnp.int32),
+          key_value_seq_lengths=mask.key_lengths.astype(jnp.int32), implementation='cudnn')
+    # Packed rows and one-position decoding steps only have the dense mask form, which cuDNN would take as
+    # a materialized bias under extra shape limits: XLA computes those.
+    impl = 'xla'
   return jax.nn.dot_product_attention(q, k, v, mask=mask.mask, implementation=impl)
 
 

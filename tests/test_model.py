@@ -143,3 +143,27 @@ def test_bfloat16_computes_in_bfloat16_with_float32_params_and_logits():
   assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(bf16.init(jax.random.PRNGKey(0), src, tgt)))
   jaxpr = str(jax.make_jaxpr(lambda p: bf16.apply({'params': p}, src, tgt))(params))
   assert 'bf16' in jaxpr
+
+
+def test_length_form_of_the_masks_equals_the_dense_masks(monkeypatch):
+  """cuDNN gets padding and causality as per-row lengths and a flag; here XLA computes with that form, and
+  every real position must come out as with the dense masks."""
+  model, params = tiny_model()
+  src = jnp.array([[4, 5, 6, 3, 0, 0], [7, 3, 0, 0, 0, 0]])
+  tgt = jnp.array([[2, 7, 8, 9, 10, 0], [2, 5, 0, 0, 0, 0]])
+  model = _variant(model, attention_impl='xla')
+  dense = model.apply({'params': params}, src, tgt)
+  used = []
+
+  def length_form(q, k, v, mask, impl):
+    if mask.query_lengths is None:
+      return jax.nn.dot_product_attention(q, k, v, mask=mask.mask, implementation=impl)
+    used.append(mask.causal)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=mask.causal, query_seq_lengths=mask.query_lengths,
+                                        key_value_seq_lengths=mask.key_lengths, implementation=impl)
+
+  monkeypatch.setattr(model_lib, 'fused_attention', length_form)
+  lengths = model.apply({'params': params}, src, tgt)
+  assert sorted(set(used)) == [False, True] and len(used) == 2 + 2 * 2  # encoder self, decoder self + cross
+  np.testing.assert_allclose(lengths[0, :5], dense[0, :5], atol=1e-5)
+  np.testing.assert_allclose(lengths[1, :2], dense[1, :2], atol=1e-5)
