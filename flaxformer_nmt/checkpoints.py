@@ -19,6 +19,8 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
+from flaxformer_nmt import model as model_lib
+
 CHECKPOINT_DIR = 'checkpoints'
 AVERAGED_DIR = 'averaged'
 CORRUPT_DIR = 'corrupt_checkpoints'
@@ -95,8 +97,9 @@ class Checkpoints:
     return None
 
   def restore_params(self, step):
-    """The parameters of checkpoint `step` as host arrays, reading nothing else from disk."""
-    return read_params(self.directory / str(int(step)) / 'state', subtree='params')
+    """The parameters of checkpoint `step` as host arrays, reading nothing else from disk (checkpoints from
+    before the fused attention projections are converted to today's layout)."""
+    return model_lib.upgrade_legacy_params(read_params(self.directory / str(int(step)) / 'state', subtree='params'))
 
   def wait(self):
     self.manager.wait_until_finished()
@@ -185,4 +188,5 @@ def load_averaged(workdir):
   directory = absolute(workdir) / AVERAGED_DIR
   if not (directory / 'averaged.json').exists():
     raise FileNotFoundError(f'{directory} not found: run `python -m flaxformer_nmt.average --workdir {workdir}` first')
-  return read_params(directory / 'params'), json.loads((directory / 'averaged.json').read_text())
+  params = model_lib.upgrade_legacy_params(read_params(directory / 'params'))
+  return params, json.loads((directory / 'averaged.json').read_text())

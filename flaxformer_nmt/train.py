@@ -56,6 +56,11 @@ def save_or_check_config(config, workdir):
   current = json.loads(config.to_json_best_effort())
   if path.exists():
     saved = json.loads(path.read_text())
+    if 'attention_impl' not in saved.get('model', {}) and any((epath.Path(workdir) / 'checkpoints').glob('[0-9]*')):
+      # Written before the fused attention projections: restoring would fail and move them aside as corrupt.
+      raise ConfigError(f'{workdir} holds checkpoints with separate query/key/value projections (before the '
+                        'fused projections): decode and average convert them on load, but training cannot '
+                        'resume from them. Use a new --workdir.')
     for field in _MODEL_FIELDS:
       if _model_identity(saved, field) != _model_identity(current, field):
         raise ConfigError(f'{path} holds a different model: config.{field} was {saved.get(field)!r}, '

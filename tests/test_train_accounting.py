@@ -35,3 +35,16 @@ def test_log_carries_throughput_flops_mfu_and_the_profile_is_written(toy_corpus,
     assert low < per_token < high
   traces = list((tmp_path / 'run' / 'profile').rglob('*.xplane.pb'))
   assert traces, 'no profiler trace written'
+
+
+def test_a_workdir_with_pre_fused_checkpoints_is_refused_not_moved_aside(toy_corpus, tmp_path):
+  workdir = tmp_path / 'old'
+  (workdir / 'checkpoints' / '100').mkdir(parents=True)
+  config = small_config(toy_corpus)
+  saved = json.loads(config.to_json_best_effort())
+  for field in ('attention_impl', 'remat'):
+    del saved['model'][field]
+  (workdir / 'config.json').write_text(json.dumps(saved))
+  with pytest.raises(train.ConfigError, match='cannot resume'):
+    train.train_and_evaluate(config, workdir)
+  assert (workdir / 'checkpoints' / '100').exists()
