@@ -12,7 +12,13 @@ Decoding runs the decoder one position at a time with explicit caches: each deco
 keys/values so far (`init_cache`), and the encoder-decoder attention keys/values, computed once per sentence
 (`cross_attention_kv`). A step then costs O(length) instead of re-running the whole prefix.
 
-Masks are boolean arrays broadcastable to [batch, heads, queries, keys]; True means "may attend".
+Masks are boolean arrays broadcastable to [batch, heads, queries, keys]; True means "may attend" (carried
+with per-row lengths in an `AttentionMask`, the form cuDNN's flash attention takes).
+
+Precision: parameters are float32; with dtype bfloat16 (the default on GPU/TPU) the matmuls and the
+residual stream run in bfloat16, while LayerNorm statistics, attention logits and softmax, the pre-softmax
+logits and the loss stay float32. Attention goes through jax.nn.dot_product_attention (see
+`resolve_attention_impl`); the explicit einsum path serves attention pictures and attention dropout.
 """
 import dataclasses
 import functools
