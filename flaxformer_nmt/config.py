@@ -39,6 +39,10 @@ def base_config():
   c.skip_bad_pairs = False
   # Token budget per step, counted on the padded batch, per side: the paper's ~25k source + ~25k target.
   c.tokens_per_batch = 25_000
+  # > 0: pack several examples into each row of this many tokens a side (segment ids keep them apart, positions
+  # restart per example), as the Flax WMT example does with 256; every batch then has one shape and little
+  # padding. 0: one example per row, rows grouped by length bucket. Validation batches are never packed.
+  c.packed_length = 0
   # Padded lengths are rounded up to one of these, so the train step compiles once per bucket.
   c.length_buckets = (8, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
   c.seed = 0

@@ -24,6 +24,7 @@ import numpy as np
 from absl import logging
 from etils import epath
 
+from flaxformer_nmt import packing
 from flaxformer_nmt import tokenizer as tokenizer_lib
 
 
@@ -314,7 +315,7 @@ class TrainBatches:
   """
 
   def __init__(self, corpus, *, tokens_per_batch, buckets, seed, multiple_of=1, examples=None,
-               process_index=0, process_count=1, prefetch=2):
+               process_index=0, process_count=1, prefetch=2, packed_length=0):
     self.corpus = corpus
     self.examples = np.arange(len(corpus)) if examples is None else np.asarray(examples)
     self.tokens_per_batch = tokens_per_batch
@@ -324,6 +325,10 @@ class TrainBatches:
     self.process_index, self.process_count = process_index, process_count
     self.prefetch = prefetch
     self.lengths = corpus.lengths()
+    # > 0: several examples per row of this many tokens (packing.py), every batch one shape.
+    self.packed_length = packed_length
+    if packed_length and self.examples.size and self.lengths[self.examples].max() > packed_length:
+      raise ValueError(f'examples longer than packed_length={packed_length}: filter them first')
     self.epoch, self.batch = 0, 0
     self._plans = {}
     self._plan_lock = threading.Lock()
@@ -343,15 +348,27 @@ class TrainBatches:
     with self._plan_lock:
       if epoch not in self._plans:
         rng = np.random.default_rng((self.seed, epoch))
-        plan = plan_batches(self.lengths, self.buckets, self.tokens_per_batch, self.multiple_of,
-                            rng.permutation(self.examples))
+        order = rng.permutation(self.examples)
+        if self.packed_length:
+          plan = self._plan_packed(order)
+        else:
+          plan = plan_batches(self.lengths, self.buckets, self.tokens_per_batch, self.multiple_of, order)
         # The consumer's epoch and the one the background thread may have moved on to.
         self._plans = {e: p for e, p in self._plans.items() if e == epoch - 1}
         self._plans[epoch] = [plan[i] for i in rng.permutation(len(plan))]
       return self._plans[epoch]
 
+  def _plan_packed(self, order):
+    """Packed batches: examples (in `order`) fill rows of packed_length tokens a side, rows fill batches.
+    A batch's members are its rows, each an array of example indices."""
+    rows = packing.plan_rows(self.corpus.source.lengths[order], self.corpus.target.lengths[order],
+                             self.packed_length)
+    rows = [order[r] for r in rows]
+    per_batch = batch_size_for(self.packed_length, self.tokens_per_batch, self.multiple_of)
+    return [(self.packed_length, per_batch, rows[i:i + per_batch]) for i in range(0, len(rows), per_batch)]
+
   def host_members(self, epoch, batch):
-    """This host's example indices of the batch at (epoch, batch), and its number of rows."""
+    """This host's example indices of the batch at (epoch, batch) (packed: its rows), and its number of rows."""
     _, rows, members = self.plan(epoch)[batch]
     return host_slice(members, rows, self.process_index, self.process_count)
 
@@ -361,6 +378,9 @@ class TrainBatches:
       epoch, batch = epoch + 1, 0
     padded = self.plan(epoch)[batch][0]
     members, rows = self.host_members(epoch, batch)
+    if self.packed_length:
+      arrays = packing.make_packed_batch(self.corpus.source, self.corpus.target, members, rows, padded)
+      return arrays, (epoch, batch + 1)
     arrays = make_batch([self.corpus.source[i] for i in members], [self.corpus.target[i] for i in members],
                         rows, padded)
     return arrays, (epoch, batch + 1)

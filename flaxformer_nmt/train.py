@@ -157,14 +157,15 @@ def input_pipeline(config, workdir, num_devices):
                                num_threads=config.tokenize_threads, **hosts)
   train_corpus = tokenize(train_pairs, cache_dir=epath.Path(workdir) / 'tokenized' / config.train_split)
   eval_corpus = tokenize(eval_pairs, cache_dir=epath.Path(workdir) / 'tokenized' / config.eval_split)
-  train_examples = train_corpus.usable(config.max_length)
+  max_length = min(config.max_length, config.packed_length) if config.packed_length else config.max_length
+  train_examples = train_corpus.usable(max_length)
   logging.info('Training pairs: %d of %d kept (at most %d tokens a side) from %s; validation pairs: %d',
-               len(train_examples), len(train_corpus), config.max_length, train_pairs.description,
+               len(train_examples), len(train_corpus), max_length, train_pairs.description,
                len(eval_corpus.usable()))
   train_batches = data_lib.TrainBatches(
       train_corpus, examples=train_examples, tokens_per_batch=config.tokens_per_batch,
       buckets=config.length_buckets, seed=config.seed, multiple_of=num_devices, prefetch=config.prefetch_batches,
-      **hosts)
+      packed_length=config.packed_length, **hosts)
   eval_batches = functools.partial(data_lib.eval_batches, eval_corpus, tokens_per_batch=config.tokens_per_batch,
                                    buckets=config.length_buckets, multiple_of=num_devices, **hosts)
   return train_batches, eval_batches, tokenizer

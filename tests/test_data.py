@@ -283,3 +283,27 @@ def test_vocabulary_sample_respects_the_character_budget(toy_corpus):
   assert sample == tokenizer_lib.sample_sentences(pairs, max_chars=2000, seed=1)  # seeded
   assert sample != tokenizer_lib.sample_sentences(pairs, max_chars=2000, seed=2)
   assert sample[:2] != everything[:2] and set(sample) <= set(everything)  # a random draw, not the head
+
+
+def test_packed_batches_hold_every_example_once_per_epoch_split_over_hosts():
+  lengths = np.random.default_rng(3).integers(2, 20, size=300)
+  corpus = corpus_of_lengths(lengths)
+  make = lambda p: data_lib.TrainBatches(corpus, tokens_per_batch=256, buckets=(8,), seed=4, multiple_of=2,
+                                         process_index=p, process_count=2, packed_length=32)
+  hosts = [make(0), make(1)]
+  real_tokens = 0
+  for _ in range(hosts[0].batches_per_epoch()):
+    batches = [next(h) for h in hosts]
+    for batch in batches:
+      assert batch['src'].shape == (4, 32)  # 256 tokens / 32 per row = 8 rows, 4 per host
+      # Positions restart with every packed example; segments number the examples of a row.
+      for r in range(4):
+        segments, positions = batch['src_segments'][r], batch['src_positions'][r]
+        for s in set(segments[segments > 0].tolist()):
+          np.testing.assert_array_equal(positions[segments == s], np.arange((segments == s).sum()))
+      real_tokens += int((batch['src'] != PAD_ID).sum())
+  assert hosts[0].epoch == 0 and real_tokens == lengths.sum()  # every example once, none cut
+  for h in hosts:
+    h.close()
+  with pytest.raises(ValueError, match='longer than packed_length=16'):
+    data_lib.TrainBatches(corpus, tokens_per_batch=256, buckets=(8,), seed=4, packed_length=16)

@@ -78,3 +78,16 @@ def test_train_checkpoint_resume_decode(toy_corpus, tmp_path, monkeypatch):
   assert len(greedy) == len(mixed) and greedy[5] == ''
   nbest = translator.translate(sources[:3], n_best=2, return_scores=True)
   assert all(len(h) == 2 and h[0][1] >= h[1][1] for h in nbest)
+
+
+def test_packed_training_learns(toy_corpus, tmp_path):
+  """--config.packed_length: rows of several examples go through the whole loop and the loss falls."""
+  config = small_config(toy_corpus)
+  config.packed_length = 32
+  config.num_train_steps = 40
+  config.eval_every_steps = 40
+  config.checkpoint_every_steps = 40
+  metrics = train.train_and_evaluate(config, str(tmp_path / 'packed'))
+  logged = [json.loads(line) for line in (tmp_path / 'packed' / 'metrics.jsonl').read_text().splitlines()]
+  losses = [m['train/loss'] for m in logged if 'train/loss' in m]
+  assert np.isfinite(metrics['eval/perplexity']) and losses[-1] < losses[0] - 0.5
