@@ -128,12 +128,6 @@ def _duration(seconds):
   return f'{seconds // 3600}h{seconds % 3600 // 60:02d}m' if seconds >= 3600 else f'{seconds // 60}m{seconds % 60:02d}s'
 
 
-def _barrier(name):
-  """Waits until every process reaches the barrier `name` (nothing to wait for on one process)."""
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices(name)
-
-
 def input_pipeline(config, workdir, num_devices):
   """Corpus -> vocabulary -> cached token ids -> (train batches, eval batches factory, tokenizer).
 
@@ -141,19 +135,19 @@ def input_pipeline(config, workdir, num_devices):
   """
   if config.data_source == 'tfds':
     # Process 0 downloads and prepares; the others find it prepared (shared storage) or prepare their own.
-    if jax.process_index() == 0:
+    if distributed.is_leader():
       corpora.prepare_tfds(config.tfds_name, config.tfds_data_dir)
-    _barrier('prepare-tfds')
+    distributed.barrier('prepare-tfds')
     corpora.prepare_tfds(config.tfds_name, config.tfds_data_dir)
   train_pairs = corpora.open_split(config, config.train_split)
   eval_pairs = corpora.open_split(config, config.eval_split)
   tokenizer = tokenizer_lib.load_or_train(
       workdir, lambda: tokenizer_lib.sample_sentences(train_pairs, config.sentencepiece_max_chars, config.seed),
       vocab_size=config.vocab_size, model_type=config.sentencepiece_model_type,
-      character_coverage=config.sentencepiece_character_coverage, is_leader=jax.process_index() == 0,
-      barrier=_barrier)
+      character_coverage=config.sentencepiece_character_coverage, is_leader=distributed.is_leader(),
+      barrier=distributed.barrier)
   hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
-  tokenize = functools.partial(data_lib.tokenize_cached, tokenizer=tokenizer, barrier=_barrier,
+  tokenize = functools.partial(data_lib.tokenize_cached, tokenizer=tokenizer, barrier=distributed.barrier,
                                num_threads=config.tokenize_threads, **hosts)
   train_corpus = tokenize(train_pairs, cache_dir=epath.Path(workdir) / 'tokenized' / config.train_split)
   eval_corpus = tokenize(eval_pairs, cache_dir=epath.Path(workdir) / 'tokenized' / config.eval_split)
