@@ -12,6 +12,9 @@ lp(n) = ((5 + n) / 6)^alpha (n counts the generated tokens, EOS included); the b
 become the next alive set. A sentence stops once no alive prefix can still beat its worst kept finished
 hypothesis, and the loop exits when every sentence has stopped. A sentence of n source tokens may produce
 at most n + extra tokens: EOS is forced at that length.
+
+Greedy search and sampling share one loop that picks a single token per row and step; it exits once every
+row has produced EOS. Scores and log probabilities are float32 whatever the model's dtype.
 """
 import jax
 import jax.numpy as jnp
@@ -98,8 +101,13 @@ def beam_search(step_fn, cache, *, batch_size, beam_size, max_length, max_length
   return finished_sequences[:, :, 1:], finished_scores
 
 
-def greedy_search(step_fn, cache, *, batch_size, max_length, max_lengths, bos_id, eos_id, forbidden_ids=()):
-  """Returns (sequences [B, max_length], log probabilities [B]): the most likely token at every step."""
+def _token_by_token(step_fn, cache, choose, *, batch_size, max_length, max_lengths, bos_id, eos_id,
+                    forbidden_ids):
+  """One token per row and step, picked by `choose(log_probs [N, V], index) -> tokens [N]`.
+
+  Returns (sequences [N, max_length], log probabilities [N]): the model's log P of each row's tokens (EOS
+  included), whatever rule picked them.
+  """
   B, L = batch_size, max_length
   max_lengths = jnp.minimum(max_lengths, L)
   sequences = jnp.zeros((B, L + 1), jnp.int32).at[:, 0].set(bos_id)
@@ -115,7 +123,7 @@ def greedy_search(step_fn, cache, *, batch_size, max_length, max_lengths, bos_id
     logits, cache = step_fn(sequences[:, index], index, cache)
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))
     log_probs = _mask_logits(log_probs, index, max_lengths, eos_id, forbidden_ids)
-    tokens = jnp.argmax(log_probs, axis=-1)
+    tokens = choose(log_probs, index)
     scores = scores + jnp.where(finished, 0.0, jnp.take_along_axis(log_probs, tokens[:, None], axis=1)[:, 0])
     tokens = jnp.where(finished, 0, tokens)  # pad after EOS
     sequences = sequences.at[:, index + 1].set(tokens)
@@ -124,3 +132,36 @@ def greedy_search(step_fn, cache, *, batch_size, max_length, max_lengths, bos_id
   state = (jnp.asarray(0), sequences, finished, scores, cache)
   _, sequences, _, scores, _ = jax.lax.while_loop(still_running, step, state)
   return sequences[:, 1:], scores
+
+
+def greedy_search(step_fn, cache, *, batch_size, max_length, max_lengths, bos_id, eos_id, forbidden_ids=()):
+  """Returns (sequences [B, max_length], log probabilities [B]): the most likely token at every step."""
+  return _token_by_token(step_fn, cache, lambda log_probs, index: jnp.argmax(log_probs, axis=-1),
+                         batch_size=batch_size, max_length=max_length, max_lengths=max_lengths, bos_id=bos_id,
+                         eos_id=eos_id, forbidden_ids=forbidden_ids)
+
+
+def sample_search(step_fn, cache, keys, *, temperature, top_k, batch_size, max_length, max_lengths, bos_id,
+                  eos_id, forbidden_ids=()):
+  """Returns (sequences [B, max_length], log probabilities [B]) sampled token by token.
+
+  Each token is drawn from softmax(logits / temperature) restricted to the `top_k` most likely tokens
+  (top_k=0: the whole vocabulary). keys: [B] PRNG keys, one per row; the token at position t of row r uses
+  fold_in(keys[r], t), so a row's sample does not depend on the other rows of its batch. The returned log
+  probabilities are the model's (temperature 1, unrestricted), as for greedy search.
+  """
+  if temperature <= 0:
+    raise ValueError(f'temperature must be positive, not {temperature}')
+
+  def choose(log_probs, index):
+    k = min(top_k, log_probs.shape[-1]) if top_k > 0 else log_probs.shape[-1]
+    # top_k of the whole vocabulary is an (expensive) sort; skip it when there is nothing to cut.
+    candidates, ids = (jax.lax.top_k(log_probs, k) if k < log_probs.shape[-1]
+                       else (log_probs, jnp.broadcast_to(jnp.arange(k), log_probs.shape)))
+    # Forbidden tokens keep a log probability of NEG_INF (also after dividing): never drawn.
+    picks = jax.vmap(lambda key, row: jax.random.categorical(jax.random.fold_in(key, index), row))(
+        keys, candidates / temperature)
+    return jnp.take_along_axis(ids, picks[:, None], axis=1)[:, 0]
+
+  return _token_by_token(step_fn, cache, choose, batch_size=batch_size, max_length=max_length,
+                         max_lengths=max_lengths, bos_id=bos_id, eos_id=eos_id, forbidden_ids=forbidden_ids)

@@ -7,9 +7,13 @@ One output line per input line, in input order; an empty input line gives an emp
 read in chunks of --buffer_lines, so a long stream is translated as it arrives. Within a chunk, sentences
 are sorted by length into token-budget batches (few shapes to compile, little padding).
 
+  --greedy | --beam_size=K | --sampling [--temperature=T --top_k=K --seed=S]
+  --format=fairseq [--n_best=N]: S-i (source), H-i (score, sentencepiece pieces), D-i (score, text) lines
+
 Python API:
   translator = Translator('runs/m30k')
   translator.translate(['A man is running.'], beam_size=4)
+  translator.translate(['A man is running.'], sampling=True, top_k=10, seed=1)
 """
 import functools
 import itertools
@@ -31,11 +35,17 @@ from flaxformer_nmt.model import Transformer
 from flaxformer_nmt.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
-def search(model, params, src, *, beam_size, alpha, extra_length):
-  """Translations of a padded source batch [B, S]: (tokens [B, K, L], scores [B, K]); greedy if beam_size=0.
+def search(model, params, src, sample_keys=None, *, beam_size, alpha, extra_length, temperature=1.0, top_k=0,
+           cache_cross_kv=True):
+  """Translations of a padded source batch [B, S]: (tokens [B, K, L], scores [B, K]), best first.
+
+  beam_size=0 decodes greedily (K = 1). With `sample_keys` ([B, n] PRNG keys) it samples n translations per
+  sentence instead (see beam_search.sample_search), sorted by their log probability.
 
   The encoder runs once, the encoder-decoder keys/values are projected once per sentence, and each step
-  runs only the new position through the decoder against its self-attention cache.
+  runs only the new position through the decoder against its self-attention cache. cache_cross_kv=False
+  projects the encoder-decoder keys/values again at every step, as decoders without that cache do (kept
+  to measure what the cache saves; same results).
   """
   variables = {'params': params}
   batch, src_len = src.shape
@@ -45,22 +55,66 @@ def search(model, params, src, *, beam_size, alpha, extra_length):
   src_tokens = (src != PAD_ID).sum(axis=1)
   max_lengths = jnp.where(src_tokens > 0, src_tokens - 1 + extra_length + 1, 1)
   encoded = model.apply(variables, src, method=Transformer.encode)
-  cross_kv = model.apply(variables, encoded, method=Transformer.cross_attention_kv)
-  rows = max(beam_size, 1)
-  if rows > 1:  # every beam of a sentence shares its encoder keys/values
-    cross_kv = jax.tree_util.tree_map(lambda x: jnp.repeat(x, rows, axis=0), cross_kv)
+  rows = sample_keys.shape[1] if sample_keys is not None else max(beam_size, 1)  # decoder rows per sentence
   src_rows = jnp.repeat(src, rows, axis=0)
   cache = model.apply(variables, batch * rows, max_length, method=Transformer.init_cache)
 
-  def step_fn(tokens, index, cache):
-    return model.apply(variables, tokens, index, cache, cross_kv, src_rows, method=Transformer.decode_step)
+  if cache_cross_kv:
+    # Every row of a sentence (beam or sample) shares its encoder keys/values.
+    cross_kv = jax.tree_util.tree_map(lambda x: jnp.repeat(x, rows, axis=0),
+                                      model.apply(variables, encoded, method=Transformer.cross_attention_kv))
 
-  common = dict(max_length=max_length, max_lengths=max_lengths, bos_id=BOS_ID, eos_id=EOS_ID,
-                forbidden_ids=(PAD_ID, BOS_ID))
+    def step_fn(tokens, index, cache):
+      return model.apply(variables, tokens, index, cache, cross_kv, src_rows, method=Transformer.decode_step)
+  else:
+    encoded_rows = jnp.repeat(encoded, rows, axis=0)
+
+    def step_fn(tokens, index, cache):
+      # XLA would hoist a loop-invariant projection out of the loop by itself (it does on CPU), which is
+      # the cache again; tying the encoder output to the step index keeps the projection in every step.
+      step_encoded, _ = jax.lax.optimization_barrier((encoded_rows, index))
+      step_kv = model.apply(variables, step_encoded, method=Transformer.cross_attention_kv)
+      return model.apply(variables, tokens, index, cache, step_kv, src_rows, method=Transformer.decode_step)
+
+  common = dict(max_length=max_length, bos_id=BOS_ID, eos_id=EOS_ID, forbidden_ids=(PAD_ID, BOS_ID))
+  if sample_keys is not None:
+    tokens, scores = beam_search.sample_search(
+        step_fn, cache, sample_keys.reshape(-1), temperature=temperature, top_k=top_k, batch_size=batch * rows,
+        max_lengths=jnp.repeat(max_lengths, rows), **common)
+    tokens, scores = tokens.reshape(batch, rows, -1), scores.reshape(batch, rows)
+    best_first = jnp.argsort(-scores, axis=1)
+    return jnp.take_along_axis(tokens, best_first[:, :, None], axis=1), jnp.take_along_axis(scores, best_first, 1)
   if beam_size == 0:
-    tokens, scores = beam_search.greedy_search(step_fn, cache, batch_size=batch, **common)
+    tokens, scores = beam_search.greedy_search(step_fn, cache, batch_size=batch, max_lengths=max_lengths, **common)
     return tokens[:, None], scores[:, None]
-  return beam_search.beam_search(step_fn, cache, batch_size=batch, beam_size=beam_size, alpha=alpha, **common)
+  return beam_search.beam_search(step_fn, cache, batch_size=batch, beam_size=beam_size, alpha=alpha,
+                                 max_lengths=max_lengths, **common)
+
+
+@functools.partial(jax.jit, static_argnames='num_samples')
+def sample_keys(seed, line_numbers, num_samples):
+  """[B, n] PRNG keys: sample j of input line i uses fold_in(fold_in(key(seed), i), j), whatever the batching."""
+  def line_keys(line):
+    line_key = jax.random.fold_in(jax.random.key(seed), line)
+    return jax.vmap(lambda j: jax.random.fold_in(line_key, j))(jnp.arange(num_samples))
+  return jax.vmap(line_keys)(line_numbers)
+
+
+def input_order_batches(lengths, buckets, tokens_per_batch, order):
+  """Like data.plan_batches, but consecutive sentences in `order` fill each batch, unsorted: a batch is
+  padded to the bucket of its longest sentence and closes when one more sentence would break the budget.
+  (The plain batching that length-sorted batches are measured against.)"""
+  plan, members, padded = [], [], 0
+  for i in order:
+    grown = max(padded, data_lib.bucket_length(lengths[i], buckets))
+    if members and (len(members) + 1) * grown > tokens_per_batch:
+      plan.append((padded, data_lib.batch_size_for(padded, tokens_per_batch), members))
+      members, grown = [], data_lib.bucket_length(lengths[i], buckets)
+    members.append(i)
+    padded = grown
+  if members:
+    plan.append((padded, data_lib.batch_size_for(padded, tokens_per_batch), members))
+  return plan
 
 
 def load_params(workdir, checkpoint='latest'):
@@ -92,48 +146,106 @@ class Translator:
     self.model = train.build_model(self.config, self.tokenizer)
     self.params, self.checkpoint = load_params(workdir, checkpoint)
     self._search = jax.jit(functools.partial(search, self.model),
-                           static_argnames=('beam_size', 'alpha', 'extra_length'))
+                           static_argnames=('beam_size', 'alpha', 'extra_length', 'temperature', 'top_k',
+                                            'cache_cross_kv'))
 
-  def batches(self, token_lists, tokens_per_batch):
-    """(indices, padded source [rows, len]) batches, sentences sorted by length; each bucket has one shape.
+  def batches(self, token_lists, tokens_per_batch, sort_by_length=True):
+    """(indices, padded source [rows, len]) batches; each bucket has one shape. Sorted by length, batches
+    carry little padding; sort_by_length=False keeps input order (to measure what sorting saves).
     Empty sentences (EOS alone) are left out: they translate to empty lines."""
     lengths = [len(t) for t in token_lists]
-    order = sorted((i for i, n in enumerate(lengths) if n > 1), key=lengths.__getitem__)
-    for padded, rows, members in data_lib.plan_batches(lengths, self.config.length_buckets, tokens_per_batch, 1,
-                                                       order):
+    nonempty = [i for i, n in enumerate(lengths) if n > 1]
+    buckets = self.config.length_buckets
+    if sort_by_length:
+      plan = data_lib.plan_batches(lengths, buckets, tokens_per_batch, 1, sorted(nonempty, key=lengths.__getitem__))
+    else:
+      plan = input_order_batches(lengths, buckets, tokens_per_batch, nonempty)
+    for padded, rows, members in plan:
       yield members, data_lib.pad_rows([token_lists[i] for i in members], rows, padded)
 
-  def translate(self, sentences, beam_size=None, alpha=None, n_best=1, tokens_per_batch=None, return_scores=False):
-    """Translations of `sentences` (list of str), in order. beam_size=0 decodes greedily.
+  def search_tokens(self, token_lists, beam_size=None, alpha=None, n_best=1, tokens_per_batch=None,
+                    sampling=False, temperature=1.0, top_k=0, seed=0, first_line=0, cache_cross_kv=True,
+                    sort_by_length=True):
+    """For each source (token ids ending with EOS), its n_best [(target ids ending with EOS, score)], in
+    order; an empty source gives [([], 0.0)] * n_best.
 
-    With n_best > 1 each item is a list of the n best translations. With return_scores, items are
-    (translation, score) pairs: the length-normalized log probability (beam) or the log probability (greedy).
+    sampling draws n_best samples per sentence (beam_size is then unused); sample j of sentence i depends
+    only on (seed, first_line + i, j), so a stream read in chunks samples as the whole list would.
+    cache_cross_kv and sort_by_length switch off two speed-ups, for measuring them.
     """
     beam_size = self.config.beam_size if beam_size is None else beam_size
     alpha = self.config.length_penalty_alpha if alpha is None else alpha
-    if n_best > max(beam_size, 1):
-      raise ValueError(f'n_best={n_best} exceeds beam_size={beam_size}')
+    if n_best < 1 or (not sampling and n_best > max(beam_size, 1)):
+      raise ValueError(f'n_best={n_best} must be between 1 and the beam size ({beam_size})')
+    if sampling and (temperature <= 0 or top_k < 0):
+      raise ValueError(f'sampling needs temperature > 0 and top_k >= 0, not {temperature} and {top_k}')
     tokens_per_batch = tokens_per_batch or self.config.decode_tokens_per_batch
-    token_lists = self.tokenizer.encode([tokenizer_lib.normalize_whitespace(s) for s in sentences])
-    results = [[('', 0.0)] * n_best for _ in sentences]
-    for members, src in self.batches(token_lists, tokens_per_batch):
-      tokens, scores = jax.device_get(self._search(self.params, src, beam_size=beam_size, alpha=float(alpha),
-                                                   extra_length=self.config.max_decode_extra_length))
+    options = dict(beam_size=beam_size, alpha=float(alpha), extra_length=self.config.max_decode_extra_length,
+                   cache_cross_kv=cache_cross_kv)
+    if sampling:
+      options.update(beam_size=0, alpha=0.0, temperature=float(temperature), top_k=int(top_k))
+    results = [[([], 0.0)] * n_best for _ in token_lists]
+    for members, src in self.batches(token_lists, tokens_per_batch, sort_by_length):
+      keys = None
+      if sampling:  # padding rows sample too, from line -1's keys, and are dropped
+        lines = [first_line + i for i in members] + [-1] * (len(src) - len(members))
+        keys = sample_keys(seed, jnp.asarray(lines, jnp.int32), n_best)
+      tokens, scores = jax.device_get(self._search(self.params, src, keys, **options))
       for r, i in enumerate(members):
-        results[i] = [(self.tokenizer.decode(tokens[r, k]), float(scores[r, k])) for k in range(n_best)]
+        results[i] = [(_through_eos(tokens[r, k]), float(scores[r, k])) for k in range(n_best)]
+    return results
+
+  def translate(self, sentences, beam_size=None, alpha=None, n_best=1, tokens_per_batch=None, return_scores=False,
+                **options):
+    """Translations of `sentences` (list of str), in order. beam_size=0 decodes greedily.
+
+    With n_best > 1 each item is a list of the n best translations. With return_scores, items are
+    (translation, score) pairs: the length-normalized log probability (beam) or the log probability (greedy,
+    sampling). `options`: sampling=True, temperature, top_k, seed (see search_tokens).
+    """
+    token_lists = self.tokenizer.encode([tokenizer_lib.normalize_whitespace(s) for s in sentences])
+    results = self.search_tokens(token_lists, beam_size=beam_size, alpha=alpha, n_best=n_best,
+                                 tokens_per_batch=tokens_per_batch, **options)
+    results = [[(self.tokenizer.decode(ids), score) for ids, score in hyps] for hyps in results]
     if not return_scores:
       results = [[text for text, _ in hyps] for hyps in results]
     return [hyps if n_best > 1 else hyps[0] for hyps in results]
 
 
+def _through_eos(tokens):
+  """Token ids up to and including the first EOS."""
+  tokens = [int(t) for t in tokens]
+  return tokens[:tokens.index(EOS_ID) + 1] if EOS_ID in tokens else tokens
+
+
 def _read_chunks(path, size):
-  stream = sys.stdin if path == '-' else open(path, encoding='utf-8')  # pylint: disable=consider-using-with
+  """Lists of up to `size` lines of a file or stdin (-), read as they arrive; bad UTF-8 names the line."""
+  name = '<stdin>' if path == '-' else path
+  stream = sys.stdin.buffer if path == '-' else open(path, 'rb')  # pylint: disable=consider-using-with
+  number = 0
   try:
-    while chunk := [line.rstrip('\n') for line in itertools.islice(stream, size)]:
+    while raw_lines := list(itertools.islice(stream, size)):
+      chunk = []
+      for raw in raw_lines:
+        number += 1
+        try:
+          chunk.append(raw.decode('utf-8').rstrip('\r\n'))
+        except UnicodeDecodeError as e:
+          raise data_lib.DataError(f'{name}:{number}: invalid UTF-8 ({e.reason} at byte {e.start})') from None
       yield chunk
   finally:
-    if stream is not sys.stdin:
+    if stream is not sys.stdin.buffer:
       stream.close()
+
+
+def fairseq_lines(line_number, source, hypotheses, tokenizer):
+  """fairseq-generate's lines for one input: S-i source, then per hypothesis H-i score pieces and D-i score
+  text (ids counted from 0 in input order; scores are natural-log, as `translate(return_scores=True)`)."""
+  lines = [f'S-{line_number}\t{source}']
+  for ids, score in hypotheses:
+    lines.append(f'H-{line_number}\t{score:.4f}\t{" ".join(tokenizer.pieces(ids[:-1]))}')
+    lines.append(f'D-{line_number}\t{score:.4f}\t{tokenizer.decode(ids)}')
+  return lines
 
 
 def define_flags():
@@ -147,6 +259,13 @@ def define_flags():
   flags.DEFINE_integer('beam_size', None, 'Beam width (default: the config\'s); 0 is greedy.')
   flags.DEFINE_bool('greedy', False, 'Greedy decoding (same as --beam_size=0).')
   flags.DEFINE_float('alpha', None, 'Length penalty exponent (default: the config\'s).')
+  flags.DEFINE_bool('sampling', False, 'Sample translations from the model instead of searching.')
+  flags.DEFINE_float('temperature', 1.0, 'Sampling: draw from softmax(logits / temperature).')
+  flags.DEFINE_integer('top_k', 0, 'Sampling: only from the k most likely tokens (0: all).')
+  flags.DEFINE_integer('seed', 0, 'Sampling: random seed (a line\'s samples depend only on it and the line).')
+  flags.DEFINE_integer('n_best', 1, 'Hypotheses per input (beams, or samples); more than 1 needs --format=fairseq.')
+  flags.DEFINE_enum('format', 'plain', ['plain', 'fairseq'],
+                    'plain: one translation per input line. fairseq: S-i, H-i (score, pieces), D-i (score, text).')
   flags.DEFINE_integer('tokens_per_batch', None, 'Source tokens per batch.')
   flags.DEFINE_integer('buffer_lines', 5000, 'Lines read and translated at a time.')
   flags.mark_flags_as_required(['workdir'])
@@ -156,27 +275,47 @@ def main(argv):
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if FLAGS.n_best > 1 and FLAGS.format == 'plain':
+    raise app.UsageError('--n_best > 1 gives several lines per input: use --format=fairseq')
   checkpoints_lib.quiet_orbax_logs()
   try:
     translator = Translator(FLAGS.workdir, FLAGS.checkpoint)
   except (OSError, ValueError) as e:
     sys.exit(f'error: {e}')
   beam_size = 0 if FLAGS.greedy else FLAGS.beam_size
-  logging.info('Translating with %s of %s (%s)', translator.checkpoint, FLAGS.workdir,
-               'greedy' if beam_size == 0 else f'beam {beam_size or translator.config.beam_size}')
+  if FLAGS.sampling:
+    method = f'sampling (temperature {FLAGS.temperature}, top-k {FLAGS.top_k or "off"}, seed {FLAGS.seed})'
+  else:
+    method = 'greedy' if beam_size == 0 else f'beam {beam_size or translator.config.beam_size}'
+  logging.info('Translating with %s of %s (%s)', translator.checkpoint, FLAGS.workdir, method)
+  options = dict(beam_size=beam_size, alpha=FLAGS.alpha, n_best=FLAGS.n_best,
+                 tokens_per_batch=FLAGS.tokens_per_batch)
+  if FLAGS.sampling:
+    options.update(sampling=True, temperature=FLAGS.temperature, top_k=FLAGS.top_k, seed=FLAGS.seed)
   out = sys.stdout if FLAGS.output == '-' else open(FLAGS.output, 'w', encoding='utf-8')  # pylint: disable=consider-using-with
-  hypotheses, done, start = [], 0, time.time()
+  hypotheses, done, target_tokens, start = [], 0, 0, time.time()
   try:
     for chunk in _read_chunks(FLAGS.input, FLAGS.buffer_lines):
-      translations = translator.translate(chunk, beam_size=beam_size, alpha=FLAGS.alpha,
-                                          tokens_per_batch=FLAGS.tokens_per_batch)
-      out.write(''.join(t + '\n' for t in translations))
+      chunk = [tokenizer_lib.normalize_whitespace(line) for line in chunk]
+      results = translator.search_tokens(translator.tokenizer.encode(chunk), first_line=done, **options)
+      best = [translator.tokenizer.decode(hyps[0][0]) for hyps in results]
+      if FLAGS.format == 'fairseq':
+        lines = [line for i, (source, hyps) in enumerate(zip(chunk, results))
+                 for line in fairseq_lines(done + i, source, hyps, translator.tokenizer)]
+      else:
+        lines = best
+      out.write(''.join(line + '\n' for line in lines))
       out.flush()
-      hypotheses += translations if FLAGS.reference else []
+      hypotheses += best if FLAGS.reference else []
       done += len(chunk)
-      logging.info('%d sentences, %.1f sentences/s', done, done / (time.time() - start))
-  except (OSError, UnicodeDecodeError) as e:
+      target_tokens += sum(len(hyps[0][0]) for hyps in results)
+      seconds = time.time() - start
+      logging.info('%d sentences, %.1f sentences/s, %.0f target tokens/s', done, done / seconds,
+                   target_tokens / seconds)
+  except OSError as e:
     sys.exit(f'error: {FLAGS.input}: {e}')
+  except ValueError as e:  # bad input (the message names the line) or bad option values
+    sys.exit(f'error: {e}')
   finally:
     if out is not sys.stdout:
       out.close()

@@ -1,4 +1,5 @@
 """Cached decoding against uncached decoding, and beam search against exhaustive search."""
+import functools
 import itertools
 
 import jax
@@ -8,6 +9,7 @@ import pytest
 
 from conftest import tiny_model
 from flaxformer_nmt import beam_search
+from flaxformer_nmt import decode
 from flaxformer_nmt.model import Transformer
 from flaxformer_nmt.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
@@ -111,3 +113,79 @@ def test_beam_scores_are_sorted_and_respect_per_sentence_limits():
   for k in range(4):
     first = [int(t) for t in sequences[0, k]]
     assert EOS_ID in first[:3]  # sentence 0 may generate at most 3 tokens, EOS included
+
+
+def jitted_search(model, **static):
+  return jax.jit(functools.partial(decode.search, model), static_argnames=tuple(static))
+
+
+@pytest.mark.parametrize('beam_size', [0, 4])
+def test_search_projecting_cross_attention_every_step_equals_the_cache(beam_size):
+  model, params = tiny_model()
+  options = dict(beam_size=beam_size, alpha=0.6, extra_length=6)
+  cached = jitted_search(model, cache_cross_kv=True, **options)(params, SRC, cache_cross_kv=True, **options)
+  per_step = jitted_search(model, cache_cross_kv=False, **options)(params, SRC, cache_cross_kv=False, **options)
+  np.testing.assert_array_equal(cached[0], per_step[0])
+  np.testing.assert_allclose(cached[1], per_step[1], atol=1e-5)
+
+
+def test_sampling_from_the_top_1_is_greedy():
+  model, params = tiny_model()
+  options = dict(beam_size=0, alpha=0.6, extra_length=8)
+  greedy_tokens, greedy_scores = jitted_search(model, **options)(params, SRC, **options)
+  keys = decode.sample_keys(0, jnp.arange(SRC.shape[0]), 3)
+  sampled = jitted_search(model, top_k=1, **options)(params, SRC, keys, top_k=1, **options)
+  for k in range(3):
+    np.testing.assert_array_equal(sampled[0][:, k], greedy_tokens[:, 0])
+    np.testing.assert_allclose(sampled[1][:, k], greedy_scores[:, 0], atol=1e-5)
+
+
+def test_samples_use_only_the_top_k_tokens_of_the_full_decoder():
+  model, params = tiny_model()
+  top_k, extra = 3, 8
+  options = dict(beam_size=0, alpha=0.6, extra_length=extra, top_k=top_k, temperature=3.0)
+  keys = decode.sample_keys(1, jnp.arange(SRC.shape[0]), 16)
+  tokens, scores = jitted_search(model, **options)(params, SRC, keys, **options)
+  tokens, scores = np.asarray(tokens), np.asarray(scores)
+  # Re-score every sample with the whole (uncached) decoder run on its prefix; rank the tokens it chose.
+  ranks = []
+  for b in range(SRC.shape[0]):
+    limit = int((SRC[b] != PAD_ID).sum()) - 1 + extra + 1  # generated tokens allowed, EOS included
+    targets = tokens[b]
+    tgt_in = np.concatenate([np.full((len(targets), 1), BOS_ID), targets[:, :-1]], axis=1)
+    src = jnp.repeat(SRC[b:b + 1], len(targets), axis=0)
+    log_probs = np.array(jax.nn.log_softmax(model.apply({'params': params}, src, jnp.asarray(tgt_in))))
+    log_probs[:, :, [PAD_ID, BOS_ID]] = -np.inf
+    for k, sample in enumerate(targets):
+      length = list(sample).index(EOS_ID) + 1
+      assert length <= limit
+      for t in range(length):
+        if t == limit - 1:  # the last allowed position forces EOS
+          assert sample[t] == EOS_ID
+          continue
+        ranks.append(int((log_probs[k, t] > log_probs[k, t, sample[t]]).sum()))
+      # The score is the model's log probability of the sample (temperature 1, no top-k).
+      np.testing.assert_allclose(scores[b, k], sum(log_probs[k, t, sample[t]] for t in range(length)), rtol=1e-4)
+  assert max(ranks) < top_k, ranks
+  assert len(set(ranks)) == top_k  # every allowed rank occurs at this temperature: really sampling
+
+
+def test_sampled_token_frequencies_follow_the_tempered_top_k_distribution():
+  vocab, rows, temperature, top_k = 8, 6000, 2.0, 4
+  logits = jnp.array([0.0, 1.0, 3.0, 0.5, 2.0, 1.5, -1.0, 2.5])  # ids 0 (pad) and 2 (bos) are forbidden
+
+  def step_fn(tokens, index, cache):
+    return jnp.broadcast_to(logits, (tokens.shape[0], vocab)), cache
+
+  keys = jax.random.split(jax.random.key(0), rows)
+  tokens, _ = beam_search.sample_search(step_fn, jnp.zeros(()), keys, temperature=temperature, top_k=top_k,
+                                        batch_size=rows, max_length=2, max_lengths=jnp.full((rows,), 2),
+                                        bos_id=BOS_ID, eos_id=EOS_ID, forbidden_ids=(PAD_ID, BOS_ID))
+  allowed = np.array(logits).copy()
+  allowed[[PAD_ID, BOS_ID]] = -np.inf
+  top = np.argsort(-allowed)[:top_k]
+  expected = np.zeros(vocab)
+  expected[top] = np.exp(allowed[top] / temperature) / np.exp(allowed[top] / temperature).sum()
+  observed = np.bincount(np.asarray(tokens[:, 0]), minlength=vocab) / rows
+  np.testing.assert_allclose(observed, expected, atol=0.025)
+  assert np.all(np.asarray(tokens[:, 1]) == EOS_ID)  # the length limit forces EOS next
