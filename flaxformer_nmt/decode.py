@@ -243,7 +243,7 @@ def fairseq_lines(line_number, source, hypotheses, tokenizer):
   text (ids counted from 0 in input order; scores are natural-log, as `translate(return_scores=True)`)."""
   lines = [f'S-{line_number}\t{source}']
   for ids, score in hypotheses:
-    lines.append(f'H-{line_number}\t{score:.4f}\t{" ".join(tokenizer.pieces(ids[:-1]))}')
+    lines.append(f'H-{line_number}\t{score:.4f}\t{" ".join(tokenizer.pieces(i for i in ids if i != EOS_ID))}')
     lines.append(f'D-{line_number}\t{score:.4f}\t{tokenizer.decode(ids)}')
   return lines
 

@@ -1,0 +1,179 @@
+r"""Attention pictures: translate sentences, then draw where the model looked.
+
+  python -m flaxformer_nmt.visualize --workdir runs/m30k --output_dir attention \
+      --sentences "A man in a blue shirt is standing on a ladder." [--input more.en] [--checkpoint averaged]
+
+Each sentence is translated (beam search by default), then the model is run teacher-forced on (source,
+translation) with the 'intermediates' collection mutable, which collects the softmax weights [B, H, Tq, Tk]
+that every attention layer sows as `attention_weights`. Written per sentence i, as PNG heatmaps with the
+sentencepiece pieces on both axes (padding cropped):
+
+  {i:02d}_cross_layer{l}.png    encoder-decoder attention of decoder layer l, one panel per head
+                                (rows: the target piece being predicted; columns: source pieces)
+  {i:02d}_cross_average.png     the same averaged over heads, per layer, and over all layers
+  {i:02d}_encoder_layer{l}.png  encoder self-attention of layer l, one panel per head
+"""
+import functools
+import importlib.util
+import re
+import sys
+
+import jax
+import numpy as np
+from absl import app, flags
+from etils import epath
+
+from flaxformer_nmt import checkpoints as checkpoints_lib
+from flaxformer_nmt import data as data_lib
+from flaxformer_nmt import decode
+from flaxformer_nmt import tokenizer as tokenizer_lib
+from flaxformer_nmt.tokenizer import BOS_ID
+
+
+def find_attention_weights(intermediates):
+  """{(stack, layer, kind): weights [B, H, Tq, Tk]} for every sown `attention_weights` in the tree, where
+  stack is 'encoder' or 'decoder' (from module names `encoder_{i}` / `decoder_{i}`) and kind is
+  'self_attention' or 'cross_attention'. Searched by name along each path, so extra nesting (remat, scan
+  wrappers, sow's tuple) does not matter."""
+  found = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(intermediates)[0]:
+    names = [str(getattr(key, 'key', getattr(key, 'name', key))) for key in path]
+    if 'attention_weights' not in names:
+      continue
+    layers = [m for m in map(re.compile(r'(encoder|decoder)_(\d+)').fullmatch, names) if m]
+    kinds = [n for n in names if n in ('self_attention', 'cross_attention')]
+    if layers and kinds:
+      found.setdefault((layers[-1].group(1), int(layers[-1].group(2)), kinds[-1]), np.asarray(leaf, np.float32))
+  return found
+
+
+def _stack(found, stack, kind):
+  layers = sorted(layer for s, layer, k in found if (s, k) == (stack, kind))
+  if not layers:
+    raise ValueError(f'the model sowed no {stack} {kind} weights (found {sorted(found)})')
+  return np.stack([found[(stack, layer, kind)] for layer in layers], axis=1)  # [B, layers, H, Tq, Tk]
+
+
+def attention_maps(translator, sentences, beam_size=None):
+  """For each sentence, a dict of its source and target pieces and its attention weights, padding cropped:
+    'cross'   [decoder layers, heads, target pieces, source pieces]
+    'encoder' [encoder layers, heads, source pieces, source pieces]
+  Target pieces are the translation's tokens with the final EOS: row t is the attention while predicting
+  piece t. Every row is a softmax over the real (unpadded) keys, so it sums to one.
+  """
+  tokenizer = translator.tokenizer
+  sources = [tokenizer_lib.normalize_whitespace(s) for s in sentences]
+  for number, source in enumerate(sources, start=1):
+    if not source:
+      raise ValueError(f'sentence {number} is empty: nothing to draw')
+  source_ids = tokenizer.encode(sources)
+  target_ids = [hyps[0][0] for hyps in translator.search_tokens(source_ids, beam_size=beam_size)]
+  # One padded batch (one compilation): sources, and BOS + translation as the decoder input.
+  buckets = translator.config.length_buckets
+  src_len = data_lib.bucket_length(max(map(len, source_ids)), buckets)
+  tgt_len = data_lib.bucket_length(max(map(len, target_ids)), buckets)
+  src = data_lib.pad_rows(source_ids, len(sources), src_len)
+  tgt_in = data_lib.pad_rows(target_ids, len(sources), tgt_len, prefix=BOS_ID)
+  found = find_attention_weights(jax.device_get(_sown(translator.model, translator.params, src, tgt_in)))
+  cross, encoder = _stack(found, 'decoder', 'cross_attention'), _stack(found, 'encoder', 'self_attention')
+  maps = []
+  for b, (source, src_ids, tgt_ids) in enumerate(zip(sources, source_ids, target_ids)):
+    s, t = len(src_ids), len(tgt_ids)
+    maps.append({
+        'source': source, 'translation': tokenizer.decode(tgt_ids),
+        'source_pieces': tokenizer.pieces(src_ids), 'target_pieces': tokenizer.pieces(tgt_ids),
+        'cross': cross[b, :, :, :t, :s], 'encoder': encoder[b, :, :, :s, :s],
+    })
+  return maps
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _sown(model, params, src, tgt_in):
+  _, state = model.apply({'params': params}, src, tgt_in, mutable=['intermediates'])
+  return state['intermediates']
+
+
+def _heatmaps(panels, titles, row_labels, col_labels, title, path, columns=4):
+  """One PNG with a heatmap per panel ([Tq, Tk] arrays), rows and columns labelled with pieces."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  columns = min(columns, len(panels))
+  rows = -(-len(panels) // columns)
+  # About a quarter inch per piece, so that the labels stay readable.
+  cell = 0.24
+  width, height = max(2.5, 1.2 + cell * len(col_labels)), max(2.0, 1.2 + cell * len(row_labels))
+  fig, axes = plt.subplots(rows, columns, figsize=(width * columns, height * rows + 0.4), squeeze=False)
+  for ax, panel, panel_title in zip(axes.flat, panels, titles):
+    ax.imshow(panel, cmap='viridis', vmin=0.0, vmax=max(float(panel.max()), 1e-6), aspect='equal')
+    ax.set_xticks(range(len(col_labels)), col_labels, rotation=90, fontsize=7)
+    ax.set_yticks(range(len(row_labels)), row_labels, fontsize=7)
+    ax.set_title(panel_title, fontsize=9)
+  for ax in list(axes.flat)[len(panels):]:
+    ax.axis('off')
+  fig.suptitle(title, fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=90, bbox_inches='tight')  # long pieces stay inside the picture
+  plt.close(fig)
+  return path
+
+
+def write_pictures(maps, output_dir):
+  """Writes the PNGs described in the module docstring; returns their paths."""
+  output_dir = epath.Path(output_dir)
+  output_dir.mkdir(parents=True, exist_ok=True)
+  paths = []
+  for i, m in enumerate(maps):
+    src, tgt = m['source_pieces'], m['target_pieces']
+    caption = f'{m["source"]}\n-> {m["translation"]}'
+    for layer, heads in enumerate(m['cross']):
+      paths.append(_heatmaps(heads, [f'head {h}' for h in range(len(heads))], tgt, src,
+                             f'cross-attention, decoder layer {layer}\n{caption}',
+                             output_dir / f'{i:02d}_cross_layer{layer}.png'))
+    per_layer = list(m['cross'].mean(axis=1)) + [m['cross'].mean(axis=(0, 1))]
+    titles = [f'layer {layer}, mean of heads' for layer in range(len(m['cross']))] + ['all layers and heads']
+    paths.append(_heatmaps(per_layer, titles, tgt, src, f'cross-attention, averaged\n{caption}',
+                           output_dir / f'{i:02d}_cross_average.png'))
+    for layer, heads in enumerate(m['encoder']):
+      paths.append(_heatmaps(heads, [f'head {h}' for h in range(len(heads))], src, src,
+                             f'encoder self-attention, layer {layer}\n{m["source"]}',
+                             output_dir / f'{i:02d}_encoder_layer{layer}.png'))
+  return paths
+
+
+def define_flags():
+  flags.DEFINE_string('workdir', None, 'Training workdir (config.json, vocab.model, checkpoints/).')
+  flags.DEFINE_multi_string('sentences', [], 'A source sentence (repeat the flag for more).')
+  flags.DEFINE_string('input', None, 'A file of source sentences, one per line (empty lines skipped).')
+  flags.DEFINE_string('output_dir', None, 'Where the PNGs go.')
+  flags.DEFINE_string('checkpoint', 'latest', 'latest, averaged or a step.')
+  flags.DEFINE_integer('beam_size', None, 'Beam width for the translation (default: the config\'s); 0 is greedy.')
+  flags.mark_flags_as_required(['workdir', 'output_dir'])
+
+
+def main(argv):
+  FLAGS = flags.FLAGS  # pylint: disable=invalid-name
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if importlib.util.find_spec('matplotlib') is None:
+    sys.exit('error: attention pictures need matplotlib: pip install "flaxformer_nmt[plot]"')
+  checkpoints_lib.quiet_orbax_logs()
+  try:
+    sentences = list(FLAGS.sentences)
+    if FLAGS.input:
+      sentences += [line for line in data_lib.read_lines(FLAGS.input) if line]
+    if not sentences:
+      raise ValueError('no sentences: pass --sentences or --input')
+    translator = decode.Translator(FLAGS.workdir, FLAGS.checkpoint)
+    maps = attention_maps(translator, sentences, beam_size=FLAGS.beam_size)
+  except (OSError, ValueError) as e:
+    sys.exit(f'error: {e}')
+  for m in maps:
+    print(f'{m["source"]}\n-> {m["translation"]}')
+  for path in write_pictures(maps, FLAGS.output_dir):
+    print(path)
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main)

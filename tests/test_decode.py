@@ -1,0 +1,154 @@
+"""The translate CLI and API on a tiny trained workdir: order, empty lines, streaming, fairseq lines, sampling,
+batching switches, attention pictures."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import small_config, write_toy_corpus
+from flaxformer_nmt import decode
+from flaxformer_nmt import train
+from flaxformer_nmt import visualize
+
+
+@pytest.fixture(scope='module')
+def workdir(tmp_path_factory):
+  """A toy model trained for 20 steps: enough for a vocabulary and a checkpoint; the outputs need not be good."""
+  root = tmp_path_factory.mktemp('decode')
+  config = small_config(write_toy_corpus(root / 'data'))
+  config.num_train_steps = 20
+  train.train_and_evaluate(config, str(root / 'run'))
+  return root / 'run'
+
+
+@pytest.fixture(scope='module')
+def translator(workdir):
+  return decode.Translator(workdir)
+
+
+@pytest.fixture(scope='module')
+def mixed():
+  """Sources of mixed lengths in no particular order, with empty and blank lines among them."""
+  words = 'a big dog runs . the small red cat sleeps . a man sees the ball .'.split()
+  lines = [' '.join(words[:n]) for n in (3, 15, 1, 9, 0, 12, 2, 7, 0, 0, 5, 14, 4)]
+  lines[8] = '   '  # blank: whitespace only
+  return lines
+
+
+def run_cli(args, workdir, stdin=None):
+  result = subprocess.run([sys.executable, '-m', 'flaxformer_nmt.decode', f'--workdir={workdir}'] + args,
+                          input=stdin, capture_output=True, text=True, timeout=300)
+  return result
+
+
+def test_batched_translations_equal_one_sentence_at_a_time(translator, mixed):
+  # Sorted token-budget batches (small budget: several batches) and input-order batches must both put every
+  # translation back on its own line; translating each sentence alone is the independent reference.
+  alone = [translator.translate([s], beam_size=2, return_scores=True)[0] for s in mixed]
+  for sort_by_length in (True, False):
+    batched = translator.translate(mixed, beam_size=2, tokens_per_batch=64, return_scores=True,
+                                   sort_by_length=sort_by_length)
+    assert [text for text, _ in batched] == [text for text, _ in alone]
+    np.testing.assert_allclose([s for _, s in batched], [s for _, s in alone], atol=1e-4)
+  assert all(alone[i] == ('', 0.0) for i in (4, 8, 9))  # empty and blank lines translate to empty lines
+
+
+def test_cli_from_stdin_in_chunks_equals_the_api(workdir, translator, mixed):
+  result = run_cli(['--buffer_lines=3'], workdir, stdin=''.join(s + '\n' for s in mixed))
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stdout.split('\n')
+  assert lines[-1] == '' and len(lines) - 1 == len(mixed)
+  assert lines[:-1] == translator.translate(mixed)
+  assert all(lines[i] == '' for i in (4, 8, 9))  # empty in, empty out
+  assert 'sentences/s' in result.stderr
+
+
+def test_cli_fairseq_format_with_n_best(workdir, translator, mixed, tmp_path):
+  (tmp_path / 'in.en').write_text('\n'.join(mixed) + '\n')
+  result = run_cli(['--input', str(tmp_path / 'in.en'), '--format=fairseq', '--n_best=2', '--beam_size=3'], workdir)
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stdout.rstrip('\n').split('\n')
+  assert len(lines) == 5 * len(mixed)  # S, then H and D for each of the 2 hypotheses
+  expected = translator.translate(mixed, beam_size=3, n_best=2, return_scores=True)
+  sp = translator.tokenizer.sp
+  for i, source in enumerate(mixed):
+    s, h1, d1, h2, d2 = lines[5 * i:5 * i + 5]
+    assert s == f'S-{i}\t{" ".join(source.split())}'
+    for (h, d), (text, score) in zip(((h1, d1), (h2, d2)), expected[i]):
+      h_tag, h_score, pieces = h.split('\t')
+      d_tag, d_score, detokenized = d.split('\t')
+      assert (h_tag, d_tag) == (f'H-{i}', f'D-{i}')
+      assert float(h_score) == float(d_score) == pytest.approx(score, abs=1e-4)
+      assert detokenized == text
+      assert sp.decode_pieces(pieces.split(' ')) == text  # H holds the pieces of D
+    if source.strip():
+      assert float(h1.split('\t')[1]) >= float(h2.split('\t')[1])
+
+
+def test_sampling_depends_on_seed_and_line_not_on_batching(workdir, translator, mixed):
+  options = dict(sampling=True, top_k=5, temperature=1.5)
+  api = translator.translate(mixed, seed=7, **options)
+  assert translator.translate(mixed, seed=7, tokens_per_batch=48, **options) == api
+  assert translator.translate(mixed, seed=8, **options) != api
+  result = run_cli(['--sampling', '--top_k=5', '--temperature=1.5', '--seed=7', '--buffer_lines=4'], workdir,
+                   stdin='\n'.join(mixed) + '\n')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.split('\n')[:-1] == api
+  samples = translator.translate(mixed[:2], seed=7, n_best=3, return_scores=True, **options)
+  assert all(len(s) == 3 and s[0][1] >= s[1][1] >= s[2][1] for s in samples)
+
+
+def test_cli_bad_input_names_the_line(workdir):
+  result = subprocess.run([sys.executable, '-m', 'flaxformer_nmt.decode', f'--workdir={workdir}'],
+                          input=b'a dog\nthe cat\n\xff\xfe bad\n', capture_output=True, timeout=300)
+  assert result.returncode == 1
+  assert b'<stdin>:3: invalid UTF-8' in result.stderr
+
+
+def test_attention_maps_are_softmax_rows_over_the_pieces(translator):
+  sentences = ['a big dog runs .', 'the cat sleeps .']
+  maps = visualize.attention_maps(translator, sentences, beam_size=2)
+  config = translator.config.model
+  for m, sentence in zip(maps, sentences):
+    assert m['translation'] == translator.translate([sentence], beam_size=2)[0]
+    s, t = len(m['source_pieces']), len(m['target_pieces'])
+    assert m['source_pieces'][-1] == m['target_pieces'][-1] == '</s>'
+    assert m['cross'].shape == (config.num_decoder_layers, config.num_heads, t, s)
+    assert m['encoder'].shape == (config.num_encoder_layers, config.num_heads, s, s)
+    for weights in (m['cross'], m['encoder']):  # padding cropped: each row is a whole softmax
+      assert np.all(weights >= 0)
+      np.testing.assert_allclose(weights.sum(axis=-1), 1.0, atol=1e-5)
+
+
+def test_find_attention_weights_looks_through_any_nesting():
+  w = np.full((1, 2, 3, 3), 1 / 3, np.float32)
+  tree = {'encoder_0': {'self_attention': {'attention_weights': (w,)}},
+          'decoder_1': {'remat': {'cross_attention': {'attention_weights': (w * 2,)}},
+                        'self_attention': {'attention_weights': (w * 3,)}},
+          'unrelated': {'attention_weights': (w,)}}
+  found = visualize.find_attention_weights(tree)
+  assert sorted(found) == [('decoder', 1, 'cross_attention'), ('decoder', 1, 'self_attention'),
+                           ('encoder', 0, 'self_attention')]
+  np.testing.assert_array_equal(found[('decoder', 1, 'cross_attention')], w * 2)
+
+
+def test_visualize_cli_writes_pngs(workdir, tmp_path):
+  matplotlib_image = pytest.importorskip('matplotlib.image')
+  (tmp_path / 'in.en').write_text('the small cat sleeps .\n\n')
+  result = subprocess.run(
+      [sys.executable, '-m', 'flaxformer_nmt.visualize', f'--workdir={workdir}', '--sentences=a dog runs .',
+       f'--input={tmp_path / "in.en"}', f'--output_dir={tmp_path / "pictures"}', '--beam_size=0'],
+      capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  names = sorted(p.name for p in (tmp_path / 'pictures').iterdir())
+  # 1 decoder and 1 encoder layer in the toy config; 2 sentences.
+  assert names == [f'{i:02d}_{kind}.png' for i in range(2)
+                   for kind in ('cross_average', 'cross_layer0', 'encoder_layer0')]
+  for name in names:
+    path = tmp_path / 'pictures' / name
+    assert path.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    image = matplotlib_image.imread(path)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    assert image[..., :3].std() > 0.05  # a picture, not a blank page
+    assert str(path) in result.stdout
