@@ -22,6 +22,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import app, flags, logging
 from etils import epath
 
@@ -150,9 +151,12 @@ class Translator:
                                             'cache_cross_kv'))
 
   def batches(self, token_lists, tokens_per_batch, sort_by_length=True):
-    """(indices, padded source [rows, len]) batches; each bucket has one shape. Sorted by length, batches
-    carry little padding; sort_by_length=False keeps input order (to measure what sorting saves).
-    Empty sentences (EOS alone) are left out: they translate to empty lines."""
+    """(indices, padded source [rows, len]) batches. Sorted by length, batches carry little padding;
+    sort_by_length=False keeps input order (to measure what sorting saves). A bucket's full batches have
+    as many rows as the token budget allows; a partly filled one (the last of a bucket, or a short input)
+    is padded to the next power of two rows only, so a few sentences do not pay for a whole batch, and
+    there are still few shapes to compile. Empty sentences (EOS alone) are left out: they translate to
+    empty lines."""
     lengths = [len(t) for t in token_lists]
     nonempty = [i for i, n in enumerate(lengths) if n > 1]
     buckets = self.config.length_buckets
@@ -161,31 +165,37 @@ class Translator:
     else:
       plan = input_order_batches(lengths, buckets, tokens_per_batch, nonempty)
     for padded, rows, members in plan:
+      rows = min(rows, 1 << (len(members) - 1).bit_length())
       yield members, data_lib.pad_rows([token_lists[i] for i in members], rows, padded)
 
-  def search_tokens(self, token_lists, beam_size=None, alpha=None, n_best=1, tokens_per_batch=None,
-                    sampling=False, temperature=1.0, top_k=0, seed=0, first_line=0, cache_cross_kv=True,
-                    sort_by_length=True):
-    """For each source (token ids ending with EOS), its n_best [(target ids ending with EOS, score)], in
-    order; an empty source gives [([], 0.0)] * n_best.
-
-    sampling draws n_best samples per sentence (beam_size is then unused); sample j of sentence i depends
-    only on (seed, first_line + i, j), so a stream read in chunks samples as the whole list would.
-    cache_cross_kv and sort_by_length switch off two speed-ups, for measuring them.
-    """
+  def _prepare(self, token_lists, beam_size=None, alpha=None, n_best=1, tokens_per_batch=None, sampling=False,
+               temperature=1.0, top_k=0, cache_cross_kv=True, sort_by_length=True):
+    """(the static options of the jitted search, its batches) for search_tokens and warm_up."""
     beam_size = self.config.beam_size if beam_size is None else beam_size
     alpha = self.config.length_penalty_alpha if alpha is None else alpha
     if n_best < 1 or (not sampling and n_best > max(beam_size, 1)):
       raise ValueError(f'n_best={n_best} must be between 1 and the beam size ({beam_size})')
     if sampling and (temperature <= 0 or top_k < 0):
       raise ValueError(f'sampling needs temperature > 0 and top_k >= 0, not {temperature} and {top_k}')
-    tokens_per_batch = tokens_per_batch or self.config.decode_tokens_per_batch
     options = dict(beam_size=beam_size, alpha=float(alpha), extra_length=self.config.max_decode_extra_length,
                    cache_cross_kv=cache_cross_kv)
     if sampling:
       options.update(beam_size=0, alpha=0.0, temperature=float(temperature), top_k=int(top_k))
+    tokens_per_batch = tokens_per_batch or self.config.decode_tokens_per_batch
+    return options, self.batches(token_lists, tokens_per_batch, sort_by_length)
+
+  def search_tokens(self, token_lists, n_best=1, sampling=False, seed=0, first_line=0, **options):
+    """For each source (token ids ending with EOS), its n_best [(target ids ending with EOS, score)], in
+    order; an empty source gives [([], 0.0)] * n_best.
+
+    options: beam_size (0: greedy), alpha, tokens_per_batch, temperature, top_k. sampling draws n_best
+    samples per sentence (beam_size is then unused); sample j of sentence i depends only on (seed,
+    first_line + i, j), so a stream read in chunks samples as the whole list would. cache_cross_kv=False
+    and sort_by_length=False switch off two speed-ups, for measuring them.
+    """
+    options, batches = self._prepare(token_lists, n_best=n_best, sampling=sampling, **options)
     results = [[([], 0.0)] * n_best for _ in token_lists]
-    for members, src in self.batches(token_lists, tokens_per_batch, sort_by_length):
+    for members, src in batches:
       keys = None
       if sampling:  # padding rows sample too, from line -1's keys, and are dropped
         lines = [first_line + i for i in members] + [-1] * (len(src) - len(members))
@@ -194,6 +204,14 @@ class Translator:
       for r, i in enumerate(members):
         results[i] = [(_through_eos(tokens[r, k]), float(scores[r, k])) for k in range(n_best)]
     return results
+
+  def warm_up(self, token_lists, n_best=1, sampling=False, **options):
+    """Compiles the search for every batch shape that search_tokens(token_lists, ...) with the same options
+    will run, on batches of padding (which stop after one step): timings after it exclude compilation."""
+    options, batches = self._prepare(token_lists, n_best=n_best, sampling=sampling, **options)
+    for shape in sorted({src.shape for _, src in batches}):
+      keys = sample_keys(0, jnp.zeros(shape[0], jnp.int32), n_best) if sampling else None
+      jax.block_until_ready(self._search(self.params, np.zeros(shape, np.int32), keys, **options))
 
   def translate(self, sentences, beam_size=None, alpha=None, n_best=1, tokens_per_batch=None, return_scores=False,
                 **options):

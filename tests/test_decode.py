@@ -36,6 +36,26 @@ def mixed():
   return lines
 
 
+def test_batches_hold_every_sentence_once_within_the_token_budget(translator):
+  lengths = [4, 31, 2, 1, 13, 8, 51, 3, 9, 1, 17, 6, 5, 40, 2]  # 1 is EOS alone: an empty sentence
+  token_lists = [[5 + i % 7 for i in range(n - 1)] + [3] for n in lengths]
+  nonempty = [i for i, n in enumerate(lengths) if n > 1]
+  budget = 64
+  for sort_by_length in (True, False):
+    seen = []
+    for members, src in translator.batches(token_lists, budget, sort_by_length):
+      rows, padded = src.shape
+      assert len(members) <= rows and (rows * padded <= budget or rows == 1)
+      assert rows & (rows - 1) == 0 or rows == budget // padded  # a power of two, or a full batch
+      for r, i in enumerate(members):
+        assert list(src[r, :lengths[i]]) == token_lists[i] and not src[r, lengths[i]:].any()
+      assert not src[len(members):].any()
+      seen += members
+    assert sorted(seen) == nonempty
+    if not sort_by_length:
+      assert seen == nonempty  # input order
+
+
 def run_cli(args, workdir, stdin=None):
   result = subprocess.run([sys.executable, '-m', 'flaxformer_nmt.decode', f'--workdir={workdir}'] + args,
                           input=stdin, capture_output=True, text=True, timeout=300)

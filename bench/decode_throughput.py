@@ -1,0 +1,146 @@
+r"""Decoding throughput of a trained workdir: sentences/s and target tokens/s, beam 4 and greedy, and in the
+same run the speed-ups of the encoder-decoder key/value cache and of length-sorted batches.
+
+  python bench/decode_throughput.py --workdir runs/m30k [--max_sentences 500] [--checkpoint averaged]
+
+Variants (same translations, different speed):
+  ours            cross-attention keys/values once per sentence; batches sorted by length
+  no_cross_cache  cross-attention keys/values projected again at every decoding step
+  no_sorting      batches filled in input order (same token budget, padded to their longest sentence)
+  plain           both off
+Every variant is warmed up first (Translator.warm_up compiles every batch shape of the timed pass), so the
+timed pass excludes compilation; the warm-up time is printed apart. Target tokens count the
+generated tokens with EOS. Inputs that are missing are skipped. The tables print as Markdown.
+"""
+import collections
+import functools
+import os
+import platform
+import re
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+from etils import epath
+
+from flaxformer_nmt import checkpoints as checkpoints_lib
+from flaxformer_nmt import data as data_lib
+from flaxformer_nmt import decode
+
+DATA = epath.Path(__file__).resolve().parent.parent.parent / 'shared' / 'data'
+VARIANTS = {
+    'ours': dict(cache_cross_kv=True, sort_by_length=True),
+    'no_cross_cache': dict(cache_cross_kv=False, sort_by_length=True),
+    'no_sorting': dict(cache_cross_kv=True, sort_by_length=False),
+    'plain': dict(cache_cross_kv=False, sort_by_length=False),
+}
+MODES = {'beam4': 4, 'greedy': 0}
+
+
+def define_flags():
+  flags.DEFINE_string('workdir', None, 'Trained workdir.')
+  flags.DEFINE_string('checkpoint', 'latest', 'latest, averaged or a step.')
+  flags.DEFINE_list('inputs', [str(DATA / 'multi30k' / 'test2016.en'), str(DATA / 'wmt_ende' / 'newstest2013.en')],
+                    'Source files.')
+  flags.DEFINE_integer('max_sentences', 0, 'Use the first N sentences of each input (0: all).')
+  flags.DEFINE_list('modes', list(MODES), f'Of {list(MODES)}.')
+  flags.DEFINE_list('variants', list(VARIANTS), f'Of {list(VARIANTS)}.')
+  flags.DEFINE_integer('tokens_per_batch', None, 'Source tokens per batch (default: the config\'s).')
+  flags.mark_flags_as_required(['workdir'])
+
+
+def loop_body_dots(translator, beam_size, cache_cross_kv, length=32):
+  """Matrix products inside the compiled decoding loop's body (fusions included), from the optimized HLO: the
+  per-step variant must show each decoder layer's two extra key/value projections."""
+  search = jax.jit(functools.partial(decode.search, translator.model),
+                   static_argnames=('beam_size', 'alpha', 'extra_length', 'cache_cross_kv'))
+  src = np.full((8, length), 5, np.int32)
+  hlo = search.lower(translator.params, src, beam_size=beam_size, alpha=0.6, extra_length=50,
+                     cache_cross_kv=cache_cross_kv).compile().as_text()
+  computations, current = collections.defaultdict(list), None
+  for line in hlo.splitlines():
+    header = re.match(r'^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$', line)
+    if header:
+      current = header.group(1)
+    elif current:
+      computations[current].append(line)
+
+  def dots(name, seen):
+    if name in seen:
+      return 0
+    seen.add(name)
+    count = 0
+    for line in computations.get(name, []):
+      count += bool(re.search(r'= \S+ dot\(', line))
+      for callee in re.findall(r'(?:calls|body|condition|to_apply)=%?([\w.\-]+)', line):
+        count += dots(callee, seen)
+    return count
+  return sum(dots(body, set()) for body in re.findall(r'body=%?([\w.\-]+)', hlo))
+
+
+def cpu_name():
+  try:
+    names = re.findall(r'^model name\s*:\s*(.+)$', epath.Path('/proc/cpuinfo').read_text(), re.M)
+  except OSError:
+    names = []
+  return f'{names[0] if names else platform.machine()}, {os.cpu_count()} cores visible'
+
+
+def main(argv):
+  del argv
+  FLAGS = flags.FLAGS  # pylint: disable=invalid-name
+  unknown = set(FLAGS.modes) - set(MODES) | set(FLAGS.variants) - set(VARIANTS)
+  if unknown:
+    raise app.UsageError(f'unknown modes or variants: {sorted(unknown)}')
+  variants = ['ours'] + [v for v in FLAGS.variants if v != 'ours']  # the others are compared with it
+  checkpoints_lib.quiet_orbax_logs()
+  translator = decode.Translator(FLAGS.workdir, FLAGS.checkpoint)
+  c = translator.config
+  print(f'device: {jax.devices()[0].device_kind} x{jax.device_count()} ({jax.default_backend()}), '
+        f'{cpu_name()}; jax {jax.__version__}; {FLAGS.workdir} '
+        f'({translator.checkpoint}); model dtype {c.model.dtype}; '
+        f'tokens_per_batch {FLAGS.tokens_per_batch or c.decode_tokens_per_batch}; '
+        f'{time.strftime("%Y-%m-%d %H:%M")}')
+  print(f'matrix products in the decoding loop body (beam 4): cached {loop_body_dots(translator, 4, True)}, '
+        f'per step {loop_body_dots(translator, 4, False)}')
+  rows = []
+  for path in FLAGS.inputs:
+    if not epath.Path(path).exists():
+      print(f'skipped: {path} not found')
+      continue
+    sources = data_lib.read_lines(path)
+    sources = sources[:FLAGS.max_sentences] if FLAGS.max_sentences else sources
+    token_lists = translator.tokenizer.encode(sources)
+    for mode in FLAGS.modes:
+      reference = None
+      for variant in variants:
+        options = dict(beam_size=MODES[mode], tokens_per_batch=FLAGS.tokens_per_batch, **VARIANTS[variant])
+        start = time.perf_counter()
+        translator.warm_up(token_lists, **options)
+        compile_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        results = translator.search_tokens(token_lists, **options)
+        seconds = time.perf_counter() - start
+        hypotheses = [hyps[0][0] for hyps in results]
+        reference = reference or hypotheses
+        row = dict(input=epath.Path(path).name, n=len(sources), mode=mode, variant=variant, seconds=seconds,
+                   sentences=len(sources) / seconds, tokens=sum(map(len, hypotheses)) / seconds,
+                   compile=compile_seconds, differing=sum(a != b for a, b in zip(hypotheses, reference)))
+        rows.append(row)
+        print(f'{row["input"]} {mode} {variant}: {seconds:.1f} s, {row["sentences"]:.1f} sentences/s, '
+              f'{row["tokens"]:.0f} target tokens/s (warm-up {compile_seconds:.1f} s)', flush=True)
+
+  print('\n| input | sentences | decoding | variant | seconds | sentences/s | target tokens/s | ours is x faster '
+        '| outputs differing from ours |')
+  print('|---|---:|---|---|---:|---:|---:|---:|---:|')
+  for row in rows:
+    ours = next(r for r in rows if (r['input'], r['mode'], r['variant']) == (row['input'], row['mode'], 'ours'))
+    print(f'| {row["input"]} | {row["n"]} | {row["mode"]} | {row["variant"]} | {row["seconds"]:.1f} | '
+          f'{row["sentences"]:.1f} | {row["tokens"]:,.0f} | {row["seconds"] / ours["seconds"]:.2f} | '
+          f'{row["differing"]} |')
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main)
