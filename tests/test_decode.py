@@ -50,7 +50,7 @@ def test_batches_hold_every_sentence_once_within_the_token_budget(translator):
       for r, i in enumerate(members):
         assert list(src[r, :lengths[i]]) == token_lists[i] and not src[r, lengths[i]:].any()
       assert not src[len(members):].any()
-      seen += members
+      seen += [int(i) for i in members]
     assert sorted(seen) == nonempty
     if not sort_by_length:
       assert seen == nonempty  # input order
