@@ -9,7 +9,8 @@ parallel). Model FLOPs are analytic (flaxformer_nmt/flops.py: 3x the forward mat
 the first config's compiled step is also checked against XLA's own FLOP count. MFU needs a peak: the
 table in flops.py for GPUs/TPUs, or --peak (per device); on CPU it is left out.
 """
-import importlib
+import importlib.util
+import os
 import time
 
 import jax
@@ -60,7 +61,12 @@ def xla_flops(compiled):
 
 
 def load_config(name):
-  config = importlib.import_module(f'configs.{name}').get_config()
+  # By file path, so the script runs from any directory (configs/ is not a package on sys.path).
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs', f'{name}.py')
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
   for field, flag in (('dtype', _DTYPE), ('attention_impl', _ATTENTION), ('remat', _REMAT)):
     if flag.value:
       config.model[field] = flag.value
