@@ -14,6 +14,7 @@ import json
 import logging as std_logging
 
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
@@ -179,7 +180,11 @@ def save_averaged(workdir, params, steps):
   checkpointer.save(directory / 'params', params, force=True)
   checkpointer.wait_until_finished()
   checkpointer.close()
-  (directory / 'averaged.json').write_text(json.dumps({'steps': [int(s) for s in steps]}))
+  # The orbax save above is collective (every host calls it); the small index is written by process 0.
+  if jax.process_index() == 0:
+    (directory / 'averaged.json').write_text(json.dumps({'steps': [int(s) for s in steps]}))
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices('averaged.json written')
   return directory
 
 

@@ -336,6 +336,7 @@ def train_and_evaluate(config, workdir):
   logging.info('Starting at step %d of %d; %d batches per epoch', step, config.num_train_steps,
                train_batches.batches_per_epoch())
   pending, lengths, unchecked, last, skipped, data_wait = [], [], [], {}, 0, 0.0
+  signalled = False  # stopped by SIGTERM/SIGINT (on any host): the run is to be resumed, not averaged
   interval_start = last_save = time.time()
   time_limit = config.max_train_minutes * 60 if config.max_train_minutes > 0 else float('inf')
   save_interval = config.checkpoint_every_minutes * 60 if config.checkpoint_every_minutes > 0 else float('inf')
@@ -352,10 +353,14 @@ def train_and_evaluate(config, workdir):
       step += 1
       profiler.after_step(step, state)
       out_of_time = time.time() - start_time >= time_limit
-      done = step >= config.num_train_steps or out_of_time or stop.received is not None
+      signalled = stop.received is not None
+      done = step >= config.num_train_steps or out_of_time or signalled
       save = (step % config.checkpoint_every_steps == 0 or time.time() - last_save >= save_interval or done)
-      if jax.process_count() > 1:  # every host must take the same time-based decision
-        save = bool(multihost_utils.broadcast_one_to_all(save))
+      if jax.process_count() > 1:
+        # Clocks and signals are per host, but every host must take the same decisions, or one would wait
+        # in a collective the others never join: a stop seen by any host stops (and saves) them all.
+        save, done, out_of_time, signalled = (bool(x) for x in multihost_utils.process_allgather(
+            np.array([save, done, out_of_time, signalled])).any(axis=0))
 
       if step % config.log_every_steps == 0 or save:
         skipped += _check_finite(unchecked, step - len(unchecked), config)
@@ -389,7 +394,7 @@ def train_and_evaluate(config, workdir):
         checkpoints.save(step, state, train_batches.state(), force=True)
         last_save = time.time()
       if done:
-        reason = ('a stop signal' if stop.received else 'config.max_train_minutes' if out_of_time
+        reason = ('a stop signal' if signalled else 'config.max_train_minutes' if out_of_time
                   else 'config.num_train_steps')
         logging.info('Stopping at step %d after %s (%s)', step, _duration(time.time() - start_time), reason)
         break
@@ -399,7 +404,7 @@ def train_and_evaluate(config, workdir):
   checkpoints.close()
   log.close()
   # Training ended (by steps or time), not paused by a preemption: average for decoding.
-  if config.average_last_checkpoints > 0 and not stop.received:
+  if config.average_last_checkpoints > 0 and not signalled:
     checkpoints_lib.average_last(workdir, last=config.average_last_checkpoints)
   logging.info('Trained steps %d..%d in %s', first_step, step, _duration(time.time() - start_time))
   return last

@@ -20,6 +20,7 @@ def main():
   assert jax.process_count() == int(num_processes) and jax.process_index() == int(process_id)
   config = small_config(data_dir)
   config.num_train_steps = int(num_steps)
+  config.average_last_checkpoints = 2  # the collective averaging at the end
   metrics = train.train_and_evaluate(config, workdir)
   print(f'RESULT process={jax.process_index()} devices={jax.device_count()} step={num_steps} '
         f'loss={metrics["train/loss"]:.6f}', flush=True)

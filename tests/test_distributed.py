@@ -60,6 +60,8 @@ def test_two_processes_train_checkpoint_restart_and_resume(toy_corpus, tmp_path)
 
   resumed = run_processes(toy_corpus, workdir, 20)
   assert checkpoints_lib.Checkpoints(workdir).steps() == [10, 20]
+  # Both processes averaged together at the end (process 0 wrote the index).
+  assert json.loads((workdir / 'averaged' / 'averaged.json').read_text()) == {'steps': [10, 20]}
   logged = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
   # Only process 0 logs: each train step interval appears once, across both runs.
   assert [m['step'] for m in logged if 'train/loss' in m] == [5, 10, 15, 20]
