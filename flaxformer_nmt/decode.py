@@ -143,6 +143,9 @@ class Translator:
   def __init__(self, workdir, checkpoint='latest'):
     self.workdir = epath.Path(workdir)
     self.config = train.load_config(workdir)
+    # How attention is computed and what is recomputed for gradients do not change the parameters: decide them
+    # for this machine, not the one that trained (a workdir trained with 'cudnn' decodes on a CPU too).
+    self.config.model.attention_impl, self.config.model.remat = 'auto', 'none'
     self.tokenizer = tokenizer_lib.Tokenizer(self.workdir / tokenizer_lib.VOCAB_FILENAME)
     self.model = train.build_model(self.config, self.tokenizer)
     self.params, self.checkpoint = load_params(workdir, checkpoint)

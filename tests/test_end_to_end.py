@@ -79,6 +79,12 @@ def test_train_checkpoint_resume_decode(toy_corpus, tmp_path, monkeypatch):
   nbest = translator.translate(sources[:3], n_best=2, return_scores=True)
   assert all(len(h) == 2 and h[0][1] >= h[1][1] for h in nbest)
 
+  # A workdir trained with cuDNN attention (a GPU run) decodes here too, to the same translations.
+  saved = json.loads((workdir / 'config.json').read_text())
+  saved['model']['attention_impl'], saved['model']['remat'] = 'cudnn', 'full'
+  (workdir / 'config.json').write_text(json.dumps(saved))
+  assert decode.Translator(workdir).translate(mixed) == hypotheses
+
 
 def test_packed_training_learns(toy_corpus, tmp_path):
   """--config.packed_length: rows of several examples go through the whole loop and the loss falls."""
