@@ -386,18 +386,20 @@ class TrainBatches:
     return arrays, (epoch, batch + 1)
 
   def _produce(self, out, stop, epoch, batch):
+    def put(item):  # waits for room, unless asked to stop (then close() can join this thread)
+      while not stop.is_set():
+        try:
+          out.put(item, timeout=0.1)
+          return
+        except queue.Full:
+          pass
     try:
       while not stop.is_set():
         item = self._build(epoch, batch)
         epoch, batch = item[1]
-        while not stop.is_set():
-          try:
-            out.put(item, timeout=0.1)
-            break
-          except queue.Full:
-            pass
+        put(item)
     except Exception as e:  # pylint: disable=broad-except
-      out.put(e)  # raised in the consumer's thread
+      put(e)  # raised in the consumer's thread
 
   def __iter__(self):
     return self
