@@ -52,7 +52,11 @@ TRAIN_ARGS="$(printf '%q ' "$@")"
 if [[ "$CREATE" == 1 ]]; then
   run "${GCLOUD[@]}" create "$NAME" "${WHERE[@]}" --accelerator-type "$ACCELERATOR" --version "$VERSION"
 fi
-run "${GCLOUD[@]}" scp --recurse --worker=all "${WHERE[@]}" "$REPO" "$NAME:~/$REMOTE_DIR"
+# Copy what runs into an existing ~/$REMOTE_DIR: copying the checkout's folder itself would nest it inside
+# that directory on a second run, leaving the old code in place.
+run "${GCLOUD[@]}" ssh "$NAME" --worker=all "${WHERE[@]}" --command "mkdir -p ~/$REMOTE_DIR"
+run "${GCLOUD[@]}" scp --recurse --worker=all "${WHERE[@]}" "$REPO/pyproject.toml" "$REPO/README.md" \
+  "$REPO/flaxformer_nmt" "$REPO/configs" "$NAME:~/$REMOTE_DIR/"
 if [[ "$INSTALL" == 1 ]]; then
   run "${GCLOUD[@]}" ssh "$NAME" --worker=all "${WHERE[@]}" \
     --command "cd ~/$REMOTE_DIR && python3 -m pip install -q -U 'jax[tpu]' && python3 -m pip install -q -e ."

@@ -40,10 +40,13 @@ def test_tpu_vm_creates_copies_installs_and_runs_on_all_workers():
   commands = dry_run('tpu_vm.sh', '--name', 'nmt', '--zone', 'us-central2-b', '--project', 'p',
                      '--accelerator-type', 'v4-32', '--create', '--', '--config', 'configs/big.py',
                      '--workdir', 'gs://bucket/runs/big')
-  create, copy, install, train = commands
+  create, mkdir, copy, install, train = commands
   assert create[:5] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'create'] and 'v4-32' in create
-  assert copy[4] == 'scp' and '--worker=all' in copy and copy[-1] == 'nmt:~/flaxformer_nmt'
-  for command in (install, train):
+  assert mkdir[mkdir.index('--command') + 1] == 'mkdir -p ~/flaxformer_nmt'
+  # The code goes into ~/flaxformer_nmt/ (not a nested copy of the checkout's folder).
+  assert copy[4] == 'scp' and '--worker=all' in copy and copy[-1] == 'nmt:~/flaxformer_nmt/'
+  assert {os.path.basename(x) for x in copy if x.startswith('/')} >= {'flaxformer_nmt', 'configs', 'pyproject.toml'}
+  for command in (mkdir, install, train):
     assert command[4:6] == ['ssh', 'nmt'] and '--worker=all' in command
     assert command[command.index('--zone') + 1] == 'us-central2-b' and '--project' in command
   remote = shlex.split(train[train.index('--command') + 1])
