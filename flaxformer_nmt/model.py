@@ -342,8 +342,10 @@ def _same_segment(query_segments, key_segments):
 
 
 def _lengths(tokens):
-  """Real tokens per right-padded row."""
-  return (tokens != PAD_ID).sum(axis=-1).astype(jnp.int32)
+  """Real tokens per right-padded row, at least 1: rows that only pad a batch (the last batch of a bucket, a
+  host with no examples left) then attend to their first position instead of giving cuDNN an empty row,
+  whose output is not specified. Their outputs are masked out of the loss either way."""
+  return jnp.maximum((tokens != PAD_ID).sum(axis=-1), 1).astype(jnp.int32)
 
 
 class Transformer(nn.Module):
