@@ -242,7 +242,7 @@ def _through_eos(tokens):
 def _read_chunks(path, size):
   """Lists of up to `size` lines of a file or stdin (-), read as they arrive; bad UTF-8 names the line."""
   name = '<stdin>' if path == '-' else path
-  stream = sys.stdin.buffer if path == '-' else open(path, 'rb')  # pylint: disable=consider-using-with
+  stream = sys.stdin.buffer if path == '-' else epath.Path(path).open('rb')  # gs:// too
   number = 0
   try:
     while raw_lines := list(itertools.islice(stream, size)):
@@ -313,7 +313,7 @@ def main(argv):
                  tokens_per_batch=FLAGS.tokens_per_batch)
   if FLAGS.sampling:
     options.update(sampling=True, temperature=FLAGS.temperature, top_k=FLAGS.top_k, seed=FLAGS.seed)
-  out = sys.stdout if FLAGS.output == '-' else open(FLAGS.output, 'w', encoding='utf-8')  # pylint: disable=consider-using-with
+  out = sys.stdout if FLAGS.output == '-' else epath.Path(FLAGS.output).open('w', encoding='utf-8')
   hypotheses, done, target_tokens, start = [], 0, 0, time.time()
   try:
     for chunk in _read_chunks(FLAGS.input, FLAGS.buffer_lines):
