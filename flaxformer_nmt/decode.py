@@ -31,7 +31,7 @@ from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import evaluate
 from flaxformer_nmt import tokenizer as tokenizer_lib
-from flaxformer_nmt import train
+from flaxformer_nmt import workdir as workdir_lib
 from flaxformer_nmt.model import Transformer
 from flaxformer_nmt.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
@@ -142,12 +142,12 @@ class Translator:
 
   def __init__(self, workdir, checkpoint='latest'):
     self.workdir = epath.Path(workdir)
-    self.config = train.load_config(workdir)
+    self.config = workdir_lib.load_config(workdir)
     # How attention is computed and what is recomputed for gradients do not change the parameters: decide them
     # for this machine, not the one that trained (a workdir trained with 'cudnn' decodes on a CPU too).
     self.config.model.attention_impl, self.config.model.remat = 'auto', 'none'
     self.tokenizer = tokenizer_lib.Tokenizer(self.workdir / tokenizer_lib.VOCAB_FILENAME)
-    self.model = train.build_model(self.config, self.tokenizer)
+    self.model = workdir_lib.build_model(self.config, self.tokenizer)
     self.params, self.checkpoint = load_params(workdir, checkpoint)
     self._search = jax.jit(functools.partial(search, self.model),
                            static_argnames=('beam_size', 'alpha', 'extra_length', 'temperature', 'top_k',

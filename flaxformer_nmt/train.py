@@ -16,7 +16,6 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 from etils import epath
-import ml_collections
 from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
@@ -28,61 +27,8 @@ from flaxformer_nmt import flops as flops_lib
 from flaxformer_nmt import model as model_lib
 from flaxformer_nmt import sharding
 from flaxformer_nmt import tokenizer as tokenizer_lib
+from flaxformer_nmt.workdir import ConfigError, build_model, save_or_check_config
 from flaxformer_nmt import train_step as train_step_lib
-
-CONFIG_FILENAME = 'config.json'
-
-
-class ConfigError(ValueError):
-  """A config that cannot be trained, or that does not match the workdir."""
-
-
-# Fields that change the model: a workdir trained with other values cannot be resumed or decoded with these.
-_MODEL_FIELDS = ('model', 'vocab_size', 'sentencepiece_model_type', 'source_lang', 'target_lang')
-# Fields of config.model that change how the model computes, not its parameters: free to differ on resume.
-_RUNTIME_MODEL_FIELDS = ('dtype', 'attention_impl', 'remat')
-
-
-def _model_identity(config_dict, field):
-  value = config_dict.get(field)
-  if field == 'model' and isinstance(value, dict):
-    value = {k: v for k, v in value.items() if k not in _RUNTIME_MODEL_FIELDS}
-  return value
-
-
-def save_or_check_config(config, workdir):
-  """Writes config.json on the first run; later runs must describe the same model."""
-  path = epath.Path(workdir) / CONFIG_FILENAME
-  current = json.loads(config.to_json_best_effort())
-  if path.exists():
-    saved = json.loads(path.read_text())
-    if 'attention_impl' not in saved.get('model', {}) and any((epath.Path(workdir) / 'checkpoints').glob('[0-9]*')):
-      # Written before the fused attention projections: restoring would fail and move them aside as corrupt.
-      raise ConfigError(f'{workdir} holds checkpoints with separate query/key/value projections (before the '
-                        'fused projections): decode and average convert them on load, but training cannot '
-                        'resume from them. Use a new --workdir.')
-    for field in _MODEL_FIELDS:
-      if _model_identity(saved, field) != _model_identity(current, field):
-        raise ConfigError(f'{path} holds a different model: config.{field} was {saved.get(field)!r}, '
-                          f'now {current.get(field)!r}. Use a new --workdir or the original config.')
-  distributed.barrier('config read')  # nobody reads a half-written file
-  if distributed.is_leader():
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(current, indent=2, sort_keys=True))
-  distributed.barrier('config written')
-
-
-def load_config(workdir):
-  """The ConfigDict a workdir was trained with."""
-  path = epath.Path(workdir) / CONFIG_FILENAME
-  if not path.exists():
-    raise ConfigError(f'{path} not found: is {workdir} a training workdir?')
-  return ml_collections.ConfigDict(json.loads(path.read_text()))
-
-
-def build_model(config, tokenizer):
-  return model_lib.Transformer(model_lib.ModelConfig.from_config(config, tokenizer.vocab_size))
-
 
 class MetricsLog:
   """TensorBoard scalars and metrics.jsonl, written by process 0 only.

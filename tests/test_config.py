@@ -74,10 +74,10 @@ def test_overrides_reach_the_config():
 
 def test_a_workdir_refuses_a_different_model(tmp_path):
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
-  from flaxformer_nmt import train  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   config = config_lib.base_config()
-  train.save_or_check_config(config, tmp_path)
-  train.save_or_check_config(config, tmp_path)  # the same model is fine
+  workdir_lib.save_or_check_config(config, tmp_path)
+  workdir_lib.save_or_check_config(config, tmp_path)  # the same model is fine
   config.model.d_model = 64
-  with pytest.raises(train.ConfigError, match='holds a different model: config.model was'):
-    train.save_or_check_config(config, tmp_path)
+  with pytest.raises(workdir_lib.ConfigError, match='holds a different model: config.model was'):
+    workdir_lib.save_or_check_config(config, tmp_path)

@@ -7,6 +7,7 @@ from conftest import small_config
 from flaxformer_nmt import flops
 from flaxformer_nmt import model as model_lib
 from flaxformer_nmt import train
+from flaxformer_nmt import workdir as workdir_lib
 
 
 def test_log_carries_throughput_flops_mfu_and_the_profile_is_written(toy_corpus, tmp_path):
@@ -45,6 +46,6 @@ def test_a_workdir_with_pre_fused_checkpoints_is_refused_not_moved_aside(toy_cor
   for field in ('attention_impl', 'remat'):
     del saved['model'][field]
   (workdir / 'config.json').write_text(json.dumps(saved))
-  with pytest.raises(train.ConfigError, match='cannot resume'):
+  with pytest.raises(workdir_lib.ConfigError, match='cannot resume'):
     train.train_and_evaluate(config, workdir)
   assert (workdir / 'checkpoints' / '100').exists()
