@@ -5,13 +5,19 @@ Both drive `step_fn(tokens [N], index, cache) -> (logits [N, V], cache)`, which 
 is carried and reordered between steps; anything constant per sentence (encoder keys/values) belongs in
 the closure of `step_fn`.
 
-Beam search keeps, per sentence, the `beam_size` best unfinished prefixes ("alive") and the `beam_size`
-best finished hypotheses. At each step every alive prefix is extended by every token: its extension by EOS
-is a finished candidate scored log P / lp(length), with the GNMT length penalty
-lp(n) = ((5 + n) / 6)^alpha (n counts the generated tokens, EOS included); the best non-EOS extensions
-become the next alive set. A sentence stops once no alive prefix can still beat its worst kept finished
-hypothesis, and the loop exits when every sentence has stopped. A sentence of n source tokens may produce
-at most n + extra tokens: EOS is forced at that length.
+Beam search follows the standard finishing rule (fairseq's and CTranslate2's). Per sentence it keeps K =
+`beam_size` unfinished prefixes ("alive") and up to K finished hypotheses. Each step extends every alive
+prefix by every token and ranks the 2K best of those K x V candidates by log P (ties to the lower beam, then
+the lower token id). An EOS candidate finishes a hypothesis only if it ranks among the K best of the 2K;
+the K best non-EOS candidates become the next alive prefixes. An EOS extension of a prefix that is not
+among the K best does not finish, so a very unlikely short hypothesis never wins on its length penalty
+(exact search prefers the empty output for most sentences; Stahlberg and Byrne 2019).
+A finished hypothesis scores log P / lp(n) with the GNMT length penalty lp(n) = ((5 + n) / 6)^alpha, where
+n counts the generated tokens, EOS included (BOS not): "EOS" alone has n = 1.
+Stopping rule (fairseq's): a sentence is done once K hypotheses have finished (the first K to finish; of
+one step's, the better ones) or at its length limit. A sentence of n source tokens may produce at most
+n + extra tokens: EOS is forced at that length, so every sentence finishes at least one hypothesis. The
+loop exits when every sentence is done; the finished hypotheses come back sorted by score.
 
 Greedy search and sampling share one loop that picks a single token per row and step; it exits once every
 row has produced EOS. Scores and log probabilities are float32 whatever the model's dtype.
@@ -43,6 +49,8 @@ def beam_search(step_fn, cache, *, batch_size, beam_size, max_length, max_length
   cache: pytree whose leaves have a leading axis of B * K (sentence-major: row b * K + k).
   max_length: static number of decoding steps (the cache's length).
   max_lengths: [B] int, each sentence's limit on generated tokens (<= max_length).
+  Scores are log P / length_penalty(n, alpha). A slot with no hypothesis (a sentence whose length limit
+  leaves fewer than K possible outputs) scores NEG_INF.
   """
   B, K, L = batch_size, beam_size, max_length
   sequences = jnp.zeros((B, K, L + 1), jnp.int32).at[:, :, 0].set(bos_id)
@@ -50,55 +58,70 @@ def beam_search(step_fn, cache, *, batch_size, beam_size, max_length, max_length
   alive_log_probs = jnp.tile(jnp.array([0.0] + [NEG_INF] * (K - 1), jnp.float32), (B, 1))
   finished_sequences = jnp.zeros_like(sequences)
   finished_scores = jnp.full((B, K), NEG_INF, jnp.float32)
+  num_finished = jnp.zeros((B,), jnp.int32)
   max_lengths = jnp.minimum(max_lengths, L)
-  best_penalty = jnp.maximum(length_penalty(1.0, alpha), length_penalty(max_lengths.astype(jnp.float32), alpha))
-
-  def gather_beams(x, beams):
-    """Rows of x [B * K, ...] (or [B, K, ...]) reordered so that beam k of sentence b comes from beams[b, k]."""
-    grouped = x.reshape((B, K) + x.shape[1:]) if x.shape[0] == B * K else x
-    picked = jnp.take_along_axis(grouped, beams.reshape((B, K) + (1,) * (grouped.ndim - 2)), axis=1)
-    return picked.reshape(x.shape)
 
   def still_running(state):
-    index, _, alive_log_probs, _, finished_scores, _ = state
-    # Best score any alive prefix could still reach: its log P can only fall, its penalty grow to the max.
-    best_possible = alive_log_probs[:, 0] / best_penalty
-    open_sentences = (best_possible > finished_scores[:, K - 1]) & (index < max_lengths)
-    return (index < L) & jnp.any(open_sentences)
+    index, _, _, _, _, num_finished, _ = state
+    return (index < L) & jnp.any((num_finished < K) & (index < max_lengths))
 
   def step(state):
-    index, sequences, alive_log_probs, finished_sequences, finished_scores, cache = state
+    index, sequences, alive_log_probs, finished_sequences, finished_scores, num_finished, cache = state
     logits, cache = step_fn(sequences[:, :, index].reshape(B * K), index, cache)
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32)).reshape(B, K, -1)
     log_probs = _mask_logits(log_probs, index, max_lengths[:, None], eos_id, forbidden_ids)
-    candidates = alive_log_probs[:, :, None] + log_probs  # [B, K, V]
-    vocab = candidates.shape[-1]
+    scores, beams, tokens = _top_candidates(alive_log_probs[:, :, None] + log_probs, 2 * K)
+    valid = scores > NEG_INF / 2  # extensions of dead beams and masked tokens are not hypotheses
+    is_eos = tokens == eos_id
 
-    # Finished candidates: every alive prefix + EOS, merged with those kept so far.
-    eos_scores = candidates[:, :, eos_id] / length_penalty(index + 1.0, alpha)
-    eos_scores = jnp.where(alive_log_probs > NEG_INF / 2, eos_scores, NEG_INF)
-    eos_sequences = sequences.at[:, :, index + 1].set(eos_id)
-    pool_scores = jnp.concatenate([finished_scores, eos_scores], axis=1)
-    pool_sequences = jnp.concatenate([finished_sequences, eos_sequences], axis=1)
-    finished_scores, keep = jax.lax.top_k(pool_scores, K)
-    finished_sequences = jnp.take_along_axis(pool_sequences, keep[:, :, None], axis=1)
+    # Finished: EOS candidates among the K best, in rank order, while the sentence has fewer than K.
+    eos_in_top = is_eos[:, :K] & valid[:, :K]
+    admitted = eos_in_top & (num_finished[:, None] + jnp.cumsum(eos_in_top, axis=1) <= K)
+    new_scores = jnp.where(admitted, scores[:, :K] / length_penalty(index + 1.0, alpha), NEG_INF)
+    new_sequences = _gather_beams(sequences, beams[:, :K]).at[:, :, index + 1].set(eos_id)
+    # Stable top_k: the earlier finished hypotheses first among equal scores, then these in rank order.
+    finished_scores, keep = jax.lax.top_k(jnp.concatenate([finished_scores, new_scores], axis=1), K)
+    finished_sequences = jnp.take_along_axis(
+        jnp.concatenate([finished_sequences, new_sequences], axis=1), keep[:, :, None], axis=1)
+    num_finished = num_finished + admitted.sum(axis=1)
 
-    # Alive candidates: the K best non-EOS extensions over all beams.
-    extend = candidates.at[:, :, eos_id].set(NEG_INF).reshape(B, K * vocab)
-    alive_log_probs, flat = jax.lax.top_k(extend, K)
-    beams, tokens = flat // vocab, flat % vocab
-    sequences = gather_beams(sequences, beams).at[:, :, index + 1].set(tokens)
-    cache = jax.tree_util.tree_map(lambda x: gather_beams(x, beams), cache)
-    return index + 1, sequences, alive_log_probs, finished_sequences, finished_scores, cache
+    # Alive: the K best non-EOS candidates (of 2K there are at least K: each beam has one EOS extension).
+    _, picks = jax.lax.top_k(jnp.where(is_eos, -1, 2 * K - jnp.arange(2 * K)), K)
+    alive_log_probs = jnp.take_along_axis(scores, picks, axis=1)
+    beams, tokens = jnp.take_along_axis(beams, picks, axis=1), jnp.take_along_axis(tokens, picks, axis=1)
+    sequences = _gather_beams(sequences, beams).at[:, :, index + 1].set(tokens)
+    cache = jax.tree_util.tree_map(lambda x: _gather_rows(x, beams), cache)
+    return index + 1, sequences, alive_log_probs, finished_sequences, finished_scores, num_finished, cache
 
-  state = (jnp.asarray(0), sequences, alive_log_probs, finished_sequences, finished_scores, cache)
-  _, sequences, alive_log_probs, finished_sequences, finished_scores, _ = jax.lax.while_loop(
-      still_running, step, state)
-  # A sentence with no finished hypothesis (only possible if EOS was never allowed) returns its alive ones.
-  none_finished = finished_scores[:, :1] <= NEG_INF / 2
-  finished_sequences = jnp.where(none_finished[:, :, None], sequences, finished_sequences)
-  finished_scores = jnp.where(none_finished, alive_log_probs, finished_scores)
+  state = (jnp.asarray(0), sequences, alive_log_probs, finished_sequences, finished_scores, num_finished, cache)
+  _, _, _, finished_sequences, finished_scores, _, _ = jax.lax.while_loop(still_running, step, state)
   return finished_sequences[:, :, 1:], finished_scores
+
+
+def _top_candidates(candidates, n):
+  """The n best of candidates [B, K, V] per sentence over all beams: (scores, beams, tokens), each [B, n].
+
+  Ranked by score, ties to the lower beam, then the lower token (lax.top_k is stable). Each beam's n best
+  first, then the n best of those K * n: the same candidates as one top_k over K * V, on a smaller array.
+  """
+  B, K, V = candidates.shape
+  if n >= V:
+    scores, flat = jax.lax.top_k(candidates.reshape(B, K * V), n)
+    return scores, flat // V, flat % V
+  beam_scores, beam_tokens = jax.lax.top_k(candidates, n)  # [B, K, n]
+  scores, flat = jax.lax.top_k(beam_scores.reshape(B, K * n), n)
+  return scores, flat // n, jnp.take_along_axis(beam_tokens.reshape(B, K * n), flat, axis=1)
+
+
+def _gather_beams(x, beams):
+  """x [B, K, ...] reordered so that beam k of sentence b comes from beam beams[b, k]."""
+  return jnp.take_along_axis(x, beams.reshape(beams.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def _gather_rows(x, beams):
+  """x [B * K, ...] (sentence-major rows) reordered like _gather_beams."""
+  B, K = beams.shape
+  return _gather_beams(x.reshape((B, K) + x.shape[1:]), beams).reshape(x.shape)
 
 
 def _token_by_token(step_fn, cache, choose, *, batch_size, max_length, max_lengths, bos_id, eos_id,

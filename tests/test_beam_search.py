@@ -1,4 +1,5 @@
-"""Cached decoding against uncached decoding, and beam search against exhaustive search."""
+"""Cached decoding against uncached decoding; beam search against a plain reference and exhaustive search."""
+import collections
 import functools
 import itertools
 
@@ -92,10 +93,12 @@ def exhaustive_best(model, params, src_row, max_length, alpha, vocab):
   return scores[best], candidates[best]
 
 
-def test_beam_as_wide_as_the_vocabulary_finds_the_exhaustive_optimum():
+def test_a_beam_holding_every_hypothesis_finds_the_exhaustive_optimum():
+  # With K at least the number of possible outputs, every candidate ranks among the K best, every EOS
+  # extension finishes, and the search is exhaustive: the best output is the global optimum.
   vocab = 8
   model, params = tiny_model(vocab_size=vocab)
-  for max_length, beam_size in ((2, vocab), (3, 25)):  # 25 = every prefix of 2 allowed tokens (5 x 5)
+  for max_length, beam_size in ((2, 6), (3, 31)):  # 1 + 5 and 1 + 5 + 25 outputs (5 allowed tokens)
     for alpha in (0.0, 0.6, 2.0):
       sequences, scores = run_search(model, params, True, beam_size, max_length, alpha)
       for b in range(SRC.shape[0]):
@@ -104,6 +107,185 @@ def test_beam_as_wide_as_the_vocabulary_finds_the_exhaustive_optimum():
         found = found[:found.index(EOS_ID) + 1]
         assert found == best_sequence, (max_length, alpha, b)
         np.testing.assert_allclose(scores[b, 0], best_score, rtol=1e-4)
+
+
+# --- Beam search against a plain reference, on deterministic automata ------------------------------------
+
+FORBIDDEN = (PAD_ID, BOS_ID)
+
+
+def automaton_step_fn(next_state, logits, rows_per_sentence):
+  """A `step_fn` whose next-token logits depend on the prefix through a finite automaton per sentence: feeding
+  token t in state s moves to next_state[b, s, t], whose logits are logits[b, state]. The automaton state is
+  the 'cache', so the search's reordering of the cache is exercised too. Every row starts in state 0."""
+  next_state, logits = jnp.asarray(next_state), jnp.asarray(logits)
+
+  def step_fn(tokens, index, state):
+    sentence = jnp.arange(tokens.shape[0]) // rows_per_sentence
+    state = next_state[sentence, state, tokens]
+    return logits[sentence, state], state
+  return step_fn
+
+
+def automaton_log_probs(next_state, log_probs, b):
+  """log_probs_of(prefix) for sentence b: the log probabilities of the token after BOS + prefix."""
+  def log_probs_of(prefix):
+    state = next_state[b, 0, BOS_ID]
+    for token in prefix:
+      state = next_state[b, state, token]
+    return log_probs[b, state]
+  return log_probs_of
+
+
+def reference_beam_search(log_probs_of, beam_size, limit, alpha, stats=None):
+  """Beam search written plainly: [(tokens ending with EOS, score)], best first.
+
+  Each step ranks the candidate extensions of the alive prefixes by float32 log P (ties: earlier prefix, then
+  lower token) and keeps the 2K best; an EOS candidate ranked among the K best finishes (until K have), the
+  K best others are the next alive prefixes. At step limit - 1 only EOS is allowed. Stops once K finished.
+  """
+  K = beam_size
+  alive, finished = [((), np.float32(0.0))], []
+  for step in range(limit):
+    candidates = []
+    for position, (prefix, log_p) in enumerate(alive):
+      row = log_probs_of(prefix)
+      for token in range(len(row)):
+        if token in FORBIDDEN or (step == limit - 1 and token != EOS_ID):
+          continue
+        candidates.append((np.float32(log_p + row[token]), position, token))
+    candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
+    candidates = candidates[:2 * K]
+    if stats is not None:
+      stats['ties'] += len({c[0] for c in candidates}) < len(candidates)
+      stats['eos_not_top_k'] += any(c[2] == EOS_ID for c in candidates[K:])
+    penalty = np.float32(((5.0 + (step + 1)) / 6.0) ** alpha)  # n = tokens generated, EOS included
+    for rank, (log_p, position, token) in enumerate(candidates):
+      if token == EOS_ID and rank < K and len(finished) < K:
+        finished.append((alive[position][0] + (EOS_ID,), np.float32(log_p / penalty)))
+    alive = [(alive[position][0] + (token,), log_p) for log_p, position, token in candidates if token != EOS_ID][:K]
+    if len(finished) == K:
+      break
+  return sorted(finished, key=lambda f: -f[1])  # stable: among equal scores, the first finished first
+
+
+def random_automata(rng, batch, num_states, vocab):
+  next_state = rng.integers(1, num_states, size=(batch, num_states, vocab)).astype(np.int32)
+  # Logits on a coarse grid, so that rows share values and equal log probabilities (ties) are common; EOS gets
+  # a random bias per sentence, so that hypotheses finish at every length.
+  logits = np.round(rng.normal(size=(batch, num_states, vocab)) * 2) / 2
+  logits[:, :, EOS_ID] += rng.uniform(-2.0, 1.5, size=(batch, 1))
+  return next_state, logits.astype(np.float32)
+
+
+def run_automaton_beam(next_state, logits, beam_size, max_length, max_lengths, alpha):
+  batch = len(next_state)
+  step_fn = automaton_step_fn(next_state, logits, beam_size)
+  search = jax.jit(lambda max_lengths: beam_search.beam_search(
+      step_fn, jnp.zeros(batch * beam_size, jnp.int32), batch_size=batch, beam_size=beam_size,
+      max_length=max_length, max_lengths=max_lengths, alpha=alpha, bos_id=BOS_ID, eos_id=EOS_ID,
+      forbidden_ids=FORBIDDEN))
+  return jax.device_get(search(jnp.asarray(max_lengths)))
+
+
+def hypotheses(sequences, scores):
+  """[(tokens through EOS, score)] of one sentence's n-best, slots without a hypothesis left out."""
+  return [(tuple(decode._through_eos(seq)), float(score)) for seq, score in zip(sequences, scores)
+          if score > beam_search.NEG_INF / 2]
+
+
+# (beam size, vocabulary, alpha): 6 x 40 = 240 random cases, one compilation each.
+REFERENCE_CASES = [(1, 16, 0.6), (2, 6, 0.0), (3, 16, 1.0), (4, 8, 0.6), (5, 16, 2.0), (4, 30, 0.6)]
+
+
+def test_beam_search_equals_a_plain_reference_on_random_automata():
+  rng = np.random.default_rng(0)
+  batch, max_length = 40, 7
+  stats = collections.Counter()
+  for beam_size, vocab, alpha in REFERENCE_CASES:
+    next_state, logits = random_automata(rng, batch, 6, vocab)
+    log_probs = np.asarray(jax.jit(jax.nn.log_softmax)(logits))
+    max_lengths = rng.integers(1, max_length + 1, size=batch)
+    sequences, scores = run_automaton_beam(next_state, logits, beam_size, max_length, max_lengths, alpha)
+    for b in range(batch):
+      expected = reference_beam_search(automaton_log_probs(next_state, log_probs, b), beam_size,
+                                       int(max_lengths[b]), alpha, stats)
+      found = hypotheses(sequences[b], scores[b])
+      assert [tokens for tokens, _ in found] == [tokens for tokens, _ in expected], (beam_size, vocab, alpha, b)
+      np.testing.assert_allclose([s for _, s in found], [s for _, s in expected], rtol=1e-5, atol=1e-5)
+      assert all(len(tokens) <= max_lengths[b] for tokens, _ in found)
+  stats['cases'] = len(REFERENCE_CASES) * batch
+  # The cases exercise what the rule is about: ties, and EOS candidates outside the K best.
+  assert stats['ties'] > 50 and stats['eos_not_top_k'] > 50, stats
+
+
+def test_beam_of_one_is_greedy():
+  rng = np.random.default_rng(1)
+  batch, max_length = 40, 7
+  next_state, logits = random_automata(rng, batch, 6, 12)
+  max_lengths = rng.integers(1, max_length + 1, size=batch)
+  beam_tokens, beam_scores = run_automaton_beam(next_state, logits, 1, max_length, max_lengths, 0.6)
+  greedy_tokens, greedy_log_probs = jax.device_get(beam_search.greedy_search(
+      automaton_step_fn(next_state, logits, 1), jnp.zeros(batch, jnp.int32), batch_size=batch,
+      max_length=max_length, max_lengths=jnp.asarray(max_lengths), bos_id=BOS_ID, eos_id=EOS_ID,
+      forbidden_ids=FORBIDDEN))
+  np.testing.assert_array_equal(beam_tokens[:, 0], greedy_tokens)
+  lengths = (np.cumsum(greedy_tokens == EOS_ID, axis=1) == 0).sum(axis=1) + 1
+  np.testing.assert_allclose(beam_scores[:, 0] * ((5.0 + lengths) / 6.0) ** 0.6, greedy_log_probs, rtol=1e-5)
+
+
+def trie_automaton(tree, vocab):
+  """(next_state, logits) of one sentence from {prefix tuple: {token: probability}}; unlisted tokens get
+  log probability -30, and every unlisted prefix moves to a state where EOS is certain."""
+  prefixes = [None] + sorted(tree, key=len) + ['end']  # state 0: before BOS
+  state_of = {prefix: s for s, prefix in enumerate(prefixes)}
+  next_state = np.full((1, len(prefixes), vocab), state_of['end'], np.int32)
+  logits = np.full((1, len(prefixes), vocab), -30.0, np.float32)
+  next_state[0, 0, BOS_ID] = state_of[()]
+  for prefix, probabilities in tree.items():
+    for token, p in probabilities.items():
+      logits[0, state_of[prefix], token] = np.log(p)
+      next_state[0, state_of[prefix], token] = state_of.get(prefix + (token,), state_of['end'])
+  logits[0, state_of['end'], EOS_ID] = 0.0
+  return next_state, logits
+
+
+def test_length_penalty_is_the_gnmt_formula_with_eos_counted():
+  np.testing.assert_allclose(beam_search.length_penalty(3.0, 0.6), 1.1884016, rtol=1e-6)  # (8/6)^0.6
+  np.testing.assert_allclose(beam_search.length_penalty(1.0, 0.6), 1.0)  # (6/6)^alpha
+  np.testing.assert_allclose(beam_search.length_penalty(2.0, 2.0), (7 / 6) ** 2)
+  # Step 0: 5 (0.6), 6 (0.3), EOS (0.1, third: not among K = 2). Step 1: 5 EOS and 6 EOS rank first and
+  # second: two hypotheses of 2 tokens (EOS counted), done.
+  tree = {(): {5: 0.6, 6: 0.3, EOS_ID: 0.1}, (5,): {EOS_ID: 0.8, 6: 0.2}, (6,): {EOS_ID: 0.9, 5: 0.1}}
+  next_state, logits = trie_automaton(tree, 8)
+  sequences, scores = run_automaton_beam(next_state, logits, 2, 6, [6], 0.6)
+  assert hypotheses(sequences[0], scores[0]) == [((5, EOS_ID), pytest.approx((np.log(0.6) + np.log(0.8)) / 1.0969026)),
+                                                 ((6, EOS_ID), pytest.approx((np.log(0.3) + np.log(0.9)) / 1.0969026))]
+
+
+def test_a_likely_eos_outside_the_top_k_does_not_give_an_empty_line():
+  # EOS is the third most likely first token (0.25); after 5 or 6 the model is unsure (flat over 30 tokens).
+  # Scored as finished, EOS alone (log 0.25 / 1 = -1.39) would beat every longer output (-4.3 and
+  # below): the old rule, which finished every alive prefix's EOS extension, returned the empty line here.
+  vocab = 40
+  flat = {t: 0.7 / 36 for t in range(4, vocab)} | {EOS_ID: 0.3 / 36}
+  tree = {(): {5: 0.3, 6: 0.3, EOS_ID: 0.25} | {t: 0.15 / 33 for t in range(7, vocab)}, (5,): flat, (6,): flat}
+  next_state, logits = trie_automaton(tree, vocab)
+  sequences, scores = run_automaton_beam(next_state, logits, 2, 5, [5], 0.6)
+  found = hypotheses(sequences[0], scores[0])
+  assert len(found) == 2 and all(len(tokens) > 1 for tokens, _ in found), found
+
+
+def test_a_sentence_stops_once_k_hypotheses_have_finished():
+  # Step 0: 5 (0.4), EOS (0.35, second of K = 2: finishes), 6 (0.25). Step 1: 5 EOS (0.36) ranks first and
+  # finishes: two finished, the sentence is done. Going on would have found 6 7 EOS (log 0.25 / lp(3)), better
+  # than both at alpha 3: the rule returns the first K finished, as fairseq does.
+  tree = {(): {5: 0.4, EOS_ID: 0.35, 6: 0.25}, (5,): {EOS_ID: 0.9, 7: 0.1}, (6,): {7: 1.0}, (6, 7): {EOS_ID: 1.0}}
+  next_state, logits = trie_automaton(tree, 8)
+  sequences, scores = run_automaton_beam(next_state, logits, 2, 6, [6], 3.0)
+  found = hypotheses(sequences[0], scores[0])
+  assert [tokens for tokens, _ in found] == [(5, EOS_ID), (EOS_ID,)]
+  assert np.log(0.25) / (8 / 6) ** 3 > found[0][1]  # the longer output would have won
 
 
 def test_beam_scores_are_sorted_and_respect_per_sentence_limits():
