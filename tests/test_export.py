@@ -1,0 +1,182 @@
+"""The CTranslate2 export computes our model's function: greedy tokens identical (post-LN and pre-LN),
+teacher-forced log probabilities equal to 1e-4, beam search agreeing, the CLI's int8 export translating."""
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import small_config, tiny_model, write_toy_corpus
+
+ctranslate2 = pytest.importorskip('ctranslate2')
+
+from flaxformer_nmt import decode  # pylint: disable=g-import-not-at-top,wrong-import-position
+from flaxformer_nmt import export  # pylint: disable=g-import-not-at-top,wrong-import-position
+from flaxformer_nmt.tokenizer import BOS_ID, EOS_ID, PAD_ID  # pylint: disable=g-import-not-at-top
+
+PIECES = ['<pad>', '<unk>', '<s>', '</s>'] + [f'w{i}' for i in range(12)]  # 16: tiny_model's vocabulary
+SUPPRESS = [['<pad>'], ['<s>']]  # our decoder never emits these (decode.search's forbidden_ids)
+
+
+def save_spec(model, params, directory, quantization=None):
+  spec = export.ctranslate2_spec(export.jax_to_numpy(params), model.config, PIECES)
+  spec.validate()
+  spec.optimize(quantization=quantization)
+  directory.mkdir()
+  spec.save(str(directory))
+  return ctranslate2.Translator(str(directory), device='cpu', intra_threads=1)
+
+
+def random_sources(n, seed=0):
+  rng = np.random.default_rng(seed)
+  return [[int(t) for t in rng.integers(4, len(PIECES), size=rng.integers(1, 9))] for _ in range(n)]
+
+
+def padded(sources):
+  width = max(len(s) for s in sources) + 1
+  return np.array([s + [EOS_ID] + [PAD_ID] * (width - len(s) - 1) for s in sources], np.int32)
+
+
+def ours_search(model, params, sources, beam_size, alpha=0.0):
+  """Our decoder's best hypothesis per source, as token ids without EOS."""
+  tokens, _ = decode.search(model, params, jnp.asarray(padded(sources)), beam_size=beam_size, alpha=alpha,
+                            extra_length=50)
+  return [decode._through_eos(row)[:-1] if EOS_ID in list(row) else [int(t) for t in row]  # pylint: disable=protected-access
+          for row in np.asarray(tokens)[:, 0]]
+
+
+def ct2_search(translator, sources, beam_size, **options):
+  # One call per sentence: CTranslate2's max_decoding_length is one limit per call, ours source length + 50.
+  results = [translator.translate_batch([[PIECES[t] for t in s]], beam_size=beam_size, max_decoding_length=len(s) + 50,
+                                        suppress_sequences=SUPPRESS, **options)[0] for s in sources]
+  return [[PIECES.index(p) for p in r.hypotheses[0]] for r in results]
+
+
+@pytest.mark.parametrize('pre_layer_norm', [False, True])
+def test_greedy_tokens_identical_to_ours(tmp_path, pre_layer_norm):
+  # A random sharpened model (clear winners) decoded to the length limit on many lines: a wrong position
+  # table, embedding scale, norm placement, fused-projection order or transposition changes the tokens.
+  model, params = tiny_model(pre_layer_norm=pre_layer_norm)
+  translator = save_spec(model, params, tmp_path / 'ct2')
+  sources = random_sources(40)
+  assert ct2_search(translator, sources, beam_size=1) == ours_search(model, params, sources, beam_size=0)
+
+
+@pytest.mark.parametrize('pre_layer_norm', [False, True])
+def test_teacher_forced_log_probs_agree_to_1e4(tmp_path, pre_layer_norm):
+  model, params = tiny_model(pre_layer_norm=pre_layer_norm)
+  translator = save_spec(model, params, tmp_path / 'ct2')
+  sources, targets = random_sources(12, seed=1), random_sources(12, seed=2)
+  scored = translator.score_batch([[PIECES[t] for t in s] for s in sources], [[PIECES[t] for t in t_] for t_ in targets])
+  src = jnp.asarray(padded(sources))
+  tgt_out = padded(targets)  # target + EOS, padded
+  tgt_in = np.concatenate([np.full((len(targets), 1), BOS_ID, np.int32), tgt_out[:, :-1]], axis=1)
+  logits = np.asarray(model.apply({'params': params}, src, jnp.asarray(tgt_in)), np.float64)
+  log_probs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+      - logits.max(-1, keepdims=True)
+  for i, (target, result) in enumerate(zip(targets, scored)):
+    ours = [log_probs[i, t, token] for t, token in enumerate(target + [EOS_ID])]
+    assert result.tokens == [PIECES[t] for t in target] + ['</s>']
+    np.testing.assert_allclose(result.log_probs, ours, atol=1e-4)
+
+
+@pytest.fixture(scope='module')
+def workdir(tmp_path_factory):
+  """A toy model trained for 60 steps: it translates the toy corpus partly, with uneven output lengths."""
+  from flaxformer_nmt import train  # pylint: disable=g-import-not-at-top
+  root = tmp_path_factory.mktemp('export')
+  config = small_config(write_toy_corpus(root / 'data'))
+  config.num_train_steps = 60
+  config.checkpoint_every_steps = 30
+  train.train_and_evaluate(config, str(root / 'run'))
+  return root / 'run'
+
+
+def toy_sources(workdir):
+  return (workdir.parent / 'data' / 'test.en').read_text().splitlines() + \
+      (workdir.parent / 'data' / 'valid.en').read_text().splitlines()
+
+
+def run_export(workdir, output_dir, *args):
+  return subprocess.run([sys.executable, '-m', 'flaxformer_nmt.export', f'--workdir={workdir}',
+                         f'--output_dir={output_dir}', '--format=ctranslate2', *args],
+                        capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope='module')
+def exported(workdir, tmp_path_factory):
+  output_dir = tmp_path_factory.mktemp('exported') / 'ct2'
+  result = run_export(workdir, output_dir)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return output_dir
+
+
+def ct2_translate(model_dir, sentences, beam_size, compute_type='default', **options):
+  """The README's lines: sentencepiece pieces in, pieces out, detokenized."""
+  import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+  sp = spm.SentencePieceProcessor(model_file=str(model_dir / 'vocab.model'))
+  translator = ctranslate2.Translator(str(model_dir), device='cpu', compute_type=compute_type)
+  pieces = sp.encode([' '.join(s.split()) for s in sentences], out_type=str)
+  results = [translator.translate_batch([p], beam_size=beam_size, max_decoding_length=len(p) + 50,
+                                        suppress_sequences=SUPPRESS, **options)[0] for p in pieces]
+  return [sp.decode(r.hypotheses[0]) for r in results]
+
+
+def test_cli_export_writes_model_vocabulary_and_readme(workdir, exported):
+  assert (exported / 'model.bin').exists() and (exported / 'config.json').exists()
+  assert (exported / 'vocab.model').read_bytes() == (workdir / 'vocab.model').read_bytes()
+  readme = (exported / 'README.md').read_text()
+  assert 'ctranslate2.Translator(' in readme and 'length_penalty' in readme and 'checkpoint 60' in readme
+
+
+def test_trained_model_greedy_identical_on_every_line(workdir, exported):
+  sources = toy_sources(workdir)
+  ours = decode.Translator(workdir).translate(sources, beam_size=0)
+  assert ct2_translate(exported, sources, beam_size=1) == ours
+
+
+@pytest.mark.xfail(reason='issue 12 item 1: our beam search still lets every alive prefix finish with EOS '
+                          '(CTranslate2 and fairseq only when EOS ranks among the top beam candidates)',
+                   strict=False)
+def test_trained_model_beam_identical_on_99_percent_of_lines(workdir, exported):
+  # Length normalization off on both sides (alpha 0, length_penalty 0): the two searches then differ only
+  # if their rules for finishing and keeping hypotheses differ.
+  sources = toy_sources(workdir)
+  ours = decode.Translator(workdir).translate(sources, beam_size=4, alpha=0.0)
+  theirs = ct2_translate(exported, sources, beam_size=4, length_penalty=0.0)
+  same = sum(a == b for a, b in zip(ours, theirs))
+  assert same >= 0.99 * len(sources), [(a, b) for a, b in zip(ours, theirs) if a != b][:5]
+
+
+def test_int8_export_loads_and_translates(workdir, tmp_path):
+  result = run_export(workdir, tmp_path / 'int8', '--quantization=int8', '--checkpoint=30')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'checkpoint 30' in (tmp_path / 'int8' / 'README.md').read_text()
+  config = __import__('json').loads((tmp_path / 'int8' / 'config.json').read_text())
+  assert config['add_source_eos'] and config['decoder_start_token'] == '<s>'
+  sources = toy_sources(workdir)
+  ours = decode.Translator(workdir, checkpoint='30').translate(sources, beam_size=0)
+  int8 = ct2_translate(tmp_path / 'int8', sources, beam_size=1)
+  # 8-bit weights perturb the logits: most, not all, greedy lines stay the same.
+  assert sum(a == b for a, b in zip(ours, int8)) >= 0.7 * len(sources), list(zip(ours, int8))[:5]
+
+
+def test_export_errors_name_the_problem(workdir, exported, tmp_path):
+  result = run_export(workdir, exported)  # not empty
+  assert result.returncode == 1 and '--force' in result.stderr
+  result = run_export(workdir, tmp_path / 'x', '--checkpoint=999')
+  assert result.returncode == 1 and 'no checkpoint 999' in result.stderr
+  result = run_export(tmp_path / 'nowhere', tmp_path / 'y')
+  assert result.returncode == 1 and 'config.json' in result.stderr
+  assert not (tmp_path / 'x').exists() and not (tmp_path / 'y').exists()
+
+
+def test_decoding_and_export_do_not_import_the_trainer():
+  code = ('import sys, flaxformer_nmt.decode, flaxformer_nmt.export; '
+          'print(sorted(m for m in sys.modules if m.startswith("flaxformer_nmt")))')
+  result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'flaxformer_nmt.decode' in result.stdout and 'flaxformer_nmt.train' not in result.stdout
+  assert 'flaxformer_nmt.train_step' not in result.stdout
