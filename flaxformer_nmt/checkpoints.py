@@ -3,15 +3,24 @@
 Each checkpoint holds two items: `state` (step, parameters, optimizer state, dropout key) and `data` (the
 training iterator's position, a small JSON dict), so a restarted run continues where the last one stopped.
 Only the newest `keep` checkpoints are kept. Orbax writes each checkpoint to a temporary directory and renames
-it when complete, so a half-written one is never listed; a listed one that fails to restore (truncated or
-missing files) is moved to `{workdir}/corrupt_checkpoints/` with a warning and the previous one is used, so
-retention can never delete the last good checkpoint in its favour.
+it when complete (with a commit marker, commit_success.txt), so a half-written one is never listed.
+
+A restart tells three kinds of restore failure apart (restore_newest_good):
+- damaged: no commit marker, unreadable tree metadata, truncated or missing array files. The checkpoint is
+  moved to `{workdir}/corrupt_checkpoints/` with a warning naming it and the previous one is tried, so
+  retention can never delete the last good checkpoint in its favour.
+- mismatched: the stored tree, shapes or vocabulary differ from what the config builds (read from the
+  checkpoint's own metadata, before any array is read). The run stops before anything is moved, with an
+  error naming the differing entries and the ways forward.
+- storage: an OSError or a store that is unavailable (gs:// hiccups) is retried with backoff, then stops
+  the run; it never moves a checkpoint.
 
 Averaging (the paper averages the last 5 or 20 checkpoints) reads the parameters alone, one checkpoint at a
 time, into a float32 running sum, and writes `{workdir}/averaged/` with the steps it averaged.
 """
 import json
 import logging as std_logging
+import time
 
 import jax
 from jax.experimental import multihost_utils
@@ -25,6 +34,110 @@ from flaxformer_nmt import model as model_lib
 CHECKPOINT_DIR = 'checkpoints'
 AVERAGED_DIR = 'averaged'
 CORRUPT_DIR = 'corrupt_checkpoints'
+COMMIT_MARKER = 'commit_success.txt'  # written by orbax as the last file of a finished checkpoint
+# Tensorstore statuses of a store that cannot be reached or refuses us now (not of bytes that are wrong).
+_STORAGE_STATUSES = ('UNAVAILABLE', 'DEADLINE_EXCEEDED', 'RESOURCE_EXHAUSTED', 'ABORTED', 'CANCELLED',
+                     'PERMISSION_DENIED', 'UNAUTHENTICATED')
+
+
+class CheckpointMismatchError(ValueError):
+  """A checkpoint that is intact but holds another train state than the config builds."""
+
+
+class CheckpointStorageError(OSError):
+  """Storage kept failing while reading checkpoints; nothing was moved."""
+
+
+class CheckpointsDamagedError(RuntimeError):
+  """Every checkpoint of a workdir was damaged (all were set aside)."""
+
+
+class _Damaged(Exception):
+  """Internal: a checkpoint that cannot be used as it is (the message says why)."""
+
+
+def is_storage_error(error):
+  """Whether `error` (or one in its cause chain) is the storage failing rather than the checkpoint's bytes."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, OSError) and not isinstance(error, FileNotFoundError):
+      return True
+    if str(error).startswith(_STORAGE_STATUSES):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+def _first_line(error):
+  return f'{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ""}'
+
+
+def with_storage_retries(fn, what, attempts=4, delay=2.0):
+  """fn(), retried with exponential backoff (delay, 2 delay, ...) while it fails with a storage error; after
+  `attempts` tries a CheckpointStorageError. Any other exception passes through at once."""
+  for attempt in range(attempts):
+    try:
+      return fn()
+    except Exception as e:  # pylint: disable=broad-except  (classified just below)
+      if not is_storage_error(e):
+        raise
+      if attempt == attempts - 1:
+        raise CheckpointStorageError(
+            f'{what}: storage error in {attempts} attempts ({_first_line(e)}); no checkpoint was moved. Check '
+            'the storage (space, permissions, network) and rerun the same command to resume.') from e
+      logging.warning('%s: storage error (%s); retrying in %.1f s (attempt %d of %d)', what, _first_line(e),
+                      delay * 2 ** attempt, attempt + 1, attempts)
+      time.sleep(delay * 2 ** attempt)
+  raise AssertionError('unreachable')
+
+
+def _key_name(key):
+  for attribute in ('key', 'name', 'idx'):
+    if hasattr(key, attribute):
+      return str(getattr(key, attribute))
+  return str(key)
+
+
+def tree_signature(tree):
+  """{dotted path as orbax names it ('opt_state.0.mu.encoder_0...'): shape} of every array leaf of `tree`
+  (arrays, ShapeDtypeStructs or orbax's ArrayMetadata)."""
+  leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return {'.'.join(_key_name(k) for k in path): tuple(leaf.shape) for path, leaf in leaves}
+
+
+def _part_of_state(name):
+  if name.startswith('opt_state'):
+    return 'optimizer state'
+  if name.startswith('params'):
+    return 'parameters'
+  return name
+
+
+def _list(names, limit=4):
+  names = sorted(names)
+  return ', '.join(names[:limit]) + (f' and {len(names) - limit} more' if len(names) > limit else '')
+
+
+def describe_mismatch(stored, expected):
+  """Lines naming how two tree signatures differ ([] when they match)."""
+  lines = []
+  only_stored, only_expected = stored.keys() - expected.keys(), expected.keys() - stored.keys()
+  for part in sorted({_part_of_state(n) for n in only_stored | only_expected}):
+    lost = {n for n in only_stored if _part_of_state(n) == part}
+    new = {n for n in only_expected if _part_of_state(n) == part}
+    lines.append(f'{part}: ' + '; '.join(
+        ([f'the checkpoint holds {_list(lost)} ({len(lost)} arrays) that this config does not build'] if lost
+         else []) + ([f'this config builds {_list(new)} ({len(new)} arrays) that the checkpoint lacks'] if new
+                     else [])))
+  # Parameters first: the optimizer's moments repeat their shapes.
+  reshaped = sorted((n for n in stored.keys() & expected.keys() if stored[n] != expected[n]),
+                    key=lambda n: (not n.startswith('params'), n))
+  for name in reshaped[:4]:
+    lines.append(f'{name}: shape {stored[name]} in the checkpoint, {expected[name]} in this config')
+  if len(reshaped) > 4:
+    lines.append(f'and {len(reshaped) - 4} more arrays of other shapes')
+  return lines
 
 
 class _QuietOrbax:
@@ -47,6 +160,10 @@ def absolute(path):
 class Checkpoints:
   """Save/restore of (train state, data position) at integer steps."""
 
+  # Storage errors on restore: tries, and the first wait (doubled after each try).
+  storage_attempts = 4
+  storage_retry_seconds = 2.0
+
   def __init__(self, workdir, keep=5, async_save=True):
     self.directory = absolute(workdir) / CHECKPOINT_DIR
     options = ocp.CheckpointManagerOptions(
@@ -56,9 +173,12 @@ class Checkpoints:
     )
     self.manager = ocp.CheckpointManager(self.directory, options=options)
 
-  def save(self, step, state, data_state, force=False):
+  def save(self, step, state, data_state, force=False, vocab_sha256=None):
+    """Saves checkpoint `step`; `vocab_sha256` (of vocab.model) is recorded so that a restore with another
+    vocabulary is refused."""
     saved = self.manager.save(int(step), args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)), force=force)
+        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)), force=force,
+        custom_metadata={'vocab_sha256': vocab_sha256} if vocab_sha256 else None)
     if saved:
       logging.info('Saving checkpoint %d to %s', step, self.directory)
     return saved
@@ -79,23 +199,92 @@ class Checkpoints:
     logging.info('Restored checkpoint %d from %s', step, self.directory)
     return restored.state, restored.data
 
-  def restore_newest_good(self, abstract_state):
-    """(state, data position) of the newest checkpoint that restores, or None if there is none.
+  def _retrying(self, fn, what):
+    return with_storage_retries(fn, what, self.storage_attempts, self.storage_retry_seconds)
 
-    Unreadable newer checkpoints are moved aside (not deleted) with a warning naming them.
+  def stored_signature(self, step):
+    """The tree signature of checkpoint `step`'s train state, from its metadata (no array is read).
+
+    Raises _Damaged when the checkpoint has no commit marker or its metadata cannot be read.
     """
+    path = self.directory / str(step)
+    if not self._retrying(lambda: (path / COMMIT_MARKER).exists(), f'checkpoint {step}'):
+      raise _Damaged(f'no commit marker ({COMMIT_MARKER}): the save did not finish')
+    try:
+      metadata = self._retrying(lambda: ocp.PyTreeCheckpointer().metadata(path / 'state'), f'checkpoint {step}')
+      tree = metadata.item_metadata.tree
+      data = json.loads(self._retrying(lambda: (path / 'data' / 'metadata').read_text(), f'checkpoint {step}'))
+    except CheckpointStorageError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except  (orbax fails in many ways on bad metadata)
+      raise _Damaged(f'unreadable metadata ({_first_line(e)})') from e
+    if not isinstance(tree, dict) or not isinstance(data, dict):
+      raise _Damaged('unreadable metadata (no train-state tree or data position)')
+    return tree_signature(tree)
+
+  def stored_vocab_sha256(self, step):
+    """The vocab.model sha256 recorded with checkpoint `step` (None for checkpoints written without one)."""
+    try:
+      custom = self._retrying(lambda: self.manager.metadata(int(step)).custom_metadata, f'checkpoint {step}')
+    except CheckpointStorageError:
+      raise
+    except Exception:  # pylint: disable=broad-except  (step metadata is optional: the arrays decide)
+      return None
+    return (custom or {}).get('vocab_sha256')
+
+  def check_matches(self, step, abstract_state, vocab_sha256=None):
+    """Raises CheckpointMismatchError when checkpoint `step` holds another tree, shapes or vocabulary."""
+    differences = describe_mismatch(self.stored_signature(step), tree_signature(abstract_state))
+    stored_vocab = self.stored_vocab_sha256(step) if vocab_sha256 else None
+    if stored_vocab and stored_vocab != vocab_sha256:
+      differences.append(f'vocabulary: vocab.model sha256 {stored_vocab[:12]}... in the checkpoint, '
+                         f'{vocab_sha256[:12]}... now')
+    if differences:
+      raise CheckpointMismatchError(
+          f'checkpoint {step} in {self.directory} does not fit this config: ' + '; '.join(differences) +
+          '. Nothing was moved. Ways forward: rerun with the settings this workdir was trained with '
+          '(config.json beside the checkpoints; revert the changed field), or start a new run from these '
+          f'parameters with a fresh optimizer: --workdir=NEW --config.init_from={self.directory.parent}.')
+
+  def restore_newest_good(self, abstract_state, vocab_sha256=None):
+    """(state, data position) of the newest intact checkpoint, or None when the workdir has none.
+
+    Damaged newer checkpoints are moved to corrupt_checkpoints/ (not deleted) with a warning naming them,
+    once a good one is found; a mismatched one raises CheckpointMismatchError and a failing storage
+    CheckpointStorageError, in both cases before anything is moved. When every checkpoint is damaged they
+    are all set aside and CheckpointsDamagedError says so (rerunning then starts from step 0).
+    """
+    damaged = []
     for step in sorted(self.steps(), reverse=True):
       try:
-        return self.restore(abstract_state, step)
+        self.check_matches(step, abstract_state, vocab_sha256)
+        restored = self._retrying(lambda: self.restore(abstract_state, step), f'checkpoint {step}')  # pylint: disable=cell-var-from-loop
+      except (CheckpointMismatchError, CheckpointStorageError):
+        raise
       except Exception as e:  # pylint: disable=broad-except  (tensorstore and orbax raise many kinds)
-        aside = self.directory.parent / CORRUPT_DIR / str(step)
-        logging.warning('Checkpoint %d in %s cannot be restored (%s: %s); moving it to %s and trying the '
-                        'previous one.', step, self.directory, type(e).__name__, str(e).split('\n')[0][:300], aside)
-        if jax.process_index() == 0:
-          aside.parent.mkdir(parents=True, exist_ok=True)
-          (self.directory / str(step)).rename(aside)
-        self.manager.reload()
+        damaged.append((step, str(e) if isinstance(e, _Damaged) else _first_line(e)))
+        continue
+      self._set_aside(damaged)
+      return restored
+    self._set_aside(damaged)
+    if damaged:
+      raise CheckpointsDamagedError(
+          f'no checkpoint in {self.directory} could be restored: all {len(damaged)} were damaged and moved to '
+          f'{self.directory.parent / CORRUPT_DIR}. Rerunning the same command starts training from step 0.')
     return None
+
+  def _set_aside(self, damaged):
+    for step, reason in damaged:
+      aside = self.directory.parent / CORRUPT_DIR / str(step)
+      logging.warning('Checkpoint %d in %s is damaged (%s); moved it to %s and tried the previous one.', step,
+                      self.directory, reason, aside)
+      if jax.process_index() == 0:
+        aside.parent.mkdir(parents=True, exist_ok=True)
+        (self.directory / str(step)).rename(aside)
+    if damaged:
+      if jax.process_count() > 1:
+        multihost_utils.sync_global_devices('damaged checkpoints set aside')
+      self.manager.reload()
 
   def restore_params(self, step):
     """The parameters of checkpoint `step` as host arrays, reading nothing else from disk (checkpoints from

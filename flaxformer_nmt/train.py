@@ -239,8 +239,10 @@ def _check_finite(unchecked, first_step, config):
   if any(flags_) and not config.skip_nonfinite_updates:
     bad = first_step + flags_.index(1) + 1
     raise NonFiniteError(f'step {bad}: the loss or a gradient is NaN/Inf; the update was not applied and '
-                         'training stopped (the newest checkpoint holds the last good state). Lower the learning '
-                         'rate, set --config.grad_clip_norm, or --config.skip_nonfinite_updates=true.')
+                         'training stopped (the newest checkpoint holds the last good state). Lower the '
+                         'learning rate (--config.learning_rate_scale), clip gradients (--config.grad_clip_norm='
+                         '1.0) or skip such updates (--config.skip_nonfinite_updates=true), and rerun the same '
+                         'command: it resumes from that checkpoint with the new setting.')
   return sum(flags_)
 
 
@@ -268,7 +270,7 @@ def train_and_evaluate(config, workdir):
   state, state_sharding = train_step_lib.create_state(model, optimizer, config, mesh)
   logging.info('Model: %s parameters, %s', f'{model_lib.count_params(state.params):,}', model.config)
   checkpoints = checkpoints_lib.Checkpoints(workdir, keep=config.keep_checkpoints)
-  restored = checkpoints.restore_newest_good(checkpoints_lib.abstract_like(state))
+  restored = checkpoints.restore_newest_good(checkpoints_lib.abstract_like(state), tokenizer.sha256)
   if restored is not None:
     state, data_state = restored
     train_batches.restore(data_state)
@@ -337,7 +339,7 @@ def train_and_evaluate(config, workdir):
         interval_start, data_wait = time.time(), 0.0  # keep evaluation out of the next interval's tokens/s
 
       if save:
-        checkpoints.save(step, state, train_batches.state(), force=True)
+        checkpoints.save(step, state, train_batches.state(), force=True, vocab_sha256=tokenizer.sha256)
         last_save = time.time()
       if done:
         reason = ('a stop signal' if signalled else 'config.max_train_minutes' if out_of_time
@@ -376,7 +378,8 @@ def main(argv):
   try:
     train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
   except (data_lib.DataError, ConfigError, tokenizer_lib.TokenizerError, NonFiniteError,
-          checkpoints_lib.AveragingError) as e:
+          checkpoints_lib.AveragingError, checkpoints_lib.CheckpointMismatchError,
+          checkpoints_lib.CheckpointStorageError, checkpoints_lib.CheckpointsDamagedError) as e:
     logging.error('%s', e)
     sys.exit(f'error: {e}')
 

@@ -32,11 +32,21 @@ def paper_schedule(d_model, warmup_steps, scale=1.0):
 
 
 def make_optimizer(config):
-  """Adam(b1, b2, eps) on the paper's schedule, after optional global-norm gradient clipping."""
+  """Adam(b1, b2, eps) on the paper's schedule, after optional global-norm gradient clipping.
+
+  Clipping is stateless, so it is applied inside Adam's update rather than chained in front of it: the
+  optimizer state is Adam's alone with or without clipping, and a run can be resumed with
+  --config.grad_clip_norm switched on or off (as the NaN error advises).
+  """
   schedule = paper_schedule(config.model.d_model, config.warmup_steps, config.learning_rate_scale)
   adam = optax.adam(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
   if config.grad_clip_norm > 0:
-    return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), adam), schedule
+    clip = optax.clip_by_global_norm(config.grad_clip_norm)
+
+    def update(updates, state, params=None):
+      clipped, _ = clip.update(updates, clip.init(updates))
+      return adam.update(clipped, state, params)
+    return optax.GradientTransformation(adam.init, update), schedule
   return adam, schedule
 
 

@@ -132,7 +132,7 @@ def test_damaged_and_partial_checkpoints_fall_back_to_the_last_good_one(tmp_path
   store = checkpoints_lib.Checkpoints(tmp_path, keep=3)
   restored_state, data_state = store.restore_newest_good(checkpoints_lib.abstract_like(state))
   assert int(restored_state.step) == 1 and data_state['batch'] == 1
-  warnings = [r.getMessage() for r in caplog.records if 'cannot be restored' in r.getMessage()]
+  warnings = [r.getMessage() for r in caplog.records if 'is damaged' in r.getMessage()]
   assert [w.split()[1] for w in warnings] == ['3', '2']
   assert (tmp_path / 'corrupt_checkpoints' / '3').exists() and (tmp_path / 'corrupt_checkpoints' / '2').exists()
   # Saving on from there keeps the good checkpoint: retention works on what is listed.

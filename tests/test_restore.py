@@ -1,0 +1,220 @@
+"""Restore tells failures apart: damaged checkpoints are set aside, mismatched ones stop the run with nothing
+moved, failing storage is retried and then stops the run with nothing moved."""
+import errno
+import functools
+import subprocess
+
+import jax
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from conftest import small_config
+from flaxformer_nmt import checkpoints as checkpoints_lib
+from flaxformer_nmt import config as config_lib
+from flaxformer_nmt import model as model_lib
+from flaxformer_nmt import tokenizer as tokenizer_lib
+from flaxformer_nmt import train
+from flaxformer_nmt import train_step as ts
+from test_resilience import cli_args
+
+
+def tiny_transformer(**changes):
+  """conftest's tiny model, built without initializing it (eval_shape below needs only the module)."""
+  fields = dict(vocab_size=16, num_encoder_layers=2, num_decoder_layers=2, d_model=32, d_ff=64, num_heads=4,
+                dropout_rate=0.0, max_position=128, dtype='float32')
+  return model_lib.Transformer(model_lib.ModelConfig(**{**fields, **changes}))
+
+
+def fresh_state(model=None, optimizer=None):
+  """A train state of the tiny model filled with random numbers (shapes are what matter here; eval_shape
+  keeps it cheap; zeros would not be written at all, being the arrays' fill value)."""
+  model = model or tiny_transformer()
+  optimizer = optimizer or ts.make_optimizer(config_lib.base_config())[0]
+  shapes = jax.eval_shape(functools.partial(ts.init_state, model, optimizer, 0))
+  rng = np.random.default_rng(0)
+  return jax.tree_util.tree_map(lambda s: jnp.asarray(rng.integers(1, 100, s.shape), s.dtype), shapes)
+
+
+def write_checkpoints(workdir, state, steps, vocab_sha256=None):
+  store = checkpoints_lib.Checkpoints(workdir, keep=0)
+  for step in steps:
+    store.save(step, state.replace(step=jnp.asarray(step)), {'epoch': 0, 'batch': step, 'seed': 0}, force=True,
+               vocab_sha256=vocab_sha256)
+  store.wait()
+  store.close()
+  return workdir / 'checkpoints'
+
+
+def listing(workdir):
+  return sorted(str(p.relative_to(workdir)) for p in workdir.rglob('*'))
+
+
+def test_each_kind_of_damage_is_set_aside_by_name_and_the_previous_one_restored(tmp_path, caplog):
+  state = fresh_state()
+  directory = write_checkpoints(tmp_path, state, (1, 2, 3, 4, 5))
+  for path in (directory / '5' / 'state').rglob('*'):  # 5: array files truncated
+    if path.is_file() and 'ocdbt.process' in str(path):
+      path.write_bytes(path.read_bytes()[:10])
+  (directory / '4' / checkpoints_lib.COMMIT_MARKER).unlink()  # 4: no commit marker
+  (directory / '3' / 'state' / '_METADATA').write_text('{garbage')  # 3: garbage tree metadata
+  (directory / '2' / 'data' / 'metadata').write_text('not json')  # 2: garbage data position
+
+  store = checkpoints_lib.Checkpoints(tmp_path, keep=0)
+  restored, data_state = store.restore_newest_good(checkpoints_lib.abstract_like(state))
+  assert int(restored.step) == 1 and data_state['batch'] == 1
+  warnings = [r.getMessage() for r in caplog.records if 'is damaged' in r.getMessage()]
+  assert [w.split()[1] for w in warnings] == ['5', '4', '3', '2']
+  assert 'OUT_OF_RANGE' in warnings[0] or 'reading array' in warnings[0]
+  assert 'no commit marker' in warnings[1] and 'unreadable metadata' in warnings[2]
+  assert sorted(p.name for p in (tmp_path / 'corrupt_checkpoints').iterdir()) == ['2', '3', '4', '5']
+  assert store.steps() == [1]
+  store.close()
+
+
+def test_every_checkpoint_damaged_is_an_error_not_a_silent_restart(tmp_path):
+  state = fresh_state()
+  directory = write_checkpoints(tmp_path, state, (1,))
+  (directory / '1' / checkpoints_lib.COMMIT_MARKER).unlink()
+  with pytest.raises(checkpoints_lib.CheckpointsDamagedError, match='all 1 were damaged'):
+    checkpoints_lib.Checkpoints(tmp_path).restore_newest_good(checkpoints_lib.abstract_like(state))
+  assert (tmp_path / 'corrupt_checkpoints' / '1').exists()
+
+
+def legacy_clipped_optimizer():
+  """The optimizer as built before clipping became stateless: clip_by_global_norm chained before Adam."""
+  config = config_lib.base_config()
+  schedule = ts.paper_schedule(config.model.d_model, config.warmup_steps)
+  return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule, b1=0.9, b2=0.98, eps=1e-9))
+
+
+def test_another_optimizer_tree_stops_before_anything_moves_naming_the_entries(tmp_path):
+  write_checkpoints(tmp_path, fresh_state(optimizer=legacy_clipped_optimizer()), (1, 2))
+  # The newest is also damaged: it must stay in place too, since the run stops.
+  (tmp_path / 'checkpoints' / '2' / checkpoints_lib.COMMIT_MARKER).unlink()
+  before = listing(tmp_path)
+  with pytest.raises(checkpoints_lib.CheckpointMismatchError) as error:
+    checkpoints_lib.Checkpoints(tmp_path).restore_newest_good(checkpoints_lib.abstract_like(fresh_state()))
+  message = str(error.value)
+  assert 'checkpoint 1' in message and 'optimizer state' in message
+  assert 'opt_state.1.0.count' in message and 'opt_state.0.count' in message  # stored vs built
+  assert 'parameters' not in message.split('. Nothing')[0]  # the parameters match: not named
+  assert f'--config.init_from={tmp_path}' in message and 'Nothing was moved' in message
+  assert listing(tmp_path) == before
+
+
+def test_another_layer_shape_is_named_with_both_shapes(tmp_path):
+  write_checkpoints(tmp_path, fresh_state(), (1,))
+  wider = tiny_transformer(d_ff=48)
+  with pytest.raises(checkpoints_lib.CheckpointMismatchError,
+                     match=r'params\.decoder_0\.feed_forward\.wi\.kernel: shape \(32, 64\) in the checkpoint, '
+                           r'\(32, 48\) in this config'):
+    checkpoints_lib.Checkpoints(tmp_path).restore_newest_good(checkpoints_lib.abstract_like(fresh_state(wider)))
+  assert not (tmp_path / 'corrupt_checkpoints').exists()
+
+
+def test_another_vocabulary_is_refused_by_hash(tmp_path):
+  state = fresh_state()
+  write_checkpoints(tmp_path, state, (1,), vocab_sha256='a' * 64)
+  store = checkpoints_lib.Checkpoints(tmp_path)
+  with pytest.raises(checkpoints_lib.CheckpointMismatchError, match=r'vocabulary: vocab.model sha256 aaaaaaaaaaaa'):
+    store.restore_newest_good(checkpoints_lib.abstract_like(state), vocab_sha256='b' * 64)
+  restored, _ = store.restore_newest_good(checkpoints_lib.abstract_like(state), vocab_sha256='a' * 64)
+  assert int(restored.step) == 1
+
+
+@pytest.mark.parametrize('failure', [
+    OSError(errno.EIO, 'Input/output error'),
+    Exception('Encountered error while reading array index')])
+def test_storage_errors_are_retried_then_stop_the_run_and_move_nothing(tmp_path, monkeypatch, failure):
+  if not isinstance(failure, OSError):  # tensorstore's way: a status in the cause of orbax's exception
+    failure.__cause__ = ValueError('UNAVAILABLE: Error reading gs://bucket/w/checkpoints/2/state: 503')
+  state = fresh_state()
+  write_checkpoints(tmp_path, state, (1, 2))
+  before = listing(tmp_path)
+  store = checkpoints_lib.Checkpoints(tmp_path)
+  store.storage_retry_seconds = 0.001
+  calls, waits = [], []
+  monkeypatch.setattr(checkpoints_lib.time, 'sleep', waits.append)
+
+  def failing_restore(*args, **kwargs):
+    calls.append(args)
+    raise failure
+  monkeypatch.setattr(store.manager, 'restore', failing_restore)
+  with pytest.raises(checkpoints_lib.CheckpointStorageError, match='checkpoint 2: storage error in 4 attempts'):
+    store.restore_newest_good(checkpoints_lib.abstract_like(state))
+  assert len(calls) == 4 and waits == [0.001, 0.002, 0.004]  # exponential backoff between the tries
+  assert listing(tmp_path) == before
+
+
+def test_a_storage_hiccup_is_retried_and_the_newest_restored(tmp_path, monkeypatch):
+  state = fresh_state()
+  write_checkpoints(tmp_path, state, (1, 2))
+  store = checkpoints_lib.Checkpoints(tmp_path)
+  monkeypatch.setattr(checkpoints_lib.time, 'sleep', lambda s: None)
+  real_restore, failures = store.manager.restore, [OSError(errno.ETIMEDOUT, 'timed out')] * 2
+
+  def flaky_restore(*args, **kwargs):
+    if failures:
+      raise failures.pop()
+    return real_restore(*args, **kwargs)
+  monkeypatch.setattr(store.manager, 'restore', flaky_restore)
+  restored, _ = store.restore_newest_good(checkpoints_lib.abstract_like(state))
+  assert int(restored.step) == 2 and not (tmp_path / 'corrupt_checkpoints').exists()
+
+
+def test_clipping_leaves_the_optimizer_state_alone_and_still_clips(tmp_path):
+  config = config_lib.base_config()
+  plain, _ = ts.make_optimizer(config)
+  config.grad_clip_norm = 1.0
+  clipped, _ = ts.make_optimizer(config)
+  write_checkpoints(tmp_path, fresh_state(optimizer=plain), (1,))
+  restored, _ = checkpoints_lib.Checkpoints(tmp_path).restore_newest_good(
+      checkpoints_lib.abstract_like(fresh_state(optimizer=clipped)))
+  assert int(restored.step) == 1
+  # The clipped update is Adam's update of the gradient scaled to norm 1 (checked against plain Adam).
+  params = {'w': jnp.asarray([1.0, 2.0])}
+  grads = {'w': jnp.asarray([30.0, -40.0])}  # norm 50
+  by_clipped, _ = clipped.update(grads, clipped.init(params), params)
+  by_plain, _ = plain.update({'w': grads['w'] / 50.0}, plain.init(params), params)
+  np.testing.assert_allclose(by_clipped['w'], by_plain['w'], rtol=1e-6)
+  # Adam's first update hides the scale of the gradient: the second one shows whether it was clipped.
+  state_c, state_p = clipped.update(grads, clipped.init(params), params)[1], plain.init(params)
+  state_p = plain.update({'w': grads['w'] / 50.0}, state_p, params)[1]
+  second = {'w': jnp.asarray([0.3, 0.4])}  # norm 0.5: not clipped
+  np.testing.assert_allclose(clipped.update(second, state_c, params)[0]['w'],
+                             plain.update(second, state_p, params)[0]['w'], rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_grad_clipping_can_be_switched_on_when_resuming(toy_corpus, tmp_path):
+  """The NaN error's advice (--config.grad_clip_norm) leads somewhere that works: the same workdir resumes."""
+  config = small_config(toy_corpus)
+  config.num_train_steps, config.checkpoint_every_steps, config.eval_every_steps = 6, 2, 100
+  train.train_and_evaluate(config, tmp_path / 'w')
+  args = cli_args(config, tmp_path / 'w') + ['--config.grad_clip_norm=1.0', '--config.num_train_steps=8']
+  result = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'Starting at step 6 of 8' in result.stderr
+  assert not (tmp_path / 'w' / 'corrupt_checkpoints').exists()
+  assert checkpoints_lib.Checkpoints(tmp_path / 'w').steps() == [4, 6, 8]
+
+
+@pytest.mark.slow
+def test_a_replaced_vocabulary_stops_the_cli_with_every_checkpoint_in_place(toy_corpus, tmp_path):
+  config = small_config(toy_corpus)
+  config.num_train_steps, config.checkpoint_every_steps, config.eval_every_steps = 4, 2, 100
+  workdir = tmp_path / 'w'
+  train.train_and_evaluate(config, workdir)
+  other = [line.upper() for line in (toy_corpus / 'train.en').read_text().splitlines()]
+  (workdir / 'vocab.model').unlink()
+  tokenizer_lib.train_sentencepiece(other + other, workdir / 'vocab.model', vocab_size=config.vocab_size)
+  before = listing(workdir / 'checkpoints')
+  result = subprocess.run(cli_args(config, workdir), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 1
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith('error: checkpoint 4 in') and 'vocabulary: vocab.model sha256' in last
+  assert 'Traceback' not in result.stderr
+  assert listing(workdir / 'checkpoints') == before and not (workdir / 'corrupt_checkpoints').exists()
