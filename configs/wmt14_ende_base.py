@@ -19,6 +19,6 @@ from flaxformer_nmt import config
 def get_config():
   c = config.use_wmt14_ende(config.base_config())
   c.num_train_steps = 100_000
-  c.keep_checkpoints = 5
+  c.keep_checkpoints = 6
   c.average_last_checkpoints = 5
   return c

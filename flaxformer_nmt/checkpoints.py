@@ -339,10 +339,39 @@ def average_params(workdir, steps):
   return jax.tree_util.tree_map(lambda x: x / len(steps), total)
 
 
-def average_last(workdir, last=None, steps=None):
-  """Averages `steps` (or the newest `last` checkpoints) into {workdir}/averaged; returns the steps used."""
+def averaging_window(steps, last, every_steps=None):
+  """The newest `last` of `steps` that were saved at the regular interval, oldest first.
+
+  Regular saves fall on the grid step % every_steps == 0; saves off it (the forced one when training ends,
+  a stop signal, a time-based save) are left out, so an end at step 1801 does not put 1800 and 1801 side by
+  side in the average. With no checkpoint on the grid (saving by time) the newest one is left out when it
+  came less than half the usual spacing after the one before it.
+  """
+  steps = sorted(int(s) for s in steps)
+  on_grid = [s for s in steps if every_steps and s % every_steps == 0]
+  if on_grid:
+    return on_grid[-last:]
+  if len(steps) >= 3:
+    gaps = np.diff(steps[:-1])
+    if steps[-1] - steps[-2] < np.median(gaps) / 2:
+      steps = steps[:-1]
+  return steps[-last:]
+
+
+def average_last(workdir, last=None, steps=None, every_steps=None):
+  """Averages `steps` (or the newest `last` regular checkpoints, see averaging_window) into
+  {workdir}/averaged; returns the steps used. every_steps defaults to the workdir's config.json."""
   available = Checkpoints(workdir, keep=0, async_save=False).steps()
-  steps = sorted(int(s) for s in steps) if steps else sorted(available)[-last:]
+  if steps:
+    steps = sorted(int(s) for s in steps)
+  else:
+    if every_steps is None and (absolute(workdir) / 'config.json').exists():
+      every_steps = json.loads((absolute(workdir) / 'config.json').read_text()).get('checkpoint_every_steps')
+    steps = averaging_window(available, last, every_steps)
+    if 0 < len(steps) < last:
+      logging.warning('Averaging %d checkpoints %s, fewer than the %d asked: %s holds no more at the regular '
+                      'interval (keep_checkpoints above average_last_checkpoints leaves room for the final '
+                      'save).', len(steps), steps, last, absolute(workdir) / CHECKPOINT_DIR)
   if not steps:
     raise AveragingError(f'no checkpoints in {absolute(workdir) / CHECKPOINT_DIR}')
   directory = save_averaged(workdir, average_params(workdir, steps), steps)

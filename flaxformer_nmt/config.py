@@ -114,9 +114,11 @@ def base_config():
   c.eval_every_steps = 1000
   c.checkpoint_every_steps = 1000
   c.checkpoint_every_minutes = 0.0  # > 0: also save when this much time has passed since the last save.
-  c.keep_checkpoints = 5
-  # > 0: when training ends, average the newest K checkpoints into {workdir}/averaged (decode
-  # --checkpoint averaged). The paper: last 5 (base), written every 10 minutes; last 20 (big).
+  c.keep_checkpoints = 6  # one more than averaged: room for an off-interval final save
+  # > 0: when training ends, average the newest K checkpoints saved at the regular interval (step a multiple
+  # of checkpoint_every_steps; the final save of a run that stops off it is left out) into {workdir}/averaged
+  # (decode --checkpoint averaged); fewer than K is a warning. The paper: last 5 (base), written every 10
+  # minutes; last 20 (big).
   c.average_last_checkpoints = 5
 
   # --- Decoding.
@@ -135,7 +137,7 @@ def make_big(c):
   c.model.num_heads = 16
   c.model.dropout_rate = 0.3
   c.num_train_steps = 300_000
-  c.keep_checkpoints = 20
+  c.keep_checkpoints = 21
   c.average_last_checkpoints = 20
   return c
 

@@ -22,6 +22,7 @@ import sys
 from absl import app, flags, logging
 from etils import epath
 
+from flaxformer_nmt import cli
 from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import tokenizer as tokenizer_lib
 
@@ -170,4 +171,4 @@ def main(argv):
 
 if __name__ == '__main__':
   define_flags()
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

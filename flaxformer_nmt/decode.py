@@ -196,6 +196,8 @@ class Translator:
     first_line + i, j), so a stream read in chunks samples as the whole list would. cache_cross_kv=False
     and sort_by_length=False switch off two speed-ups, for measuring them.
     """
+    token_lists = fit_to_positions(token_lists, self.config.model.max_position,
+                                   self.config.max_decode_extra_length, first_line)
     options, batches = self._prepare(token_lists, n_best=n_best, sampling=sampling, **options)
     results = [[([], 0.0)] * n_best for _ in token_lists]
     for members, src in batches:
@@ -231,6 +233,24 @@ class Translator:
     if not return_scores:
       results = [[text for text, _ in hyps] for hyps in results]
     return [hyps if n_best > 1 else hyps[0] for hyps in results]
+
+
+def fit_to_positions(token_lists, max_position, extra_length, first_line=0):
+  """Sources cut to what the model's position table holds, with a warning naming the lines (1-based).
+
+  A source gets at most max_position - extra_length tokens (EOS included), so that its translation, up to
+  extra_length tokens longer, has positions too; past the table every position would share the last
+  row's encoding and the output would be cut short silently.
+  """
+  limit = max(max_position - extra_length, 2)
+  long_lines = [first_line + i + 1 for i, tokens in enumerate(token_lists) if len(tokens) > limit]
+  if not long_lines:
+    return token_lists
+  shown = ', '.join(map(str, long_lines[:10])) + (f' and {len(long_lines) - 10} more' if len(long_lines) > 10 else '')
+  logging.warning('Input line%s %s: longer than the model allows (max_position %d - max_decode_extra_length '
+                  '%d = %d tokens); translating only the first %d tokens.', 's' * (len(long_lines) > 1), shown,
+                  max_position, extra_length, limit, limit - 1)
+  return [list(tokens[:limit - 1]) + [EOS_ID] if len(tokens) > limit else tokens for tokens in token_lists]
 
 
 def _through_eos(tokens):

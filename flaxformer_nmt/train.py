@@ -20,6 +20,7 @@ from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
 from flaxformer_nmt import checkpoints as checkpoints_lib
+from flaxformer_nmt import cli
 from flaxformer_nmt import corpora
 from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import distributed
@@ -132,6 +133,11 @@ def validate_config(config):
   if config.average_last_checkpoints > config.keep_checkpoints > 0:
     raise ConfigError(f'config.average_last_checkpoints={config.average_last_checkpoints} needs '
                       f'config.keep_checkpoints >= it (now {config.keep_checkpoints})')
+  for field in ('max_length', 'packed_length'):
+    if config[field] > config.model.max_position:
+      raise ConfigError(f'config.{field}={config[field]} exceeds config.model.max_position='
+                        f'{config.model.max_position}: positions past it would all share its encoding. Lower '
+                        f'{field} or raise model.max_position (a new model).')
   for field in ('tokens_per_batch', 'log_every_steps', 'eval_every_steps', 'checkpoint_every_steps',
                 'grad_accumulation_steps'):
     if config[field] <= 0:
@@ -386,4 +392,4 @@ def main(argv):
 
 if __name__ == '__main__':
   define_flags()
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

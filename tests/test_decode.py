@@ -172,3 +172,19 @@ def test_visualize_cli_writes_pngs(workdir, tmp_path):
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
     assert image[..., :3].std() > 0.05  # a picture, not a blank page
     assert str(path) in result.stdout
+
+
+def test_a_source_longer_than_the_positions_is_cut_with_its_line_named(translator, caplog, monkeypatch):
+  from flaxformer_nmt.tokenizer import EOS_ID  # pylint: disable=g-import-not-at-top
+  lists = [[5] * 10 + [EOS_ID], [6] * 40 + [EOS_ID], [7] * 29 + [EOS_ID], [8] * 5000 + [EOS_ID]]
+  cut = decode.fit_to_positions(lists, max_position=80, extra_length=50, first_line=100)
+  assert cut[0] == lists[0] and cut[2] == lists[2]  # 30 tokens: exactly the limit, kept whole
+  assert cut[1] == [6] * 29 + [EOS_ID] and cut[3] == [8] * 29 + [EOS_ID]
+  assert 'Input lines 102, 104: longer than the model allows' in caplog.text
+  # Through the translator: a 5,000-word line is cut (and said so), not silently clamped.
+  caplog.clear()
+  monkeypatch.setattr(translator.config.model, 'max_position', 80)  # a short cut keeps the search quick
+  long_line = ' '.join(['a big dog runs .'] * 1000)
+  outputs = translator.translate(['a dog .', long_line], beam_size=0)
+  assert len(outputs) == 2
+  assert 'Input line 2: longer than the model allows (max_position 80 - max_decode_extra_length 50' in caplog.text

@@ -1,0 +1,75 @@
+"""Command-line parsing shared by the programs that take `--config FILE --config.field=value`.
+
+ml_collections reports an override of a field the config does not have as a 30-line traceback ending in
+`AttributeError: "'no_such_field'"`. `parse_flags` (for `app.run(main, flags_parser=parse_flags)`) turns it
+into one line naming the override and the nearest valid fields, and exits with status 1.
+"""
+import difflib
+import importlib.util
+import os
+import sys
+
+import ml_collections
+from absl import app
+
+
+def _config_file(argv):
+  """The path given to --config (`--config=FILE`, `--config FILE`; a `FILE:arg` suffix dropped)."""
+  for i, arg in enumerate(argv):
+    if arg in ('--config', '-config') and i + 1 < len(argv):
+      path = argv[i + 1]
+    elif arg.startswith(('--config=', '-config=')):
+      path = arg.split('=', 1)[1]
+    else:
+      continue
+    return path if os.path.exists(path) or ':' not in path else path.rsplit(':', 1)[0]
+  return None
+
+
+def _load_config(path):
+  spec = importlib.util.spec_from_file_location('_config_for_flag_check', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def field_names(config, prefix=''):
+  """Every dotted field name of a ConfigDict, nested ones included ('model', 'model.d_model', ...)."""
+  names = []
+  for key, value in config.items():
+    names.append(prefix + key)
+    if isinstance(value, ml_collections.ConfigDict):
+      names += field_names(value, f'{prefix}{key}.')
+  return names
+
+
+def unknown_override(argv, config):
+  """(the --config.X override naming no field of `config`, the nearest valid names), or None."""
+  known = set(field_names(config))
+  for arg in argv[1:]:
+    if not arg.startswith('--config.'):
+      continue
+    name = arg[len('--config.'):].split('=', 1)[0]
+    if name.startswith('no') and name[2:] in known:  # --config.noflag, absl's way to set a bool False
+      name = name[2:]
+    if name not in known:
+      return name, difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.5)
+  return None
+
+
+def parse_flags(argv):
+  """absl's flag parsing (`app.parse_flags_with_usage`); an unknown config field is one line and exit 1."""
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (AttributeError, KeyError) as error:
+    path = _config_file(argv)
+    try:
+      found = unknown_override(argv, _load_config(path)) if path else None
+    except Exception:  # pylint: disable=broad-except  (the config file's own error is reported below)
+      found = None
+    if found is None:
+      raise error
+    name, nearest = found
+    hint = f'; did you mean {" or ".join(f"--config.{n}" for n in nearest)}?' if nearest else ''
+    sys.exit(f'error: --config.{name}: the config of {path} has no field {name!r}{hint} (every field is '
+             'described in flaxformer_nmt/config.py)')

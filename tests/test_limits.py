@@ -1,0 +1,83 @@
+"""Bad configuration and limits, said up front in one line: unknown config fields, max_length against the
+position table, and the averaging window (regular checkpoints only, a warning when short)."""
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxformer_nmt import checkpoints as checkpoints_lib
+from flaxformer_nmt import cli
+from flaxformer_nmt import config as config_lib
+from flaxformer_nmt import train
+from flaxformer_nmt.train_step import TrainState
+from flaxformer_nmt.workdir import ConfigError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_an_unknown_config_field_is_one_line_with_the_nearest_names(tmp_path):
+  result = subprocess.run(
+      [sys.executable, '-m', 'flaxformer_nmt.train', f'--config={REPO}/configs/multi30k.py',
+       f'--workdir={tmp_path / "w"}', '--config.num_train_steps=5', '--config.model.d_modle=64'],
+      cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, 'PYTHONPATH': REPO})
+  assert result.returncode == 1
+  lines = [line for line in result.stderr.splitlines() if line.strip()]
+  assert len(lines) == 1, result.stderr
+  assert lines[0].startswith("error: --config.model.d_modle: the config of") and "no field 'model.d_modle'" in lines[0]
+  assert 'did you mean --config.model.d_model' in lines[0]
+  assert not (tmp_path / 'w').exists()  # nothing started
+
+
+def test_unknown_override_checks_every_level_and_absl_bool_negation():
+  config = config_lib.base_config()
+  argv = ['train', '--config=x.py', '--config.model.d_model=64', '--config.noskip_bad_pairs', '--workdir=w']
+  assert cli.unknown_override(argv, config) is None
+  name, nearest = cli.unknown_override(argv + ['--config.grad_clip=1.0'], config)
+  assert name == 'grad_clip' and nearest[0] == 'grad_clip_norm'
+  assert cli.unknown_override(['train', '--config.model.no_such_field=1'], config)[0] == 'model.no_such_field'
+  assert cli._config_file(['t', '--config', 'a/b.py']) == 'a/b.py'  # pylint: disable=protected-access
+  assert cli._config_file(['t', '--config=a/b.py:big']) == 'a/b.py'  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize('field', ['max_length', 'packed_length'])
+def test_lengths_past_the_position_table_are_refused_before_training(field):
+  config = config_lib.base_config()
+  config.data_dir = '/nonexistent'
+  config.model.max_position = config.max_length = 200
+  config[field] = 256
+  with pytest.raises(ConfigError, match=f'config.{field}=256 exceeds config.model.max_position=200'):
+    train.validate_config(config)
+  config[field] = 200
+  train.validate_config(config)  # exactly the table: fine
+
+
+def test_the_window_holds_regular_checkpoints_only():
+  window = checkpoints_lib.averaging_window
+  # Steps: the end-of-run save at 1801 sits one step after the regular 1800.
+  assert window([1400, 1500, 1600, 1700, 1800, 1801], 5, every_steps=100) == [1400, 1500, 1600, 1700, 1800]
+  assert window([1500, 1600, 1700, 1800, 1801], 5, every_steps=100) == [1500, 1600, 1700, 1800]
+  assert window([1600, 1700, 1800, 1900], 2, every_steps=100) == [1800, 1900]  # ended on the grid: kept
+  # Saving by time (no step grid): the final save 10 steps after the last timed one is left out...
+  assert window([600, 1210, 1805, 2400, 2410], 3, every_steps=1_000_000) == [1210, 1805, 2400]
+  # ... but not one that came after a usual spacing.
+  assert window([600, 1210, 1805, 2400, 2990], 3, every_steps=1_000_000) == [1805, 2400, 2990]
+
+
+def save_params(store, step, value):
+  params = {'w': jnp.full((2, 3), float(value))}
+  state = TrainState(step=jnp.asarray(step), params=params, opt_state={'mu': params}, rng=jnp.zeros(2, jnp.uint32))
+  store.save(step, state, {'epoch': 0, 'batch': step, 'seed': 0}, force=True)
+
+
+def test_averaging_fewer_than_asked_warns_with_the_count(tmp_path, caplog):
+  store = checkpoints_lib.Checkpoints(tmp_path, keep=0)
+  for step in (10, 20, 30, 31):
+    save_params(store, step, step)
+  store.wait()
+  assert checkpoints_lib.average_last(tmp_path, last=5, every_steps=10) == [10, 20, 30]
+  params, _ = checkpoints_lib.load_averaged(tmp_path)
+  np.testing.assert_allclose(params['w'], np.full((2, 3), 20.0))  # (10 + 20 + 30) / 3: 31 left out
+  assert 'Averaging 3 checkpoints [10, 20, 30], fewer than the 5 asked' in caplog.text
