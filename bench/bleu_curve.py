@@ -19,7 +19,7 @@ from flaxformer_nmt import config as config_lib
 from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import decode
 from flaxformer_nmt import evaluate
-from flaxformer_nmt import train
+from flaxformer_nmt import workdir as workdir_lib
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Training workdir.')
 _SPLIT = flags.DEFINE_string('split', 'test2016', 'Split to translate and score.')
@@ -42,7 +42,7 @@ def eval_log(workdir):
 def main(_):
   workdir = _WORKDIR.value
   checkpoints_lib.quiet_orbax_logs()
-  config = train.load_config(workdir)
+  config = workdir_lib.load_config(workdir)
   src_path, ref_path = data_lib.split_paths(config.data_dir, _SPLIT.value, config.source_lang, config.target_lang)
   sources, references = data_lib.read_lines(src_path), evaluate.read_text(ref_path)
   tok_path = epath.Path(_TOK_DIR.value) / f'{_SPLIT.value}.{config.target_lang}'

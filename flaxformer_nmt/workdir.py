@@ -31,6 +31,28 @@ def _model_identity(config_dict, field):
   return value
 
 
+def validate_config(config):
+  """Raises ConfigError for a config that cannot be trained, before anything is read or written."""
+  if config.data_source == 'text' and not config.data_dir:
+    raise ConfigError('config.data_dir is empty: pass --config.data_dir=DIR holding {split}.{lang} files')
+  if config.data_source == 'tfds' and not config.tfds_name:
+    raise ConfigError("config.tfds_name is empty: name a TFDS builder, e.g. 'wmt14_translate/de-en'")
+  if config.data_source not in ('text', 'tfds'):
+    raise ConfigError(f"config.data_source={config.data_source!r}: use 'text' or 'tfds'")
+  if config.average_last_checkpoints > config.keep_checkpoints > 0:
+    raise ConfigError(f'config.average_last_checkpoints={config.average_last_checkpoints} needs '
+                      f'config.keep_checkpoints >= it (now {config.keep_checkpoints})')
+  for field in ('max_length', 'packed_length'):
+    if config[field] > config.model.max_position:
+      raise ConfigError(f'config.{field}={config[field]} exceeds config.model.max_position='
+                        f'{config.model.max_position}: positions past it would all share its encoding. Lower '
+                        f'{field} or raise model.max_position (a new model).')
+  for field in ('tokens_per_batch', 'log_every_steps', 'eval_every_steps', 'checkpoint_every_steps',
+                'grad_accumulation_steps'):
+    if config[field] <= 0:
+      raise ConfigError(f'config.{field} must be positive, not {config[field]}')
+
+
 def save_or_check_config(config, workdir):
   """Writes config.json on the first run; later runs must describe the same model."""
   path = epath.Path(workdir) / CONFIG_FILENAME

@@ -70,13 +70,13 @@ def test_direction_is_chosen_by_language_name(name):
 @pytest.mark.parametrize('config_name', ['wmt14_ende_base', 'wmt14_ende_big'])
 def test_wmt_configs_build_their_pipeline_on_mock_data(config_name, tmp_path):
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  from flaxformer_nmt import train  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import pipeline  # pylint: disable=g-import-not-at-top
   config = load_config(config_name)
   # Random mock text cannot fill a 37k vocabulary or 25k-token batches; everything else is the config's.
   config.vocab_size = 200
   config.tokens_per_batch = 512
   with tfds.testing.mock_data(num_examples=60):
-    train_batches, eval_batches, tokenizer = train.input_pipeline(config, tmp_path, num_devices=1)
+    train_batches, eval_batches, tokenizer = pipeline.input_pipeline(config, tmp_path, num_devices=1)
     records = corpora.tfds_builder(config.tfds_name).as_data_source(split='train')
     english = {tokenizer_lib.normalize_whitespace(records[i]['en']) for i in range(len(records))}
     german = {tokenizer_lib.normalize_whitespace(records[i]['de']) for i in range(len(records))}

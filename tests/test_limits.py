@@ -11,7 +11,7 @@ import pytest
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import cli
 from flaxformer_nmt import config as config_lib
-from flaxformer_nmt import train
+from flaxformer_nmt import workdir as workdir_lib
 from flaxformer_nmt.train_step import TrainState
 from flaxformer_nmt.workdir import ConfigError
 
@@ -49,9 +49,9 @@ def test_lengths_past_the_position_table_are_refused_before_training(field):
   config.model.max_position = config.max_length = 200
   config[field] = 256
   with pytest.raises(ConfigError, match=f'config.{field}=256 exceeds config.model.max_position=200'):
-    train.validate_config(config)
+    workdir_lib.validate_config(config)
   config[field] = 200
-  train.validate_config(config)  # exactly the table: fine
+  workdir_lib.validate_config(config)  # exactly the table: fine
 
 
 def test_the_window_holds_regular_checkpoints_only():

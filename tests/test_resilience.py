@@ -13,6 +13,7 @@ import pytest
 from conftest import small_config, tiny_model
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import config as config_lib
+from flaxformer_nmt import metrics as metrics_lib
 from flaxformer_nmt import train
 from flaxformer_nmt import train_step as ts
 
@@ -100,14 +101,12 @@ def test_a_nonfinite_step_is_never_applied():
 
 
 def test_nonfinite_steps_stop_training_with_the_step_named_or_are_counted():
-  config = config_lib.base_config()
   flags_ = lambda: [jnp.asarray(f) for f in (0, 0, 1, 0, 1)]
   with pytest.raises(train.NonFiniteError, match='step 103:'):
-    train._check_finite(flags_(), 100, config)  # pylint: disable=protected-access
-  config.skip_nonfinite_updates = True
+    metrics_lib.check_finite(flags_(), 100, skip_nonfinite_updates=False)
   unchecked = flags_()
-  assert train._check_finite(unchecked, 100, config) == 2  # pylint: disable=protected-access
-  assert train._check_finite(unchecked, 105, config) == 0  # each step is counted once  # pylint: disable=protected-access
+  assert metrics_lib.check_finite(unchecked, 100, skip_nonfinite_updates=True) == 2
+  assert metrics_lib.check_finite(unchecked, 105, skip_nonfinite_updates=True) == 0  # each step counted once
 
 
 def test_damaged_and_partial_checkpoints_fall_back_to_the_last_good_one(tmp_path, caplog):

@@ -1,0 +1,177 @@
+"""What the trainer reports: per-interval training metrics, the log line, and where they are written.
+
+The train step returns its metrics as device arrays; `TrainInterval` keeps them unread until a log line or a
+save is due, so the loop never waits on the device between those (one host transfer per interval). The loss
+logged as `train/loss` and `eval/loss` is the label-smoothed cross entropy per target token (what the step
+minimizes, train_step.label_smoothed_cross_entropy), `*/nll` the plain cross entropy per target token, and
+`eval/perplexity` exp(eval/nll).
+"""
+import json
+import time
+
+import jax
+from etils import epath
+
+from flaxformer_nmt import distributed
+from flaxformer_nmt import flops as flops_lib
+
+
+class MetricsLog:
+  """TensorBoard scalars and metrics.jsonl, written by process 0 only.
+
+  Cloud storage (gs://...) has no append: there metrics.jsonl is rewritten whole at each write (a few
+  thousand lines over a long run); local files are appended to.
+  """
+
+  def __init__(self, workdir):
+    self.enabled = distributed.is_leader()
+    if self.enabled:
+      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+      self.writer = SummaryWriter(str(epath.Path(workdir) / 'tensorboard'))
+      self.path = epath.Path(workdir) / 'metrics.jsonl'
+      self.remote = '://' in str(self.path)
+      if self.remote:
+        self.lines = self.path.read_text().splitlines(keepends=True) if self.path.exists() else []
+      else:
+        self.jsonl = self.path.open('a')
+
+  def write(self, step, scalars):
+    if not self.enabled:
+      return
+    for name, value in scalars.items():
+      self.writer.add_scalar(name, value, step)
+    line = json.dumps({'step': step, **scalars}) + '\n'
+    if self.remote:
+      self.lines.append(line)
+      self.path.write_text(''.join(self.lines))
+    else:
+      self.jsonl.write(line)
+      self.jsonl.flush()
+
+  def close(self):
+    if self.enabled:
+      self.writer.close()
+      if not self.remote:
+        self.jsonl.close()
+
+
+def duration(seconds):
+  """'1h05m' or '4m07s'."""
+  seconds = int(seconds)
+  return f'{seconds // 3600}h{seconds % 3600 // 60:02d}m' if seconds >= 3600 else f'{seconds // 60}m{seconds % 60:02d}s'
+
+
+class NonFiniteError(RuntimeError):
+  """A NaN/Inf loss or gradient, with config.skip_nonfinite_updates off."""
+
+
+def check_finite(unchecked, first_step, skip_nonfinite_updates):
+  """Consumes the per-step NaN/Inf flags of `unchecked` (steps first_step+1...); returns how many were set.
+
+  Raises NonFiniteError naming the first such step unless skip_nonfinite_updates.
+  """
+  flags = [int(f) for f in jax.device_get(unchecked)]
+  unchecked.clear()
+  if any(flags) and not skip_nonfinite_updates:
+    bad = first_step + flags.index(1) + 1
+    raise NonFiniteError(f'step {bad}: the loss or a gradient is NaN/Inf; the update was not applied and '
+                         'training stopped (the newest checkpoint holds the last good state). Lower the '
+                         'learning rate (--config.learning_rate_scale), clip gradients (--config.grad_clip_norm='
+                         '1.0) or skip such updates (--config.skip_nonfinite_updates=true), and rerun the same '
+                         'command: it resumes from that checkpoint with the new setting.')
+  return sum(flags)
+
+
+class Throughput:
+  """Model FLOPs of the logged steps, from each step's token counts and padded lengths (flops.py), as
+  FLOP/s and MFU against the devices' peak (omitted where the peak is unknown, e.g. CPU)."""
+
+  def __init__(self, model_config, vocab_size, num_devices, peak_per_device):
+    self.model_config, self.vocab_size = model_config, vocab_size
+    self.num_devices, self.peak_per_device = num_devices, peak_per_device
+
+  def metrics(self, pending, lengths, seconds):
+    """pending: the steps' metrics on the host; lengths: their (source, target) padded lengths."""
+    total = sum(flops_lib.train_flops(self.model_config, self.vocab_size, float(m['source_tokens']),
+                                      float(m['target_tokens']), src_len, tgt_len)
+                for m, (src_len, tgt_len) in zip(pending, lengths))
+    out = {'train/tflops_per_second': total / seconds / 1e12,
+           'train/tflops_per_second_per_device': total / seconds / 1e12 / self.num_devices}
+    if self.peak_per_device:
+      out['train/mfu'] = total / seconds / (self.peak_per_device * self.num_devices)
+    return out
+
+
+def interval_metrics(pending, seconds, start_time, epoch, lengths=None, throughput=None):
+  """Summary of the steps since the last log line (one host transfer for all of them)."""
+  pending = jax.device_get(pending)
+  total = lambda key: sum(float(m[key]) for m in pending)
+  tokens = total('target_tokens')
+  accounting = throughput.metrics(pending, lengths, seconds) if throughput is not None else {}
+  return {
+      **accounting,
+      'train/loss': total('loss_sum') / max(tokens, 1.0),  # label-smoothed cross entropy per target token
+      'train/nll': total('nll_sum') / max(tokens, 1.0),
+      'train/learning_rate': float(pending[-1]['learning_rate']),
+      'train/grad_norm': float(pending[-1]['grad_norm']),
+      'train/target_tokens_per_second': tokens / seconds,
+      'train/source_tokens_per_second': total('source_tokens') / seconds,
+      'train/step_time': seconds / len(pending),
+      'train/skipped_updates': total('nonfinite'),
+      'elapsed_seconds': time.time() - start_time,
+      'epoch': epoch,
+  }
+
+
+class TrainInterval:
+  """The steps since the last log line: their metrics (device arrays, read only when summarized), padded
+  lengths (for the FLOP count), the time the loop waited for input, and the NaN flags not yet checked."""
+
+  def __init__(self, throughput, skip_nonfinite_updates):
+    self.throughput, self.skip_nonfinite_updates = throughput, skip_nonfinite_updates
+    self.pending, self.lengths, self.unchecked = [], [], []
+    self.skipped = 0  # updates skipped as non-finite over the whole run
+    self.restart()
+
+  def restart(self):
+    """Starts the clock of a new interval (after a log line, or after evaluation, kept out of tokens/s)."""
+    self.start, self.data_wait = time.time(), 0.0
+
+  def next_batch(self, batches):
+    wait_start = time.time()
+    batch = next(batches)
+    self.data_wait += time.time() - wait_start  # time the step loop stood waiting for input
+    return batch
+
+  def add(self, step_metrics, batch):
+    self.pending.append(step_metrics)
+    self.lengths.append((batch['src'].shape[1], batch['tgt_in'].shape[1]))
+    self.unchecked.append(step_metrics['nonfinite'])
+
+  def check_finite(self, step):
+    """Reads the unchecked steps' NaN flags (up to `step`): raises NonFiniteError or counts them as skipped."""
+    self.skipped += check_finite(self.unchecked, step - len(self.unchecked), self.skip_nonfinite_updates)
+
+  def summarize(self, start_time, epoch):
+    """The interval's metrics (interval_metrics plus the input wait); starts the next interval."""
+    summary = interval_metrics(self.pending, time.time() - self.start, start_time, epoch, self.lengths,
+                               self.throughput)
+    summary['train/data_wait_fraction'] = self.data_wait / (time.time() - self.start)
+    self.pending, self.lengths = [], []
+    self.restart()
+    return summary
+
+
+def train_log_line(step, num_steps, metrics, eta_seconds, skipped=0):
+  mfu = f' | MFU {metrics["train/mfu"]:.1%}' if 'train/mfu' in metrics else ''
+  return (f'step {step}/{num_steps} | loss {metrics["train/loss"]:.4f} | nll {metrics["train/nll"]:.4f} | '
+          f'lr {metrics["train/learning_rate"]:.3g} | {metrics["train/target_tokens_per_second"]:.0f} tgt + '
+          f'{metrics["train/source_tokens_per_second"]:.0f} src tok/s | '
+          f'{metrics["train/tflops_per_second"]:.3g} TFLOP/s{mfu} | {metrics["train/step_time"] * 1e3:.0f} ms/step | '
+          f'epoch {metrics["epoch"]} | {duration(metrics["elapsed_seconds"])} elapsed | ETA {duration(eta_seconds)}'
+          + (f' | {skipped} skipped updates' if skipped else ''))
+
+
+def eval_log_line(step, metrics):
+  return (f'step {step} | validation loss {metrics["eval/loss"]:.4f} | nll {metrics["eval/nll"]:.4f} | '
+          f'perplexity {metrics["eval/perplexity"]:.2f}')

@@ -1,0 +1,48 @@
+"""The trainer's input: corpus -> vocabulary -> cached token ids -> training and validation batches.
+
+Every host plans the same global batches and builds its own rows of them (data.py).
+"""
+import functools
+
+import jax
+from absl import logging
+from etils import epath
+
+from flaxformer_nmt import corpora
+from flaxformer_nmt import data as data_lib
+from flaxformer_nmt import distributed
+from flaxformer_nmt import tokenizer as tokenizer_lib
+
+
+def input_pipeline(config, workdir, num_devices):
+  """(train batches, eval batches factory, tokenizer); batch rows are a multiple of `num_devices`."""
+  if config.data_source == 'tfds':
+    # Process 0 downloads and prepares; the others find it prepared (shared storage) or prepare their own.
+    if distributed.is_leader():
+      corpora.prepare_tfds(config.tfds_name, config.tfds_data_dir)
+    distributed.barrier('prepare-tfds')
+    corpora.prepare_tfds(config.tfds_name, config.tfds_data_dir)
+  train_pairs = corpora.open_split(config, config.train_split)
+  eval_pairs = corpora.open_split(config, config.eval_split)
+  tokenizer = tokenizer_lib.load_or_train(
+      workdir, lambda: tokenizer_lib.sample_sentences(train_pairs, config.sentencepiece_max_chars, config.seed),
+      vocab_size=config.vocab_size, model_type=config.sentencepiece_model_type,
+      character_coverage=config.sentencepiece_character_coverage, is_leader=distributed.is_leader(),
+      barrier=distributed.barrier)
+  hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
+  tokenize = functools.partial(data_lib.tokenize_cached, tokenizer=tokenizer, barrier=distributed.barrier,
+                               num_threads=config.tokenize_threads, **hosts)
+  train_corpus = tokenize(train_pairs, cache_dir=epath.Path(workdir) / 'tokenized' / config.train_split)
+  eval_corpus = tokenize(eval_pairs, cache_dir=epath.Path(workdir) / 'tokenized' / config.eval_split)
+  max_length = min(config.max_length, config.packed_length) if config.packed_length else config.max_length
+  train_examples = train_corpus.usable(max_length)
+  logging.info('Training pairs: %d of %d kept (at most %d tokens a side) from %s; validation pairs: %d',
+               len(train_examples), len(train_corpus), max_length, train_pairs.description,
+               len(eval_corpus.usable()))
+  train_batches = data_lib.TrainBatches(
+      train_corpus, examples=train_examples, tokens_per_batch=config.tokens_per_batch,
+      buckets=config.length_buckets, seed=config.seed, multiple_of=num_devices, prefetch=config.prefetch_batches,
+      packed_length=config.packed_length, **hosts)
+  eval_batches = functools.partial(data_lib.eval_batches, eval_corpus, tokens_per_batch=config.tokens_per_batch,
+                                   buckets=config.length_buckets, multiple_of=num_devices, **hosts)
+  return train_batches, eval_batches, tokenizer

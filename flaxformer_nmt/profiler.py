@@ -1,0 +1,29 @@
+"""A window of training steps traced with jax.profiler (config.profile_steps from config.profile_start_step)."""
+import jax
+from absl import logging
+from etils import epath
+
+from flaxformer_nmt import distributed
+
+
+class Profiler:
+  """Traces steps [start, start + steps) with jax.profiler into {workdir}/profile, on process 0."""
+
+  def __init__(self, workdir, start, steps):
+    self.directory = str(epath.Path(workdir) / 'profile')
+    self.start, self.stop = start, start + steps
+    self.enabled = steps > 0 and distributed.is_leader()
+    self.active = False
+
+  def before_step(self, step):
+    if self.enabled and step == self.start and not self.active:
+      jax.profiler.start_trace(self.directory)
+      self.active = True
+
+  def after_step(self, step, state):
+    """`step`: the number of steps done. The trace ends once the traced steps have run on the device."""
+    if self.active and step >= self.stop:
+      jax.block_until_ready(state)
+      jax.profiler.stop_trace()
+      self.active = False
+      logging.info('Profiled steps %d..%d into %s', self.start, step, self.directory)
