@@ -171,7 +171,9 @@ class Checkpoints:
         create=True,
         enable_async_checkpointing=async_save,
     )
-    self.manager = ocp.CheckpointManager(self.directory, options=options)
+    # Naming the items' handlers lets metadata be read before (or without) a restore.
+    self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
+        'state': ocp.StandardCheckpointHandler(), 'data': ocp.JsonCheckpointHandler()})
 
   def save(self, step, state, data_state, force=False, vocab_sha256=None):
     """Saves checkpoint `step`; `vocab_sha256` (of vocab.model) is recorded so that a restore with another
@@ -211,16 +213,16 @@ class Checkpoints:
     if not self._retrying(lambda: (path / COMMIT_MARKER).exists(), f'checkpoint {step}'):
       raise _Damaged(f'no commit marker ({COMMIT_MARKER}): the save did not finish')
     try:
-      metadata = self._retrying(lambda: ocp.PyTreeCheckpointer().metadata(path / 'state'), f'checkpoint {step}')
-      tree = metadata.item_metadata.tree
+      tree = self._retrying(lambda: self.manager.item_metadata(int(step))['state'], f'checkpoint {step}')
       data = json.loads(self._retrying(lambda: (path / 'data' / 'metadata').read_text(), f'checkpoint {step}'))
     except CheckpointStorageError:
       raise
     except Exception as e:  # pylint: disable=broad-except  (orbax fails in many ways on bad metadata)
       raise _Damaged(f'unreadable metadata ({_first_line(e)})') from e
-    if not isinstance(tree, dict) or not isinstance(data, dict):
+    signature = tree_signature(tree) if tree is not None else {}
+    if not signature or not isinstance(data, dict):
       raise _Damaged('unreadable metadata (no train-state tree or data position)')
-    return tree_signature(tree)
+    return signature
 
   def stored_vocab_sha256(self, step):
     """The vocab.model sha256 recorded with checkpoint `step` (None for checkpoints written without one)."""

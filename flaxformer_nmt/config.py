@@ -95,6 +95,10 @@ def base_config():
   # one microbatch. Each step's rows must divide by it (and by the device count).
   c.grad_accumulation_steps = 1
   c.num_train_steps = 100_000
+  # Fine-tuning / warm start (warm_start.py): a new run takes its parameters (only) from this training
+  # workdir or checkpoint directory; init_checkpoint picks latest, averaged, best or a step of a workdir.
+  c.init_from = ''
+  c.init_checkpoint = 'latest'
   c.max_train_minutes = 0.0  # > 0: also stop (and checkpoint) after this much wall time.
 
   # --- Devices: a ('data', 'fsdp') mesh over every device of every host; -1 = whatever the other axis

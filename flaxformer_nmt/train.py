@@ -30,6 +30,7 @@ from flaxformer_nmt import preemption
 from flaxformer_nmt import sharding
 from flaxformer_nmt import tokenizer as tokenizer_lib
 from flaxformer_nmt import train_step as train_step_lib
+from flaxformer_nmt import warm_start
 from flaxformer_nmt.metrics import NonFiniteError
 from flaxformer_nmt.pipeline import input_pipeline
 from flaxformer_nmt.profiler import Profiler
@@ -68,6 +69,7 @@ def set_up(config, workdir):
                jax.devices()[0].device_kind, jax.process_count())
   # Batch rows: a multiple of the device count times the microbatches, so that every device gets the same
   # number of rows in every microbatch.
+  warm_start.adopt_vocabulary(config, workdir)  # a fine-tuning run starts with its source's vocabulary
   train_batches, eval_batches, tokenizer = input_pipeline(
       config, workdir, num_devices=sharding.rows_multiple(mesh) * config.grad_accumulation_steps)
 
@@ -80,6 +82,10 @@ def set_up(config, workdir):
   if restored is not None:
     state, data_state = restored
     train_batches.restore(data_state)
+    if config.init_from:
+      logging.info('Resuming this workdir; config.init_from=%s is ignored (it only starts new runs)', config.init_from)
+  elif config.init_from:
+    state = warm_start.load_params(state, state_sharding, config, tokenizer)
   train_fn, eval_fn = train_step_lib.jit_steps(model, optimizer, schedule, config, mesh, state_sharding)
   peak = flops_lib.peak_flops_per_device(override=config.peak_flops_per_device)
   return Run(config, workdir, sharding.batch_sharded(mesh), train_batches, eval_batches, state, train_fn, eval_fn,
@@ -187,7 +193,8 @@ def main(argv):
     train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
   except (data_lib.DataError, ConfigError, tokenizer_lib.TokenizerError, NonFiniteError,
           checkpoints_lib.AveragingError, checkpoints_lib.CheckpointMismatchError,
-          checkpoints_lib.CheckpointStorageError, checkpoints_lib.CheckpointsDamagedError) as e:
+          checkpoints_lib.CheckpointStorageError, checkpoints_lib.CheckpointsDamagedError,
+          warm_start.WarmStartError) as e:
     logging.error('%s', e)
     sys.exit(f'error: {e}')
 

@@ -1,0 +1,111 @@
+"""Fine-tuning and warm starts: a new run whose parameters come from another run (`--config.init_from`).
+
+  --config.init_from=runs/m30k                                 # its newest checkpoint
+  --config.init_from=runs/m30k --config.init_checkpoint=averaged  # or best, or a step number
+  --config.init_from=runs/m30k/checkpoints/1800                # a checkpoint directory
+
+Only the parameters are taken: the optimizer state, the learning-rate schedule and the step start afresh
+(step 0), as fairseq's --restore-file with --reset-optimizer --reset-lr-scheduler does. The vocabulary must be
+the source's: a new workdir without one gets a copy of the source's vocab.model, and a different one (by
+sha256) or a parameter of another shape is an error naming it. A workdir that already has checkpoints
+resumes from them and ignores init_from.
+"""
+import hashlib
+
+import jax
+import numpy as np
+from absl import logging
+from etils import epath
+
+from flaxformer_nmt import checkpoints as checkpoints_lib
+from flaxformer_nmt import distributed
+from flaxformer_nmt import model as model_lib
+from flaxformer_nmt.tokenizer import VOCAB_FILENAME
+
+
+class WarmStartError(ValueError):
+  """An init_from source that cannot seed this run."""
+
+
+def _is_workdir(path):
+  return (path / 'config.json').exists() or (path / checkpoints_lib.CHECKPOINT_DIR).is_dir()
+
+
+def _params_dir(path):
+  """Where the parameter tree of a checkpoint-like directory is: (orbax directory, subtree or None)."""
+  if (path / 'state').is_dir():  # a training checkpoint, checkpoints/{step}
+    return path / 'state', 'params'
+  if (path / 'params').is_dir():  # averaged/ (and a best/ written the same way)
+    return path / 'params', None
+  if (path / '_METADATA').exists():  # a parameter tree saved by itself
+    return path, None
+  raise WarmStartError(f'config.init_from={path}: neither a training workdir nor a checkpoint directory '
+                       '(no config.json, checkpoints/, state/ or params/ in it)')
+
+
+def resolve(init_from, init_checkpoint='latest'):
+  """(orbax directory, subtree, the source's workdir or None, a description) of what init_from names."""
+  path = checkpoints_lib.absolute(init_from)
+  if not path.exists():
+    raise WarmStartError(f'config.init_from={init_from}: not found')
+  if not _is_workdir(path):
+    directory, subtree = _params_dir(path)
+    source = next((p for p in (path, path.parent, path.parent.parent) if (p / VOCAB_FILENAME).exists()), None)
+    return directory, subtree, source, str(path)
+  which = str(init_checkpoint)
+  if which in ('averaged', 'best'):
+    if not (path / which).is_dir():
+      raise WarmStartError(f'config.init_checkpoint={which}: {path / which} not found')
+    directory, subtree = _params_dir(path / which)
+    return directory, subtree, path, f'{which} of {path}'
+  steps = checkpoints_lib.Checkpoints(path, keep=0, async_save=False).steps()
+  if which == 'latest':
+    if not steps:
+      raise WarmStartError(f'config.init_from={init_from}: no checkpoint in {path / checkpoints_lib.CHECKPOINT_DIR}')
+    step = max(steps)
+  elif which.isdigit() and int(which) in steps:
+    step = int(which)
+  else:
+    raise WarmStartError(f'config.init_checkpoint={which}: use latest, averaged, best or one of the steps '
+                         f'{sorted(steps)} of {path}')
+  return path / checkpoints_lib.CHECKPOINT_DIR / str(step) / 'state', 'params', path, f'checkpoint {step} of {path}'
+
+
+def adopt_vocabulary(config, workdir):
+  """Before the tokenizer is loaded: a new workdir fine-tuning from init_from gets the source's vocab.model
+  (the embeddings belong to it) unless it has a vocabulary already."""
+  target = epath.Path(workdir) / VOCAB_FILENAME
+  if not config.init_from or target.exists() or not distributed.is_leader():
+    return
+  _, _, source, _ = resolve(config.init_from, config.init_checkpoint)
+  if source is None:
+    return
+  target.write_bytes((source / VOCAB_FILENAME).read_bytes())
+  logging.info('Vocabulary copied from %s (config.init_from)', source / VOCAB_FILENAME)
+
+
+def _sha256(path):
+  return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def load_params(state, state_sharding, config, tokenizer):
+  """`state` with the parameters of config.init_from, placed like `state_sharding.params`; the step, the
+  optimizer state and the dropout key stay those of the fresh state."""
+  directory, subtree, source, description = resolve(config.init_from, config.init_checkpoint)
+  if source is not None and _sha256(source / VOCAB_FILENAME) != tokenizer.sha256:
+    raise WarmStartError(
+        f'config.init_from: {description} was trained with another vocabulary ({source / VOCAB_FILENAME} '
+        f'sha256 {_sha256(source / VOCAB_FILENAME)[:12]}..., this run {tokenizer.sha256[:12]}...): its '
+        'embeddings do not fit. Start the new run in an empty --workdir (it copies the source vocabulary).')
+  params = model_lib.upgrade_legacy_params(checkpoints_lib.read_params(directory, subtree=subtree))
+  expected = {f'params.{k}': v for k, v in checkpoints_lib.tree_signature(state.params).items()}
+  differences = checkpoints_lib.describe_mismatch(
+      {f'params.{k}': v for k, v in checkpoints_lib.tree_signature(params).items()}, expected)
+  if differences:
+    raise WarmStartError(f'config.init_from: {description} holds another model than this config builds: '
+                         + '; '.join(differences) + '. Use the model fields of its config.json.')
+  params = jax.tree_util.tree_map(lambda x, like: np.asarray(x, like.dtype), params, state.params)
+  params = jax.device_put(params, state_sharding.params)
+  logging.info('Initialized the parameters from %s (config.init_from); optimizer, schedule and step start '
+               'afresh', description)
+  return state.replace(params=params)

@@ -1,0 +1,114 @@
+"""Fine-tuning with --config.init_from: parameters only (fresh optimizer, schedule and step), the source's
+vocabulary, clear errors for another vocabulary or shape, and resuming wins over init_from."""
+import json
+import logging
+
+import numpy as np
+import pytest
+
+from conftest import small_config
+from flaxformer_nmt import checkpoints as checkpoints_lib
+from flaxformer_nmt import tokenizer as tokenizer_lib
+from flaxformer_nmt import train
+from flaxformer_nmt import train_step as ts
+from flaxformer_nmt import warm_start
+from flaxformer_nmt.workdir import build_model
+
+
+def deterministic_config(toy_corpus):
+  config = small_config(toy_corpus)
+  config.model.dropout_rate = 0.0  # so that the train-step loss equals the eval loss computed below
+  config.num_train_steps, config.checkpoint_every_steps, config.eval_every_steps = 10, 5, 100
+  config.log_every_steps = 1
+  return config
+
+
+@pytest.fixture(scope='module')
+def source(tmp_path_factory):
+  from conftest import write_toy_corpus  # pylint: disable=g-import-not-at-top
+  root = tmp_path_factory.mktemp('warm')
+  config = deterministic_config(write_toy_corpus(root / 'data'))
+  train.train_and_evaluate(config, root / 'source')
+  return config, root / 'source'
+
+
+def metrics(workdir):
+  return [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+
+
+def test_the_first_step_loss_of_a_warm_start_is_the_source_models_loss_on_that_batch(source, tmp_path):
+  config, source_dir = source
+  config = config.copy_and_resolve_references()
+  config.init_from, config.init_checkpoint = str(source_dir), '5'
+  config.num_train_steps = 1
+  workdir = tmp_path / 'finetune'
+  train.train_and_evaluate(config, workdir)
+  first = next(m for m in metrics(workdir) if 'train/loss' in m)
+  assert first['step'] == 1
+
+  # Independently: checkpoint 5's parameters, read from disk, on the new run's first batch, by the eval step.
+  params = checkpoints_lib.Checkpoints(source_dir, keep=0).restore_params(5)
+  train_batches, _, tokenizer = train.input_pipeline(config, workdir, num_devices=1)
+  batch = next(train_batches)
+  train_batches.close()
+  sums = ts.eval_step(params, batch, model=build_model(config, tokenizer), label_smoothing=config.label_smoothing)
+  np.testing.assert_allclose(first['train/loss'], float(sums['loss_sum'] / sums['target_tokens']), rtol=2e-5)
+  # ... which is not what a fresh model scores (the source's own first step started from random weights).
+  assert first['train/loss'] < metrics(source_dir)[0]['train/loss'] - 0.2
+  # Fresh schedule: the learning rate of step 1 is the schedule's first value, not the source's sixth.
+  schedule = ts.paper_schedule(config.model.d_model, config.warmup_steps, config.learning_rate_scale)
+  np.testing.assert_allclose(first['train/learning_rate'], float(schedule(0)), rtol=1e-6)
+  # The vocabulary is the source's (copied in), and the run counts its own steps from 0.
+  assert (workdir / 'vocab.model').read_bytes() == (source_dir / 'vocab.model').read_bytes()
+  assert checkpoints_lib.Checkpoints(workdir).steps() == [1]
+
+
+@pytest.mark.slow
+def test_resuming_wins_over_init_from(source, tmp_path, caplog):
+  caplog.set_level(logging.INFO)
+  config, source_dir = source
+  config = config.copy_and_resolve_references()
+  config.num_train_steps = 2
+  workdir = tmp_path / 'w'
+  train.train_and_evaluate(config, workdir)  # a run of its own, no init_from
+  config.init_from, config.num_train_steps = str(source_dir), 3
+  train.train_and_evaluate(config, workdir)
+  assert 'Resuming this workdir; config.init_from=' in caplog.text and 'is ignored' in caplog.text
+  assert 'Initialized the parameters from' not in caplog.text
+  assert [m['step'] for m in metrics(workdir) if 'train/loss' in m] == [1, 2, 3]
+
+
+def test_resolve_names_workdirs_checkpoint_directories_and_their_choices(source, tmp_path):
+  _, source_dir = source
+  directory, subtree, workdir, _ = warm_start.resolve(source_dir)
+  assert directory == source_dir / 'checkpoints' / '10' / 'state' and subtree == 'params' and workdir == source_dir
+  assert warm_start.resolve(source_dir, '5')[0] == source_dir / 'checkpoints' / '5' / 'state'
+  assert warm_start.resolve(source_dir / 'checkpoints' / '5')[:3] == (
+      source_dir / 'checkpoints' / '5' / 'state', 'params', source_dir)
+  checkpoints_lib.average_last(source_dir, last=2)
+  assert warm_start.resolve(source_dir, 'averaged')[:2] == (source_dir / 'averaged' / 'params', None)
+  with pytest.raises(warm_start.WarmStartError, match=r'use latest, averaged, best or one of the steps \[5, 10\]'):
+    warm_start.resolve(source_dir, '7')
+  with pytest.raises(warm_start.WarmStartError, match='best not found'):
+    warm_start.resolve(source_dir, 'best')
+  with pytest.raises(warm_start.WarmStartError, match='neither a training workdir nor a checkpoint directory'):
+    warm_start.resolve(tmp_path)
+
+
+def test_another_vocabulary_or_shape_is_a_clear_error(source, tmp_path):
+  config, source_dir = source
+  config = config.copy_and_resolve_references()
+  config.init_from = str(source_dir)
+  workdir = tmp_path / 'other_vocab'
+  workdir.mkdir()
+  text = [line.upper() for line in (source_dir.parent / 'data' / 'train.en').read_text().splitlines()]
+  tokenizer_lib.train_sentencepiece(text * 2, workdir / 'vocab.model', vocab_size=config.vocab_size)
+  with pytest.raises(warm_start.WarmStartError, match='was trained with another vocabulary'):
+    train.train_and_evaluate(config, workdir)
+  config.model.d_ff = 48
+  workdir = tmp_path / 'other_shape'
+  with pytest.raises(warm_start.WarmStartError,
+                     match=r'params\.decoder_0\.feed_forward\.wi\.kernel: shape \(32, 64\) in the checkpoint, '
+                           r'\(32, 48\) in this config'):
+    train.train_and_evaluate(config, workdir)
+  assert not (workdir / 'checkpoints').exists() or not list((workdir / 'checkpoints').iterdir())
