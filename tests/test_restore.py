@@ -218,3 +218,23 @@ def test_a_replaced_vocabulary_stops_the_cli_with_every_checkpoint_in_place(toy_
   assert last.startswith('error: checkpoint 4 in') and 'vocabulary: vocab.model sha256' in last
   assert 'Traceback' not in result.stderr
   assert listing(workdir / 'checkpoints') == before and not (workdir / 'corrupt_checkpoints').exists()
+
+
+def test_storage_full_during_a_save_leaves_the_previous_checkpoint_listed_and_restorable(tmp_path, monkeypatch):
+  from orbax.checkpoint._src.path import async_path  # pylint: disable=g-import-not-at-top
+  state = fresh_state()
+  write_checkpoints(tmp_path, state, (1,))
+  store = checkpoints_lib.Checkpoints(tmp_path, async_save=False)
+
+  async def no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, 'No space left on device')
+  monkeypatch.setattr(async_path, 'write_text', no_space)  # orbax's writes of small files (commit marker)
+  with pytest.raises(Exception):  # pylint: disable=broad-exception-raised
+    store.save(2, state.replace(step=jnp.asarray(2)), {'epoch': 0, 'batch': 2, 'seed': 0}, force=True)
+    store.wait()
+  monkeypatch.undo()
+  store.close()
+  store = checkpoints_lib.Checkpoints(tmp_path)
+  assert store.steps() == [1]
+  restored, _ = store.restore_newest_good(checkpoints_lib.abstract_like(state))
+  assert int(restored.step) == 1 and not (tmp_path / 'corrupt_checkpoints').exists()
