@@ -83,9 +83,7 @@ def bench_config(name, peak, matmul, check_xla):
   mesh = sharding.mesh_from_config(config)
   state, state_sharding = train_step_lib.create_state(model, optimizer, config, mesh)
   train_fn, _ = train_step_lib.jit_steps(model, optimizer, schedule, config, mesh, state_sharding)
-  dtype = jnp.dtype(model_lib.resolve_dtype(config.model.dtype)).name
-  attention = model_lib.resolve_attention_impl(config.model.attention_impl, model_lib.resolve_dtype(config.model.dtype),
-                                               config.model.d_model // config.model.num_heads)
+  dtype, attention = model.config.dtype, model.config.attention_impl  # as settled for this machine
   print(f'# {name}: {model_lib.count_params(state.params):,} parameters, vocab {vocab}, {dtype}, attention '
         f'{attention}, remat {config.model.remat}, mesh {dict(mesh.shape)}')
   rng = np.random.default_rng(0)

@@ -11,6 +11,10 @@ from etils import epath
 _SHARED_DATA = epath.Path(__file__).resolve().parent.parent.parent / 'shared' / 'data'
 
 
+class ConfigError(ValueError):
+  """A config that cannot be trained, or that does not match the workdir."""
+
+
 def shared_data_dir(name):
   """`../shared/data/NAME` beside the repository (the development machines' corpora)."""
   return str(_SHARED_DATA / name)

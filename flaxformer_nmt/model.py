@@ -30,6 +30,7 @@ import numpy as np
 from flax import linen as nn
 from flax import struct
 
+from flaxformer_nmt.config import ConfigError
 from flaxformer_nmt.tokenizer import PAD_ID
 
 xavier_uniform = nn.initializers.xavier_uniform()
@@ -37,7 +38,11 @@ xavier_uniform = nn.initializers.xavier_uniform()
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """The model's hyperparameters (the `model` field of a config, plus the vocabulary size)."""
+  """The model's hyperparameters (the `model` field of a config, plus the vocabulary size), with the choices
+  that depend on the machine (`dtype`, `attention_impl`) settled for `platform` when it is built: outside any
+  traced code, so that a step lowered for another platform (tests/test_lowering.py) takes that platform's
+  path. Settled, `dtype` is a dtype name ('float32', 'bfloat16', ...) and `attention_impl` one of 'xla',
+  'cudnn', 'einsum'."""
   vocab_size: int
   num_encoder_layers: int = 6
   num_decoder_layers: int = 6
@@ -55,17 +60,48 @@ class ModelConfig:
   attention_impl: str = 'auto'
   # Activation rematerialization per layer: 'none', 'full' or 'dots' (see REMAT_POLICIES).
   remat: str = 'none'
+  # The platform the model computes on: 'auto' = this process's backend (jax.default_backend()), or 'cpu',
+  # 'gpu' ('cuda', 'rocm'), 'tpu' to build it for another (lowering for an accelerator on a CPU machine).
+  platform: str = 'auto'
+
+  def __post_init__(self):
+    platform = resolve_platform(self.platform)
+    dtype = resolve_dtype(self.dtype, platform)
+    impl = resolve_attention_impl(self.attention_impl, dtype, self.d_model // self.num_heads, platform)
+    if impl == 'cudnn':
+      check_cudnn_attention(dtype, self.d_model, self.num_heads, platform)
+    object.__setattr__(self, 'platform', platform)
+    object.__setattr__(self, 'dtype', jnp.dtype(dtype).name)
+    object.__setattr__(self, 'attention_impl', impl)
 
   @classmethod
-  def from_config(cls, config, vocab_size):
-    return cls(vocab_size=vocab_size, **config.model.to_dict())
+  def from_config(cls, config, vocab_size, platform='auto'):
+    return cls(vocab_size=vocab_size, platform=platform, **config.model.to_dict())
 
 
-def resolve_dtype(name):
-  """'auto' -> bfloat16 on accelerators, float32 on CPU; otherwise the named dtype."""
+PLATFORMS = ('cpu', 'gpu', 'tpu')
+# jax's lowering platform names -> the backend names jax.default_backend() reports.
+_PLATFORM_ALIASES = {'cuda': 'gpu', 'rocm': 'gpu'}
+
+
+def resolve_platform(name='auto'):
+  """'auto' -> this process's backend (call it outside traced code); 'cuda'/'rocm' -> 'gpu'."""
+  platform = jax.default_backend() if name == 'auto' else _PLATFORM_ALIASES.get(name, name)
+  if platform not in PLATFORMS:
+    raise ConfigError(f"model platform must be 'auto' or one of {PLATFORMS + tuple(_PLATFORM_ALIASES)}, "
+                      f'not {name!r}')
+  return platform
+
+
+def resolve_dtype(name, platform):
+  """'auto' -> bfloat16 on accelerators, float32 on CPU (where bf16 matmuls are slower); else the named dtype."""
   if name == 'auto':
-    return jnp.float32 if jax.default_backend() == 'cpu' else jnp.bfloat16
-  return jnp.dtype(name)
+    return jnp.float32 if platform == 'cpu' else jnp.bfloat16
+  try:
+    return jnp.dtype(name)
+  except TypeError:
+    raise ConfigError(f"config.model.dtype={name!r} is not a dtype: use 'auto', 'float32', 'bfloat16' or "
+                      "'float16'") from None
 
 
 # --- 3.5 Positional encoding -------------------------------------------------------------------------------
@@ -97,16 +133,49 @@ def causal_mask(length):
 ATTENTION_IMPLEMENTATIONS = ('auto', 'xla', 'cudnn', 'einsum')
 
 
-def resolve_attention_impl(name, dtype, head_dim, backend=None):
+def resolve_attention_impl(name, dtype, head_dim, platform):
   """'auto' -> 'cudnn' (flash attention) on GPU in bf16/fp16 with a head size cuDNN takes, else 'xla'."""
   if name not in ATTENTION_IMPLEMENTATIONS:
-    raise ValueError(f'attention_impl must be one of {ATTENTION_IMPLEMENTATIONS}, not {name!r}')
+    raise ConfigError(f'config.model.attention_impl must be one of {ATTENTION_IMPLEMENTATIONS}, not {name!r}')
   if name != 'auto':
     return name
-  backend = backend or jax.default_backend()
-  flash_ok = (backend == 'gpu' and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-              and head_dim % 8 == 0 and head_dim <= 128)
+  flash_ok = (platform == 'gpu' and jnp.dtype(dtype) in CUDNN_DTYPES
+              and head_dim % 8 == 0 and head_dim <= CUDNN_MAX_HEAD_DIM)
   return 'cudnn' if flash_ok else 'xla'
+
+
+# What cuDNN's flash attention takes (jax's check_is_flash_attention / check_layout): half-precision inputs
+# and a head dim that is a multiple of 8, at most 128 (256 on Hopper and later; 128 holds on every GPU). Its
+# cuDNN version check cannot run without the CUDA plugin, so these rules are ours to check before tracing.
+CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+CUDNN_MAX_HEAD_DIM = 128
+
+
+def check_cudnn_attention(dtype, d_model, num_heads, platform):
+  """Raises ConfigError naming the config field and the rule when cuDNN flash attention cannot run this model."""
+  if platform != 'gpu':
+    raise ConfigError(f"config.model.attention_impl='cudnn' needs a CUDA GPU; this model is built for "
+                      f"{platform!r}: use 'auto' or 'xla'")
+  if jnp.dtype(dtype) not in CUDNN_DTYPES:
+    raise ConfigError(f"config.model.attention_impl='cudnn' needs config.model.dtype bfloat16 or float16 (cuDNN "
+                      f"flash attention takes half precision only), not {jnp.dtype(dtype).name}")
+  head_dim = d_model // num_heads
+  if head_dim % 8 or head_dim > CUDNN_MAX_HEAD_DIM:
+    raise ConfigError(f"config.model.attention_impl='cudnn' needs a head dim (config.model.d_model / "
+                      f"config.model.num_heads = {d_model} / {num_heads} = {head_dim}) that is a multiple of 8 "
+                      f"and at most {CUDNN_MAX_HEAD_DIM}: use 'xla', or change d_model or num_heads")
+
+
+def cudnn_lengths(mask, batch):
+  """The length form cuDNN takes (int32 [batch] query and key lengths; `_lengths` keeps them at least 1), checked
+  at trace time: a wrong shape would otherwise first fail inside cuDNN on the GPU."""
+  lengths = []
+  for name, value in (('query_lengths', mask.query_lengths), ('key_lengths', mask.key_lengths)):
+    if value is None or value.shape != (batch,):
+      raise ValueError(f'cuDNN attention needs {name} of shape ({batch},), got '
+                       f'{None if value is None else value.shape}')
+    lengths.append(value.astype(jnp.int32))
+  return lengths
 
 
 def scaled_dot_product_attention(q, k, v, mask, dropout=None):
@@ -145,9 +214,10 @@ def fused_attention(q, k, v, mask, impl):
   """
   if impl == 'cudnn':
     if mask.query_lengths is not None:
+      query_lengths, key_lengths = cudnn_lengths(mask, q.shape[0])
       return jax.nn.dot_product_attention(
-          q, k, v, is_causal=mask.causal, query_seq_lengths=mask.query_lengths.astype(jnp.int32),
-          key_value_seq_lengths=mask.key_lengths.astype(jnp.int32), implementation='cudnn')
+          q, k, v, is_causal=mask.causal, query_seq_lengths=query_lengths,
+          key_value_seq_lengths=key_lengths, implementation='cudnn')
     # Packed rows and one-position decoding steps only have the dense mask form, which cuDNN would take as
     # a materialized bias under extra shape limits: XLA computes those.
     impl = 'xla'
@@ -359,8 +429,9 @@ class Transformer(nn.Module):
 
   def setup(self):
     c = self.config
-    self.dtype = resolve_dtype(c.dtype)
-    self.attention_impl = resolve_attention_impl(c.attention_impl, self.dtype, c.d_model // c.num_heads)
+    # Settled by ModelConfig for its platform, outside traced code (never jax.default_backend() here).
+    self.dtype = jnp.dtype(c.dtype)
+    self.attention_impl = c.attention_impl
     # Normal(0, d^-1/2): after the sqrt(d) scale the embeddings enter with unit variance, and as the
     # pre-softmax projection they give unit-scale logits.
     self.embedding = nn.Embed(c.vocab_size, c.d_model, embedding_init=nn.initializers.normal(c.d_model ** -0.5),

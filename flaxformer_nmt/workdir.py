@@ -10,12 +10,9 @@ from etils import epath
 
 from flaxformer_nmt import distributed
 from flaxformer_nmt import model as model_lib
+from flaxformer_nmt.config import ConfigError  # callers catch it as workdir.ConfigError
 
 CONFIG_FILENAME = 'config.json'
-
-
-class ConfigError(ValueError):
-  """A config that cannot be trained, or that does not match the workdir."""
 
 
 # Fields that change the model: a workdir trained with other values cannot be resumed or decoded with these.
@@ -51,6 +48,9 @@ def validate_config(config):
                 'grad_accumulation_steps'):
     if config[field] <= 0:
       raise ConfigError(f'config.{field} must be positive, not {config[field]}')
+  # The model's dtype and attention rules for this machine (cuDNN's shape and dtype limits among them), checked
+  # now rather than after the data and the vocabulary are prepared.
+  model_lib.ModelConfig.from_config(config, config.vocab_size)
 
 
 def save_or_check_config(config, workdir):
@@ -83,5 +83,6 @@ def load_config(workdir):
   return ml_collections.ConfigDict(json.loads(path.read_text()))
 
 
-def build_model(config, tokenizer):
-  return model_lib.Transformer(model_lib.ModelConfig.from_config(config, tokenizer.vocab_size))
+def build_model(config, tokenizer, platform='auto'):
+  """The Transformer of `config` for `platform` ('auto': this process's backend)."""
+  return model_lib.Transformer(model_lib.ModelConfig.from_config(config, tokenizer.vocab_size, platform))

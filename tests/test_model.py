@@ -103,11 +103,85 @@ def test_fused_attention_equals_the_einsum_path_and_keeps_padding_rows_finite():
 
 
 def test_auto_attention_picks_cudnn_only_for_gpu_half_precision():
-  assert model_lib.resolve_attention_impl('auto', jnp.bfloat16, 64, backend='gpu') == 'cudnn'
-  assert model_lib.resolve_attention_impl('auto', jnp.float32, 64, backend='gpu') == 'xla'
-  assert model_lib.resolve_attention_impl('auto', jnp.bfloat16, 64, backend='tpu') == 'xla'
-  assert model_lib.resolve_attention_impl('auto', jnp.bfloat16, 256, backend='gpu') == 'xla'
-  assert model_lib.resolve_attention_impl('einsum', jnp.bfloat16, 64, backend='gpu') == 'einsum'
+  assert model_lib.resolve_attention_impl('auto', jnp.bfloat16, 64, 'gpu') == 'cudnn'
+  assert model_lib.resolve_attention_impl('auto', jnp.float16, 128, 'gpu') == 'cudnn'
+  assert model_lib.resolve_attention_impl('auto', jnp.float32, 64, 'gpu') == 'xla'
+  assert model_lib.resolve_attention_impl('auto', jnp.bfloat16, 64, 'tpu') == 'xla'
+  assert model_lib.resolve_attention_impl('auto', jnp.bfloat16, 136, 'gpu') == 'xla'
+  assert model_lib.resolve_attention_impl('auto', jnp.bfloat16, 60, 'gpu') == 'xla'
+  assert model_lib.resolve_attention_impl('einsum', jnp.bfloat16, 64, 'gpu') == 'einsum'
+
+
+def test_model_config_settles_dtype_and_attention_for_its_platform_not_this_machine():
+  settled = lambda platform, **kw: model_lib.ModelConfig(vocab_size=100, platform=platform, **kw)
+  # 'auto' follows the named platform, whatever backend runs this test (CPU in CI).
+  assert (settled('cuda').platform, settled('cuda').dtype, settled('cuda').attention_impl) == ('gpu', 'bfloat16', 'cudnn')
+  assert (settled('tpu').dtype, settled('tpu').attention_impl) == ('bfloat16', 'xla')
+  assert (settled('cpu').dtype, settled('cpu').attention_impl) == ('float32', 'xla')
+  assert settled('auto').platform == jax.default_backend()
+  assert settled('cuda', dtype='float32').attention_impl == 'xla'
+  # Big: 1024 / 16 = 64 per head, which cuDNN takes.
+  assert settled('cuda', d_model=1024, d_ff=4096, num_heads=16).attention_impl == 'cudnn'
+  with pytest.raises(model_lib.ConfigError, match="platform must be 'auto' or one of"):
+    settled('metal')
+
+
+@pytest.mark.parametrize('fields, rule', [
+    # Each rule of cuDNN's flash attention, broken on its own (the other fields within it).
+    (dict(d_model=480, num_heads=8), r'head dim \(config.model.d_model / config.model.num_heads = 480 / 8 = 60\) '
+                                     r'that is a multiple of 8 and at most 128'),
+    (dict(d_model=1088, num_heads=4), r'= 1088 / 4 = 272\) that is a multiple of 8 and at most 128'),
+    (dict(dtype='float32'), r'needs config.model.dtype bfloat16 or float16 .* not float32'),
+    (dict(platform='tpu'), r"needs a CUDA GPU; this model is built for 'tpu'"),
+    (dict(platform='cpu', dtype='bfloat16'), r"needs a CUDA GPU; this model is built for 'cpu'"),
+])
+def test_cudnn_attention_on_a_config_cudnn_refuses_is_a_config_error(fields, rule):
+  fields = {'platform': 'cuda', 'dtype': 'auto', **fields}
+  with pytest.raises(model_lib.ConfigError, match=r"config.model.attention_impl='cudnn' " + rule):
+    model_lib.ModelConfig(vocab_size=100, attention_impl='cudnn', **fields)
+
+
+@pytest.mark.parametrize('fields', [dict(d_model=1024, num_heads=8), dict(d_model=64, num_heads=8),
+                                    dict(dtype='float16')])
+def test_cudnn_attention_is_accepted_at_the_limits(fields):
+  # Head dims 128 and 8 (the edges of the rule) and float16.
+  config = model_lib.ModelConfig(vocab_size=100, attention_impl='cudnn', platform='cuda', **fields)
+  assert config.attention_impl == 'cudnn'
+
+
+def test_cudnn_lengths_must_be_one_per_row():
+  mask = model_lib.AttentionMask(jnp.ones((2, 1, 3, 3), bool), jnp.array([3, 2]), jnp.array([3, 1]))
+  query, key = model_lib.cudnn_lengths(mask, 2)
+  assert query.dtype == jnp.int32 and key.tolist() == [3, 1]
+  with pytest.raises(ValueError, match=r'query_lengths of shape \(4,\), got \(2,\)'):
+    model_lib.cudnn_lengths(mask, 4)
+  with pytest.raises(ValueError, match=r'key_lengths of shape \(2,\), got None'):
+    model_lib.cudnn_lengths(model_lib.AttentionMask(mask.mask, mask.query_lengths), 2)
+
+
+@pytest.mark.skipif(jax.default_backend() != 'gpu', reason='cuDNN flash attention runs on a CUDA GPU only')
+def test_cudnn_attention_on_the_gpu_equals_the_einsum_path_with_gradients():
+  """The real cuDNN call (lowered in CI, run only here): bf16, head dim 8, padded rows of different lengths."""
+  model, params = tiny_model()
+  model = _variant(model, dtype='bfloat16')
+  src = jnp.array([[4, 5, 6, 3, 0, 0, 0, 0], [7, 3, 0, 0, 0, 0, 0, 0]])
+  tgt = jnp.array([[2, 7, 8, 9, 10, 11, 0, 0], [2, 5, 0, 0, 0, 0, 0, 0]])
+  real = np.asarray(tgt != 0)
+
+  def loss(impl):
+    variant = _variant(model, attention_impl=impl)
+    assert variant.config.attention_impl == impl
+    def f(p):
+      logits = variant.apply({'params': p}, src, tgt)
+      return (logits * real[..., None]).sum() / 1e3, logits
+    return jax.value_and_grad(f, has_aux=True)(params)
+
+  (_, reference), reference_grads = loss('einsum')
+  (_, cudnn), cudnn_grads = loss('cudnn')
+  scale = np.abs(np.asarray(reference)[real]).max()
+  assert np.abs(np.asarray(cudnn)[real] - np.asarray(reference)[real]).max() <= 0.02 * scale
+  for got, want in zip(jax.tree_util.tree_leaves(cudnn_grads), jax.tree_util.tree_leaves(reference_grads)):
+    assert np.abs(np.asarray(got) - np.asarray(want)).max() <= 0.05 * np.abs(np.asarray(want)).max() + 1e-6
 
 
 def test_intermediates_hold_float32_attention_weights_per_module():
