@@ -1,24 +1,26 @@
 #!/usr/bin/env bash
 # Trains on N GPU nodes x G GPUs: one process per node drives that node's G GPUs; process 0's host is the
 # coordinator. Each node gets JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID, which
-# flaxformer_nmt.distributed passes to jax.distributed.initialize. Started over ssh (the repository and
-# its environment must already be at --repo on every node, and --workdir on storage every node sees), or
-# with --slurm as one srun step (JAX reads SLURM's variables itself).
+# flaxformer_nmt.distributed passes to jax.distributed.initialize. Started over ssh (the repository and its
+# lean environment must already be at --repo on every node, and --workdir on storage every node sees), or
+# with --slurm as one srun step (JAX reads SLURM's variables itself). With --tfds-data-dir (a directory every
+# node reads: shared filesystem or gs://), the first node alone installs the [tfds] extra (TensorFlow) and
+# prepares the config's TFDS builder into it before training starts; every node trains with that directory.
 #
-#   launch/gpu_multinode.sh --hosts node1,node2 --gpus-per-node 8 \
-#       -- --config configs/big.py --workdir /shared/runs/big --config.data_dir=/shared/wmt14
-#   launch/gpu_multinode.sh --slurm --nodes 4 --gpus-per-node 8 -- --config ...
-#   launch/gpu_multinode.sh --dry-run ...     # print the commands instead of running them
+#   launch/gpu_multinode.sh --hosts node1,node2 --gpus-per-node 8 --tfds-data-dir /shared/tensorflow_datasets \
+#       -- --config configs/wmt14_ende_big.py --workdir /shared/runs/big
+#   launch/gpu_multinode.sh --slurm --nodes 4 --gpus-per-node 8 --tfds-data-dir ... -- --config ...
+#   launch/gpu_multinode.sh --dry-run ...     # print every command instead of running it
 set -euo pipefail
 
 usage() {
-  sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
   echo "options: (--hosts H1,H2,... | --slurm --nodes N) [--gpus-per-node 8] [--port 12355] [--repo DIR]"
-  echo "         [--python python3] [--dry-run] -- TRAIN_ARGS..."
+  echo "         [--python python3] [--tfds-data-dir DIR] [--dry-run] -- TRAIN_ARGS..."
   exit "${1:-2}"
 }
 
-HOSTS="" NODES="" GPUS=8 PORT=12355 PYTHON="python3" SLURM=0 DRY_RUN=0
+HOSTS="" NODES="" GPUS=8 PORT=12355 PYTHON="python3" SLURM=0 DRY_RUN=0 TFDS_DATA_DIR=""
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -28,6 +30,7 @@ while [[ $# -gt 0 ]]; do
     --port) PORT="$2"; shift 2 ;;
     --repo) REPO="$2"; shift 2 ;;
     --python) PYTHON="$2"; shift 2 ;;
+    --tfds-data-dir) TFDS_DATA_DIR="$2"; shift 2 ;;
     --slurm) SLURM=1; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
     -h|--help) usage 0 ;;
@@ -36,15 +39,26 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 [[ $# -gt 0 ]] || { echo "training arguments (after --) are required" >&2; usage; }
-TRAIN_ARGS="$(printf '%q ' "$@")"
+# shellcheck source=launch/common.sh
+. "$(dirname "$0")/common.sh"
+ARGS=("$@")
+[[ -n "$TFDS_DATA_DIR" ]] && ARGS+=("--config.tfds_data_dir=$TFDS_DATA_DIR")
+mapfile -t CONFIG_ARGS < <(config_args "${ARGS[@]}")
 VISIBLE="$(seq -s, 0 $((GPUS - 1)))"
+PREPARE="cd $(quote "$REPO") && $PYTHON -m pip install -q -e '.[tfds]' && $PYTHON -m flaxformer_nmt.corpora prepare $(quote "${CONFIG_ARGS[@]}")"
+
+run() {  # prints the command (shell-quoted); runs it unless --dry-run
+  quote "$@"; echo
+  if [[ "$DRY_RUN" == 0 ]]; then "$@"; fi
+}
 
 if [[ "$SLURM" == 1 ]]; then
   [[ -n "$NODES" ]] || { echo "--slurm needs --nodes" >&2; usage; }
-  CMD=(srun --nodes "$NODES" --ntasks-per-node 1 --gpus-per-node "$GPUS" --chdir "$REPO"
-       "$PYTHON" -m flaxformer_nmt.train --distributed=on "$@")
-  printf '%q ' "${CMD[@]}"; echo
-  if [[ "$DRY_RUN" == 0 ]]; then exec "${CMD[@]}"; fi
+  if [[ -n "$TFDS_DATA_DIR" ]]; then  # one task on one node, finished before the training step starts
+    run srun --nodes 1 --ntasks 1 bash -c "$PREPARE"
+  fi
+  run srun --nodes "$NODES" --ntasks-per-node 1 --gpus-per-node "$GPUS" --chdir "$REPO" \
+    "$PYTHON" -m flaxformer_nmt.train --distributed=on "${ARGS[@]}"
   exit 0
 fi
 
@@ -52,11 +66,14 @@ fi
 IFS=, read -r -a HOST_LIST <<< "$HOSTS"
 NUM=${#HOST_LIST[@]}
 COORDINATOR="${HOST_LIST[0]}:$PORT"
+if [[ -n "$TFDS_DATA_DIR" ]]; then
+  run ssh "${HOST_LIST[0]}" "$PREPARE"  # waited for: no node trains before the data is prepared
+fi
 PIDS=()
 for i in "${!HOST_LIST[@]}"; do
-  REMOTE="cd $(printf '%q' "$REPO") && JAX_COORDINATOR_ADDRESS=$COORDINATOR JAX_NUM_PROCESSES=$NUM JAX_PROCESS_ID=$i"
-  REMOTE+=" CUDA_VISIBLE_DEVICES=$VISIBLE $PYTHON -m flaxformer_nmt.train --distributed=on $TRAIN_ARGS"
-  printf '%q ' ssh "${HOST_LIST[$i]}" "$REMOTE"; echo
+  REMOTE="cd $(quote "$REPO") && JAX_COORDINATOR_ADDRESS=$COORDINATOR JAX_NUM_PROCESSES=$NUM JAX_PROCESS_ID=$i"
+  REMOTE+=" CUDA_VISIBLE_DEVICES=$VISIBLE $PYTHON -m flaxformer_nmt.train --distributed=on $(quote "${ARGS[@]}")"
+  quote ssh "${HOST_LIST[$i]}" "$REMOTE"; echo
   if [[ "$DRY_RUN" == 0 ]]; then
     ssh "${HOST_LIST[$i]}" "$REMOTE" &
     PIDS+=($!)

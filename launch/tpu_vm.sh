@@ -1,22 +1,27 @@
 #!/usr/bin/env bash
-# Trains on every worker of a Cloud TPU VM slice: (optionally) creates the TPU VM, copies this repository
-# to every worker, installs it, and starts the same training command on all workers at once. Each worker
-# runs one process; flaxformer_nmt.distributed finds the other workers through the TPU metadata server
-# (jax.distributed.initialize), so no addresses are passed. Keep --workdir and data on gs://.
+# Trains on every worker of a Cloud TPU VM slice: (optionally) creates the TPU VM, copies this repository to
+# every worker and installs it there without TensorFlow; with --tfds-data-dir, worker 0 alone installs the
+# [tfds] extra (TensorFlow) and prepares the config's TFDS builder once into that gs:// directory; then the
+# same training command (the same config, --config.tfds_data_dir included) starts on all workers, which read
+# the prepared data. Each worker runs one process; flaxformer_nmt.distributed finds the others through the
+# TPU metadata server. Keep --workdir and the data on gs://.
 #
 #   launch/tpu_vm.sh --name nmt --zone us-central2-b --accelerator-type v4-32 --create \
-#       -- --config configs/big.py --workdir gs://BUCKET/runs/big --config.data_dir=gs://BUCKET/wmt14
-#   launch/tpu_vm.sh --dry-run ...     # print the commands instead of running them
+#       --tfds-data-dir gs://BUCKET/tensorflow_datasets \
+#       -- --config configs/wmt14_ende_big.py --workdir gs://BUCKET/runs/big
+#   launch/tpu_vm.sh --dry-run ...     # print every command instead of running it
 set -euo pipefail
 
 usage() {
-  sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
-  echo "options: --name NAME --zone ZONE [--project P] [--accelerator-type v4-32] [--version RUNTIME] [--create]"
-  echo "         [--repo DIR] [--remote-dir DIR] [--no-install] [--dry-run] -- TRAIN_ARGS..."
+  sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+  echo "options: --name NAME --zone ZONE [--project P] [--accelerator-type v4-8] [--version RUNTIME] [--create]"
+  echo "         [--tfds-data-dir gs://DIR] [--repo DIR] [--remote-dir DIR] [--no-install] [--dry-run]"
+  echo "         -- TRAIN_ARGS..."
   exit "${1:-2}"
 }
 
 NAME="" ZONE="" PROJECT="" ACCELERATOR="v4-8" VERSION="tpu-ubuntu2204-base" CREATE=0 DRY_RUN=0 INSTALL=1
+TFDS_DATA_DIR=""
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 REMOTE_DIR="flaxformer_nmt"
 while [[ $# -gt 0 ]]; do
@@ -27,6 +32,7 @@ while [[ $# -gt 0 ]]; do
     --accelerator-type) ACCELERATOR="$2"; shift 2 ;;
     --version) VERSION="$2"; shift 2 ;;
     --create) CREATE=1; shift ;;
+    --tfds-data-dir) TFDS_DATA_DIR="$2"; shift 2 ;;
     --repo) REPO="$2"; shift 2 ;;
     --remote-dir) REMOTE_DIR="$2"; shift 2 ;;
     --no-install) INSTALL=0; shift ;;
@@ -38,28 +44,45 @@ while [[ $# -gt 0 ]]; do
 done
 [[ -n "$NAME" && -n "$ZONE" ]] || { echo "--name and --zone are required" >&2; usage; }
 [[ $# -gt 0 ]] || { echo "training arguments (after --) are required" >&2; usage; }
+if [[ -n "$TFDS_DATA_DIR" && "$TFDS_DATA_DIR" != gs://* ]]; then
+  echo "--tfds-data-dir must be a gs:// directory that every worker reads, not $TFDS_DATA_DIR" >&2; exit 2
+fi
+# shellcheck source=launch/common.sh
+. "$(dirname "$0")/common.sh"
+
+# Every worker, and the preparation, get the same config: the user's arguments plus the shared TFDS directory.
+ARGS=("$@")
+[[ -n "$TFDS_DATA_DIR" ]] && ARGS+=("--config.tfds_data_dir=$TFDS_DATA_DIR")
+mapfile -t CONFIG_ARGS < <(config_args "${ARGS[@]}")
 
 GCLOUD=(gcloud compute tpus tpu-vm)
 WHERE=(--zone "$ZONE")
 [[ -n "$PROJECT" ]] && WHERE+=(--project "$PROJECT")
 
 run() {  # prints the command (shell-quoted); runs it unless --dry-run
-  printf '%q ' "$@"; echo
+  quote "$@"; echo
   if [[ "$DRY_RUN" == 0 ]]; then "$@"; fi
 }
+on_workers() {  # on_workers all|0 REMOTE_COMMAND
+  run "${GCLOUD[@]}" ssh "$NAME" "--worker=$1" "${WHERE[@]}" --command "$2"
+}
 
-TRAIN_ARGS="$(printf '%q ' "$@")"
 if [[ "$CREATE" == 1 ]]; then
   run "${GCLOUD[@]}" create "$NAME" "${WHERE[@]}" --accelerator-type "$ACCELERATOR" --version "$VERSION"
 fi
 # Copy what runs into an existing ~/$REMOTE_DIR: copying the checkout's folder itself would nest it inside
 # that directory on a second run, leaving the old code in place.
-run "${GCLOUD[@]}" ssh "$NAME" --worker=all "${WHERE[@]}" --command "mkdir -p ~/$REMOTE_DIR"
+on_workers all "mkdir -p ~/$REMOTE_DIR"
 run "${GCLOUD[@]}" scp --recurse --worker=all "${WHERE[@]}" "$REPO/pyproject.toml" "$REPO/README.md" \
   "$REPO/flaxformer_nmt" "$REPO/configs" "$NAME:~/$REMOTE_DIR/"
 if [[ "$INSTALL" == 1 ]]; then
-  run "${GCLOUD[@]}" ssh "$NAME" --worker=all "${WHERE[@]}" \
-    --command "cd ~/$REMOTE_DIR && python3 -m pip install -q -U 'jax[tpu]' && python3 -m pip install -q -e ."
+  # The lean install: training reads prepared array_record data without TensorFlow.
+  on_workers all "cd ~/$REMOTE_DIR && python3 -m pip install -q -U 'jax[tpu]' && python3 -m pip install -q -e ."
 fi
-run "${GCLOUD[@]}" ssh "$NAME" --worker=all "${WHERE[@]}" \
-  --command "cd ~/$REMOTE_DIR && python3 -m flaxformer_nmt.train --distributed=auto $TRAIN_ARGS"
+if [[ -n "$TFDS_DATA_DIR" ]]; then
+  # Once, before any training process starts: the download and conversion need TensorFlow (worker 0 only).
+  TFDS_INSTALL=""
+  [[ "$INSTALL" == 1 ]] && TFDS_INSTALL="python3 -m pip install -q -e '.[tfds]' && "
+  on_workers 0 "cd ~/$REMOTE_DIR && ${TFDS_INSTALL}python3 -m flaxformer_nmt.corpora prepare $(quote "${CONFIG_ARGS[@]}")"
+fi
+on_workers all "cd ~/$REMOTE_DIR && python3 -m flaxformer_nmt.train --distributed=auto $(quote "${ARGS[@]}")"

@@ -1,4 +1,4 @@
-"""The launch scripts in --dry-run mode print the commands they would run."""
+"""The launch scripts in --dry-run mode print every command they would run, in order."""
 import os
 import shlex
 import subprocess
@@ -6,6 +6,10 @@ import subprocess
 import pytest
 
 LAUNCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'launch')
+TRAIN_ARGS = ['--config', 'configs/wmt14_ende_big.py', '--workdir', 'gs://bucket/runs/big',
+              '--config.model.remat', 'full', '--config.seed=3']
+# The config part of TRAIN_ARGS (both override forms), which preparation must see too; --workdir it must not.
+CONFIG_ARGS = ['--config', 'configs/wmt14_ende_big.py', '--config.model.remat', 'full', '--config.seed=3']
 
 
 def dry_run(script, *args):
@@ -14,50 +18,92 @@ def dry_run(script, *args):
   return [shlex.split(line) for line in out.stdout.splitlines() if line.strip()]
 
 
+def module_args(words, module):
+  """The arguments after `python3 -m MODULE` in a command's words (None if it does not run MODULE)."""
+  for i in range(len(words) - 1):
+    if words[i] == '-m' and words[i + 1] == module:
+      rest = words[i + 2:]
+      return rest[:rest.index('&&')] if '&&' in rest else rest
+  return None
+
+
 def test_gpu_multinode_over_ssh_gives_every_node_its_process_id():
   commands = dry_run('gpu_multinode.sh', '--hosts', 'gpu1,gpu2,gpu3', '--gpus-per-node', '4', '--port', '9999',
                      '--', '--config', 'configs/big.py', '--workdir', '/shared/run big')
-  assert len(commands) == 3
+  assert len(commands) == 3  # no --tfds-data-dir: nothing to prepare
   for i, (ssh, host, remote) in enumerate(commands):
     assert ssh == 'ssh' and host == f'gpu{i + 1}'
     assert f'JAX_PROCESS_ID={i} ' in remote
     assert 'JAX_COORDINATOR_ADDRESS=gpu1:9999 JAX_NUM_PROCESSES=3 ' in remote
     assert 'CUDA_VISIBLE_DEVICES=0,1,2,3 ' in remote
-    words = shlex.split(remote)
-    assert words[words.index('-m'):] == ['-m', 'flaxformer_nmt.train', '--distributed=on', '--config',
-                                         'configs/big.py', '--workdir', '/shared/run big']
+    assert module_args(shlex.split(remote), 'flaxformer_nmt.train') == [
+        '--distributed=on', '--config', 'configs/big.py', '--workdir', '/shared/run big']
 
 
-def test_gpu_multinode_under_slurm_is_one_srun_step():
-  (command,) = dry_run('gpu_multinode.sh', '--slurm', '--nodes', '2', '--gpus-per-node', '8', '--',
-                       '--config', 'configs/base.py', '--workdir', 'runs/b')
-  assert command[:8] == ['srun', '--nodes', '2', '--ntasks-per-node', '1', '--gpus-per-node', '8', '--chdir']
-  assert command[command.index('-m'):] == ['-m', 'flaxformer_nmt.train', '--distributed=on', '--config',
-                                           'configs/base.py', '--workdir', 'runs/b']
+def test_gpu_multinode_prepares_once_on_the_first_node_before_any_node_trains():
+  commands = dry_run('gpu_multinode.sh', '--hosts', 'gpu1,gpu2', '--tfds-data-dir', '/shared/tfds', '--',
+                     *TRAIN_ARGS)
+  prepare, *trains = [shlex.split(remote) for _, _, remote in commands]
+  assert [host for _, host, _ in commands] == ['gpu1', 'gpu1', 'gpu2']
+  assert '.[tfds]' in prepare  # TensorFlow where preparation runs
+  shared = ['--config.tfds_data_dir=/shared/tfds']
+  assert module_args(prepare, 'flaxformer_nmt.corpora') == ['prepare'] + CONFIG_ARGS + shared
+  for words in trains:
+    assert module_args(words, 'flaxformer_nmt.train') == ['--distributed=on'] + TRAIN_ARGS + shared
+    assert '.[tfds]' not in words and module_args(words, 'flaxformer_nmt.corpora') is None
 
 
-def test_tpu_vm_creates_copies_installs_and_runs_on_all_workers():
+def test_gpu_multinode_under_slurm_prepares_in_one_task_then_trains_in_one_step():
+  prepare, train = dry_run('gpu_multinode.sh', '--slurm', '--nodes', '2', '--gpus-per-node', '8',
+                           '--tfds-data-dir', 'gs://b/tfds', '--', *TRAIN_ARGS)
+  assert prepare[:5] == ['srun', '--nodes', '1', '--ntasks', '1']
+  assert module_args(shlex.split(prepare[-1]), 'flaxformer_nmt.corpora') == [
+      'prepare'] + CONFIG_ARGS + ['--config.tfds_data_dir=gs://b/tfds']
+  assert train[:8] == ['srun', '--nodes', '2', '--ntasks-per-node', '1', '--gpus-per-node', '8', '--chdir']
+  assert module_args(train, 'flaxformer_nmt.train') == ['--distributed=on'] + TRAIN_ARGS + [
+      '--config.tfds_data_dir=gs://b/tfds']
+
+
+def test_tpu_vm_creates_copies_installs_prepares_on_worker_0_and_trains_on_all_workers():
   commands = dry_run('tpu_vm.sh', '--name', 'nmt', '--zone', 'us-central2-b', '--project', 'p',
-                     '--accelerator-type', 'v4-32', '--create', '--', '--config', 'configs/big.py',
-                     '--workdir', 'gs://bucket/runs/big')
-  create, mkdir, copy, install, train = commands
+                     '--accelerator-type', 'v4-32', '--create', '--tfds-data-dir', 'gs://bucket/tfds', '--',
+                     *TRAIN_ARGS)
+  create, mkdir, copy, install, prepare, train = commands
   assert create[:5] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'create'] and 'v4-32' in create
   assert mkdir[mkdir.index('--command') + 1] == 'mkdir -p ~/flaxformer_nmt'
   # The code goes into ~/flaxformer_nmt/ (not a nested copy of the checkout's folder).
   assert copy[4] == 'scp' and '--worker=all' in copy and copy[-1] == 'nmt:~/flaxformer_nmt/'
   assert {os.path.basename(x) for x in copy if x.startswith('/')} >= {'flaxformer_nmt', 'configs', 'pyproject.toml'}
-  for command in (mkdir, install, train):
-    assert command[4:6] == ['ssh', 'nmt'] and '--worker=all' in command
+  for command in (mkdir, install, prepare, train):
+    assert command[4:6] == ['ssh', 'nmt']
     assert command[command.index('--zone') + 1] == 'us-central2-b' and '--project' in command
-  remote = shlex.split(train[train.index('--command') + 1])
-  assert remote[remote.index('-m'):] == ['-m', 'flaxformer_nmt.train', '--distributed=auto', '--config',
-                                         'configs/big.py', '--workdir', 'gs://bucket/runs/big']
+  remote = {name: shlex.split(c[c.index('--command') + 1]) for name, c in
+            (('install', install), ('prepare', prepare), ('train', train))}
+  # Every worker installs lean (no TensorFlow) and trains; worker 0 alone installs [tfds] and prepares.
+  assert '--worker=all' in install and '--worker=all' in train and '--worker=0' in prepare
+  assert remote['install'][-1] == '.' and not any('tfds' in w for w in remote['install'])
+  assert '.[tfds]' in remote['prepare']
+  shared = ['--config.tfds_data_dir=gs://bucket/tfds']
+  assert module_args(remote['prepare'], 'flaxformer_nmt.corpora') == ['prepare'] + CONFIG_ARGS + shared
+  assert module_args(remote['train'], 'flaxformer_nmt.train') == ['--distributed=auto'] + TRAIN_ARGS + shared
+  assert module_args(remote['train'], 'flaxformer_nmt.corpora') is None and '.[tfds]' not in remote['train']
 
 
-@pytest.mark.parametrize('script,args', [('tpu_vm.sh', ['--zone', 'z', '--', '--config', 'c']),
-                                         ('gpu_multinode.sh', ['--', '--config', 'c']),
-                                         ('tpu_vm.sh', ['--name', 'n', '--zone', 'z'])])
-def test_missing_required_options_fail(script, args):
+def test_tpu_vm_without_a_tfds_directory_prepares_nothing():
+  commands = dry_run('tpu_vm.sh', '--name', 'nmt', '--zone', 'z', '--', '--config', 'configs/big.py',
+                     '--workdir', 'gs://b/r', '--config.data_dir=gs://b/text')
+  assert len(commands) == 4  # mkdir, copy, install, train
+  assert not any('flaxformer_nmt.corpora' in ' '.join(c) for c in commands)
+
+
+@pytest.mark.parametrize('script,args,message', [
+    ('tpu_vm.sh', ['--zone', 'z', '--', '--config', 'c'], 'required'),
+    ('gpu_multinode.sh', ['--', '--config', 'c'], 'required'),
+    ('tpu_vm.sh', ['--name', 'n', '--zone', 'z'], 'required'),
+    # A worker's local disk is not shared: the TPU script needs a bucket.
+    ('tpu_vm.sh', ['--name', 'n', '--zone', 'z', '--tfds-data-dir', '/tmp/tfds', '--', '--config', 'c'],
+     'must be a gs:// directory')])
+def test_bad_options_fail(script, args, message):
   out = subprocess.run(['bash', os.path.join(LAUNCH, script), '--dry-run', *args], capture_output=True, text=True,
                        timeout=60, check=False)
-  assert out.returncode != 0 and 'required' in out.stderr
+  assert out.returncode != 0 and message in out.stderr
