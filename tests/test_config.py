@@ -81,3 +81,13 @@ def test_a_workdir_refuses_a_different_model(tmp_path):
   config.model.d_model = 64
   with pytest.raises(workdir_lib.ConfigError, match='holds a different model: config.model was'):
     workdir_lib.save_or_check_config(config, tmp_path)
+
+
+def test_cudnn_attention_where_cudnn_cannot_run_stops_before_any_work(tmp_path):
+  # float32 is refused by cuDNN on every machine (and on this CPU there is no cuDNN at all): one line naming the
+  # field, before the vocabulary or the data are touched.
+  result = run_train('--config', 'configs/multi30k.py', '--workdir', str(tmp_path / 'w'),
+                     '--config.model.attention_impl=cudnn', '--config.model.dtype=float32')
+  assert result.returncode == 1
+  assert "config.model.attention_impl='cudnn' needs" in result.stderr and 'Traceback' not in result.stderr
+  assert not (tmp_path / 'w' / 'vocab.model').exists()

@@ -2,6 +2,7 @@
 import os
 import shlex
 import subprocess
+import sys
 
 import pytest
 
@@ -107,3 +108,16 @@ def test_bad_options_fail(script, args, message):
   out = subprocess.run(['bash', os.path.join(LAUNCH, script), '--dry-run', *args], capture_output=True, text=True,
                        timeout=60, check=False)
   assert out.returncode != 0 and message in out.stderr
+
+
+def test_the_printed_preparation_command_parses(tmp_path):
+  # The config arguments the scripts hand to `flaxformer_nmt.corpora prepare` are ones its flags accept (a local
+  # text config: nothing to download, so it exits at once).
+  commands = dry_run('gpu_multinode.sh', '--hosts', 'h', '--tfds-data-dir', str(tmp_path), '--',
+                     '--config', 'configs/multi30k.py', '--workdir', 'w', '--config.model.remat', 'full',
+                     '--config.seed=3')
+  args = module_args(shlex.split(commands[0][2]), 'flaxformer_nmt.corpora')
+  repo = os.path.dirname(LAUNCH)
+  out = subprocess.run([sys.executable, '-m', 'flaxformer_nmt.corpora', *args], cwd=repo, capture_output=True,
+                       text=True, timeout=300, check=False)
+  assert out.returncode == 0, out.stderr
