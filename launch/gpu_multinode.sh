@@ -45,7 +45,8 @@ ARGS=("$@")
 [[ -n "$TFDS_DATA_DIR" ]] && ARGS+=("--config.tfds_data_dir=$TFDS_DATA_DIR")
 mapfile -t CONFIG_ARGS < <(config_args "${ARGS[@]}")
 VISIBLE="$(seq -s, 0 $((GPUS - 1)))"
-PREPARE="cd $(quote "$REPO") && $PYTHON -m pip install -q -e '.[tfds]' && $PYTHON -m flaxformer_nmt.corpora prepare $(quote "${CONFIG_ARGS[@]}")"
+PREPARE="cd $(quote "$REPO") && $PYTHON -m pip install -q -e '.[tfds]'"
+PREPARE+=" && $PYTHON -m flaxformer_nmt.corpora prepare $(quote "${CONFIG_ARGS[@]}")"
 
 run() {  # prints the command (shell-quoted); runs it unless --dry-run
   quote "$@"; echo

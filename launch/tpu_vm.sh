@@ -83,6 +83,7 @@ if [[ -n "$TFDS_DATA_DIR" ]]; then
   # Once, before any training process starts: the download and conversion need TensorFlow (worker 0 only).
   TFDS_INSTALL=""
   [[ "$INSTALL" == 1 ]] && TFDS_INSTALL="python3 -m pip install -q -e '.[tfds]' && "
-  on_workers 0 "cd ~/$REMOTE_DIR && ${TFDS_INSTALL}python3 -m flaxformer_nmt.corpora prepare $(quote "${CONFIG_ARGS[@]}")"
+  on_workers 0 \
+    "cd ~/$REMOTE_DIR && ${TFDS_INSTALL}python3 -m flaxformer_nmt.corpora prepare $(quote "${CONFIG_ARGS[@]}")"
 fi
 on_workers all "cd ~/$REMOTE_DIR && python3 -m flaxformer_nmt.train --distributed=auto $(quote "${ARGS[@]}")"

@@ -115,7 +115,8 @@ def test_auto_attention_picks_cudnn_only_for_gpu_half_precision():
 def test_model_config_settles_dtype_and_attention_for_its_platform_not_this_machine():
   settled = lambda platform, **kw: model_lib.ModelConfig(vocab_size=100, platform=platform, **kw)
   # 'auto' follows the named platform, whatever backend runs this test (CPU in CI).
-  assert (settled('cuda').platform, settled('cuda').dtype, settled('cuda').attention_impl) == ('gpu', 'bfloat16', 'cudnn')
+  cuda = settled('cuda')
+  assert (cuda.platform, cuda.dtype, cuda.attention_impl) == ('gpu', 'bfloat16', 'cudnn')
   assert (settled('tpu').dtype, settled('tpu').attention_impl) == ('bfloat16', 'xla')
   assert (settled('cpu').dtype, settled('cpu').attention_impl) == ('float32', 'xla')
   assert settled('auto').platform == jax.default_backend()
@@ -128,9 +129,11 @@ def test_model_config_settles_dtype_and_attention_for_its_platform_not_this_mach
 
 @pytest.mark.parametrize('fields, rule', [
     # Each rule of cuDNN's flash attention, broken on its own (the other fields within it).
-    (dict(d_model=480, num_heads=8), r'needs a head dim \(config.model.d_model / config.model.num_heads = 480 / 8 = 60\) '
-                                     r'that is a multiple of 8 and at most 128'),
-    (dict(d_model=1088, num_heads=4), r'needs a head dim .* = 1088 / 4 = 272\) that is a multiple of 8 and at most 128'),
+    (dict(d_model=480, num_heads=8),
+     r'needs a head dim \(config.model.d_model / config.model.num_heads = 480 / 8 = 60\) that is a multiple of 8 '
+     r'and at most 128'),
+    (dict(d_model=1088, num_heads=4),
+     r'needs a head dim .* = 1088 / 4 = 272\) that is a multiple of 8 and at most 128'),
     (dict(dtype='float32'), r'needs config.model.dtype bfloat16 or float16 .* not float32'),
     (dict(platform='tpu'), r"needs a CUDA GPU; this model is built for 'tpu'"),
     (dict(platform='cpu', dtype='bfloat16'), r"needs a CUDA GPU; this model is built for 'cpu'"),
