@@ -23,6 +23,16 @@ def shared_data_dir(name):
 def base_config():
   c = ml_collections.ConfigDict()
 
+  # --- Task (lm.py): 'translation' (encoder-decoder, source -> target), 'lm' (decoder-only language model,
+  # generate.py) or 'mlm' (encoder-only masked language model, fill_mask.py). lm and mlm read monolingual
+  # text: the `target_lang` side of a parallel corpus (`{data_dir}/{split}.{target_lang}`), the files
+  # `text_train_file` / `text_eval_file` when set (any text, one sentence or document a line), or the
+  # `tfds_text_feature` of a TFDS builder (e.g. tfds_name='lm1b', eval_split='test').
+  c.task = 'translation'
+  c.text_train_file = ''
+  c.text_eval_file = ''
+  c.tfds_text_feature = 'text'
+
   # --- Data (corpora.py). 'text': `{data_dir}/{split}.{lang}` parallel text, line i of one side translating
   # line i of the other. 'tfds': the TensorFlow Datasets builder `tfds_name` (e.g. 'wmt14_translate/de-en'),
   # prepared as array_record under `tfds_data_dir` ('' = TFDS's default, ~/tensorflow_datasets).

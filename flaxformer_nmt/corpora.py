@@ -120,8 +120,87 @@ class TfdsPairs:
     return [s for s, _ in pairs], [t for _, t in pairs]
 
 
+class TextLines:
+  """Monolingual text (config.task lm/mlm): the checked, whitespace-normalized non-empty lines of one file,
+  each a sentence or a document. Reads as (lines, None): there is no second side."""
+  monolingual = True
+
+  def __init__(self, path, max_line_chars=0, skip_bad_pairs=False):
+    lines = data_lib.read_lines(path)
+    keep, bad = [], 0
+    for number, line in enumerate(lines, start=1):
+      if max_line_chars and len(line) > max_line_chars:
+        if not skip_bad_pairs:
+          raise data_lib.DataError(f'{path}:{number}: line of {len(line):,} characters (config.max_line_chars='
+                                   f'{max_line_chars:,}); fix the data or set --config.skip_bad_pairs=true')
+        bad += 1
+      elif line:
+        keep.append(line)
+    if not keep:
+      raise data_lib.DataError(f'{path}: no text')
+    if bad:
+      logging.warning('Dropped %d overlong lines from %s (config.skip_bad_pairs)', bad, path)
+    self.lines = keep
+    self.fingerprint = {'kind': 'text_lines', 'file': _file_stamp(path), 'max_line_chars': max_line_chars,
+                        'skip_bad_pairs': skip_bad_pairs}
+    self.description = str(path)
+
+  def __len__(self):
+    return len(self.lines)
+
+  def __getitem__(self, index):
+    return self.lines[index]
+
+  def read(self, indices):
+    return [self.lines[i] for i in indices], None
+
+
+class TfdsText:
+  """The text feature `feature` of one split of a prepared TFDS builder (e.g. lm1b's 'text'), as TextLines."""
+  monolingual = True
+
+  def __init__(self, name, split, feature='text', data_dir=None):
+    builder = tfds_builder(name, data_dir)
+    features = set(builder.info.features.keys())
+    if feature not in features:
+      raise data_lib.DataError(f'config.tfds_text_feature={feature!r}: {name} has the features {sorted(features)}')
+    if builder.info.splits and split not in builder.info.splits:
+      raise data_lib.DataError(f'split {split!r} not in {name}: it has {sorted(builder.info.splits)}')
+    self.records = builder.as_data_source(split=split)
+    self.feature = feature
+    self.fingerprint = {'kind': 'tfds_text', 'name': name, 'version': str(builder.info.version), 'split': split,
+                        'examples': len(self.records), 'feature': feature}
+    self.description = f'{name}:{split}[{feature}] ({builder.data_dir})'
+
+  def __len__(self):
+    return len(self.records)
+
+  def _text(self, example):
+    x = example[self.feature]
+    return tokenizer_lib.normalize_whitespace(x.decode('utf-8') if isinstance(x, bytes) else str(x))
+
+  def __getitem__(self, index):
+    return self._text(self.records[int(index)])
+
+  def read(self, indices):
+    return [self._text(e) for e in self.records.__getitems__([int(i) for i in indices])], None
+
+
+def open_text(config, split):
+  """The monolingual corpus of `split` for config.task lm/mlm (see config.py)."""
+  if config.data_source == 'tfds':
+    return TfdsText(config.tfds_name, split, config.tfds_text_feature, config.tfds_data_dir)
+  if config.data_source != 'text':
+    raise data_lib.DataError(f"config.data_source={config.data_source!r}: use 'text' or 'tfds'")
+  named = config.text_train_file if split == config.train_split else config.text_eval_file
+  path = named or data_lib.split_paths(config.data_dir, split, config.source_lang, config.target_lang)[1]
+  return TextLines(path, max_line_chars=config.max_line_chars, skip_bad_pairs=config.skip_bad_pairs)
+
+
 def open_split(config, split):
   """The corpus of `split` as the config describes it."""
+  if config.get('task', 'translation') != 'translation':
+    return open_text(config, split)
   if config.data_source == 'text':
     return TextPairs(config.data_dir, split, config.source_lang, config.target_lang,
                      max_line_chars=config.max_line_chars, skip_bad_pairs=config.skip_bad_pairs)

@@ -161,9 +161,12 @@ def _encode(tokenizer, lines, num_threads):
 
 
 def tokenize(source_lines, target_lines, tokenizer, num_threads=0):
-  """Token ids of parallel lines, in memory (no cache)."""
-  return TokenizedCorpus.from_lists(_encode(tokenizer, source_lines, num_threads),
-                                    _encode(tokenizer, target_lines, num_threads))
+  """Token ids of parallel lines, in memory (no cache). target_lines None (monolingual text, lm/mlm):
+  the lines are tokenized once and serve as both sides."""
+  source = Ragged.from_lists(_encode(tokenizer, source_lines, num_threads))
+  if target_lines is None:
+    return TokenizedCorpus(source, source)
+  return TokenizedCorpus(source, Ragged.from_lists(_encode(tokenizer, target_lines, num_threads)))
 
 
 # Pairs per cache file: the unit of work a host tokenizes. Fixed, so the cache does not depend on how many
@@ -208,8 +211,10 @@ def tokenize_cached(pairs, tokenizer, cache_dir, *, process_index=0, process_cou
     source, target = pairs.read(indices)
     part = tokenize(source, target, tokenizer, num_threads)
     buffer = io.BytesIO()
-    np.savez(buffer, source_tokens=part.source.tokens.astype(meta['dtype']), source_offsets=part.source.offsets,
-             target_tokens=part.target.tokens.astype(meta['dtype']), target_offsets=part.target.offsets)
+    arrays = dict(source_tokens=part.source.tokens.astype(meta['dtype']), source_offsets=part.source.offsets)
+    if part.target is not part.source:  # monolingual text is stored once
+      arrays.update(target_tokens=part.target.tokens.astype(meta['dtype']), target_offsets=part.target.offsets)
+    np.savez(buffer, **arrays)
     # Write then rename: a crash never leaves a truncated chunk that a later run would trust.
     tmp = cache_dir / f'.chunk_{c:05d}.npz.tmp{process_index}'
     tmp.write_bytes(buffer.getvalue())
@@ -227,9 +232,34 @@ def tokenize_cached(pairs, tokenizer, cache_dir, *, process_index=0, process_cou
       raise DataError(f'{chunk_path(c)} is missing after every host tokenized its part: the workdir must be on '
                       'storage shared by all hosts')
     with np.load(io.BytesIO(chunk_path(c).read_bytes())) as f:
-      parts.append(TokenizedCorpus(Ragged(f['source_tokens'], f['source_offsets']),
-                                   Ragged(f['target_tokens'], f['target_offsets'])))
-  return _concatenate(parts) if parts else TokenizedCorpus.from_lists([], [])
+      source = Ragged(f['source_tokens'], f['source_offsets'])
+      target = Ragged(f['target_tokens'], f['target_offsets']) if 'target_tokens' in f else source
+      parts.append(TokenizedCorpus(source, target))
+  if not parts:
+    return TokenizedCorpus.from_lists([], [])
+  corpus = _concatenate(parts)
+  if all(p.target is p.source for p in parts):
+    corpus.target = corpus.source
+  return corpus
+
+
+def split_long(corpus, max_length):
+  """Monolingual text (lm/mlm) with every sequence longer than `max_length` tokens cut into consecutive
+  pieces of at most `max_length` (documents a line are trained on whole, not dropped as overlong pairs
+  are). Only the last piece of a line ends with EOS; each piece starts a new row (BOS in the LM)."""
+  lengths = corpus.source.lengths
+  if not len(lengths) or lengths.max() <= max_length:
+    return corpus
+  pieces = np.maximum(-(-lengths // max_length), 1)
+  starts = np.repeat(corpus.source.offsets[:-1], pieces) + max_length * (
+      np.arange(pieces.sum()) - np.repeat(np.cumsum(pieces) - pieces, pieces))
+  ends = np.minimum(starts + max_length, np.repeat(corpus.source.offsets[1:], pieces))
+  index = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)]) if len(starts) else np.zeros(0, np.int64)
+  offsets = np.concatenate([[0], np.cumsum(ends - starts)]).astype(np.int64)
+  text = Ragged(corpus.source.tokens[index], offsets)
+  logging.info('Cut %d lines longer than %d tokens into pieces: %d sequences', int((lengths > max_length).sum()),
+               max_length, len(text))
+  return TokenizedCorpus(text, text)
 
 
 def bucket_length(length, buckets):

@@ -17,6 +17,10 @@ is not model FLOPs and is not counted (MFU's convention). Only real (non-padding
 lowers MFU; attention is counted over the padded row length the kernels compute, which for packed rows is
 also the length of the row, not of each example.
 
+Decoder-only LM (config.task=lm; per token, T = row length): L_dec * (2 (4 d^2 + 2 d f) + 4 T d) + 2 d V.
+Encoder-only MLM (config.task=mlm; per input token, S = row length; the head runs at every position):
+L_enc * (2 (4 d^2 + 2 d f) + 4 S d) + 2 d^2 + 2 d V.
+
 Transformer big (d 1024, f 4096, 6+6 layers, 37k vocabulary) with as many source as target tokens: about
 1.28 GFLOP per target token plus attention (1.29 at 27-token sentences), next to the ~1.26 GFLOP the
 paper's numbers imply (tested).
@@ -57,6 +61,16 @@ def forward_flops(model_config, vocab_size, source_tokens, target_tokens, src_le
   """Forward-pass model FLOPs of a batch with these real token counts and padded row lengths."""
   d, f = model_config.d_model, model_config.d_ff
   enc_layers, dec_layers = model_config.num_encoder_layers, model_config.num_decoder_layers
+  architecture = getattr(model_config, 'architecture', 'encoder_decoder')
+  if architecture == 'decoder_only':
+    # Language model: decoder layers without encoder-decoder attention, the vocabulary at every token.
+    per_token = dec_layers * (2 * (4 * d * d + 2 * d * f) + 4 * tgt_len * d) + 2 * d * vocab_size
+    return per_token * target_tokens
+  if architecture == 'encoder_only':
+    # Masked LM: encoder layers, then the head (d x d dense, vocabulary) at every input token, not only at
+    # the masked ones (the model computes all of them; the loss reads the masked ones).
+    per_token = enc_layers * (2 * (4 * d * d + 2 * d * f) + 4 * src_len * d) + 2 * d * d + 2 * d * vocab_size
+    return per_token * source_tokens
   per_source = enc_layers * (2 * (4 * d * d + 2 * d * f) + 4 * src_len * d) + dec_layers * 2 * (2 * d * d)
   per_target = dec_layers * (2 * (6 * d * d + 2 * d * f) + 4 * tgt_len * d + 4 * src_len * d) + 2 * d * vocab_size
   return per_source * source_tokens + per_target * target_tokens
@@ -70,5 +84,10 @@ def train_flops(model_config, vocab_size, source_tokens, target_tokens, src_len,
 def matmul_params(model_config, vocab_size):
   """Weights that multiply each token (the '6 N' rule's N, cross keys/values and vocabulary included)."""
   d, f = model_config.d_model, model_config.d_ff
+  architecture = getattr(model_config, 'architecture', 'encoder_decoder')
+  if architecture == 'decoder_only':
+    return model_config.num_decoder_layers * (4 * d * d + 2 * d * f) + d * vocab_size
+  if architecture == 'encoder_only':
+    return model_config.num_encoder_layers * (4 * d * d + 2 * d * f) + d * d + d * vocab_size
   return (model_config.num_encoder_layers * (4 * d * d + 2 * d * f)
           + model_config.num_decoder_layers * (8 * d * d + 2 * d * f) + d * vocab_size)

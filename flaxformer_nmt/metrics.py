@@ -173,5 +173,6 @@ def train_log_line(step, num_steps, metrics, eta_seconds, skipped=0):
 
 
 def eval_log_line(step, metrics):
+  accuracy = f' | masked-token accuracy {metrics["eval/accuracy"]:.2%}' if 'eval/accuracy' in metrics else ''
   return (f'step {step} | validation loss {metrics["eval/loss"]:.4f} | nll {metrics["eval/nll"]:.4f} | '
-          f'perplexity {metrics["eval/perplexity"]:.2f}')
+          f'perplexity {metrics["eval/perplexity"]:.2f}{accuracy}')

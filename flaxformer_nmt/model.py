@@ -63,6 +63,9 @@ class ModelConfig:
   # The platform the model computes on: 'auto' = this process's backend (jax.default_backend()), or 'cpu',
   # 'gpu' ('cuda', 'rocm'), 'tpu' to build it for another (lowering for an accelerator on a CPU machine).
   platform: str = 'auto'
+  # Which stacks the model has (set from config.task by workdir.build_model; flops.py counts by it):
+  # 'encoder_decoder' (translation), 'decoder_only' (language model), 'encoder_only' (masked LM).
+  architecture: str = 'encoder_decoder'
 
   def __post_init__(self):
     platform = resolve_platform(self.platform)
@@ -75,8 +78,8 @@ class ModelConfig:
     object.__setattr__(self, 'attention_impl', impl)
 
   @classmethod
-  def from_config(cls, config, vocab_size, platform='auto'):
-    return cls(vocab_size=vocab_size, platform=platform, **config.model.to_dict())
+  def from_config(cls, config, vocab_size, platform='auto', architecture='encoder_decoder'):
+    return cls(vocab_size=vocab_size, platform=platform, architecture=architecture, **config.model.to_dict())
 
 
 PLATFORMS = ('cpu', 'gpu', 'tpu')
@@ -349,9 +352,12 @@ class EncoderLayer(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+  """Masked self-attention, encoder-decoder attention, feed-forward. Without `has_cross_attention` it is the
+  layer of a decoder-only language model (GPT): the same self-attention and feed-forward sub-layers only."""
   config: ModelConfig
   dtype: jnp.dtype
   attention_impl: str
+  has_cross_attention: bool = True
 
   def setup(self):
     c = self.config
@@ -359,13 +365,16 @@ class DecoderLayer(nn.Module):
     attention = functools.partial(MultiHeadAttention, c.num_heads, c.d_model, c.attention_dropout_rate, self.dtype,
                                   attention_impl=self.attention_impl)
     self.self_attention = attention(is_self_attention=True)
-    self.cross_attention = attention(is_self_attention=False)
+    if self.has_cross_attention:
+      self.cross_attention = attention(is_self_attention=False)
+      self.cross_block = sublayer()
     self.feed_forward = FeedForward(c.d_model, c.d_ff, c.relu_dropout_rate, self.dtype)
-    self.self_block, self.cross_block, self.feed_forward_block = sublayer(), sublayer(), sublayer()
+    self.self_block, self.feed_forward_block = sublayer(), sublayer()
 
   def __call__(self, y, cross_kv, self_mask, cross_mask, deterministic, cache=None, index=None):
     """One decoder layer over y [B, T, d]. With `cache` (keys/values [B, L, H, D] of earlier positions), y
-    holds the single position `index`; returns (y, updated cache)."""
+    holds the single position `index`; returns (y, updated cache). cross_kv/cross_mask: None without
+    cross-attention."""
     def self_attention(z):
       nonlocal cache
       q, k, v = self.self_attention.project_qkv(z)
@@ -379,7 +388,8 @@ class DecoderLayer(nn.Module):
       return self.cross_attention.attend(self.cross_attention.project_q(z), *cross_kv, cross_mask, deterministic)
 
     y = self.self_block(y, self_attention, deterministic)
-    y = self.cross_block(y, cross_attention, deterministic)
+    if self.has_cross_attention:
+      y = self.cross_block(y, cross_attention, deterministic)
     y = self.feed_forward_block(y, lambda z: self.feed_forward(z, deterministic), deterministic)
     return y, cache
 
@@ -418,16 +428,24 @@ def _lengths(tokens):
   return jnp.maximum((tokens != PAD_ID).sum(axis=-1), 1).astype(jnp.int32)
 
 
-class Transformer(nn.Module):
-  """Encoder-decoder with one embedding shared by source, target and the output projection.
+class TransformerStacks(nn.Module):
+  """The blocks every model of this project is made of, as methods over linen submodules that subclasses
+  create in `setup` under fixed names (so the encoder-decoder's parameter tree is what it always was):
 
-  Packed rows (several examples per row, see packing.py) pass `*_segments` (example number per token, 0 on
-  padding) and `*_positions` (position within its example): attention stays inside each example and
-  positions restart with each.
+    `shared_embedding` (embedding in, pre-softmax projection out), `encoder_{i}` (+ `encoder_norm` pre-LN),
+    `decoder_{i}` (+ `decoder_norm` pre-LN), with or without encoder-decoder attention.
+
+  Transformer = embedding + encoder stack + decoder stack with cross-attention (translation); lm.py builds
+  the decoder-only language model (decoder stack without cross-attention) and the encoder-only masked
+  language model (encoder stack) from the same methods.
+
+  Packed rows (several examples per row, see packing.py) pass segments (example number per token, 0 on
+  padding) and positions (position within its example): attention stays inside each example and positions
+  restart with each.
   """
   config: ModelConfig
 
-  def setup(self):
+  def setup_embedding(self):
     c = self.config
     # Settled by ModelConfig for its platform, outside traced code (never jax.default_backend() here).
     self.dtype = jnp.dtype(c.dtype)
@@ -438,13 +456,22 @@ class Transformer(nn.Module):
                               name='shared_embedding')
     self.positions = sinusoidal_positions(c.max_position, c.d_model)
     self.embedding_dropout = nn.Dropout(c.dropout_rate)
-    encoder_layer, decoder_layer = _layer_classes(c.remat)
+
+  def setup_encoder(self):
+    c = self.config
+    encoder_layer, _ = _layer_classes(c.remat)
     self.encoder_layers = [encoder_layer(c, self.dtype, self.attention_impl, name=f'encoder_{i}')
                            for i in range(c.num_encoder_layers)]
-    self.decoder_layers = [decoder_layer(c, self.dtype, self.attention_impl, name=f'decoder_{i}')
-                           for i in range(c.num_decoder_layers)]
     if c.pre_layer_norm:
       self.encoder_norm = nn.LayerNorm(epsilon=1e-5, dtype=jnp.float32)
+
+  def setup_decoder(self, has_cross_attention):
+    c = self.config
+    _, decoder_layer = _layer_classes(c.remat)
+    self.decoder_layers = [decoder_layer(c, self.dtype, self.attention_impl, has_cross_attention,
+                                         name=f'decoder_{i}')
+                           for i in range(c.num_decoder_layers)]
+    if c.pre_layer_norm:
       self.decoder_norm = nn.LayerNorm(epsilon=1e-5, dtype=jnp.float32)
 
   def embed(self, tokens, positions, deterministic):
@@ -453,7 +480,7 @@ class Transformer(nn.Module):
     return self.embedding_dropout(x, deterministic=deterministic).astype(self.dtype)
 
   def encode(self, src, deterministic=True, *, src_segments=None, src_positions=None):
-    """src [B, S] -> encoder output [B, S, d]."""
+    """src [B, S] -> encoder output [B, S, d] (bidirectional self-attention over the non-pad tokens)."""
     if src_segments is None:
       lengths = _lengths(src)
       mask = AttentionMask(padding_mask(src, src), lengths, lengths)
@@ -465,42 +492,32 @@ class Transformer(nn.Module):
       x = layer(x, mask, deterministic)
     return self.encoder_norm(x).astype(self.dtype) if self.config.pre_layer_norm else x
 
-  def cross_attention_kv(self, encoded):
-    """Every decoder layer's encoder-decoder attention keys and values, computed once per sentence."""
-    return [layer.cross_attention.project_kv(encoded) for layer in self.decoder_layers]
-
-  def logits(self, y):
-    """Pre-softmax projection with the shared embedding matrix: a compute-dtype matmul with float32 results."""
-    if self.config.pre_layer_norm:
-      y = self.decoder_norm(y)
+  def vocabulary_logits(self, y):
+    """Projection onto the shared embedding matrix: a compute-dtype matmul with float32 results."""
     embedding = self.embedding.embedding
     return jnp.einsum('...d,vd->...v', y.astype(self.dtype), embedding.astype(self.dtype),
                       preferred_element_type=jnp.float32)
 
-  def decode(self, tgt_in, encoded, src, deterministic=True, *, src_segments=None, tgt_segments=None,
-             tgt_positions=None):
-    """Teacher-forced decoder: tgt_in [B, T] (BOS + target) -> logits [B, T, V]."""
+  def logits(self, y):
+    """Pre-softmax projection of decoder states (after the final LayerNorm when pre-LN)."""
+    if self.config.pre_layer_norm:
+      y = self.decoder_norm(y)
+    return self.vocabulary_logits(y)
+
+  def run_decoder(self, tgt_in, deterministic, *, cross_kv=None, cross_mask=None, tgt_segments=None,
+                  tgt_positions=None):
+    """Teacher-forced decoder stack over tgt_in [B, T] (causal self-attention) -> logits [B, T, V].
+    cross_kv: every layer's encoder keys/values, or None for a decoder without cross-attention."""
     causal = padding_mask(tgt_in, tgt_in) & causal_mask(tgt_in.shape[1])
-    cross = padding_mask(tgt_in, src)
     if tgt_segments is None:
       self_mask = AttentionMask(causal, _lengths(tgt_in), _lengths(tgt_in), causal=True)
-      cross_mask = AttentionMask(cross, _lengths(tgt_in), _lengths(src))
     else:
       self_mask = AttentionMask(causal & _same_segment(tgt_segments, tgt_segments))
-      cross_mask = AttentionMask(cross & _same_segment(tgt_segments, src_segments))
     positions = jnp.arange(tgt_in.shape[1])[None] if tgt_positions is None else tgt_positions
     y = self.embed(tgt_in, positions, deterministic)
-    for layer, kv in zip(self.decoder_layers, self.cross_attention_kv(encoded)):
+    for layer, kv in zip(self.decoder_layers, cross_kv or [None] * len(self.decoder_layers)):
       y, _ = layer(y, kv, self_mask, cross_mask, deterministic)
     return self.logits(y)
-
-  def __call__(self, src, tgt_in, deterministic=True, *, src_segments=None, tgt_segments=None,
-               src_positions=None, tgt_positions=None):
-    if (src_segments is None) != (tgt_segments is None):
-      raise ValueError('packed batches need both src_segments and tgt_segments')
-    encoded = self.encode(src, deterministic, src_segments=src_segments, src_positions=src_positions)
-    return self.decode(tgt_in, encoded, src, deterministic, src_segments=src_segments, tgt_segments=tgt_segments,
-                       tgt_positions=tgt_positions)
 
   # --- Incremental decoding ---
 
@@ -511,19 +528,52 @@ class Transformer(nn.Module):
     return [{'k': jnp.zeros(shape, self.dtype), 'v': jnp.zeros(shape, self.dtype)}
             for _ in range(c.num_decoder_layers)]
 
-  def decode_step(self, tokens, index, cache, cross_kv, src):
-    """tokens [B] at position `index` -> (logits [B, V], cache with this position's keys/values)."""
+  def decode_step(self, tokens, index, cache, cross_kv=None, src=None):
+    """tokens [B] at position `index` -> (logits [B, V], cache with this position's keys/values).
+    cross_kv and src (for its padding): the encoder's, or None for a decoder without cross-attention."""
     max_length = cache[0]['k'].shape[1]
     # The query may see cached positions 0..index, never the unwritten slots after it. One query per row:
     # the dense masks (XLA path), not cuDNN's length form.
     self_mask = AttentionMask((jnp.arange(max_length) <= index)[None, None, None, :])
-    cross_mask = AttentionMask((src != PAD_ID)[:, None, None, :])
+    cross_mask = None if src is None else AttentionMask((src != PAD_ID)[:, None, None, :])
     y = self.embed(tokens[:, None], jnp.full((1, 1), index), deterministic=True)
     new_cache = []
-    for layer, kv, layer_cache in zip(self.decoder_layers, cross_kv, cache):
+    for layer, kv, layer_cache in zip(self.decoder_layers, cross_kv or [None] * len(cache), cache):
       y, layer_cache = layer(y, kv, self_mask, cross_mask, True, cache=layer_cache, index=index)
       new_cache.append(layer_cache)
     return self.logits(y)[:, 0], new_cache
+
+
+class Transformer(TransformerStacks):
+  """Encoder-decoder with one embedding shared by source, target and the output projection."""
+
+  def setup(self):
+    self.setup_embedding()
+    self.setup_encoder()
+    self.setup_decoder(has_cross_attention=True)
+
+  def cross_attention_kv(self, encoded):
+    """Every decoder layer's encoder-decoder attention keys and values, computed once per sentence."""
+    return [layer.cross_attention.project_kv(encoded) for layer in self.decoder_layers]
+
+  def decode(self, tgt_in, encoded, src, deterministic=True, *, src_segments=None, tgt_segments=None,
+             tgt_positions=None):
+    """Teacher-forced decoder: tgt_in [B, T] (BOS + target) -> logits [B, T, V]."""
+    cross = padding_mask(tgt_in, src)
+    if tgt_segments is None:
+      cross_mask = AttentionMask(cross, _lengths(tgt_in), _lengths(src))
+    else:
+      cross_mask = AttentionMask(cross & _same_segment(tgt_segments, src_segments))
+    return self.run_decoder(tgt_in, deterministic, cross_kv=self.cross_attention_kv(encoded), cross_mask=cross_mask,
+                            tgt_segments=tgt_segments, tgt_positions=tgt_positions)
+
+  def __call__(self, src, tgt_in, deterministic=True, *, src_segments=None, tgt_segments=None,
+               src_positions=None, tgt_positions=None):
+    if (src_segments is None) != (tgt_segments is None):
+      raise ValueError('packed batches need both src_segments and tgt_segments')
+    encoded = self.encode(src, deterministic, src_segments=src_segments, src_positions=src_positions)
+    return self.decode(tgt_in, encoded, src, deterministic, src_segments=src_segments, tgt_segments=tgt_segments,
+                       tgt_positions=tgt_positions)
 
 
 def upgrade_legacy_params(params, module_name=''):

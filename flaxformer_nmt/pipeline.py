@@ -11,6 +11,7 @@ from etils import epath
 from flaxformer_nmt import corpora
 from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import distributed
+from flaxformer_nmt import lm
 from flaxformer_nmt import tokenizer as tokenizer_lib
 
 
@@ -28,13 +29,16 @@ def input_pipeline(config, workdir, num_devices):
       workdir, lambda: tokenizer_lib.sample_sentences(train_pairs, config.sentencepiece_max_chars, config.seed),
       vocab_size=config.vocab_size, model_type=config.sentencepiece_model_type,
       character_coverage=config.sentencepiece_character_coverage, is_leader=distributed.is_leader(),
-      barrier=distributed.barrier)
+      barrier=distributed.barrier,
+      user_defined_symbols=(tokenizer_lib.MASK_PIECE,) if lm.task_of(config) == 'mlm' else ())
   hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
   tokenize = functools.partial(data_lib.tokenize_cached, tokenizer=tokenizer, barrier=distributed.barrier,
                                num_threads=config.tokenize_threads, **hosts)
   train_corpus = tokenize(train_pairs, cache_dir=epath.Path(workdir) / 'tokenized' / config.train_split)
   eval_corpus = tokenize(eval_pairs, cache_dir=epath.Path(workdir) / 'tokenized' / config.eval_split)
   max_length = min(config.max_length, config.packed_length) if config.packed_length else config.max_length
+  if lm.task_of(config) != 'translation':  # monolingual text: long lines are cut, not dropped
+    train_corpus, eval_corpus = data_lib.split_long(train_corpus, max_length), data_lib.split_long(eval_corpus, max_length)
   train_examples = train_corpus.usable(max_length)
   logging.info('Training pairs: %d of %d kept (at most %d tokens a side) from %s; validation pairs: %d',
                len(train_examples), len(train_corpus), max_length, train_pairs.description,

@@ -18,6 +18,7 @@ from etils import epath
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 VOCAB_FILENAME = 'vocab.model'
+MASK_PIECE = '<mask>'
 
 
 class TokenizerError(ValueError):
@@ -40,7 +41,9 @@ def sample_sentences(pairs, max_chars=0, seed=0, read_size=10_000):
   sentences, chars = [], 0
   for start in range(0, len(order), read_size):
     source, target = pairs.read(order[start:start + read_size])
-    for line in (x for pair in zip(source, target) for x in pair):
+    # Monolingual corpora (lm/mlm) read as (lines, None).
+    lines = source if target is None else (x for pair in zip(source, target) for x in pair)
+    for line in lines:
       if line:
         sentences.append(line)
         chars += len(line)
@@ -49,8 +52,13 @@ def sample_sentences(pairs, max_chars=0, seed=0, read_size=10_000):
   return sentences
 
 
-def train_sentencepiece(sentences, model_path, *, vocab_size, model_type='bpe', character_coverage=1.0):
-  """Trains a sentencepiece model on `sentences` (an iterable of str) and writes it to `model_path`."""
+def train_sentencepiece(sentences, model_path, *, vocab_size, model_type='bpe', character_coverage=1.0,
+                        user_defined_symbols=()):
+  """Trains a sentencepiece model on `sentences` (an iterable of str) and writes it to `model_path`.
+
+  user_defined_symbols (e.g. the MLM's '<mask>') get the ids right after the reserved ones, and text that
+  contains them is encoded to that one id.
+  """
   sentences = [s for s in sentences if s]
   model = io.BytesIO()
   spm.SentencePieceTrainer.train(
@@ -65,6 +73,7 @@ def train_sentencepiece(sentences, model_path, *, vocab_size, model_type='bpe', 
       input_sentence_size=0,
       num_threads=os.cpu_count() or 1,
       minloglevel=2,
+      user_defined_symbols=list(user_defined_symbols),
   )
   path = epath.Path(model_path)
   path.parent.mkdir(parents=True, exist_ok=True)
@@ -95,6 +104,12 @@ class Tokenizer:
   def vocab_size(self):
     return self.sp.get_piece_size()
 
+  @property
+  def mask_id(self):
+    """The id of the '<mask>' piece (vocabularies trained for config.task=mlm), else None."""
+    mask_id = self.sp.piece_to_id(MASK_PIECE)
+    return None if mask_id == UNK_ID else mask_id
+
   def encode(self, texts, num_threads=0):
     """List of str -> list of int lists, each ending with EOS (num_threads: sentencepiece's; 0 = all cores)."""
     num_threads = num_threads or os.cpu_count() or 1
@@ -112,7 +127,7 @@ class Tokenizer:
 
 
 def load_or_train(workdir, sentences_fn, *, vocab_size, model_type='bpe', character_coverage=1.0,
-                  is_leader=True, barrier=lambda name: None):
+                  is_leader=True, barrier=lambda name: None, user_defined_symbols=()):
   """The workdir's tokenizer, trained first from `sentences_fn()` if the workdir has none yet.
 
   On several hosts only the leader (process 0) trains and writes the vocabulary; the others wait at
@@ -123,7 +138,7 @@ def load_or_train(workdir, sentences_fn, *, vocab_size, model_type='bpe', charac
     logging.info('Reusing the vocabulary in %s', path)
   elif is_leader:
     train_sentencepiece(sentences_fn(), path, vocab_size=vocab_size, model_type=model_type,
-                        character_coverage=character_coverage)
+                        character_coverage=character_coverage, user_defined_symbols=user_defined_symbols)
   barrier('vocabulary')
   if not path.exists():
     raise TokenizerError(f'{path} was not written by process 0: the workdir must be on storage all hosts share')

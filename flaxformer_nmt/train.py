@@ -102,8 +102,11 @@ def evaluate(eval_fn, params, batches, batch_sharding):
     sums = metrics if sums is None else jax.tree_util.tree_map(lambda a, b: a + b, sums, metrics)
   sums = jax.device_get(sums)
   nll = float(sums['nll_sum'] / sums['target_tokens'])
-  return {'eval/loss': float(sums['loss_sum'] / sums['target_tokens']), 'eval/nll': nll,
-          'eval/perplexity': float(np.exp(nll))}
+  out = {'eval/loss': float(sums['loss_sum'] / sums['target_tokens']), 'eval/nll': nll,
+         'eval/perplexity': float(np.exp(nll))}
+  if 'correct' in sums:  # MLM: accuracy on the masked tokens
+    out['eval/accuracy'] = float(sums['correct'] / sums['target_tokens'])
+  return out
 
 
 def log_train(run, interval, step, start_time, decision):

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from flaxformer_nmt import lm
 from flaxformer_nmt import sharding
 
 from flaxformer_nmt.tokenizer import PAD_ID
@@ -90,9 +91,14 @@ def split_microbatches(batch, num_microbatches):
   return jax.tree_util.tree_map(split, batch)
 
 
-def train_step(state, batch, *, model, optimizer, schedule, label_smoothing, grad_accumulation_steps=1):
-  """One update on the batch loss: smoothed cross entropy summed over all target tokens, divided by their
-  count over the whole (global) batch.
+# The MLM's masking keys: a stream of their own next to the dropout keys.
+_MASKING_STREAM = 0x6D61736B
+
+
+def train_step(state, batch, *, model, optimizer, schedule, label_smoothing, grad_accumulation_steps=1,
+               task='translation'):
+  """One update on the batch loss: smoothed cross entropy summed over all target tokens (for the MLM the
+  positions bert_mask selected), divided by their count over the whole (global) batch.
 
   With grad_accumulation_steps = k the batch is processed as k microbatches in a loop (lax.scan) that sums
   the gradients of the summed loss; dividing by the total target count afterwards makes the update equal
@@ -101,8 +107,9 @@ def train_step(state, batch, *, model, optimizer, schedule, label_smoothing, gra
   dropout_rng = jax.random.fold_in(state.rng, state.step)
 
   def loss_sums(params, microbatch, rng):
-    logits = apply_model(model, params, microbatch, deterministic=False, rngs={'dropout': rng})
-    loss_sum, nll_sum, tokens = label_smoothed_cross_entropy(logits, microbatch['tgt_out'], label_smoothing)
+    logits, targets, _ = lm.forward(task, model, params, microbatch, False, rngs={'dropout': rng},
+                                    mask_rng=jax.random.fold_in(rng, _MASKING_STREAM))
+    loss_sum, nll_sum, tokens = label_smoothed_cross_entropy(logits, targets, label_smoothing)
     return loss_sum, (nll_sum, tokens)
 
   grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
@@ -133,25 +140,37 @@ def train_step(state, batch, *, model, optimizer, schedule, label_smoothing, gra
   params, opt_state = keep_if_finite(params, state.params), keep_if_finite(opt_state, state.opt_state)
   metrics = {
       'loss_sum': loss_sum, 'nll_sum': nll_sum, 'target_tokens': tokens,
-      'source_tokens': (batch['src'] != PAD_ID).sum().astype(jnp.float32),
+      # Tokens read by the encoder (translation: the source; MLM: the whole text; LM: none).
+      'source_tokens': _source_tokens(task, batch),
       'grad_norm': grad_norm, 'learning_rate': schedule(state.step),
       'nonfinite': (~finite).astype(jnp.int32),
   }
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-def eval_step(params, batch, *, model, label_smoothing):
-  """Sums for validation loss and perplexity (no dropout)."""
-  logits = apply_model(model, params, batch, deterministic=True)
-  loss_sum, nll_sum, tokens = label_smoothed_cross_entropy(logits, batch['tgt_out'], label_smoothing)
-  return {'loss_sum': loss_sum, 'nll_sum': nll_sum, 'target_tokens': tokens}
+def _source_tokens(task, batch):
+  if task == 'lm':
+    return jnp.zeros((), jnp.float32)
+  return (batch['src'] != PAD_ID).sum().astype(jnp.float32)
+
+
+def eval_step(params, batch, *, model, label_smoothing, task='translation'):
+  """Sums for validation loss and perplexity (no dropout); for the MLM also the correctly predicted masked
+  tokens (masks drawn from each batch's content, the same at every evaluation)."""
+  logits, targets, _ = lm.forward(task, model, params, batch, True)
+  loss_sum, nll_sum, tokens = label_smoothed_cross_entropy(logits, targets, label_smoothing)
+  sums = {'loss_sum': loss_sum, 'nll_sum': nll_sum, 'target_tokens': tokens}
+  if task == 'mlm':
+    sums['correct'] = lm.correct_predictions(logits, targets)
+  return sums
 
 
 def init_state(model, optimizer, seed, batch_shape=(1, 8)):
   """Fresh parameters (xavier-uniform dense layers) and optimizer state."""
   params_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(seed))
   dummy = jnp.ones(batch_shape, jnp.int32)
-  params = model.init(params_rng, dummy, dummy)['params']
+  inputs = (dummy, dummy) if isinstance(model, lm.model_lib.Transformer) else (dummy,)  # LM, MLM: one text
+  params = model.init(params_rng, *inputs)['params']
   return TrainState(step=jnp.asarray(0, jnp.int32), params=params, opt_state=optimizer.init(params),
                     rng=dropout_rng)
 
@@ -178,8 +197,9 @@ def jit_steps(model, optimizer, schedule, config, mesh, state_sharding=None):
     state_sharding = state_shardings(model, optimizer, config, mesh)
   train = functools.partial(train_step, model=model, optimizer=optimizer, schedule=schedule,
                             label_smoothing=config.label_smoothing,
-                            grad_accumulation_steps=config.grad_accumulation_steps)
-  evaluate = functools.partial(eval_step, model=model, label_smoothing=config.label_smoothing)
+                            grad_accumulation_steps=config.grad_accumulation_steps, task=lm.task_of(config))
+  evaluate = functools.partial(eval_step, model=model, label_smoothing=config.label_smoothing,
+                               task=lm.task_of(config))
   batch_sharding, replicated = sharding.batch_sharded(mesh), sharding.replicated(mesh)
   return (jax.jit(train, in_shardings=(state_sharding, batch_sharding), out_shardings=(state_sharding, replicated),
                   donate_argnums=0),

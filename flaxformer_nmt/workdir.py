@@ -9,6 +9,7 @@ import ml_collections
 from etils import epath
 
 from flaxformer_nmt import distributed
+from flaxformer_nmt import lm
 from flaxformer_nmt import model as model_lib
 from flaxformer_nmt.config import ConfigError  # callers catch it as workdir.ConfigError
 
@@ -16,13 +17,15 @@ CONFIG_FILENAME = 'config.json'
 
 
 # Fields that change the model: a workdir trained with other values cannot be resumed or decoded with these.
-_MODEL_FIELDS = ('model', 'vocab_size', 'sentencepiece_model_type', 'source_lang', 'target_lang')
+_MODEL_FIELDS = ('task', 'model', 'vocab_size', 'sentencepiece_model_type', 'source_lang', 'target_lang')
 # Fields of config.model that change how the model computes, not its parameters: free to differ on resume.
 _RUNTIME_MODEL_FIELDS = ('dtype', 'attention_impl', 'remat')
 
 
 def _model_identity(config_dict, field):
   value = config_dict.get(field)
+  if field == 'task' and value is None:
+    value = 'translation'  # written before the task switch
   if field == 'model' and isinstance(value, dict):
     value = {k: v for k, v in value.items() if k not in _RUNTIME_MODEL_FIELDS}
   return value
@@ -30,6 +33,8 @@ def _model_identity(config_dict, field):
 
 def validate_config(config):
   """Raises ConfigError for a config that cannot be trained, before anything is read or written."""
+  if config.get('task', 'translation') not in lm.TASKS:
+    raise ConfigError(f'config.task={config.task!r}: use one of {lm.TASKS}')
   if config.data_source == 'text' and not config.data_dir:
     raise ConfigError('config.data_dir is empty: pass --config.data_dir=DIR holding {split}.{lang} files')
   if config.data_source == 'tfds' and not config.tfds_name:
@@ -84,5 +89,8 @@ def load_config(workdir):
 
 
 def build_model(config, tokenizer, platform='auto'):
-  """The Transformer of `config` for `platform` ('auto': this process's backend)."""
-  return model_lib.Transformer(model_lib.ModelConfig.from_config(config, tokenizer.vocab_size, platform))
+  """The model of config.task for `platform` ('auto': this process's backend): the encoder-decoder
+  Transformer, or lm.py's decoder-only or masked language model."""
+  task = lm.task_of(config)
+  model_config = model_lib.ModelConfig.from_config(config, tokenizer.vocab_size, platform, lm.ARCHITECTURES[task])
+  return lm.build(task, model_config, mask_id=tokenizer.mask_id)
