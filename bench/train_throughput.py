@@ -3,6 +3,10 @@ CPU also the achieved FLOP rate over a large float32 matmul's rate measured in t
 
   python bench/train_throughput.py --configs base,big,multi30k --lengths 32 --tokens_per_batch 4096
   python bench/train_throughput.py --configs big --tokens_per_batch 32768 --peak 989e12   # an H100
+  python bench/train_throughput.py --configs multi30k,lm_multi30k,mlm_multi30k --lengths 64   # the three tasks
+
+Each config trains its task's model (config.task: translation, lm, mlm). tok/s counts the tokens of one
+side: translation reads as many source tokens again; the LM and the MLM read only these.
 
 Batches are full rows of random tokens (no padding), `tokens_per_batch` per side over all devices (data
 parallel). Model FLOPs are analytic (flaxformer_nmt/flops.py: 3x the forward matmuls, attention included);
@@ -19,6 +23,7 @@ import numpy as np
 from absl import app, flags
 
 from flaxformer_nmt import flops as flops_lib
+from flaxformer_nmt import lm
 from flaxformer_nmt import model as model_lib
 from flaxformer_nmt import sharding
 from flaxformer_nmt import train_step as train_step_lib
@@ -78,13 +83,14 @@ def load_config(name):
 def bench_config(name, peak, matmul, check_xla):
   config = load_config(name)
   vocab = _VOCAB.value or config.vocab_size
-  model = model_lib.Transformer(model_lib.ModelConfig.from_config(config, vocab))
+  task = lm.task_of(config)
+  model = lm.build(task, model_lib.ModelConfig.from_config(config, vocab, architecture=lm.ARCHITECTURES[task]), mask_id=4)
   optimizer, schedule = train_step_lib.make_optimizer(config)
   mesh = sharding.mesh_from_config(config)
   state, state_sharding = train_step_lib.create_state(model, optimizer, config, mesh)
   train_fn, _ = train_step_lib.jit_steps(model, optimizer, schedule, config, mesh, state_sharding)
   dtype, attention = model.config.dtype, model.config.attention_impl  # as settled for this machine
-  print(f'# {name}: {model_lib.count_params(state.params):,} parameters, vocab {vocab}, {dtype}, attention '
+  print(f'# {name} ({task}): {model_lib.count_params(state.params):,} parameters, vocab {vocab}, {dtype}, attention '
         f'{attention}, remat {config.model.remat}, mesh {dict(mesh.shape)}')
   rng = np.random.default_rng(0)
   rows_multiple = sharding.rows_multiple(mesh) * config.grad_accumulation_steps
@@ -121,7 +127,7 @@ def main(argv):
         f'peak {peak / 1e12 if peak else "-"} TFLOP/s per device, {_TOKENS.value} tokens per side per step')
   if matmul:
     print(f'# float32 4096x1024x1024 matmul: {matmul / 1e9:.1f} GFLOP/s')
-  print(f'# {"config":>7} {"len":>5} {"rows":>5} {"step ms":>9} {"tgt tok/s":>10} {"TFLOP/s":>8} {"MFU":>7} '
+  print(f'# {"config":>7} {"len":>5} {"rows":>5} {"step ms":>9} {"tok/s":>10} {"TFLOP/s":>8} {"MFU":>7} '
         f'{"/matmul":>8}')
   for i, name in enumerate(_CONFIGS.value):
     bench_config(name, peak, matmul, check_xla=i == 0)

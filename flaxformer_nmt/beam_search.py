@@ -188,3 +188,11 @@ def sample_search(step_fn, cache, keys, *, temperature, top_k, batch_size, max_l
 
   return _token_by_token(step_fn, cache, choose, batch_size=batch_size, max_length=max_length,
                          max_lengths=max_lengths, bos_id=bos_id, eos_id=eos_id, forbidden_ids=forbidden_ids)
+
+
+def token_by_token(step_fn, cache, choose, *, batch_size, max_length, max_lengths, bos_id, eos_id,
+                   forbidden_ids=()):
+  """The loop greedy and sampled search share, with the caller's token rule `choose(log_probs [N, V], index)
+  -> tokens [N]` (generate.py: prompts fed through the cache, top-p sampling). Same returns."""
+  return _token_by_token(step_fn, cache, choose, batch_size=batch_size, max_length=max_length,
+                         max_lengths=max_lengths, bos_id=bos_id, eos_id=eos_id, forbidden_ids=forbidden_ids)

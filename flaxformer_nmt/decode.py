@@ -143,6 +143,9 @@ class Translator:
   def __init__(self, workdir, checkpoint='latest'):
     self.workdir = epath.Path(workdir)
     self.config = workdir_lib.load_config(workdir)
+    if self.config.get('task', 'translation') != 'translation':
+      raise ValueError(f'{workdir} holds a language model (config.task={self.config.task!r}): use '
+                       'flaxformer_nmt.generate (lm) or flaxformer_nmt.fill_mask (mlm)')
     # How attention is computed and what is recomputed for gradients do not change the parameters: decide them
     # for this machine, not the one that trained (a workdir trained with 'cudnn' decodes on a CPU too).
     self.config.model.attention_impl, self.config.model.remat = 'auto', 'none'

@@ -12,6 +12,13 @@ sentencepiece pieces on both axes (padding cropped):
                                 (rows: the target piece being predicted; columns: source pieces)
   {i:02d}_cross_average.png     the same averaged over heads, per layer, and over all layers
   {i:02d}_encoder_layer{l}.png  encoder self-attention of layer l, one panel per head
+
+Language models (workdirs trained with config.task=lm or mlm) have self-attention only; each text is run
+as it is (LM: BOS + the text, causal; MLM: the text with its <mask>s + EOS) and drawn per layer and head,
+and averaged:
+
+  {i:02d}_decoder_layer{l}.png / {i:02d}_encoder_layer{l}.png    self-attention of layer l (LM / MLM)
+  {i:02d}_self_average.png                                       per layer and over all layers
 """
 import functools
 import importlib.util
@@ -26,7 +33,9 @@ from etils import epath
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import decode
+from flaxformer_nmt import lm
 from flaxformer_nmt import tokenizer as tokenizer_lib
+from flaxformer_nmt import workdir as workdir_lib
 from flaxformer_nmt.tokenizer import BOS_ID
 
 
@@ -87,6 +96,54 @@ def attention_maps(translator, sentences, beam_size=None):
   return maps
 
 
+def self_attention_maps(workdir, sentences, checkpoint='latest'):
+  """For a language model's workdir (config.task lm or mlm), per text a dict of its pieces (the rows and
+  columns) and 'self' [layers, heads, T, T]: the decoder's causal self-attention over BOS + text (LM) or
+  the encoder's over the text with its <mask>s + EOS (MLM), padding cropped."""
+  from flaxformer_nmt import fill_mask, generate  # pylint: disable=g-import-not-at-top
+  task = lm.task_of(workdir_lib.load_config(workdir))
+  if task == 'lm':
+    runner = generate.Generator(workdir, checkpoint)
+    token_lists = [[BOS_ID] + ids for ids in runner.encode_prompt(sentences)]
+  elif task == 'mlm':
+    runner = fill_mask.FillMask(workdir, checkpoint)
+    token_lists = [runner.encode(text) for text in sentences]
+  else:
+    raise ValueError(f'{workdir} is a translation workdir: use attention_maps')
+  length = data_lib.bucket_length(max(map(len, token_lists)), runner.config.length_buckets)
+  tokens = data_lib.pad_rows(token_lists, len(token_lists), length)
+  found = find_attention_weights(jax.device_get(_sown_self(runner.model, runner.params, tokens)))
+  stack = 'decoder' if task == 'lm' else 'encoder'
+  weights = _stack(found, stack, 'self_attention')
+  return [{'text': text, 'stack': stack, 'pieces': runner.tokenizer.pieces(ids),
+           'self': weights[b, :, :, :len(ids), :len(ids)]}
+          for b, (text, ids) in enumerate(zip(sentences, token_lists))]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _sown_self(model, params, tokens):
+  _, state = model.apply({'params': params}, tokens, True, mutable=['intermediates'])
+  return state['intermediates']
+
+
+def write_self_attention_pictures(maps, output_dir):
+  """Writes the language models' PNGs described in the module docstring; returns their paths."""
+  output_dir = epath.Path(output_dir)
+  output_dir.mkdir(parents=True, exist_ok=True)
+  paths = []
+  for i, m in enumerate(maps):
+    pieces, kind = m['pieces'], 'causal decoder' if m['stack'] == 'decoder' else 'encoder'
+    for layer, heads in enumerate(m['self']):
+      paths.append(_heatmaps(heads, [f'head {h}' for h in range(len(heads))], pieces, pieces,
+                             f'{kind} self-attention, layer {layer}\n{m["text"]}',
+                             output_dir / f'{i:02d}_{m["stack"]}_layer{layer}.png'))
+    per_layer = list(m['self'].mean(axis=1)) + [m['self'].mean(axis=(0, 1))]
+    titles = [f'layer {layer}, mean of heads' for layer in range(len(m['self']))] + ['all layers and heads']
+    paths.append(_heatmaps(per_layer, titles, pieces, pieces, f'{kind} self-attention, averaged\n{m["text"]}',
+                           output_dir / f'{i:02d}_self_average.png'))
+  return paths
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _sown(model, params, src, tgt_in):
   _, state = model.apply({'params': params}, src, tgt_in, mutable=['intermediates'])
@@ -143,7 +200,8 @@ def write_pictures(maps, output_dir):
 
 def define_flags():
   flags.DEFINE_string('workdir', None, 'Training workdir (config.json, vocab.model, checkpoints/).')
-  flags.DEFINE_multi_string('sentences', [], 'A source sentence (repeat the flag for more).')
+  flags.DEFINE_multi_string('sentences', [], 'A source sentence (repeat the flag for more); for a language model '
+                            '(config.task lm/mlm) the text to run (MLM: with <mask>s).')
   flags.DEFINE_string('input', None, 'A file of source sentences, one per line (empty lines skipped).')
   flags.DEFINE_string('output_dir', None, 'Where the PNGs go.')
   flags.DEFINE_string('checkpoint', 'latest', 'latest, averaged or a step.')
@@ -164,6 +222,11 @@ def main(argv):
       sentences += [line for line in data_lib.read_lines(FLAGS.input) if line]
     if not sentences:
       raise ValueError('no sentences: pass --sentences or --input')
+    if lm.task_of(workdir_lib.load_config(FLAGS.workdir)) != 'translation':
+      maps = self_attention_maps(FLAGS.workdir, sentences, FLAGS.checkpoint)
+      for path in write_self_attention_pictures(maps, FLAGS.output_dir):
+        print(path)
+      return
     translator = decode.Translator(FLAGS.workdir, FLAGS.checkpoint)
     maps = attention_maps(translator, sentences, beam_size=FLAGS.beam_size)
   except (OSError, ValueError) as e:

@@ -1,0 +1,260 @@
+"""The decoder-only LM and the masked LM (lm.py), generation (generate.py) and their data, against
+independent computations: NumPy losses and nucleus sets, full-prefix reruns, counts of the masking."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxformer_nmt import data as data_lib
+from flaxformer_nmt import flops as flops_lib
+from flaxformer_nmt import generate
+from flaxformer_nmt import lm
+from flaxformer_nmt import model as model_lib
+from flaxformer_nmt import train_step as train_step_lib
+from flaxformer_nmt.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+VOCAB = 24
+
+
+def tiny(task, pre_layer_norm=False, vocab_size=VOCAB, sharpen=3.0):
+  config = model_lib.ModelConfig(vocab_size=vocab_size, num_encoder_layers=2, num_decoder_layers=2, d_model=32,
+                                 d_ff=64, num_heads=4, dropout_rate=0.0, pre_layer_norm=pre_layer_norm,
+                                 max_position=128, dtype='float32', architecture=lm.ARCHITECTURES[task])
+  model = lm.build(task, config, mask_id=4)
+  dummy = jnp.ones((1, 4), jnp.int32)
+  params = model.init(jax.random.PRNGKey(0), *((dummy, dummy) if task == 'translation' else (dummy,)))['params']
+  # Sharper than the init distribution: clear winners for greedy search, peaked sampling distributions.
+  return model, jax.tree_util.tree_map(lambda x: x * sharpen if x.ndim == 2 else x, params)
+
+
+def param_shapes(params):
+  return sorted(('/'.join(k.key for k in path), tuple(v.shape))
+                for path, v in jax.tree_util.tree_flatten_with_path(params)[0])
+
+
+# The encoder-decoder's parameter tree before the stacks were made reusable (written out from that
+# version's model.init): checkpoints of translation runs must keep loading.
+_LAYER = {
+    'encoder_0': [('attention_block/norm/bias', (8,)), ('attention_block/norm/scale', (8,)),
+                  ('feed_forward/wi/bias', (16,)), ('feed_forward/wi/kernel', (8, 16)), ('feed_forward/wo/bias', (8,)),
+                  ('feed_forward/wo/kernel', (16, 8)), ('feed_forward_block/norm/bias', (8,)),
+                  ('feed_forward_block/norm/scale', (8,)), ('self_attention/output/kernel', (8, 8)),
+                  ('self_attention/qkv/kernel', (8, 24))],
+    'decoder_0': [('cross_attention/kv/kernel', (8, 16)), ('cross_attention/output/kernel', (8, 8)),
+                  ('cross_attention/query/kernel', (8, 8)), ('cross_block/norm/bias', (8,)),
+                  ('cross_block/norm/scale', (8,)), ('feed_forward/wi/bias', (16,)), ('feed_forward/wi/kernel', (8, 16)),
+                  ('feed_forward/wo/bias', (8,)), ('feed_forward/wo/kernel', (16, 8)),
+                  ('feed_forward_block/norm/bias', (8,)), ('feed_forward_block/norm/scale', (8,)),
+                  ('self_attention/output/kernel', (8, 8)), ('self_attention/qkv/kernel', (8, 24)),
+                  ('self_block/norm/bias', (8,)), ('self_block/norm/scale', (8,))],
+}
+
+
+@pytest.mark.parametrize('pre_layer_norm', [False, True])
+def test_the_translation_models_parameter_tree_is_unchanged(pre_layer_norm):
+  config = model_lib.ModelConfig(vocab_size=11, num_encoder_layers=1, num_decoder_layers=1, d_model=8, d_ff=16,
+                                 num_heads=2, pre_layer_norm=pre_layer_norm)
+  dummy = jnp.ones((1, 4), jnp.int32)
+  params = jax.eval_shape(lambda: model_lib.Transformer(config).init(jax.random.PRNGKey(0), dummy, dummy))['params']
+  expected = [(f'{layer}/{name}', shape) for layer, names in _LAYER.items() for name, shape in names]
+  expected.append(('shared_embedding/embedding', (11, 8)))
+  if pre_layer_norm:
+    expected += [(f'{stack}_norm/{p}', (8,)) for stack in ('encoder', 'decoder') for p in ('bias', 'scale')]
+  assert param_shapes(params) == sorted(expected)
+
+
+def test_the_lm_is_decoder_layers_without_cross_attention_and_a_tied_embedding():
+  model, params = tiny('lm', pre_layer_norm=True)
+  names = [name for name, _ in param_shapes(params)]
+  assert {n.split('/')[0] for n in names} == {'decoder_0', 'decoder_1', 'decoder_norm', 'shared_embedding'}
+  assert not any('cross' in n for n in names)
+  # Tied: the logits are the final states times the embedding matrix, no other output weights.
+  tokens = jnp.array([[BOS_ID, 5, 6, 7]])
+  _, state = model.apply({'params': params}, tokens, True, capture_intermediates=True, mutable=['intermediates'])
+  normed = np.asarray(state['intermediates']['decoder_norm']['__call__'][0])
+  expected = normed @ np.asarray(params['shared_embedding']['embedding']).T
+  np.testing.assert_allclose(model.apply({'params': params}, tokens), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_no_information_flows_from_future_tokens():
+  model, params = tiny('lm')
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(np.concatenate([[BOS_ID], rng.integers(5, VOCAB, 9)])[None], jnp.int32)
+  logits = np.asarray(model.apply({'params': params}, tokens))
+  for t in range(tokens.shape[1] - 1):
+    # Every token after t replaced by another one (never by itself).
+    later = np.asarray(tokens[0, t + 1:])
+    changed = tokens.at[0, t + 1:].set(jnp.asarray(5 + (later - 5 + rng.integers(1, VOCAB - 5, later.size)) % (VOCAB - 5)))
+    changed = np.asarray(model.apply({'params': params}, changed))
+    np.testing.assert_allclose(changed[0, :t + 1], logits[0, :t + 1], atol=1e-5)
+    assert not np.allclose(changed[0, t + 1], logits[0, t + 1], atol=1e-5)
+
+
+def test_the_mlm_sees_both_sides():
+  model, params = tiny('mlm')
+  tokens = jnp.array([[5, 6, 4, 8, 9, EOS_ID]])
+  logits = model.apply({'params': params}, tokens)
+  later = model.apply({'params': params}, tokens.at[0, 4].set(12))
+  assert not np.allclose(logits[0, 2], later[0, 2], atol=1e-5)  # the mask's prediction reads the right side
+
+
+# --- BERT masking ------------------------------------------------------------------------------------------
+
+def test_bert_masking_selects_15_percent_and_splits_80_10_10():
+  rng = np.random.default_rng(1)
+  vocab = 5000
+  tokens = rng.integers(5, vocab, (400, 250))
+  lengths = rng.integers(1, 251, 400)
+  tokens[np.arange(250)[None] >= lengths[:, None]] = PAD_ID
+  tokens[np.arange(400), lengths - 1] = EOS_ID
+  tokens = jnp.asarray(tokens, jnp.int32)
+  inputs, targets = jax.device_get(lm.bert_mask(jax.random.PRNGKey(3), tokens, mask_id=4, vocab_size=vocab))
+  tokens = np.asarray(tokens)
+  ordinary = (tokens != PAD_ID) & (tokens != EOS_ID)
+  selected = targets != PAD_ID
+  assert not selected[~ordinary].any()  # padding and EOS are never selected
+  np.testing.assert_array_equal(targets[selected], tokens[selected])
+  np.testing.assert_array_equal(inputs[~selected], tokens[~selected])  # unselected tokens are left alone
+  n = ordinary.sum()
+  # Binomial standard deviations: sqrt(.15 * .85 / n) ~ 0.0011 for n ~ 50k; sqrt(.8 * .2 / 7.5k) ~ 0.0046.
+  assert abs(selected.sum() / n - 0.15) < 0.005
+  masked = (inputs == 4) & selected
+  random = (inputs != 4) & (inputs != tokens) & selected
+  kept = (inputs == tokens) & selected
+  k = selected.sum()
+  assert abs(masked.sum() / k - 0.8) < 0.02
+  assert abs(random.sum() / k - 0.1) < 0.015  # (a random draw equal to the token: 1 in 5000, counted as kept)
+  assert abs(kept.sum() / k - 0.1) < 0.015
+  assert inputs[random].min() >= 5 and inputs[random].max() < vocab  # never a reserved id or the mask
+  assert np.unique(inputs[random]).size > 100  # spread over the vocabulary
+
+
+def test_mlm_loss_counts_only_the_selected_positions():
+  model, params = tiny('mlm', sharpen=1.0)
+  tokens = jnp.asarray(np.random.default_rng(2).integers(5, VOCAB, (4, 12)), jnp.int32).at[:, -1].set(EOS_ID)
+  tokens = tokens.at[2, 7:].set(PAD_ID)
+  batch = {'src': tokens}
+  sums = train_step_lib.eval_step(params, batch, model=model, label_smoothing=0.0, task='mlm')
+  # The same masking, recomputed outside the step, and the loss over the selected positions in NumPy.
+  inputs, targets = lm.bert_mask(lm.eval_mask_rng(tokens), tokens, mask_id=4, vocab_size=VOCAB)
+  logits = np.asarray(model.apply({'params': params}, inputs), np.float64)
+  targets = np.asarray(targets)
+  rows, cols = np.nonzero(targets != PAD_ID)
+  assert len(rows) > 0
+  log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  nll = -log_probs[rows, cols, targets[rows, cols]]
+  assert float(sums['target_tokens']) == len(rows)
+  np.testing.assert_allclose(float(sums['nll_sum']), nll.sum(), rtol=1e-5)
+  hits = (logits[rows, cols].argmax(-1) == targets[rows, cols]).sum()
+  assert float(sums['correct']) == hits
+
+
+def test_the_train_steps_masking_changes_with_the_step():
+  model, params = tiny('mlm', sharpen=1.0)
+  tokens = jnp.asarray(np.random.default_rng(4).integers(5, VOCAB, (8, 32)), jnp.int32)
+  a = lm.forward('mlm', model, params, {'src': tokens}, True, mask_rng=jax.random.PRNGKey(0))[1]
+  b = lm.forward('mlm', model, params, {'src': tokens}, True, mask_rng=jax.random.PRNGKey(1))[1]
+  assert not np.array_equal(a, b)
+
+
+# --- Generation ----------------------------------------------------------------------------------------------
+
+def _generate(model, params, prompts, seeds, **options):
+  width = 8
+  rows = data_lib.pad_rows([[BOS_ID] + p for p in prompts], len(prompts), width)
+  lengths = np.array([1 + len(p) for p in prompts], np.int32)
+  keys = jax.vmap(jax.random.key)(jnp.asarray(seeds))
+  defaults = dict(max_new_tokens=10, greedy=False, temperature=1.0, top_k=0, top_p=1.0)
+  return np.asarray(generate.generate_tokens(model, params, rows, lengths, keys, **{**defaults, **options}))
+
+
+PROMPTS = [[5, 6, 7], [9], [], [10, 11, 12, 13, 14]]
+
+
+def test_greedy_generation_equals_argmax_of_full_reruns():
+  model, params = tiny('lm')
+  out = _generate(model, params, PROMPTS, [0, 1, 2, 3], greedy=True)
+  for row, prompt in enumerate(PROMPTS):
+    sequence = [BOS_ID] + prompt
+    assert list(out[row, :len(prompt)]) == prompt  # the prompt is kept
+    for _ in range(10):  # an independent loop: the whole sequence through the model at every step
+      logits = np.array(model.apply({"params": params}, jnp.asarray([sequence])))[0, -1]
+      logits[[PAD_ID, BOS_ID]] = -np.inf
+      sequence.append(int(logits.argmax()))
+      if sequence[-1] == EOS_ID:
+        break
+    generated = list(out[row, :len(sequence) - 1])
+    assert generated == sequence[1:]
+
+
+@pytest.mark.parametrize('options', [dict(greedy=True), dict(temperature=0.8, top_k=5), dict(top_p=0.9)])
+def test_generation_with_the_cache_equals_generation_without_it(options):
+  model, params = tiny('lm', pre_layer_norm=True)
+  cached = _generate(model, params, PROMPTS, [0, 1, 2, 3], use_cache=True, **options)
+  uncached = _generate(model, params, PROMPTS, [0, 1, 2, 3], use_cache=False, **options)
+  np.testing.assert_array_equal(cached, uncached)
+
+
+def test_sampling_is_reproducible_from_the_seed_and_independent_of_the_batch():
+  model, params = tiny('lm', sharpen=1.0)
+  first = _generate(model, params, PROMPTS, [0, 1, 2, 3])
+  np.testing.assert_array_equal(first, _generate(model, params, PROMPTS, [0, 1, 2, 3]))
+  other = _generate(model, params, PROMPTS, [7, 8, 9, 10])
+  assert not np.array_equal(first, other)
+  # A row's sample depends on its key alone, not on the other rows of its batch.
+  alone = _generate(model, params, [PROMPTS[2]], [2])
+  np.testing.assert_array_equal(alone[0], first[2])
+
+
+def nucleus_numpy(probs, p):
+  """The smallest set of most likely tokens with total probability >= p (a loop, as the definition)."""
+  order = sorted(range(len(probs)), key=lambda i: -probs[i])
+  chosen, total = set(), 0.0
+  for i in order:
+    chosen.add(i)
+    total += probs[i]
+    if total >= p:
+      break
+  return chosen
+
+
+@pytest.mark.parametrize('p', [0.1, 0.5, 0.9, 0.99])
+def test_top_p_keeps_exactly_the_smallest_set_reaching_p(p):
+  rng = np.random.default_rng(5)
+  logits = rng.normal(size=(64, 40)) * 2
+  log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  kept = np.asarray(generate.top_p_filter(jnp.asarray(log_probs, jnp.float32), p)) > generate.NEG_INF / 2
+  for row in range(len(logits)):
+    assert set(np.flatnonzero(kept[row])) == nucleus_numpy(np.exp(log_probs[row]), p)
+
+
+def test_top_k_keeps_the_k_most_likely():
+  log_probs = jnp.log(jnp.array([[0.1, 0.4, 0.2, 0.3]]))
+  kept = np.asarray(generate.top_k_filter(log_probs, 2)) > generate.NEG_INF / 2
+  assert list(np.flatnonzero(kept[0])) == [1, 3]
+
+
+# --- Data and FLOPs ------------------------------------------------------------------------------------------
+
+def test_split_long_cuts_lines_into_pieces():
+  lines = [[5, 6, 7, EOS_ID], list(range(5, 15)) + [EOS_ID], [8, EOS_ID]]
+  corpus = data_lib.TokenizedCorpus.from_lists(lines, lines)
+  cut = data_lib.split_long(corpus, 4)
+  expected = [[5, 6, 7, EOS_ID], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, EOS_ID], [8, EOS_ID]]
+  assert [list(cut.source[i]) for i in range(len(cut))] == expected
+  assert cut.target is cut.source
+
+
+@pytest.mark.parametrize('task', ['lm', 'mlm'])
+def test_flops_count_the_models_own_matmul_weights(task):
+  model, params = tiny(task)
+  # Matmul weights per token, read off the parameter tree: kernels plus the (tied) vocabulary projection.
+  kernels = sum(int(np.prod(v.shape)) for path, v in jax.tree_util.tree_flatten_with_path(params)[0]
+                if path[-1].key in ('kernel', 'embedding'))
+  assert flops_lib.matmul_params(model.config, VOCAB) == kernels
+  layers, d, length, tokens = 2, 32, 16, 100
+  expected = tokens * (2 * kernels + layers * 4 * length * d)  # + attention scores and weighted values
+  if task == 'lm':
+    assert flops_lib.forward_flops(model.config, VOCAB, 0, tokens, 0, length) == expected
+  else:
+    assert flops_lib.forward_flops(model.config, VOCAB, tokens, 15, length, 0) == expected

@@ -1,0 +1,142 @@
+"""One tiny run per language-model task: train, checkpoint, resume exactly, then generate / fill masks through
+the CLI and the Python API, and draw self-attention; and the monolingual corpora they read."""
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import small_config
+from flaxformer_nmt import corpora
+from flaxformer_nmt import data as data_lib
+from flaxformer_nmt import decode
+from flaxformer_nmt import fill_mask
+from flaxformer_nmt import generate
+from flaxformer_nmt import tokenizer as tokenizer_lib
+from flaxformer_nmt import train
+from flaxformer_nmt import visualize
+
+
+def lm_config(toy_corpus, task):
+  config = small_config(toy_corpus)
+  config.task = task
+  config.label_smoothing = 0.0
+  config.num_train_steps = 10
+  config.checkpoint_every_steps = 5
+  config.eval_every_steps = 5
+  config.length_buckets = (16,)
+  return config
+
+
+def run_cli(module, *args, stdin=None):
+  result = subprocess.run([sys.executable, '-m', module, *args], input=stdin, capture_output=True, text=True,
+                          check=False, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result.stdout.splitlines()
+
+
+def assert_resumes_exactly(config, tmp_path):
+  """Train to 10 steps, resume to 15; a straight 15-step run gives the same parameters."""
+  metrics = train.train_and_evaluate(config, tmp_path / 'run')
+  config.num_train_steps = 15
+  train.train_and_evaluate(config, tmp_path / 'run')
+  train.train_and_evaluate(config, tmp_path / 'straight')
+  for a, b in zip(jax.tree_util.tree_leaves(decode.load_params(tmp_path / 'run', '15')[0]),
+                  jax.tree_util.tree_leaves(decode.load_params(tmp_path / 'straight', '15')[0])):
+    np.testing.assert_array_equal(a, b)
+  return metrics
+
+
+def test_language_model_trains_resumes_and_generates(toy_corpus, tmp_path):
+  config = lm_config(toy_corpus, 'lm')
+  metrics = assert_resumes_exactly(config, tmp_path)
+  assert np.isfinite(metrics['eval/perplexity']) and metrics['train/source_tokens_per_second'] == 0
+  workdir = str(tmp_path / 'run')
+  lines = run_cli('flaxformer_nmt.generate', f'--workdir={workdir}', '--prompt=ein grosser', '--prompt=der',
+                  '--num_samples=2', '--max_new_tokens=6', '--seed=3', '--top_p=0.9')
+  assert len(lines) == 4 and all(l.startswith('ein grosser') for l in lines[:2]) and lines[2].startswith('der')
+  generator = generate.Generator(workdir)
+  assert generator.generate(['ein grosser', 'der'], num_samples=2, max_new_tokens=6, seed=3, top_p=0.9) == [
+      lines[:2], lines[2:]]
+  # stdin: one prompt a line, the same continuations as --prompt (sample j of prompt i: seed, i, j).
+  assert run_cli('flaxformer_nmt.generate', f'--workdir={workdir}', '--num_samples=2', '--max_new_tokens=6',
+                 '--seed=3', '--top_p=0.9', stdin='ein grosser\nder\n') == lines
+  greedy = generator.generate(['ein'], greedy=True, max_new_tokens=8)[0][0]
+  assert generator.generate(['ein'], greedy=True, max_new_tokens=8, use_cache=False)[0][0] == greedy
+  maps = visualize.self_attention_maps(workdir, ['ein grosser hund'])
+  weights = maps[0]['self']  # [layers, heads, T, T], causal: nothing above the diagonal
+  np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-5)
+  assert np.all(np.triu(weights, 1) == 0)
+  assert len(visualize.write_self_attention_pictures(maps, tmp_path / 'pictures')) == 2
+
+
+def test_masked_language_model_trains_resumes_and_fills_masks(toy_corpus, tmp_path):
+  config = lm_config(toy_corpus, 'mlm')
+  metrics = assert_resumes_exactly(config, tmp_path)
+  assert 0 <= metrics['eval/accuracy'] <= 1 and np.isfinite(metrics['eval/perplexity'])
+  workdir = str(tmp_path / 'run')
+  tokenizer = tokenizer_lib.Tokenizer(tmp_path / 'run' / 'vocab.model')
+  assert tokenizer.mask_id == 4  # the user-defined piece right after the reserved ids
+  lines = run_cli('flaxformer_nmt.fill_mask', f'--workdir={workdir}', '--top_k=3', 'ein <mask> hund <mask> .')
+  assert lines[0] == 'ein <mask> hund <mask> .' and lines[1] == '  mask 1/2' and lines[5] == '  mask 2/2'
+  probabilities = [float(line.split()[0]) for line in lines[2:5]]
+  assert probabilities == sorted(probabilities, reverse=True) and sum(probabilities) <= 1.0 + 1e-4
+  filler = fill_mask.FillMask(workdir)
+  result = filler.fill(['ein <mask> hund <mask> .'], top_k=3)[0]
+  assert [round(p, 4) for _, p, _ in result[0]] == probabilities
+  assert result[0][0][2].startswith('ein ') and result[0][0][2].endswith('hund <mask> .')
+  with pytest.raises(ValueError, match='has no <mask>'):
+    filler.fill(['ein hund'])
+  maps = visualize.self_attention_maps(workdir, ['ein <mask> hund .'])
+  np.testing.assert_allclose(maps[0]['self'].sum(-1), 1.0, atol=1e-5)
+  assert '<mask>' in maps[0]['pieces']
+
+
+def test_a_generator_refuses_a_workdir_of_another_task(toy_corpus, tmp_path):
+  config = lm_config(toy_corpus, 'mlm')
+  config.num_train_steps = 2
+  train.train_and_evaluate(config, tmp_path / 'run')
+  with pytest.raises(ValueError, match="config.task='mlm'"):
+    generate.Generator(tmp_path / 'run')
+
+
+def test_monolingual_text_file_and_tfds_text(tmp_path, toy_corpus):
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  path = tmp_path / 'text.txt'
+  path.write_text('one line\n\n  two\tspaced  \nthree\n')
+  text = corpora.TextLines(path)
+  assert text.read([0, 1, 2]) == (['one line', 'two spaced', 'three'], None)
+  path.write_bytes(b'ok\n\xff\n')
+  with pytest.raises(data_lib.DataError, match=r'text.txt:2: invalid UTF-8'):
+    corpora.TextLines(path)
+
+  lines = (toy_corpus / 'train.de').read_text().splitlines()
+
+  class ToyText(tfds.core.GeneratorBasedBuilder):  # shaped like lm1b: one 'text' feature
+    VERSION = tfds.core.Version('1.0.0')
+
+    def _info(self):
+      return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({'text': tfds.features.Text()}))
+
+    def _split_generators(self, dl_manager):
+      return {'train': self._generate_examples()}
+
+    def _generate_examples(self):
+      for i, line in enumerate(lines):
+        yield i, {'text': line}
+
+  ToyText(data_dir=str(tmp_path / 'tfds'), file_format='array_record').download_and_prepare()
+  corpus = corpora.TfdsText('toy_text', 'train', 'text', data_dir=str(tmp_path / 'tfds'))
+  read, none = corpus.read(range(len(corpus)))
+  assert none is None and sorted(read) == sorted(lines)
+  with pytest.raises(data_lib.DataError, match="tfds_text_feature='sentence'"):
+    corpora.TfdsText('toy_text', 'train', 'sentence', data_dir=str(tmp_path / 'tfds'))
+
+  # Tokenized once into the cache (one side stored), read back as the same sequences on both sides.
+  tokenizer = tokenizer_lib.load_or_train(tmp_path / 'vocab', lambda: lines, vocab_size=48)
+  cached = data_lib.tokenize_cached(corpus, tokenizer, tmp_path / 'cache')
+  again = data_lib.tokenize_cached(corpus, tokenizer, tmp_path / 'cache')
+  assert cached.target is cached.source and again.target is again.source
+  expected = tokenizer.encode(read)
+  assert [list(again.source[i]) for i in range(len(again))] == expected
