@@ -17,6 +17,8 @@ def get_config():
   # Sentences packed into rows of 64 tokens (as nanoGPT and the Flax lm1b example pack): one batch shape,
   # one compilation of the train step, little padding.
   c.packed_length = 64
+  # Validation rows padded to 64 as well: one more compilation (the eval step), not one per length bucket.
+  c.length_buckets = (64,)
   c.vocab_size = 8000
   c.sentencepiece_max_chars = 0
 
