@@ -85,7 +85,9 @@ def test_masked_language_model_trains_resumes_and_fills_masks(toy_corpus, tmp_pa
   filler = fill_mask.FillMask(workdir)
   result = filler.fill(['ein <mask> hund <mask> .'], top_k=3)[0]
   assert [round(p, 4) for _, p, _ in result[0]] == probabilities
-  assert result[0][0][2].startswith('ein ') and result[0][0][2].endswith('hund <mask> .')
+  # The text with the first mask filled and the second left as it was.
+  assert result[0][0][2].startswith('ein') and result[0][0][2].endswith('hund <mask> .')
+  assert result[0][0][2].count('<mask>') == 1
   with pytest.raises(ValueError, match='has no <mask>'):
     filler.fill(['ein hund'])
   maps = visualize.self_attention_maps(workdir, ['ein <mask> hund .'])
