@@ -84,7 +84,8 @@ def bench_config(name, peak, matmul, check_xla):
   config = load_config(name)
   vocab = _VOCAB.value or config.vocab_size
   task = lm.task_of(config)
-  model = lm.build(task, model_lib.ModelConfig.from_config(config, vocab, architecture=lm.ARCHITECTURES[task]), mask_id=4)
+  model_config = model_lib.ModelConfig.from_config(config, vocab, architecture=lm.ARCHITECTURES[task])
+  model = lm.build(task, model_config, mask_id=4)
   optimizer, schedule = train_step_lib.make_optimizer(config)
   mesh = sharding.mesh_from_config(config)
   state, state_sharding = train_step_lib.create_state(model, optimizer, config, mesh)

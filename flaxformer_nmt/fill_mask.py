@@ -129,8 +129,8 @@ def main(argv):
   checkpoints_lib.quiet_orbax_logs()
   try:
     filler = FillMask(FLAGS.workdir, FLAGS.checkpoint)
-    texts = list(argv[1:]) or [line for chunk in decode._read_chunks(FLAGS.input, 1 << 30)  # pylint: disable=protected-access
-                               for line in chunk if line.strip()]
+    read = decode._read_chunks  # pylint: disable=protected-access
+    texts = list(argv[1:]) or [line for chunk in read(FLAGS.input, 1 << 30) for line in chunk if line.strip()]
     for start in range(0, len(texts), 256):
       chunk = texts[start:start + 256]
       for text, per_mask in zip(chunk, filler.fill(chunk, top_k=FLAGS.top_k)):

@@ -187,7 +187,8 @@ def main(argv):
     if FLAGS.prompt is not None:
       prompts = list(FLAGS.prompt)
     else:
-      prompts = [line for chunk in decode._read_chunks(FLAGS.input, 1 << 30) for line in chunk]  # pylint: disable=protected-access
+      read = decode._read_chunks  # pylint: disable=protected-access
+      prompts = [line for chunk in read(FLAGS.input, 1 << 30) for line in chunk]
     logging.info('Generating from %s of %s', generator.checkpoint, FLAGS.workdir)
     options = dict(max_new_tokens=FLAGS.max_new_tokens, greedy=FLAGS.greedy, temperature=FLAGS.temperature,
                    top_k=FLAGS.top_k, top_p=FLAGS.top_p, num_samples=FLAGS.num_samples, seed=FLAGS.seed,

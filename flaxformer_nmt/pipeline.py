@@ -38,7 +38,8 @@ def input_pipeline(config, workdir, num_devices):
   eval_corpus = tokenize(eval_pairs, cache_dir=epath.Path(workdir) / 'tokenized' / config.eval_split)
   max_length = min(config.max_length, config.packed_length) if config.packed_length else config.max_length
   if lm.task_of(config) != 'translation':  # monolingual text: long lines are cut, not dropped
-    train_corpus, eval_corpus = data_lib.split_long(train_corpus, max_length), data_lib.split_long(eval_corpus, max_length)
+    train_corpus = data_lib.split_long(train_corpus, max_length)
+    eval_corpus = data_lib.split_long(eval_corpus, max_length)
   train_examples = train_corpus.usable(max_length)
   logging.info('Training pairs: %d of %d kept (at most %d tokens a side) from %s; validation pairs: %d',
                len(train_examples), len(train_corpus), max_length, train_pairs.description,

@@ -42,7 +42,8 @@ _LAYER = {
                   ('self_attention/qkv/kernel', (8, 24))],
     'decoder_0': [('cross_attention/kv/kernel', (8, 16)), ('cross_attention/output/kernel', (8, 8)),
                   ('cross_attention/query/kernel', (8, 8)), ('cross_block/norm/bias', (8,)),
-                  ('cross_block/norm/scale', (8,)), ('feed_forward/wi/bias', (16,)), ('feed_forward/wi/kernel', (8, 16)),
+                  ('cross_block/norm/scale', (8,)), ('feed_forward/wi/bias', (16,)),
+                  ('feed_forward/wi/kernel', (8, 16)),
                   ('feed_forward/wo/bias', (8,)), ('feed_forward/wo/kernel', (16, 8)),
                   ('feed_forward_block/norm/bias', (8,)), ('feed_forward_block/norm/scale', (8,)),
                   ('self_attention/output/kernel', (8, 8)), ('self_attention/qkv/kernel', (8, 24)),
@@ -84,7 +85,8 @@ def test_no_information_flows_from_future_tokens():
   for t in range(tokens.shape[1] - 1):
     # Every token after t replaced by another one (never by itself).
     later = np.asarray(tokens[0, t + 1:])
-    changed = tokens.at[0, t + 1:].set(jnp.asarray(5 + (later - 5 + rng.integers(1, VOCAB - 5, later.size)) % (VOCAB - 5)))
+    other = 5 + (later - 5 + rng.integers(1, VOCAB - 5, later.size)) % (VOCAB - 5)
+    changed = tokens.at[0, t + 1:].set(jnp.asarray(other))
     changed = np.asarray(model.apply({'params': params}, changed))
     np.testing.assert_allclose(changed[0, :t + 1], logits[0, :t + 1], atol=1e-5)
     assert not np.allclose(changed[0, t + 1], logits[0, t + 1], atol=1e-5)
