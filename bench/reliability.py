@@ -153,8 +153,7 @@ def storage_full_trial(root, source):
   store.close()
   store = checkpoints_lib.Checkpoints(workdir, keep=3)
   listed = store.steps()
-  restored, _ = store.restore_newest_good(checkpoints_lib.abstract_like(jax.tree_util.tree_map(
-      np.asarray, state)))
+  restored, _ = store.restore_newest_good(checkpoints_lib.abstract_like(jax.device_put(state)))
   ok = error is not None and max(listed) == newest and int(restored.step) == newest and all(
       p in listing(workdir / 'checkpoints') for p in before)
   row = ('storage full during a save', f'save of {newest + 5} (ENOSPC)',
@@ -169,19 +168,20 @@ def config_change_trials(root, data, source, steps):
   for name, flag, expect_resume in (('grad_clip_norm 0 -> 1.0', '--config.grad_clip_norm=1.0', True),
                                     ('model shape (d_ff 64 -> 48)', '--config.model.d_ff=48', False),
                                     ('vocabulary size 64 -> 80', '--config.vocab_size=80', False)):
-    workdir = root / ('change_' + flag.split('.')[-1].split('=')[0])
+    workdir = root / ('change_' + flag.split('=')[0].split('.')[-1])
     shutil.copytree(source, workdir)
-    before = listing(workdir)
+    before, old_steps = listing(workdir), steps_of(workdir)
     result = run(command(data, workdir, steps + 5, flag))
-    moved = not (workdir / 'corrupt_checkpoints').exists() and all(p in listing(workdir) for p in before)
     last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else ''
-    if expect_resume:
-      outcome = f'resumed, exit {result.returncode}'
-      ok = result.returncode == 0 and moved
+    if expect_resume:  # retention (keep 3) then drops the oldest checkpoint: that is not a move
+      moved = (workdir / 'corrupt_checkpoints').exists()
+      outcome = f'resumed, exit {result.returncode}, checkpoints {old_steps} -> {steps_of(workdir)}'
+      ok = result.returncode == 0 and not moved and steps_of(workdir) == old_steps[1:] + [steps + 5]
     else:
+      moved = (workdir / 'corrupt_checkpoints').exists() or listing(workdir) != before
       outcome = f'exit {result.returncode}: {last[:110]}'
-      ok = result.returncode == 1 and moved and last.startswith('error:')
-    rows.append((f'config change: {name}', 'rerun', outcome, ('nothing moved' if moved else 'MOVED') +
+      ok = result.returncode == 1 and not moved and last.startswith('error:')
+    rows.append((f'config change: {name}', 'rerun', outcome, ('MOVED' if moved else 'nothing moved') +
                  ('' if ok else ' UNEXPECTED')))
     print(' | '.join(rows[-1]), flush=True)
   return rows
