@@ -60,6 +60,14 @@ def base_config():
   # Padded lengths are rounded up to one of these, so the train step compiles once per bucket.
   c.length_buckets = (8, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
   c.seed = 0
+  # Rows of every planned training batch are a multiple of this. The plan (and so an exact resume) depends on
+  # it, never on the machine: batches are padded with empty rows to a multiple of devices x microbatches,
+  # which a multiple of the device count here avoids.
+  c.batch_rows_multiple = 1
+  # A checkpoint's data position belongs to the batching it was planned with (tokens_per_batch, length_buckets,
+  # max_length, packed_length, batch_rows_multiple, the training data): resuming with another is an error,
+  # unless this is True, which continues in the same epoch with the new batches (and a warning).
+  c.allow_batching_change = False
   # Threads sentencepiece tokenizes with (0 = all cores); the ids are cached in {workdir}/tokenized/.
   c.tokenize_threads = 0
   # Batches padded ahead of the train step by a background thread (0 = build them in the loop).

@@ -327,12 +327,27 @@ def plan_batches(lengths, buckets, tokens_per_batch, multiple_of, order):
   return plan
 
 
+def layout_rows(rows, pad_rows_to):
+  """Rows of a planned batch as the devices take it: padded with empty (all-PAD) rows up to a multiple of
+  `pad_rows_to`. Empty rows have no targets, so they add nothing to the loss, its gradient or its count."""
+  return -(-rows // pad_rows_to) * pad_rows_to
+
+
 def host_slice(members, rows, process_index, process_count):
   """This host's part of a global batch's members, and its number of rows."""
   if rows % process_count:
     raise ValueError(f'{rows} rows cannot be split over {process_count} hosts')
   host_rows = rows // process_count
   return members[process_index * host_rows:(process_index + 1) * host_rows], host_rows
+
+
+class BatchingError(DataError):
+  """A checkpoint's data position that belongs to other batches than the config now plans."""
+
+
+# What the saved data position depends on, by config field (besides the seed): a change moves every batch.
+BATCHING_FIELDS = ('tokens_per_batch', 'length_buckets', 'max_length', 'packed_length', 'batch_rows_multiple',
+                   'training_examples')
 
 
 class TrainBatches:
@@ -342,17 +357,29 @@ class TrainBatches:
   bucket, and the batches shuffled again, so a restart at {'epoch': e, 'batch': b} yields exactly the
   batches an uninterrupted run would have. Batches are padded `prefetch` ahead of the train step by a
   thread; the position is that of the batches handed out, not of those built ahead.
+
+  The plan depends only on the examples, the seed and the batching settings (token budget, buckets, packed
+  length, and `multiple_of`, the row granularity), never on the machine: the devices and hosts only decide
+  how a planned batch is laid out, padded with empty rows to a multiple of `pad_rows_to` (devices x
+  microbatches) and split over hosts. So a run resumed on another number of devices or hosts, or with other
+  gradient accumulation, trains on the same global batches. The position is saved with the batching
+  settings, and `restore` refuses a position planned with other ones.
   """
 
-  def __init__(self, corpus, *, tokens_per_batch, buckets, seed, multiple_of=1, examples=None,
-               process_index=0, process_count=1, prefetch=2, packed_length=0):
+  def __init__(self, corpus, *, tokens_per_batch, buckets, seed, multiple_of=1, pad_rows_to=1, examples=None,
+               process_index=0, process_count=1, prefetch=2, packed_length=0, max_length=None):
     self.corpus = corpus
     self.examples = np.arange(len(corpus)) if examples is None else np.asarray(examples)
     self.tokens_per_batch = tokens_per_batch
     self.buckets = tuple(buckets)
     self.seed = seed
     self.multiple_of = multiple_of
+    # Every host must get the same number of rows: the layout is a multiple of the host count too.
+    self.pad_rows_to = int(np.lcm(pad_rows_to, process_count))
     self.process_index, self.process_count = process_index, process_count
+    self.batching = {'tokens_per_batch': int(tokens_per_batch), 'length_buckets': [int(b) for b in self.buckets],
+                     'max_length': max_length, 'packed_length': int(packed_length),
+                     'batch_rows_multiple': int(multiple_of), 'training_examples': int(self.examples.size)}
     self.prefetch = prefetch
     self.lengths = corpus.lengths()
     # > 0: several examples per row of this many tokens (packing.py), every batch one shape.
@@ -365,13 +392,37 @@ class TrainBatches:
     self._worker = None
 
   def state(self):
-    return {'epoch': self.epoch, 'batch': self.batch, 'seed': self.seed}
+    """The position of the batches handed out, with what their plan depends on."""
+    return {'epoch': self.epoch, 'batch': self.batch, 'seed': self.seed, 'batching': dict(self.batching),
+            'batches_in_epoch': len(self.plan(self.epoch))}
 
-  def restore(self, state):
+  def restore(self, state, allow_batching_change=False):
+    """Continues from a saved position. A position planned with other batching settings points into other
+    batches: that is a BatchingError naming the settings, unless `allow_batching_change`, which continues in
+    the same epoch at the same fraction of it, with a warning."""
     if state['seed'] != self.seed:
-      raise ValueError(f"checkpointed data seed {state['seed']} differs from the config's seed {self.seed}")
+      raise BatchingError(f"the checkpoint's data position was planned with config.seed={state['seed']}, now "
+                          f'{self.seed}: resume with the original seed, or start a new --workdir')
     self.close()
-    self.epoch, self.batch = int(state['epoch']), int(state['batch'])
+    epoch, batch = int(state['epoch']), int(state['batch'])
+    saved = state.get('batching')
+    if saved is None:
+      logging.warning('The checkpoint\'s data position (epoch %d, batch %d) was saved without its batching '
+                      'settings (an older checkpoint): assuming they are unchanged.', epoch, batch)
+    changed = [f'config.{field} was {saved.get(field)!r}, now {value!r}' for field, value in self.batching.items()
+               if saved is not None and saved.get(field) != value]
+    if changed and not allow_batching_change:
+      raise BatchingError(
+          f"the checkpoint's data position (epoch {epoch}, batch {batch}) belongs to other batches: "
+          f"{'; '.join(changed)}. Restore the setting to resume exactly, or pass "
+          '--config.allow_batching_change=true to continue in the same epoch with the new batches.')
+    if changed:
+      new_batches = len(self.plan(epoch))
+      batch = min(round(batch / max(int(state.get('batches_in_epoch') or 0), 1) * new_batches), new_batches)
+      logging.warning('Batching changed (%s; --config.allow_batching_change): continuing in epoch %d at batch '
+                      '%d of %d, the same fraction of the epoch; the batches differ from those of an '
+                      'uninterrupted run.', '; '.join(changed), epoch, batch, new_batches)
+    self.epoch, self.batch = epoch, batch
 
   def plan(self, epoch):
     """The global batches of `epoch`: [(padded length, rows, member example indices)]."""
@@ -400,7 +451,7 @@ class TrainBatches:
   def host_members(self, epoch, batch):
     """This host's example indices of the batch at (epoch, batch) (packed: its rows), and its number of rows."""
     _, rows, members = self.plan(epoch)[batch]
-    return host_slice(members, rows, self.process_index, self.process_count)
+    return host_slice(members, layout_rows(rows, self.pad_rows_to), self.process_index, self.process_count)
 
   def _build(self, epoch, batch):
     """(the batch at this position, the position after it)."""

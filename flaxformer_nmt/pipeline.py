@@ -16,7 +16,12 @@ from flaxformer_nmt import tokenizer as tokenizer_lib
 
 
 def input_pipeline(config, workdir, num_devices):
-  """(train batches, eval batches factory, tokenizer); batch rows are a multiple of `num_devices`."""
+  """(train batches, eval batches factory, tokenizer).
+
+  Training batches are planned from the data and the batching settings alone (config.batch_rows_multiple
+  rows at a time), then padded with empty rows to a multiple of `num_devices` (devices x microbatches);
+  validation batches have rows in multiples of `num_devices`.
+  """
   if config.data_source == 'tfds':
     # Process 0 downloads and prepares; the others find it prepared (shared storage) or prepare their own.
     if distributed.is_leader():
@@ -46,8 +51,14 @@ def input_pipeline(config, workdir, num_devices):
                len(eval_corpus.usable()))
   train_batches = data_lib.TrainBatches(
       train_corpus, examples=train_examples, tokens_per_batch=config.tokens_per_batch,
-      buckets=config.length_buckets, seed=config.seed, multiple_of=num_devices, prefetch=config.prefetch_batches,
-      packed_length=config.packed_length, **hosts)
+      buckets=config.length_buckets, seed=config.seed, multiple_of=config.batch_rows_multiple,
+      pad_rows_to=num_devices, prefetch=config.prefetch_batches, packed_length=config.packed_length,
+      max_length=max_length, **hosts)
+  if config.batch_rows_multiple % num_devices:
+    logging.info('Training batches are planned in multiples of %d rows (config.batch_rows_multiple) and padded '
+                 'with empty rows to a multiple of %d (devices x microbatches); a batch_rows_multiple that '
+                 '%d divides avoids the padding (a new plan: set it when starting a run).',
+                 config.batch_rows_multiple, num_devices, num_devices)
   eval_batches = functools.partial(data_lib.eval_batches, eval_corpus, tokens_per_batch=config.tokens_per_batch,
                                    buckets=config.length_buckets, multiple_of=num_devices, **hosts)
   return train_batches, eval_batches, tokenizer

@@ -67,9 +67,9 @@ def set_up(config, workdir):
   num_devices = mesh.devices.size
   logging.info('Mesh %s over %d devices (%s) in %d processes', dict(mesh.shape), num_devices,
                jax.devices()[0].device_kind, jax.process_count())
-  # Batch rows: a multiple of the device count times the microbatches, so that every device gets the same
-  # number of rows in every microbatch.
   warm_start.adopt_vocabulary(config, workdir)  # a fine-tuning run starts with its source's vocabulary
+  # The global batches are planned without looking at the machine; each is padded with empty rows to a
+  # multiple of the device count times the microbatches, so every device gets the same rows per microbatch.
   train_batches, eval_batches, tokenizer = input_pipeline(
       config, workdir, num_devices=sharding.rows_multiple(mesh) * config.grad_accumulation_steps)
 
@@ -81,7 +81,7 @@ def set_up(config, workdir):
   restored = checkpoints.restore_newest_good(checkpoints_lib.abstract_like(state), tokenizer.sha256)
   if restored is not None:
     state, data_state = restored
-    train_batches.restore(data_state)
+    train_batches.restore(data_state, allow_batching_change=config.allow_batching_change)
     if config.init_from:
       logging.info('Resuming this workdir; config.init_from=%s is ignored (it only starts new runs)', config.init_from)
   elif config.init_from:

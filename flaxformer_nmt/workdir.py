@@ -50,7 +50,7 @@ def validate_config(config):
                         f'{config.model.max_position}: positions past it would all share its encoding. Lower '
                         f'{field} or raise model.max_position (a new model).')
   for field in ('tokens_per_batch', 'log_every_steps', 'eval_every_steps', 'checkpoint_every_steps',
-                'grad_accumulation_steps'):
+                'grad_accumulation_steps', 'batch_rows_multiple'):
     if config[field] <= 0:
       raise ConfigError(f'config.{field} must be positive, not {config[field]}')
   # The model's dtype and attention rules for this machine (cuDNN's shape and dtype limits among them), checked

@@ -1,0 +1,153 @@
+"""Exact resume on another machine: the global batches do not depend on the devices, hosts or gradient
+accumulation; a data position saved with other batching settings is refused (or, when allowed, continued in
+the same epoch with a warning)."""
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import small_config
+from flaxformer_nmt import checkpoints as checkpoints_lib
+from flaxformer_nmt import data as data_lib
+from flaxformer_nmt import train
+from flaxformer_nmt.tokenizer import EOS_ID, PAD_ID
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUCKETS = (8, 16, 32, 48)
+
+
+def numbered_corpus(lengths):
+  """Example i is the token 100 + i repeated (then EOS): every row says which example it holds."""
+  source = [[100 + i] * (n - 1) + [EOS_ID] for i, n in enumerate(lengths)]
+  target = [[100 + i] * (n - 1) + [EOS_ID] for i, n in enumerate(lengths)]
+  return data_lib.TokenizedCorpus.from_lists(source, target)
+
+
+def global_rows(hosts_batches):
+  """The non-empty rows of a global batch (the hosts' rows in process order), as example numbers."""
+  src = np.concatenate([b['src'] for b in hosts_batches])
+  assert all(b['src'].shape == hosts_batches[0]['src'].shape for b in hosts_batches)
+  return [int(row[0]) - 100 for row in src if (row != PAD_ID).any()], src.shape
+
+
+@pytest.mark.parametrize('packed_length', [0, 32])
+def test_global_batches_are_the_same_for_any_devices_hosts_and_accumulation(packed_length):
+  corpus = numbered_corpus(np.random.default_rng(0).integers(2, 30, size=300))
+  make = lambda pad_rows_to, p=0, hosts=1: data_lib.TrainBatches(
+      corpus, tokens_per_batch=200, buckets=BUCKETS, seed=3, pad_rows_to=pad_rows_to, process_index=p,
+      process_count=hosts, prefetch=0, packed_length=packed_length)
+  reference = make(1)
+  steps = reference.batches_per_epoch() + 5  # into the second epoch
+  expected = [global_rows([next(reference)])[0] for _ in range(steps)]
+  # 3 devices, 8 devices x 2 microbatches, 2 hosts of 2 devices, 4 hosts of 1 device x 3 microbatches.
+  for pad_rows_to, hosts in ((3, 1), (16, 1), (4, 2), (12, 4)):
+    iterators = [make(pad_rows_to, p, hosts) for p in range(hosts)]
+    for want in expected:
+      got, (rows, _) = global_rows([next(it) for it in iterators])
+      assert got == want
+      assert rows % pad_rows_to == 0  # every device (and microbatch) gets the same number of rows
+
+
+def test_a_changed_batching_is_refused_naming_the_setting_or_continued_in_the_same_epoch_when_allowed(caplog):
+  corpus = numbered_corpus(np.random.default_rng(1).integers(2, 30, size=300))
+  make = lambda **kw: data_lib.TrainBatches(corpus, **{**dict(tokens_per_batch=200, buckets=BUCKETS, seed=3,
+                                                              prefetch=0, max_length=64), **kw})
+  first = make()
+  for _ in range(first.batches_per_epoch() + 4):
+    next(first)
+  state = json.loads(json.dumps(first.state()))  # as a checkpoint stores it
+  assert state['epoch'] == 1 and state['batch'] == 4
+  # Another device count or accumulation (the layout) resumes where it was, with the same batches.
+  moved = make(pad_rows_to=4)
+  moved.restore(state)
+  assert (moved.epoch, moved.batch) == (1, 4)
+  for change, field in ((dict(tokens_per_batch=400), 'config.tokens_per_batch was 200, now 400'),
+                        (dict(buckets=(8, 16, 48)), 'config.length_buckets was [8, 16, 32, 48], now [8, 16, 48]'),
+                        (dict(max_length=32), 'config.max_length was 64, now 32'),
+                        (dict(multiple_of=8), 'config.batch_rows_multiple was 1, now 8')):
+    with pytest.raises(data_lib.BatchingError, match=field.replace('[', r'\[').replace(']', r'\]')):
+      make(**change).restore(state)
+  with pytest.raises(data_lib.BatchingError, match='config.seed=3, now 4'):
+    make(seed=4).restore(state)
+  # Allowed: the same epoch, at the same fraction of it (4 of the old epoch's batches), with a warning.
+  doubled = make(tokens_per_batch=400)
+  with caplog.at_level(logging.WARNING):
+    doubled.restore(state, allow_batching_change=True)
+  assert doubled.epoch == 1
+  assert doubled.batch == round(4 / state['batches_in_epoch'] * doubled.batches_per_epoch())
+  assert any('Batching changed (config.tokens_per_batch was 200, now 400' in r.getMessage() for r in caplog.records)
+  # A position saved before the settings were recorded is taken as it is, with a warning.
+  old = make()
+  old.restore({'epoch': 1, 'batch': 4, 'seed': 3})
+  assert (old.epoch, old.batch) == (1, 4)
+
+
+def resume_config(toy_corpus):
+  config = small_config(toy_corpus)
+  config.num_train_steps = 12
+  config.log_every_steps = 1
+  config.checkpoint_every_steps = 6
+  config.eval_every_steps = 1000
+  config.prefetch_batches = 0
+  return config
+
+
+def cli_args(config, workdir):
+  args = [sys.executable, '-m', 'flaxformer_nmt.train', f'--config={REPO}/configs/multi30k.py', f'--workdir={workdir}']
+  for key, value in config.items():
+    if key == 'model':
+      args += [f'--config.model.{k}={v}' for k, v in value.items()]
+    else:
+      args.append(f'--config.{key}={value if not isinstance(value, tuple) else str(value).replace(" ", "")}')
+  return args
+
+
+def logged_losses(workdir):
+  lines = [json.loads(l) for l in (workdir / 'metrics.jsonl').read_text().splitlines()]
+  return {m['step']: m['train/loss'] for m in lines if 'train/loss' in m}
+
+
+@pytest.mark.slow
+def test_resuming_on_three_devices_continues_the_one_device_run(toy_corpus, tmp_path):
+  """6 steps on 1 device, then steps 7..12 on 3 virtual devices (batches of 16 or 32 rows padded to 18 or 33),
+  against 12 steps on 1 device: the same loss at every step and the same parameters, to reduction order."""
+  config = resume_config(toy_corpus)
+  straight, moved = tmp_path / 'straight', tmp_path / 'moved'
+  train.train_and_evaluate(config, straight)
+  config.num_train_steps = 6
+  train.train_and_evaluate(config, moved)
+  config.num_train_steps = 12
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=3', JAX_PLATFORMS='cpu',
+             PYTHONPATH=os.pathsep.join([REPO, os.environ.get('PYTHONPATH', '')]))
+  result = subprocess.run(cli_args(config, moved), env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'over 3 devices' in result.stderr and 'Starting at step 6' in result.stderr
+  want, got = logged_losses(straight), logged_losses(moved)
+  assert sorted(got) == sorted(want) == list(range(1, 13))
+  np.testing.assert_allclose([got[s] for s in range(7, 13)], [want[s] for s in range(7, 13)], rtol=2e-5)
+  load = lambda w: checkpoints_lib.Checkpoints(w, keep=0).restore_params(12)
+  for a, b in zip(jax.tree_util.tree_leaves(load(moved)), jax.tree_util.tree_leaves(load(straight))):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_changed_token_budget_stops_the_resume_unless_allowed(toy_corpus, tmp_path, caplog):
+  config = resume_config(toy_corpus)
+  config.num_train_steps = 3
+  config.checkpoint_every_steps = 3
+  workdir = tmp_path / 'w'
+  train.train_and_evaluate(config, workdir)
+  config.num_train_steps = 5
+  config.tokens_per_batch = 1024
+  with pytest.raises(data_lib.BatchingError, match='config.tokens_per_batch was 512, now 1024'):
+    train.train_and_evaluate(config, workdir)
+  assert checkpoints_lib.Checkpoints(workdir, keep=0).steps() == [3]  # nothing trained, nothing lost
+  config.allow_batching_change = True
+  with caplog.at_level(logging.WARNING):
+    train.train_and_evaluate(config, workdir)
+  assert any('Batching changed (config.tokens_per_batch was 512, now 1024' in r.getMessage() for r in caplog.records)
+  assert checkpoints_lib.Checkpoints(workdir, keep=0).steps()[-1] == 5
