@@ -2,7 +2,17 @@
 
 SIGTERM (a preemption notice) and SIGINT (Ctrl-C) ask the loop to finish its step, save a checkpoint and exit 0,
 so that rerunning the command resumes. Clocks and signals are per host, but every host must take the same
-decision at the same step, or one would wait in a collective (the save) that the others never join.
+decision at the same step, or one would wait in a collective (the save) that the others never join. Without
+a host sync at every step:
+
+- A preemption notice (SIGTERM) on several hosts goes through JAX's preemption sync manager (set up by
+  jax.distributed.initialize): the host that receives it tells the others through the coordination service,
+  they agree on the next step all of them can reach, and `reached_preemption_sync_point` is true at that
+  step on every host. Checking it every step costs no collective.
+- Time limits (max_train_minutes, checkpoint_every_minutes), Ctrl-C, and SIGTERM where the sync manager is
+  off are agreed on every `agree_every_steps` steps (the log interval) by one small all-gather: a time limit
+  can overrun by up to that many steps.
+- On one process everything is decided locally at every step.
 """
 import signal
 import threading
@@ -15,10 +25,15 @@ from jax.experimental import multihost_utils
 
 
 class StopSignal:
-  """SIGTERM/SIGINT (a preemption notice, Ctrl-C) ask the loop to save after the current step and exit 0."""
+  """SIGTERM/SIGINT (a preemption notice, Ctrl-C) ask the loop to save after the current step and exit 0.
 
-  def __init__(self):
+  handle_sigterm=False leaves SIGTERM to JAX's preemption sync manager (a Python handler would replace its
+  handler, and the other hosts would never hear of the notice).
+  """
+
+  def __init__(self, handle_sigterm=True):
     self.received = None
+    self._signals = (signal.SIGTERM, signal.SIGINT) if handle_sigterm else (signal.SIGINT,)
     self._previous = {}
 
   def _handle(self, signum, frame):
@@ -28,7 +43,7 @@ class StopSignal:
 
   def __enter__(self):
     if threading.current_thread() is threading.main_thread():
-      for signum in (signal.SIGTERM, signal.SIGINT):
+      for signum in self._signals:
         self._previous[signum] = signal.signal(signum, self._handle)
     return self
 
@@ -37,20 +52,36 @@ class StopSignal:
       signal.signal(signum, handler)
 
 
+def preemption_sync_available(step):
+  """Whether JAX's preemption sync manager serves this job (several processes joined by jax.distributed, with
+  jax_enable_preemption_service on). Asks it about `step`, the step training starts from, on every host."""
+  if jax.process_count() == 1:
+    return False
+  try:
+    multihost_utils.reached_preemption_sync_point(step)
+    return True
+  except RuntimeError as e:  # the preemption service is off
+    logging.warning('No preemption sync manager (%s): SIGTERM is agreed on with the other hosts every few '
+                    'steps instead.', e)
+    return False
+
+
 class StopDecision:
   """After each step: save now? stop now? (and why), the same on every host.
 
   Saves fall every config.checkpoint_every_steps steps, every config.checkpoint_every_minutes, and at the
   end; the run ends at config.num_train_steps, after config.max_train_minutes, or on a stop signal.
+  `preemption_sync`: a preemption sync manager serves this job (see preemption_sync_available).
   """
 
-  def __init__(self, config, start_time, stop_signal):
+  def __init__(self, config, start_time, stop_signal, preemption_sync=False, agree_every_steps=None):
     self.num_steps, self.every_steps = config.num_train_steps, config.checkpoint_every_steps
+    self.agree_every = agree_every_steps or config.log_every_steps
     self.start_time, self.last_save = start_time, time.time()
     self.time_limit = config.max_train_minutes * 60 if config.max_train_minutes > 0 else float('inf')
     self.save_interval = (config.checkpoint_every_minutes * 60 if config.checkpoint_every_minutes > 0
                           else float('inf'))
-    self.stop_signal = stop_signal
+    self.stop_signal, self.preemption_sync = stop_signal, preemption_sync
     self.reason = None  # why the run stopped: 'config.num_train_steps', 'config.max_train_minutes', 'a stop signal'
 
   @property
@@ -65,12 +96,20 @@ class StopDecision:
     """(save, done) after `step` steps."""
     out_of_time = time.time() - self.start_time >= self.time_limit
     signalled = self.stop_signal.received is not None
-    done = step >= self.num_steps or out_of_time or signalled
-    save = step % self.every_steps == 0 or time.time() - self.last_save >= self.save_interval or done
+    save_by_time = time.time() - self.last_save >= self.save_interval
     if jax.process_count() > 1:
-      # A stop seen by any host stops (and saves) them all.
-      save, done, out_of_time, signalled = (bool(x) for x in multihost_utils.process_allgather(
-          np.array([save, done, out_of_time, signalled])).any(axis=0))
+      preempted = self.preemption_sync and multihost_utils.reached_preemption_sync_point(step)
+      if preempted:
+        logging.warning('Preemption notice on a host: every host saves at step %d and exits.', step)
+      if step % self.agree_every == 0:
+        # Any host's clock or signal decides for all of them.
+        out_of_time, signalled, save_by_time = (bool(x) for x in multihost_utils.process_allgather(
+            np.array([out_of_time, signalled, save_by_time])).any(axis=0))
+      else:
+        out_of_time = signalled = save_by_time = False
+      signalled = signalled or preempted
+    done = step >= self.num_steps or out_of_time or signalled
+    save = step % self.every_steps == 0 or save_by_time or done
     if done:
       self.reason = ('a stop signal' if signalled else 'config.max_train_minutes' if out_of_time
                      else 'config.num_train_steps')

@@ -135,8 +135,9 @@ def train_and_evaluate(config, workdir):
                run.train_batches.batches_per_epoch())
   interval = metrics_lib.TrainInterval(run.throughput, config.skip_nonfinite_updates)
   last = {}
-  with preemption.StopSignal() as stop_signal:
-    decision = preemption.StopDecision(config, start_time, stop_signal)
+  preemption_sync = preemption.preemption_sync_available(step)
+  with preemption.StopSignal(handle_sigterm=not preemption_sync) as stop_signal:
+    decision = preemption.StopDecision(config, start_time, stop_signal, preemption_sync)
     while step < config.num_train_steps:
       batch = interval.next_batch(run.train_batches)
       run.profiler.before_step(step)

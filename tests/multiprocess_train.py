@@ -1,7 +1,9 @@
 """Helper for test_distributed.py: one of several training processes on this machine (CPU), joined through
 jax.distributed as the hosts of a cluster are (distributed.initialize with an explicit coordinator).
 
-  python tests/multiprocess_train.py PORT PROCESS_ID NUM_PROCESSES DATA_DIR WORKDIR NUM_STEPS
+  python tests/multiprocess_train.py PORT PROCESS_ID NUM_PROCESSES DATA_DIR WORKDIR NUM_STEPS [FIELD=INT ...]
+
+Prints `RESULT process=I devices=D step=S loss=L`, S being the newest checkpoint's step.
 """
 import os
 import sys
@@ -13,7 +15,7 @@ from conftest import small_config  # pylint: disable=wrong-import-position
 
 
 def main():
-  port, process_id, num_processes, data_dir, workdir, num_steps = sys.argv[1:]
+  port, process_id, num_processes, data_dir, workdir, num_steps = sys.argv[1:7]
   import jax  # pylint: disable=g-import-not-at-top
   from flaxformer_nmt import distributed, train  # pylint: disable=g-import-not-at-top
   assert distributed.initialize('auto', f'localhost:{port}', int(num_processes), int(process_id))
@@ -21,8 +23,12 @@ def main():
   config = small_config(data_dir)
   config.num_train_steps = int(num_steps)
   config.average_last_checkpoints = 2  # the collective averaging at the end
+  for override in sys.argv[7:]:
+    field, value = override.split('=')
+    config[field] = int(value)
   metrics = train.train_and_evaluate(config, workdir)
-  print(f'RESULT process={jax.process_index()} devices={jax.device_count()} step={num_steps} '
+  step = max(int(p) for p in os.listdir(os.path.join(workdir, 'checkpoints')) if p.isdigit())
+  print(f'RESULT process={jax.process_index()} devices={jax.device_count()} step={step} '
         f'loss={metrics["train/loss"]:.6f}', flush=True)
 
 

@@ -2,9 +2,11 @@
 both, resume; the resumed run ends where an uninterrupted two-process run ends."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -22,20 +24,24 @@ def free_port():
     return s.getsockname()[1]
 
 
-def run_processes(data_dir, workdir, num_steps, num_processes=2):
-  """Starts every process of a job, waits for all; returns their printed RESULT lines."""
+def start_processes(data_dir, workdir, num_steps, num_processes=2, overrides=()):
   port = free_port()
   env = dict(os.environ, JAX_PLATFORMS='cpu',
              PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get('PYTHONPATH', '')]))
   env.pop('XLA_FLAGS', None)  # one CPU device per process
-  procs = [subprocess.Popen([sys.executable, os.path.join(HERE, 'multiprocess_train.py'), str(port), str(i),
-                             str(num_processes), str(data_dir), str(workdir), str(num_steps)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(num_processes)]
+  return [subprocess.Popen([sys.executable, os.path.join(HERE, 'multiprocess_train.py'), str(port), str(i),
+                            str(num_processes), str(data_dir), str(workdir), str(num_steps), *overrides],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+          for i in range(num_processes)]
+
+
+def run_processes(data_dir, workdir, num_steps, num_processes=2, overrides=(), procs=None):
+  """Starts every process of a job (or takes `procs`, started), waits for all; returns their RESULT lines."""
+  procs = procs or start_processes(data_dir, workdir, num_steps, num_processes, overrides)
   outputs = []
   for proc in procs:
     try:
-      out, _ = proc.communicate(timeout=300)
+      out, _ = proc.communicate(timeout=900)
     except subprocess.TimeoutExpired:
       for p in procs:
         p.kill()
@@ -72,6 +78,34 @@ def test_two_processes_train_checkpoint_restart_and_resume(toy_corpus, tmp_path)
   assert resumed[0].split('loss=')[1] == uninterrupted[0].split('loss=')[1]
   for a, b in zip(jax.tree_util.tree_leaves(params_at(workdir, 20)),
                   jax.tree_util.tree_leaves(params_at(straight, 20))):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_makes_both_save_the_same_step_and_the_resume_is_exact(toy_corpus, tmp_path):
+  """A preemption notice reaches one host only: JAX's preemption sync manager tells the other, both save the
+  same step (no host sync per step) and exit 0; the resumed job ends where an uninterrupted one ends."""
+  workdir, straight = tmp_path / 'run', tmp_path / 'straight'
+  overrides = ('checkpoint_every_steps=100000', 'eval_every_steps=100000', 'log_every_steps=5')
+  procs = start_processes(toy_corpus, workdir, 100000, overrides=overrides)
+  metrics = workdir / 'metrics.jsonl'
+  deadline = time.time() + 400
+  while not (metrics.exists() and metrics.read_text().strip()):  # training has started on both
+    assert time.time() < deadline and all(p.poll() is None for p in procs)
+    time.sleep(0.1)
+  procs[1].send_signal(signal.SIGTERM)
+  stopped = run_processes(toy_corpus, workdir, 100000, procs=procs)  # both exited 0
+  steps = checkpoints_lib.Checkpoints(workdir).steps()
+  assert len(steps) == 1 and 5 <= steps[0] < 100000  # one checkpoint, the preemption's, by both processes
+  assert {line.split('step=')[1].split()[0] for line in stopped} == {str(steps[0])}
+  assert not (workdir / 'averaged').exists()  # a paused run is resumed, not averaged
+
+  end = steps[0] + 6
+  resumed = run_processes(toy_corpus, workdir, end, overrides=overrides)
+  uninterrupted = run_processes(toy_corpus, straight, end, overrides=overrides)
+  assert resumed[0].split('loss=')[1] == uninterrupted[0].split('loss=')[1]
+  for a, b in zip(jax.tree_util.tree_leaves(params_at(workdir, end)),
+                  jax.tree_util.tree_leaves(params_at(straight, end))):
     np.testing.assert_array_equal(a, b)
 
 
