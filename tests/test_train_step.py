@@ -1,8 +1,9 @@
-"""Loss, schedule and one optimizer step, against hand computations."""
+"""Loss, schedule and optimizer steps, against hand computations (NumPy loops and the paper's formulas)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from conftest import tiny_model
 from flaxformer_nmt import config as config_lib
@@ -49,20 +50,42 @@ def test_schedule_equals_the_paper_formula():
   np.testing.assert_allclose(ts.paper_schedule(512, 4000)(3999), peak, rtol=1e-5)
 
 
-def test_optimizer_is_adam_with_paper_betas_on_the_schedule():
+def numpy_adam_on_the_paper_schedule(params, grads_per_step, d_model, warmup, scale, b1, b2, eps):
+  """Adam with bias correction (Kingma & Ba, Algorithm 1), lr_t = scale * d^-0.5 * min(t^-0.5, t * w^-1.5)."""
+  params = np.asarray(params, np.float64)
+  m, v = np.zeros_like(params), np.zeros_like(params)
+  for t, g in enumerate(grads_per_step, start=1):
+    g = np.asarray(g, np.float64)
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    m_hat, v_hat = m / (1 - b1 ** t), v / (1 - b2 ** t)
+    lr = scale * d_model ** -0.5 * min(t ** -0.5, t * warmup ** -1.5)
+    params = params - lr * m_hat / (np.sqrt(v_hat) + eps)
+  return params
+
+
+@pytest.mark.parametrize('b1,b2,eps', [(0.9, 0.98, 1e-9), (0.8, 0.9, 1e-3)])
+def test_optimizer_is_adam_with_bias_correction_on_the_paper_schedule(b1, b2, eps):
+  """Several steps with gradients of changing sign and size (Adam's first step is sign(g) whatever the moments,
+  so only later steps see beta2 and epsilon), across the warmup peak; eps = 1e-3 on gradients of that size."""
   c = config_lib.base_config()
-  c.warmup_steps = 10
-  tx, schedule = ts.make_optimizer(c)
-  params = {'w': jnp.array([1.0, -2.0])}
-  grads = {'w': jnp.array([0.5, 0.25])}
+  c.model.d_model, c.warmup_steps, c.learning_rate_scale = 64, 3, 2.0
+  c.adam_b1, c.adam_b2, c.adam_eps = b1, b2, eps
+  tx, _ = ts.make_optimizer(c)
+  rng = np.random.default_rng(0)
+  grads_per_step = [rng.normal(size=4) * 10.0 ** rng.uniform(-4, 0, size=4) for _ in range(8)]
+  params = {'w': jnp.array([1.0, -2.0, 0.5, 3.0])}
   state = tx.init(params)
-  updates, _ = tx.update(grads, state, params)
-  # First Adam step: m_hat = g, v_hat = g^2, update = -lr * g / (|g| + eps) = -lr * sign(g).
-  lr = float(schedule(0))
-  np.testing.assert_allclose(updates['w'], -lr * np.sign([0.5, 0.25]), rtol=1e-6)
-  reference = optax.adam(schedule, b1=0.9, b2=0.98, eps=1e-9)
-  r_updates, _ = reference.update(grads, reference.init(params), params)
-  np.testing.assert_allclose(updates['w'], r_updates['w'])
+  for g in grads_per_step:
+    updates, state = tx.update({'w': jnp.asarray(g, jnp.float32)}, state, params)
+    params = optax.apply_updates(params, updates)
+  expected = numpy_adam_on_the_paper_schedule([1.0, -2.0, 0.5, 3.0], grads_per_step, 64, 3, 2.0, b1, b2, eps)
+  np.testing.assert_allclose(params['w'], expected, rtol=1e-5, atol=1e-7)
+  # The reference is sensitive to what it checks: another beta2 or epsilon moves the result beyond tolerance.
+  for other in (dict(b2=0.999), dict(eps=max(eps * 100, 1e-5))):
+    args = {**dict(b1=b1, b2=b2, eps=eps), **other}
+    moved = numpy_adam_on_the_paper_schedule([1.0, -2.0, 0.5, 3.0], grads_per_step, 64, 3, 2.0, **args)
+    assert not np.allclose(moved, expected, rtol=1e-5, atol=1e-7)
 
 
 def test_train_step_lowers_the_loss_on_a_repeated_batch():
