@@ -36,7 +36,9 @@ from flaxformer_nmt import train_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLATFORMS = ('cuda', 'tpu')
-MESH = jax.sharding.AbstractMesh((4, 2), sharding.MESH_AXES)  # data 4 x fsdp 2: eight devices that need not exist
+# data 4 x fsdp 2: eight devices that need not exist. Auto axes, as sharding.make_mesh's Mesh has (AbstractMesh
+# defaults to Explicit axes from jax 0.12 on, where linen's embedding gather would need an out_sharding).
+MESH = jax.sharding.AbstractMesh((4, 2), sharding.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
 ROWS, LENGTH = 64, 32  # a batch of 64 rows of 32 tokens a side, split over the 8 devices
 
 
