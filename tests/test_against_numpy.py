@@ -209,8 +209,8 @@ def test_the_loss_is_normalized_by_the_global_target_count_on_two_devices():
       jnp.asarray(batch['tgt_out']), 0.1)[0])(params)
   norm = np.sqrt(sum(float((np.asarray(g, np.float64) ** 2).sum()) for g in jax.tree_util.tree_leaves(grads)))
   np.testing.assert_allclose(report['grad_norm'], norm / count, rtol=1e-4)
-  per_device_mean = [numpy_smoothed_loss_sum(logits[rows], batch['tgt_out'][rows], 0.1) / (batch['tgt_out'][rows] != 0).sum()
-                     for rows in (slice(0, 1), slice(1, 2))]
+  per_device_mean = [numpy_smoothed_loss_sum(logits[rows], batch['tgt_out'][rows], 0.1)
+                     / (batch['tgt_out'][rows] != 0).sum() for rows in (slice(0, 1), slice(1, 2))]
   assert abs(np.mean(per_device_mean) - loss_sum / count) > 0.01  # the test can tell the two normalizers apart
 
 
