@@ -103,11 +103,19 @@ def base_config():
   c.model.remat = 'none'
 
   # --- Optimization: Adam(0.9, 0.98, 1e-9), lr = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5).
+  # learning_rate_schedule 'paper' is that formula; 'inverse_sqrt' is fairseq's: a peak `learning_rate`
+  # reached linearly at warmup_steps, then decaying as peak * sqrt(warmup / step) (learning_rate_scale and
+  # d_model do not enter it).
+  c.learning_rate_schedule = 'paper'
+  c.learning_rate = 0.0  # the peak of 'inverse_sqrt' (fairseq --lr); unused by 'paper'.
   c.learning_rate_scale = 1.0
   c.warmup_steps = 4000
   c.adam_b1 = 0.9
   c.adam_b2 = 0.98
   c.adam_eps = 1e-9
+  # > 0: decoupled weight decay (AdamW; fairseq's Adam --weight-decay): p -= lr * weight_decay * p each step,
+  # on every parameter. The paper uses none.
+  c.weight_decay = 0.0
   c.label_smoothing = 0.1
   c.grad_clip_norm = 0.0  # 0 disables clipping.
   # A step whose loss or gradient is NaN/Inf is never applied. False: stop with an error naming the step
@@ -146,6 +154,21 @@ def base_config():
   # (decode --checkpoint averaged); fewer than K is a warning. The paper: last 5 (base), written every 10
   # minutes; last 20 (big).
   c.average_last_checkpoints = 5
+  # Validation BLEU while training (bleu_eval.py): every eval_bleu_every_steps (0 = off), translate the first
+  # eval_bleu_max_sentences (0 = all) of eval_split with the current parameters, beam eval_bleu_beam_size
+  # (0 = greedy), and log cased sacreBLEU (13a) and, where `{eval_bleu_tok_ref_dir}/{eval_split}.{target_lang}`
+  # exists, lowercased Moses-tokenized BLEU; the translations go to {workdir}/eval/hyp_STEP.txt.
+  c.eval_bleu_every_steps = 0
+  c.eval_bleu_beam_size = 0
+  c.eval_bleu_max_sentences = 0
+  c.eval_bleu_tok_ref_dir = ''
+  # Keep the parameters of the best evaluation in {workdir}/best (never rotated; decode --checkpoint best):
+  # 'bleu' or 'tok_bleu' (highest validation BLEU, needs eval_bleu_every_steps), 'loss' or 'nll' (lowest
+  # validation loss, at each eval_every_steps); '' = off.
+  c.best_checkpoint_metric = ''
+  # Multi30k only: 'multi30k' fetches the corpus (download.py's pinned files, sha256-checked) into data_dir
+  # when its files are absent; '' = never download.
+  c.data_download = ''
 
   # --- Decoding.
   c.beam_size = 4

@@ -32,15 +32,42 @@ def paper_schedule(d_model, warmup_steps, scale=1.0):
   return schedule
 
 
+def inverse_sqrt_schedule(peak, warmup_steps):
+  """fairseq's inverse_sqrt: lr = peak * min(step / warmup, sqrt(warmup / step)), with step = 1 for the first
+  update (fairseq's first update runs at its warmup_init_lr, ~0; here it runs at peak / warmup)."""
+  def schedule(count):
+    step = jnp.asarray(count, jnp.float32) + 1.0
+    return peak * jnp.minimum(step / warmup_steps, jnp.sqrt(warmup_steps / step))
+  return schedule
+
+
+SCHEDULES = ('paper', 'inverse_sqrt')
+
+
+def make_schedule(config):
+  if config.learning_rate_schedule == 'paper':
+    return paper_schedule(config.model.d_model, config.warmup_steps, config.learning_rate_scale)
+  if config.learning_rate_schedule == 'inverse_sqrt':
+    if config.learning_rate <= 0:
+      raise ValueError("config.learning_rate_schedule='inverse_sqrt' needs a peak config.learning_rate > 0")
+    return inverse_sqrt_schedule(config.learning_rate, config.warmup_steps)
+  raise ValueError(f'config.learning_rate_schedule={config.learning_rate_schedule!r}: use one of {SCHEDULES}')
+
+
 def make_optimizer(config):
-  """Adam(b1, b2, eps) on the paper's schedule, after optional global-norm gradient clipping.
+  """Adam(b1, b2, eps) on the configured schedule (decoupled weight decay if config.weight_decay > 0, as
+  fairseq's Adam and optax.adamw apply it: lr * weight_decay * param), after optional gradient clipping.
 
   Clipping is stateless, so it is applied inside Adam's update rather than chained in front of it: the
   optimizer state is Adam's alone with or without clipping, and a run can be resumed with
   --config.grad_clip_norm switched on or off (as the NaN error advises).
   """
-  schedule = paper_schedule(config.model.d_model, config.warmup_steps, config.learning_rate_scale)
-  adam = optax.adam(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
+  schedule = make_schedule(config)
+  if config.weight_decay > 0:
+    adam = optax.adamw(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
+                       weight_decay=config.weight_decay)
+  else:
+    adam = optax.adam(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
   if config.grad_clip_norm > 0:
     clip = optax.clip_by_global_norm(config.grad_clip_norm)
 

@@ -2,6 +2,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import optax
 import pytest
 
@@ -86,6 +87,53 @@ def test_optimizer_is_adam_with_bias_correction_on_the_paper_schedule(b1, b2, ep
     args = {**dict(b1=b1, b2=b2, eps=eps), **other}
     moved = numpy_adam_on_the_paper_schedule([1.0, -2.0, 0.5, 3.0], grads_per_step, 64, 3, 2.0, **args)
     assert not np.allclose(moved, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_inverse_sqrt_schedule_equals_fairseqs_formula():
+  c = config_lib.base_config()
+  c.learning_rate_schedule, c.learning_rate, c.warmup_steps = 'inverse_sqrt', 0.005, 2000
+  c.learning_rate_scale = 7.0  # unused by inverse_sqrt, like d_model
+  schedule = ts.make_schedule(c)
+  for step in (1, 2, 500, 1999, 2000, 2001, 8000, 50_000):
+    expected = 0.005 * min(step / 2000, (2000 / step) ** 0.5)
+    np.testing.assert_allclose(schedule(step - 1), expected, rtol=1e-5)  # optax counts updates from 0
+  np.testing.assert_allclose(schedule(1999), 0.005, rtol=1e-6)  # the peak, at the end of warmup
+  np.testing.assert_allclose(schedule(7999), 0.0025, rtol=1e-5)  # half the peak at 4x warmup
+  c.learning_rate = 0.0
+  with pytest.raises(ValueError, match='learning_rate'):
+    ts.make_schedule(c)
+  c.learning_rate_schedule = 'cosine'
+  with pytest.raises(ValueError, match="'cosine'"):
+    ts.make_schedule(c)
+
+
+def _first_update(c, params, grads):
+  tx, schedule = ts.make_optimizer(c)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  return np.asarray(updates['w']), float(schedule(0))
+
+
+def test_adam_betas_and_decoupled_weight_decay_follow_the_config():
+  params = {'w': jnp.array([1.0, -2.0, 3.0])}
+  g = np.array([0.5, 0.25, -1.0])
+  c = config_lib.base_config()
+  c.warmup_steps = 10
+  c.weight_decay = 0.0
+  plain, lr = _first_update(c, params, {'w': jnp.asarray(g)})
+  c.weight_decay = 0.01
+  decayed, _ = _first_update(c, params, {'w': jnp.asarray(g)})
+  # AdamW (fairseq's Adam): the decay is lr * wd * param, added outside the Adam normalization.
+  np.testing.assert_allclose(decayed - plain, -lr * 0.01 * np.array([1.0, -2.0, 3.0]), rtol=1e-5)
+  # Two steps with a changed gradient expose b1 and b2 (the first Adam step is -lr * sign(g) for any betas).
+  c.weight_decay, c.adam_b1, c.adam_b2, c.adam_eps = 0.0, 0.8, 0.9, 1e-8
+  tx, schedule = ts.make_optimizer(c)
+  state = tx.init(params)
+  _, state = tx.update({'w': jnp.asarray(g)}, state, params)
+  g2 = np.array([1.0, 1.0, 1.0])
+  updates, _ = tx.update({'w': jnp.asarray(g2)}, state, params)
+  m = (0.8 * 0.2 * g + 0.2 * g2) / (1 - 0.8 ** 2)
+  v = (0.9 * 0.1 * g ** 2 + 0.1 * g2 ** 2) / (1 - 0.9 ** 2)
+  np.testing.assert_allclose(updates['w'], -float(schedule(1)) * m / (np.sqrt(v) + 1e-8), rtol=1e-5)
 
 
 def test_train_step_lowers_the_loss_on_a_repeated_batch():
