@@ -1,19 +1,32 @@
-r"""BLEU of every kept checkpoint of a workdir (and of its averaged one), with the training time it took.
+r"""BLEU against training minutes: validation and test2016 BLEU of the checkpoints of a run, its averaged and
+its best checkpoint; trains the run first when given a config.
 
-  python bench/bleu_curve.py --workdir runs/m30k --split test2016 [--beam_size 4]
+  # Train (resumes if the workdir exists), keeping every checkpoint, then score (issue 14, items 3 and 4):
+  python bench/bleu_curve.py --config configs/multi30k_best.py --workdir runs/m30k_best
+  python bench/bleu_curve.py --config configs/multi30k.py --workdir runs/m30k_default
+  # Score an existing workdir only (its kept checkpoints):
+  python bench/bleu_curve.py --workdir runs/m30k --splits valid,test2016 [--beam_size 4] [--curve_every_steps 500]
 
-Reads `{data_dir}/{split}.{src,tgt}` from the workdir's config and, for Multi30k, the tokenized references in
-`../shared/data/multi30k_tok`; prints a Markdown table: step, training minutes, validation loss and
-perplexity (from metrics.jsonl), cased sacreBLEU and lowercased tokenized BLEU, decode seconds. Training
-minutes are those of the process that logged the step: a resumed run starts its clock again.
+Reads `{data_dir}/{split}.{src,tgt}` from the workdir's config and the lowercased tokenized references from
+config.eval_bleu_tok_ref_dir (else ../shared/data/multi30k_tok); prints Markdown tables (also written to
+{workdir}/bleu_curve.md):
+1. the validation BLEU logged during training (metrics.jsonl: step, minutes, BLEU, lc-tok BLEU, length ratio);
+2. per checkpoint: training minutes, then per split cased sacreBLEU, lc-tok BLEU and length ratio, decoded
+   with the config's beam and length penalty (the decode a user gets).
+Training minutes are those of the process that logged the step: a resumed run starts its clock again.
+Choose on the validation columns only; test2016 is reported, never used to choose.
 """
 import json
 import os
+import subprocess
+import sys
 import time
 
+import sacrebleu
 from absl import app, flags
 from etils import epath
 
+from flaxformer_nmt import best_checkpoint
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import config as config_lib
 from flaxformer_nmt import data as data_lib
@@ -22,50 +35,102 @@ from flaxformer_nmt import evaluate
 from flaxformer_nmt import workdir as workdir_lib
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Training workdir.')
-_SPLIT = flags.DEFINE_string('split', 'test2016', 'Split to translate and score.')
-_BEAM = flags.DEFINE_integer('beam_size', 4, 'Beam width; 0 is greedy.')
-_TOK_DIR = flags.DEFINE_string('tok_dir', config_lib.shared_data_dir('multi30k_tok'),
-                               'Directory of lowercased Moses-tokenized references ({split}.{lang}); may be absent.')
-_STEPS = flags.DEFINE_list('steps', None, 'Only these checkpoints (default: all, then averaged if present).')
+_CONFIG = flags.DEFINE_string('config', None, 'Train this config into --workdir first (resumes a stopped run).')
+_OVERRIDES = flags.DEFINE_list('override', [], 'Extra --config.FIELD=VALUE overrides for training, as FIELD=VALUE.')
+_SPLITS = flags.DEFINE_list('splits', ['valid', 'test2016'], 'Splits to translate and score.')
+_BEAM = flags.DEFINE_integer('beam_size', None, 'Beam width (default: the config\'s); 0 is greedy.')
+_TOK_DIR = flags.DEFINE_string('tok_dir', None, 'Lowercased Moses-tokenized references ({split}.{lang}); default: '
+                               'config.eval_bleu_tok_ref_dir, else ../shared/data/multi30k_tok.')
+_STEPS = flags.DEFINE_list('steps', None, 'Only these checkpoints (default: all kept, then averaged and best).')
+_EVERY = flags.DEFINE_integer('curve_every_steps', 0, 'Score only checkpoints at multiples of this (0: all).')
 
 
-def eval_log(workdir):
-  """step -> (elapsed seconds, validation loss, perplexity) from metrics.jsonl."""
-  rows = {}
+def train(config_path, workdir, overrides):
+  """Runs the trainer (every checkpoint kept, for the curve); returns its exit status."""
+  command = [sys.executable, '-m', 'flaxformer_nmt.train', '--config', config_path, '--workdir', workdir,
+             '--config.keep_checkpoints=0'] + [f'--config.{o}' for o in overrides]
+  print('$', ' '.join(command), flush=True)
+  return subprocess.run(command, check=False).returncode
+
+
+def read_log(workdir):
+  """(step -> elapsed seconds of its latest record, [validation BLEU records]) from metrics.jsonl."""
+  elapsed, bleu = {}, []
   for line in (epath.Path(workdir) / 'metrics.jsonl').read_text().splitlines():
     record = json.loads(line)
-    if 'eval/nll' in record:
-      rows[record['step']] = (record['elapsed_seconds'], record['eval/nll'], record['eval/perplexity'])
-  return rows
+    if 'elapsed_seconds' in record:
+      elapsed[record['step']] = record['elapsed_seconds']
+    if 'eval/bleu' in record:
+      bleu.append(record)
+  return elapsed, bleu
+
+
+def logged_bleu_table(records, elapsed):
+  lines = ['Validation BLEU logged while training (greedy or the config\'s eval_bleu_beam_size):', '',
+           '| step | training min | sacreBLEU | lc-tok BLEU | length ratio | eval s |', '|---:|---:|---:|---:|---:|---:|']
+  for r in records:
+    minutes = elapsed.get(r['step'])
+    lines.append(f'| {r["step"]} | {minutes / 60 if minutes else 0:.1f} | {r["eval/bleu"]:.2f} | '
+                 f'{r.get("eval/tok_bleu", float("nan")):.2f} | {r["eval/bleu_length_ratio"]:.3f} | '
+                 f'{r["eval/bleu_seconds"]:.0f} |')
+  return lines
+
+
+def split_data(config, split, tok_dir):
+  src_path, ref_path = data_lib.split_paths(config.data_dir, split, config.source_lang, config.target_lang)
+  tok_path = epath.Path(tok_dir) / f'{split}.{config.target_lang}'
+  return (data_lib.read_lines(src_path), evaluate.read_text(ref_path),
+          evaluate.read_text(tok_path) if tok_path.exists() else None)
+
+
+def checkpoint_names(workdir):
+  if _STEPS.value:
+    return _STEPS.value
+  steps = checkpoints_lib.Checkpoints(workdir, keep=0, async_save=False).steps()
+  names = [str(s) for s in steps if not _EVERY.value or s % _EVERY.value == 0 or s == steps[-1]]
+  if (epath.Path(workdir) / checkpoints_lib.AVERAGED_DIR / 'averaged.json').exists():
+    names.append('averaged')
+  if best_checkpoint.read_info(workdir) is not None:
+    names.append('best')
+  return names
 
 
 def main(_):
   workdir = _WORKDIR.value
+  if _CONFIG.value and train(_CONFIG.value, workdir, _OVERRIDES.value) != 0:
+    sys.exit('error: training failed (see above)')
   checkpoints_lib.quiet_orbax_logs()
   config = workdir_lib.load_config(workdir)
-  src_path, ref_path = data_lib.split_paths(config.data_dir, _SPLIT.value, config.source_lang, config.target_lang)
-  sources, references = data_lib.read_lines(src_path), evaluate.read_text(ref_path)
-  tok_path = epath.Path(_TOK_DIR.value) / f'{_SPLIT.value}.{config.target_lang}'
-  tok_references = evaluate.read_text(tok_path) if tok_path.exists() else None
-  steps = [int(s) for s in _STEPS.value] if _STEPS.value else checkpoints_lib.Checkpoints(workdir, keep=0).steps()
-  names = [str(s) for s in steps]
-  if not _STEPS.value and (epath.Path(workdir) / checkpoints_lib.AVERAGED_DIR).exists():
-    names.append('averaged')
-  log = eval_log(workdir)
-  print(f'{_SPLIT.value}, {"greedy" if _BEAM.value == 0 else f"beam {_BEAM.value}"}, {os.path.basename(workdir)}')
-  print('| checkpoint | training min | valid nll | valid ppl | sacreBLEU | tok. BLEU | decode s |')
-  print('|---|---:|---:|---:|---:|---:|---:|')
+  tok_dir = _TOK_DIR.value or config.get('eval_bleu_tok_ref_dir') or config_lib.shared_data_dir('multi30k_tok')
+  beam = config.beam_size if _BEAM.value is None else _BEAM.value
+  data = {split: split_data(config, split, tok_dir) for split in _SPLITS.value}
+  elapsed, logged = read_log(workdir)
+  out = logged_bleu_table(logged, elapsed) if logged else []
+  out += ['', f'{os.path.basename(os.path.normpath(workdir))}: {"greedy" if beam == 0 else f"beam {beam}"}, '
+          f'alpha {config.length_penalty_alpha}', '',
+          '| checkpoint | training min | ' + ' | '.join(f'{s} sacreBLEU | {s} lc-tok | {s} len ratio' for s in _SPLITS.value)
+          + ' | decode s |', '|---|---:|' + '---:|' * (3 * len(_SPLITS.value) + 1)]
+  print('\n'.join(out), flush=True)
+  metric, names = sacrebleu.BLEU(), checkpoint_names(workdir)
+  if not names:
+    sys.exit(f'error: no checkpoints in {workdir}')
   for name in names:
     translator = decode.Translator(workdir, checkpoint=name)
-    start = time.time()
-    hypotheses = translator.translate(sources, beam_size=_BEAM.value)
-    seconds = time.time() - start
-    _, numbers = evaluate.report(hypotheses, references, tok_references, config.target_lang)
-    elapsed, nll, ppl = log.get(int(name), (None, None, None)) if name.isdigit() else (None, None, None)
-    cell = lambda x, fmt: format(x, fmt) if x is not None else '-'
-    print(f'| {translator.checkpoint} | {cell(elapsed and elapsed / 60, ".1f")} | {cell(nll, ".3f")} | '
-          f'{cell(ppl, ".2f")} | {numbers["bleu"]:.2f} | {cell(numbers.get("tokenized_bleu"), ".2f")} | {seconds:.0f} |',
-          flush=True)
+    cells, start = [], time.time()
+    for split, (sources, references, tok_references) in data.items():
+      hypotheses = translator.translate(sources, beam_size=beam)
+      metric = sacrebleu.BLEU()
+      bleu = metric.corpus_score(hypotheses, [references])
+      tok = evaluate.tokenized_bleu(hypotheses, tok_references, config.target_lang)[0] if tok_references else None
+      cells += [f'{bleu.score:.2f}', f'{tok:.2f}' if tok is not None else '-', f'{bleu.sys_len / bleu.ref_len:.3f}']
+    minutes = elapsed.get(int(name)) if name.isdigit() else None
+    row = (f'| {translator.checkpoint} | {f"{minutes / 60:.1f}" if minutes else "-"} | ' + ' | '.join(cells)
+           + f' | {time.time() - start:.0f} |')
+    print(row, flush=True)
+    out.append(row)
+  out += ['', f'sacreBLEU {metric.get_signature()}']
+  print(out[-1])
+  (epath.Path(workdir) / 'bleu_curve.md').write_text('\n'.join(out) + '\n')
 
 
 if __name__ == '__main__':

@@ -1,13 +1,18 @@
 """Multi30k English->German (29k training pairs) on a small CPU: a 3+3-layer, d_model 256 post-LN
 Transformer with an 8k joint sentencepiece vocabulary, sized to train to its best in about an hour on two
-CPU cores. Reads ../shared/data/multi30k unless --config.data_dir says otherwise.
+CPU cores. Reads ../shared/data/multi30k when present, else downloads Multi30k on first use into
+~/.cache/flaxformer_nmt/multi30k ($FLAXFORMER_NMT_CACHE); --config.data_dir=DIR reads DIR instead.
+Validation BLEU (greedy, all 1,014 sentences) is logged every 500 steps and the best checkpoint kept in
+{workdir}/best.
 """
 from flaxformer_nmt import config
+from flaxformer_nmt import download
 
 
 def get_config():
   c = config.base_config()
-  c.data_dir = config.shared_data_dir('multi30k')
+  c.data_dir = download.multi30k_data_dir()
+  c.data_download = 'multi30k'
   c.eval_split = 'valid'
   c.max_length = 128
   c.tokens_per_batch = 4096
@@ -34,4 +39,8 @@ def get_config():
   c.keep_checkpoints = 20
   c.average_last_checkpoints = 5
   c.decode_tokens_per_batch = 4096
+  c.eval_bleu_every_steps = 500
+  c.eval_bleu_beam_size = 0
+  c.eval_bleu_tok_ref_dir = config.shared_data_dir('multi30k_tok')  # used where present
+  c.best_checkpoint_metric = 'bleu'
   return c

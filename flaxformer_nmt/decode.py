@@ -27,6 +27,7 @@ from absl import app, flags, logging
 from etils import epath
 
 from flaxformer_nmt import beam_search
+from flaxformer_nmt import best_checkpoint
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import evaluate
@@ -119,15 +120,23 @@ def input_order_batches(lengths, buckets, tokens_per_batch, order):
 
 
 def load_params(workdir, checkpoint='latest'):
-  """(parameters on the default device, description) of checkpoint `latest`, `averaged` or STEP.
+  """(parameters on the default device, description) of checkpoint `latest`, `averaged`, `best` (the best
+  validation metric, best_checkpoint.py), `last:K` (the average of the newest K checkpoints, computed now and
+  not written) or STEP.
 
   Only the parameters are read: decoding needs neither the optimizer state nor the data position.
   """
   if checkpoint == 'averaged':
     params, info = checkpoints_lib.load_averaged(workdir)
     return jax.device_put(params), f'the average of checkpoints {info["steps"]}'
+  if checkpoint == 'best':
+    params, info = best_checkpoint.load_best(workdir)
+    return jax.device_put(params), f'the best checkpoint (step {info["step"]}, {info["metric"]} {info["value"]:.4g})'
+  if checkpoint.startswith('last:') and checkpoint[5:].isdigit() and int(checkpoint[5:]) > 0:
+    steps = sorted(checkpoints_lib.Checkpoints(workdir, keep=0, async_save=False).steps())[-int(checkpoint[5:]):]
+    return jax.device_put(checkpoints_lib.average_params(workdir, steps)), f'the average of checkpoints {steps}'
   if checkpoint != 'latest' and not checkpoint.isdigit():
-    raise ValueError(f'--checkpoint must be latest, averaged or a step number, not {checkpoint!r}')
+    raise ValueError(f'--checkpoint must be latest, averaged, best, last:K or a step number, not {checkpoint!r}')
   store = checkpoints_lib.Checkpoints(workdir, keep=0, async_save=False)
   steps = store.steps()
   store.close()
@@ -299,7 +308,8 @@ def define_flags():
   flags.DEFINE_string('reference', None, 'Raw references: prints cased sacreBLEU (13a) and chrF.')
   flags.DEFINE_string('tok_reference', None,
                       'Lowercased Moses-tokenized references: prints the paper-comparable BLEU.')
-  flags.DEFINE_string('checkpoint', 'latest', 'latest, averaged (see flaxformer_nmt.average) or a step.')
+  flags.DEFINE_string('checkpoint', 'latest', 'latest, averaged (see flaxformer_nmt.average), best (the best '
+                      'validation checkpoint), last:K (the newest K averaged now) or a step.')
   flags.DEFINE_integer('beam_size', None, 'Beam width (default: the config\'s); 0 is greedy.')
   flags.DEFINE_bool('greedy', False, 'Greedy decoding (same as --beam_size=0).')
   flags.DEFINE_float('alpha', None, 'Length penalty exponent (default: the config\'s).')

@@ -7,9 +7,16 @@ The files come from the repository `multi30k/dataset` at a pinned commit, are gu
 project's `{split}.{lang}` layout (train, valid, test2016) and checked against their known sha256 values.
 Files already present and correct are not fetched again; a download goes to a temporary name first, so an
 interrupted run never leaves a half-written file behind.
+
+Training fetches the corpus by itself on first use (configs with `data_download = 'multi30k'`, such as
+configs/multi30k.py): `../shared/data/multi30k` beside the repository when present (offline machines),
+otherwise the user cache `$FLAXFORMER_NMT_CACHE/multi30k` (default `~/.cache/flaxformer_nmt/multi30k`,
+or under $XDG_CACHE_HOME), filled from the pinned files when absent. $FLAXFORMER_NMT_MULTI30K_URL names a
+mirror of the .gz files.
 """
 import gzip
 import hashlib
+import os
 import sys
 import time
 import urllib.error
@@ -17,6 +24,8 @@ import urllib.request
 
 from absl import app, flags, logging
 from etils import epath
+
+from flaxformer_nmt import config as config_lib
 
 # The last commit touching data/task1/raw/ (2020-11-09).
 MULTI30K_COMMIT = 'c40b37b23d6387214f8ab37335b5a8672b9745f2'
@@ -35,8 +44,62 @@ MULTI30K_FILES = {
 }
 
 
+CACHE_ENV = 'FLAXFORMER_NMT_CACHE'
+URL_ENV = 'FLAXFORMER_NMT_MULTI30K_URL'
+
+
 class DownloadError(RuntimeError):
   """A file that could not be fetched or does not match its checksum; the message names it."""
+
+
+def cache_dir():
+  """$FLAXFORMER_NMT_CACHE, else $XDG_CACHE_HOME/flaxformer_nmt, else ~/.cache/flaxformer_nmt."""
+  if os.environ.get(CACHE_ENV):
+    return epath.Path(os.environ[CACHE_ENV])
+  base = os.environ.get('XDG_CACHE_HOME') or os.path.join(os.path.expanduser('~'), '.cache')
+  return epath.Path(base) / 'flaxformer_nmt'
+
+
+def multi30k_data_dir():
+  """Where configs/multi30k.py reads Multi30k: ../shared/data/multi30k when it holds the corpus (the
+  development machines, offline ones), else the user cache (filled on first use, see ensure_corpus)."""
+  shared = epath.Path(config_lib.shared_data_dir('multi30k'))
+  if (shared / 'train.en').exists():
+    return str(shared)
+  return str(cache_dir() / 'multi30k')
+
+
+def ensure_multi30k(data_dir, base_url=None):
+  """Downloads the Multi30k files missing from `data_dir` (files present are left as they are)."""
+  data_dir = epath.Path(data_dir)
+  missing = {name: entry for name, entry in MULTI30K_FILES.items() if not (data_dir / name).exists()}
+  if not missing:
+    return
+  base_url = base_url or os.environ.get(URL_ENV) or MULTI30K_URL
+  logging.info('Multi30k is not in %s: downloading %d files from %s (first use only)', data_dir, len(missing),
+               base_url)
+  download_multi30k(data_dir, base_url=base_url, files=missing)
+
+
+def ensure_corpus(config, is_leader=True, barrier=lambda name: None):
+  """Fetches the corpus named by config.data_download into config.data_dir when absent: process 0 first,
+  then any host that still lacks it (its data_dir is not on shared storage). Raises data.DataError naming
+  --config.data_dir when the files cannot be fetched (e.g. no internet)."""
+  from flaxformer_nmt import data as data_lib  # pylint: disable=g-import-not-at-top
+  if not config.data_download or config.data_source != 'text':
+    return
+  if config.data_download != 'multi30k':
+    raise data_lib.DataError(f"config.data_download={config.data_download!r}: use 'multi30k' or '' (never)")
+  try:
+    if is_leader:
+      ensure_multi30k(config.data_dir)
+    barrier('corpus downloaded')
+    ensure_multi30k(config.data_dir)
+  except (DownloadError, OSError) as e:
+    raise data_lib.DataError(
+        f'Multi30k is not in {config.data_dir} and could not be downloaded ({e}). Without internet access, '
+        'copy the corpus to this machine (python -m flaxformer_nmt.download --data_dir DIR on one that has '
+        'it) and pass --config.data_dir=DIR.') from None
 
 
 def fetch(url, attempts=3, timeout=60):
@@ -65,14 +128,16 @@ def download_multi30k(data_dir, base_url=MULTI30K_URL, files=None, verify=True):
   data_dir = epath.Path(data_dir)
   data_dir.mkdir(parents=True, exist_ok=True)
   written = []
-  for name, (remote, expected, lines) in files.items():
+  for number, (name, (remote, expected, lines)) in enumerate(files.items(), 1):
     path = data_dir / name
     if path.exists() and (not verify or sha256(path.read_bytes()) == expected):
       logging.info('%s is present', path)
       written.append(path)
       continue
     url = f'{base_url.rstrip("/")}/{remote}'
+    start = time.time()
     raw = fetch(url)
+    logging.info('[%d/%d] %s: %.1f MB in %.1f s', number, len(files), url, len(raw) / 1e6, time.time() - start)
     try:
       text = gzip.decompress(raw) if remote.endswith('.gz') else raw
     except (OSError, EOFError) as e:

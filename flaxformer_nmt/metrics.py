@@ -39,7 +39,10 @@ class MetricsLog:
     if not self.enabled:
       return
     for name, value in scalars.items():
-      self.writer.add_scalar(name, value, step)
+      if isinstance(value, str):  # e.g. the sacreBLEU signature
+        self.writer.add_text(name, value, step)
+      else:
+        self.writer.add_scalar(name, value, step)
     line = json.dumps({'step': step, **scalars}) + '\n'
     if self.remote:
       self.lines.append(line)

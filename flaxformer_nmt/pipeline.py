@@ -11,6 +11,7 @@ from etils import epath
 from flaxformer_nmt import corpora
 from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import distributed
+from flaxformer_nmt import download
 from flaxformer_nmt import lm
 from flaxformer_nmt import tokenizer as tokenizer_lib
 
@@ -28,6 +29,7 @@ def input_pipeline(config, workdir, num_devices):
       corpora.prepare_tfds(config.tfds_name, config.tfds_data_dir)
     distributed.barrier('prepare-tfds')
     corpora.prepare_tfds(config.tfds_name, config.tfds_data_dir)
+  download.ensure_corpus(config, distributed.is_leader(), distributed.barrier)  # first use of Multi30k
   train_pairs = corpora.open_split(config, config.train_split)
   eval_pairs = corpora.open_split(config, config.eval_split)
   tokenizer = tokenizer_lib.load_or_train(

@@ -19,6 +19,8 @@ from absl import app, flags, logging
 from etils import epath
 from ml_collections import config_flags
 
+from flaxformer_nmt import best_checkpoint as best_lib
+from flaxformer_nmt import bleu_eval
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import cli
 from flaxformer_nmt import data as data_lib
@@ -53,12 +55,15 @@ class Run:
   profiler: Profiler
   log: metrics_lib.MetricsLog
   vocab_sha256: str  # recorded with each checkpoint, checked on restore
+  validation_bleu: bleu_eval.ValidationBleu
+  best: Any  # best_checkpoint.BestCheckpoint, or None (config.best_checkpoint_metric off)
 
 
 def set_up(config, workdir):
   """Checks the config against the workdir, then builds the input, the model, the train state (fresh or
   restored from the newest good checkpoint, with the data position) and the compiled steps."""
   validate_config(config)
+  bleu_eval.validate_config(config)
   workdir = epath.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   save_or_check_config(config, workdir)
@@ -91,7 +96,8 @@ def set_up(config, workdir):
   return Run(config, workdir, sharding.batch_sharded(mesh), train_batches, eval_batches, state, train_fn, eval_fn,
              checkpoints, metrics_lib.Throughput(model.config, tokenizer.vocab_size, num_devices, peak),
              Profiler(workdir, config.profile_start_step, config.profile_steps), metrics_lib.MetricsLog(workdir),
-             tokenizer.sha256)
+             tokenizer.sha256, bleu_eval.ValidationBleu(config, tokenizer, workdir, mesh),
+             best_lib.BestCheckpoint(workdir, config.best_checkpoint_metric) if config.best_checkpoint_metric else None)
 
 
 def evaluate(eval_fn, params, batches, batch_sharding):
@@ -150,8 +156,17 @@ def train_and_evaluate(config, workdir):
         interval.check_finite(step)
       if step % config.log_every_steps == 0 or done:
         last = log_train(run, interval, step, start_time, decision)
+      evaluated = {}  # this step's validation metrics: loss, BLEU (bleu_eval.py)
       if step % config.eval_every_steps == 0 or done:
-        last.update(log_eval(run, step, start_time))
+        evaluated.update(log_eval(run, step, start_time))
+      if run.validation_bleu.due(step, done):
+        bleu_metrics = run.validation_bleu.evaluate(step, run.state.params)
+        run.log.write(step, bleu_metrics)
+        evaluated.update(bleu_metrics)
+      if evaluated:
+        last.update(evaluated)
+        if run.best is not None:
+          run.best.update(step, run.state.params, evaluated)
         interval.restart()  # keep evaluation out of the next interval's tokens/s
       if save:
         run.checkpoints.save(step, run.state, run.train_batches.state(), force=True, vocab_sha256=run.vocab_sha256)

@@ -37,6 +37,33 @@ def test_configs_load_with_the_paper_values(name):
     assert (c.model.d_model, c.model.d_ff, c.model.num_heads, c.model.dropout_rate) == (1024, 4096, 16, 0.3)
 
 
+def load_config_file(name):
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, 'configs', f'{name}.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def test_multi30k_best_is_the_fairseq_tiny_recipe_and_trains_from_valid_only():
+  from flaxformer_nmt import bleu_eval  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  c = load_config_file('multi30k_best')
+  assert set(c.keys()) == set(config_lib.base_config().keys())
+  m = c.model
+  assert (m.d_model, m.d_ff, m.num_heads, m.num_encoder_layers, m.num_decoder_layers, m.dropout_rate) == (
+      128, 256, 4, 4, 4, 0.3)
+  assert (c.learning_rate_schedule, c.learning_rate, c.warmup_steps, c.adam_b1, c.adam_b2) == (
+      'inverse_sqrt', 0.005, 2000, 0.9, 0.98)
+  assert (c.num_train_steps, c.tokens_per_batch, c.average_last_checkpoints, c.beam_size) == (8000, 8192, 10, 5)
+  assert c.max_train_minutes <= 150 and c.average_last_checkpoints <= c.keep_checkpoints
+  # Selection sees validation data only.
+  assert c.eval_split == 'valid' and c.best_checkpoint_metric == 'bleu' and c.eval_bleu_every_steps > 0
+  bleu_eval.validate_config(c)
+  for name in ('multi30k', 'multi30k_best'):
+    assert load_config_file(name).data_download == 'multi30k'
+
+
 def test_unknown_field_is_a_clear_error(tmp_path):
   result = run_train('--config', 'configs/multi30k.py', '--workdir', str(tmp_path), '--config.no_such_field=1')
   assert result.returncode != 0
@@ -51,8 +78,9 @@ def test_wrong_type_is_a_clear_error(tmp_path):
 
 
 def test_missing_data_is_one_clear_line(tmp_path):
+  # (data_download off: the Multi30k config would otherwise fetch the corpus into the directory named.)
   result = run_train('--config', 'configs/multi30k.py', '--workdir', str(tmp_path / 'w'),
-                     f'--config.data_dir={tmp_path}/nowhere')
+                     f'--config.data_dir={tmp_path}/nowhere', '--config.data_download=')
   assert result.returncode == 1
   assert 'nowhere/train.en: file not found' in result.stderr
   assert 'Traceback' not in result.stderr

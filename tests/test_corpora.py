@@ -14,6 +14,7 @@ import pytest
 
 from flaxformer_nmt import config as config_lib
 from flaxformer_nmt import corpora
+from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import download
 from flaxformer_nmt import tokenizer as tokenizer_lib
 from flaxformer_nmt.tokenizer import PAD_ID
@@ -204,3 +205,75 @@ def test_download_cli_reproduces_the_shared_multi30k_files(file_server, tmp_path
   for name in download.MULTI30K_FILES:
     with open(os.path.join(SHARED_MULTI30K, name), 'rb') as f:
       assert (tmp_path / 'm30k' / name).read_bytes() == f.read()
+
+
+# --- Multi30k fetched on first use --------------------------------------------------------------------------
+
+def serve_toy_multi30k(root, monkeypatch, names=('train.en', 'train.de', 'valid.en', 'valid.de')):
+  """Gzipped toy files under Multi30k's remote names, and download.MULTI30K_FILES pinned to their hashes."""
+  files = {}
+  for name in names:
+    text = ''.join(f'{name} sentence {i}\n' for i in range(5)).encode()
+    remote = download.MULTI30K_FILES[name][0]
+    (root / remote).write_bytes(gzip.compress(text))
+    files[name] = (remote, hashlib.sha256(text).hexdigest(), 5)
+  monkeypatch.setattr(download, 'MULTI30K_FILES', files)
+  return files
+
+
+def multi30k_config(data_dir):
+  c = config_lib.base_config()
+  c.data_dir, c.data_download = str(data_dir), 'multi30k'
+  return c
+
+
+def test_first_use_fetches_multi30k_into_the_cache_and_checks_it(file_server, tmp_path, monkeypatch):
+  root, url = file_server
+  files = serve_toy_multi30k(root, monkeypatch)
+  monkeypatch.setenv(download.URL_ENV, url)
+  monkeypatch.setenv(download.CACHE_ENV, str(tmp_path / 'cache'))
+  # Without ../shared/data/multi30k the config reads the user cache.
+  monkeypatch.setattr(config_lib, '_SHARED_DATA', tmp_path / 'no_shared')
+  data_dir = download.multi30k_data_dir()
+  assert data_dir == str(tmp_path / 'cache' / 'multi30k')
+  download.ensure_corpus(multi30k_config(data_dir))
+  for name in files:
+    assert (tmp_path / 'cache' / 'multi30k' / name).read_text().splitlines()[4] == f'{name} sentence 4'
+  # Present: nothing is fetched again (the server has nothing left), and a local edit is left alone.
+  for path in root.iterdir():
+    path.unlink()
+  (tmp_path / 'cache' / 'multi30k' / 'valid.de').write_text('edited\n')
+  download.ensure_corpus(multi30k_config(data_dir))
+  assert (tmp_path / 'cache' / 'multi30k' / 'valid.de').read_text() == 'edited\n'
+  # With the shared corpus present, that is where the config reads.
+  (tmp_path / 'shared' / 'multi30k').mkdir(parents=True)
+  (tmp_path / 'shared' / 'multi30k' / 'train.en').write_text('x\n')
+  monkeypatch.setattr(config_lib, '_SHARED_DATA', tmp_path / 'shared')
+  assert download.multi30k_data_dir() == str(tmp_path / 'shared' / 'multi30k')
+
+
+def test_a_corrupted_download_is_rejected_and_not_written(file_server, tmp_path, monkeypatch):
+  root, url = file_server
+  serve_toy_multi30k(root, monkeypatch)
+  (root / 'val.de.gz').write_bytes(gzip.compress(b'valid.de sentence 0\ncorrupted\n'))
+  monkeypatch.setenv(download.URL_ENV, url)
+  with pytest.raises(data_lib.DataError, match=r'val.de.gz: sha256 .* differs.*--config.data_dir=DIR'):
+    download.ensure_corpus(multi30k_config(tmp_path / 'm30k'))
+  assert not (tmp_path / 'm30k' / 'valid.de').exists()
+  assert not list((tmp_path / 'm30k').glob('.*.tmp'))
+
+
+def test_training_offline_stops_with_one_error_naming_the_flag(tmp_path):
+  """The README command on a machine without the corpus and without internet (a closed local port)."""
+  import socket  # pylint: disable=g-import-not-at-top
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    closed = f'http://127.0.0.1:{s.getsockname()[1]}'
+  env = dict(os.environ, **{download.URL_ENV: closed})
+  result = subprocess.run(
+      [sys.executable, '-m', 'flaxformer_nmt.train', '--config', os.path.join(REPO, 'configs', 'multi30k.py'),
+       f'--config.data_dir={tmp_path / "absent"}', f'--workdir={tmp_path / "run"}'],
+      capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+  assert result.returncode != 0
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith('error: Multi30k is not in') and 'pass --config.data_dir=DIR' in last, result.stderr[-2000:]

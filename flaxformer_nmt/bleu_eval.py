@@ -1,0 +1,167 @@
+"""Validation BLEU while training: translate the validation split with the parameters in memory and score it.
+
+Every `config.eval_bleu_every_steps` the trainer calls `ValidationBleu.evaluate(step, params)`: the first
+`eval_bleu_max_sentences` pairs of `eval_split` are translated with decode.py's search (beam
+`eval_bleu_beam_size`, 0 = greedy, the config's length penalty) jitted once over the training parameters as
+they lie on the devices (replicated or FSDP-sharded: no checkpoint is read, no parameter gathered on a host),
+then scored with cased sacreBLEU (13a) and, where `{eval_bleu_tok_ref_dir}/{eval_split}.{target_lang}` exists,
+the lowercased Moses-tokenized BLEU of the Multi30k papers (evaluate.py). The translations are written to
+`{workdir}/eval/hyp_STEP.txt` (one line per validation sentence, in order) so a score can be checked.
+
+Several hosts: every host runs the same jitted search on the same batches (a collective when the parameters
+are sharded), so none waits in a collective the others skip; process 0 scores, writes the file, and its
+numbers are broadcast so every host takes the same best-checkpoint decision.
+"""
+import time
+
+import jax
+import numpy as np
+import sacrebleu
+from absl import logging
+from etils import epath
+from jax.experimental import multihost_utils
+
+from flaxformer_nmt import best_checkpoint
+from flaxformer_nmt import corpora
+from flaxformer_nmt import data as data_lib
+from flaxformer_nmt import decode
+from flaxformer_nmt import distributed
+from flaxformer_nmt import evaluate
+from flaxformer_nmt import sharding
+from flaxformer_nmt import workdir as workdir_lib
+
+HYPOTHESES_DIR = 'eval'
+# Numeric results, in the order they are broadcast from process 0.
+_NUMBERS = ('eval/bleu', 'eval/tok_bleu', 'eval/bleu_length_ratio', 'eval/bleu_brevity_penalty')
+
+
+def hypotheses_path(workdir, step):
+  return epath.Path(workdir) / HYPOTHESES_DIR / f'hyp_{int(step)}.txt'
+
+
+def tokenized_reference_path(config):
+  """`{eval_bleu_tok_ref_dir}/{eval_split}.{target_lang}`, or None when not configured or absent."""
+  if not config.eval_bleu_tok_ref_dir:
+    return None
+  path = epath.Path(config.eval_bleu_tok_ref_dir) / f'{config.eval_split}.{config.target_lang}'
+  return path if path.exists() else None
+
+
+class ValidationBleu:
+  """The validation sentences, tokenized and batched once, and the jitted search that translates them."""
+
+  def __init__(self, config, tokenizer, workdir, mesh):
+    self.config, self.tokenizer, self.workdir = config, tokenizer, epath.Path(workdir)
+    self.every = config.eval_bleu_every_steps
+    if not self.enabled:
+      return
+    pairs = corpora.open_split(config, config.eval_split)
+    count = min(config.eval_bleu_max_sentences or len(pairs), len(pairs))
+    sources, self.references = pairs.read(range(count))
+    self.tok_references = None
+    tok_path = tokenized_reference_path(config)
+    if tok_path is not None:
+      self.tok_references = evaluate.read_text(tok_path)[:count]
+      if len(self.tok_references) != count:
+        raise data_lib.DataError(f'{tok_path}: {len(self.tok_references)} lines, but {config.eval_split} has '
+                                 f'at least {count} pairs')
+    elif config.eval_bleu_tok_ref_dir:
+      logging.info('No %s.%s in %s: validation BLEU is cased sacreBLEU only', config.eval_split,
+                   config.target_lang, config.eval_bleu_tok_ref_dir)
+    self.token_lists = tokenizer.encode(sources)
+    # The model as decode.Translator builds it: attention and remat chosen for decoding on this machine (the
+    # parameters are the same whatever the training run chose).
+    decode_config = config.copy_and_resolve_references()
+    decode_config.model.attention_impl, decode_config.model.remat = 'auto', 'none'
+    self.model = workdir_lib.build_model(decode_config, tokenizer)
+    self.replicated = sharding.replicated(mesh)
+    self.options = dict(beam_size=config.eval_bleu_beam_size, alpha=float(config.length_penalty_alpha),
+                        extra_length=config.max_decode_extra_length)
+    self._search = jax.jit(lambda params, src: decode.search(self.model, params, src, **self.options),
+                           out_shardings=self.replicated)
+    self.batches = list(self._plan())
+
+  @property
+  def enabled(self):
+    return self.every > 0
+
+  def due(self, step, done=False):
+    return self.enabled and (step % self.every == 0 or done)
+
+  def _plan(self):
+    """(members, padded sources) batches as decode.Translator makes them: by length, a partly filled batch
+    padded to a power of two rows; empty sentences are left out (they translate to empty lines)."""
+    lengths = [len(t) for t in self.token_lists]
+    nonempty = sorted((i for i, n in enumerate(lengths) if n > 1), key=lengths.__getitem__)
+    for padded, rows, members in data_lib.plan_batches(lengths, self.config.length_buckets,
+                                                       self.config.decode_tokens_per_batch, 1, nonempty):
+      rows = min(rows, 1 << (len(members) - 1).bit_length())
+      yield list(members), data_lib.pad_rows([self.token_lists[i] for i in members], rows, padded)
+
+  def translate(self, params):
+    """Detokenized translations of the validation sources, in order (the same on every host)."""
+    hypotheses = [''] * len(self.token_lists)
+    for members, src in self.batches:
+      # The same rows on every host: a replicated global array (one process: just a device copy).
+      src = jax.make_array_from_process_local_data(self.replicated, src)
+      tokens, _ = self._search(params, src)
+      tokens = np.asarray(tokens.addressable_data(0))  # replicated: the local copy is the whole result
+      for row, index in enumerate(members):
+        hypotheses[index] = self.tokenizer.decode(tokens[row, 0].tolist())
+    return hypotheses
+
+  def score(self, hypotheses):
+    """({metric name: number}, sacreBLEU signature) of `hypotheses` against the validation references."""
+    bleu = sacrebleu.BLEU()
+    result = bleu.corpus_score(hypotheses, [self.references])
+    numbers = {'eval/bleu': result.score, 'eval/tok_bleu': float('nan'),
+               'eval/bleu_length_ratio': result.sys_len / max(result.ref_len, 1),
+               'eval/bleu_brevity_penalty': result.bp}
+    if self.tok_references is not None:
+      numbers['eval/tok_bleu'], _ = evaluate.tokenized_bleu(hypotheses, self.tok_references,
+                                                            self.config.target_lang)
+    return numbers, str(bleu.get_signature())
+
+  def evaluate(self, step, params):
+    """The metrics of one evaluation at `step`: BLEU (and tokenized BLEU), length ratio, brevity penalty,
+    seconds, and the signature (process 0; the numbers are the same on every host)."""
+    start = time.time()
+    hypotheses = self.translate(params)
+    numbers, signature = {name: 0.0 for name in _NUMBERS}, ''
+    if distributed.is_leader():
+      numbers, signature = self.score(hypotheses)
+      path = hypotheses_path(self.workdir, step)
+      path.parent.mkdir(parents=True, exist_ok=True)
+      path.write_text(''.join(line + '\n' for line in hypotheses), encoding='utf-8')
+    if jax.process_count() > 1:
+      shared = multihost_utils.broadcast_one_to_all(np.array([numbers[n] for n in _NUMBERS], np.float64))
+      numbers = dict(zip(_NUMBERS, (float(x) for x in shared)))
+    if np.isnan(numbers['eval/tok_bleu']):
+      del numbers['eval/tok_bleu']
+    metrics = {**numbers, 'eval/bleu_seconds': time.time() - start,
+               'eval/bleu_sentences': len(hypotheses), 'eval/bleu_signature': signature}
+    tok = f' | lc-tok BLEU {metrics["eval/tok_bleu"]:.2f}' if 'eval/tok_bleu' in metrics else ''
+    logging.info('step %d | validation BLEU %.2f%s | length ratio %.3f | %d sentences, %s, %.1f s | %s', step,
+                 metrics['eval/bleu'], tok, metrics['eval/bleu_length_ratio'], len(hypotheses),
+                 'greedy' if not self.options['beam_size'] else f'beam {self.options["beam_size"]}',
+                 metrics['eval/bleu_seconds'], signature)
+    return metrics
+
+
+def validate_config(config):
+  """Config errors of the validation-BLEU and best-checkpoint fields, named (raised before any work)."""
+  for field in ('eval_bleu_every_steps', 'eval_bleu_beam_size', 'eval_bleu_max_sentences'):
+    if config[field] < 0:
+      raise workdir_lib.ConfigError(f'config.{field} must be >= 0, not {config[field]}')
+  metric = config.best_checkpoint_metric
+  if metric and metric not in best_checkpoint.METRICS:
+    raise workdir_lib.ConfigError(f'config.best_checkpoint_metric={metric!r}: use one of '
+                                  f'{sorted(best_checkpoint.METRICS)} or \'\' (off)')
+  if metric in ('bleu', 'tok_bleu') and config.eval_bleu_every_steps <= 0:
+    raise workdir_lib.ConfigError(f'config.best_checkpoint_metric={metric!r} needs validation BLEU: set '
+                                  'config.eval_bleu_every_steps > 0')
+  if metric == 'tok_bleu' and tokenized_reference_path(config) is None:
+    raise workdir_lib.ConfigError(
+        f"config.best_checkpoint_metric='tok_bleu' needs the tokenized validation reference "
+        f'{config.eval_bleu_tok_ref_dir or "(config.eval_bleu_tok_ref_dir is empty)"}/{config.eval_split}.'
+        f'{config.target_lang}')

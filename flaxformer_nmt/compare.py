@@ -1,0 +1,103 @@
+r"""Scores several checkpoints of one workdir on the same sentences, in one table: the best checkpoint against
+the average of the last k, the latest, or given steps.
+
+  python -m flaxformer_nmt.compare --workdir runs/m30k --checkpoints best,averaged,last:10,latest
+  python -m flaxformer_nmt.compare --workdir runs/m30k --checkpoints best,averaged --split test2016
+  python -m flaxformer_nmt.compare --workdir runs/m30k --checkpoints best,2000 --input test.en --ref test.de \
+      [--tok_ref test.tok.de]
+
+Checkpoints: `best` (config.best_checkpoint_metric), `averaged` ({workdir}/averaged), `last:K` (the newest K
+checkpoints averaged in memory, nothing written), `latest`, or a step. By default the sentences are the
+workdir's validation split (`{data_dir}/{eval_split}.{lang}`), and the lowercased tokenized references come
+from config.eval_bleu_tok_ref_dir where present: choose between checkpoints on validation, and score the
+chosen one on test once. Prints a Markdown table: cased sacreBLEU (13a), lowercased Moses-tokenized BLEU,
+hypothesis/reference length ratio, brevity penalty, and decoding seconds.
+"""
+import sys
+import time
+
+import sacrebleu
+from absl import app, flags
+from etils import epath
+
+from flaxformer_nmt import checkpoints as checkpoints_lib
+from flaxformer_nmt import data as data_lib
+from flaxformer_nmt import decode
+from flaxformer_nmt import evaluate
+from flaxformer_nmt import workdir as workdir_lib
+
+
+def define_flags():
+  flags.DEFINE_string('workdir', None, 'Training workdir.')
+  flags.DEFINE_list('checkpoints', ['best', 'averaged', 'latest'], 'best, averaged, last:K, latest or steps.')
+  flags.DEFINE_string('split', None, 'A split of the workdir\'s data_dir (default: its eval_split).')
+  flags.DEFINE_string('input', None, 'Source sentences instead of --split (needs --ref).')
+  flags.DEFINE_string('ref', None, 'Raw references of --input.')
+  flags.DEFINE_string('tok_ref', None, 'Lowercased Moses-tokenized references (default for a split: '
+                      '{config.eval_bleu_tok_ref_dir}/{split}.{lang} where it exists).')
+  flags.DEFINE_integer('beam_size', None, 'Beam width (default: the config\'s); 0 is greedy.')
+  flags.DEFINE_float('alpha', None, 'Length penalty exponent (default: the config\'s).')
+  flags.mark_flags_as_required(['workdir'])
+
+
+def sentences(config, split=None, input_path=None, ref_path=None, tok_ref_path=None):
+  """(description, sources, references, tokenized references or None)."""
+  if input_path:
+    if not ref_path:
+      raise ValueError('--input needs --ref')
+    description = input_path
+  else:
+    split = split or config.eval_split
+    input_path, ref_path = data_lib.split_paths(config.data_dir, split, config.source_lang, config.target_lang)
+    description = f'{split} ({config.data_dir})'
+    if tok_ref_path is None and config.get('eval_bleu_tok_ref_dir'):
+      candidate = epath.Path(config.eval_bleu_tok_ref_dir) / f'{split}.{config.target_lang}'
+      tok_ref_path = candidate if candidate.exists() else None
+  sources, references = evaluate.read_text(input_path), evaluate.read_text(ref_path)
+  tok_references = evaluate.read_text(tok_ref_path) if tok_ref_path else None
+  if len(sources) != len(references) or (tok_references is not None and len(tok_references) != len(sources)):
+    raise ValueError(f'{input_path}, {ref_path}{", " + str(tok_ref_path) if tok_ref_path else ""}: different '
+                     'numbers of lines')
+  return description, sources, references, tok_references
+
+
+def score_row(name, translator, sources, references, tok_references, beam_size, alpha):
+  """One table row: the checkpoint's scores on the sentences."""
+  start = time.time()
+  hypotheses = translator.translate(sources, beam_size=beam_size, alpha=alpha)
+  seconds = time.time() - start
+  metric = sacrebleu.BLEU()
+  bleu = metric.corpus_score(hypotheses, [references])
+  tok = (f'{evaluate.tokenized_bleu(hypotheses, tok_references, translator.config.target_lang)[0]:.2f}'
+         if tok_references is not None else '-')
+  return (f'| {name} | {translator.checkpoint} | {bleu.score:.2f} | {tok} | {bleu.sys_len / bleu.ref_len:.3f} | '
+          f'{bleu.bp:.3f} | {seconds:.0f} |'), str(metric.get_signature())
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  f = flags.FLAGS
+  checkpoints_lib.quiet_orbax_logs()
+  try:
+    config = workdir_lib.load_config(f.workdir)
+    description, sources, references, tok_references = sentences(config, f.split, f.input, f.ref, f.tok_ref)
+    beam_size = config.beam_size if f.beam_size is None else f.beam_size
+    alpha = config.length_penalty_alpha if f.alpha is None else f.alpha
+    print(f'{description}: {len(sources)} sentences, {"greedy" if beam_size == 0 else f"beam {beam_size}"}, '
+          f'alpha {alpha}')
+    print('| checkpoint | parameters | sacreBLEU | lc-tok BLEU | length ratio | BP | decode s |')
+    print('|---|---|---:|---:|---:|---:|---:|')
+    signature = ''
+    for name in f.checkpoints:
+      translator = decode.Translator(f.workdir, checkpoint=name)
+      row, signature = score_row(name, translator, sources, references, tok_references, beam_size, alpha)
+      print(row, flush=True)
+    print(f'\nsacreBLEU {signature}')
+  except (OSError, ValueError) as e:
+    sys.exit(f'error: {e}')
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main)

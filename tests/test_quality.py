@@ -1,0 +1,173 @@
+"""Validation BLEU while training, the best checkpoint, and decode/compare --checkpoint best."""
+import json
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import sacrebleu
+
+from conftest import small_config
+from flaxformer_nmt import best_checkpoint
+from flaxformer_nmt import bleu_eval
+from flaxformer_nmt import checkpoints as checkpoints_lib
+from flaxformer_nmt import decode
+from flaxformer_nmt import evaluate
+from flaxformer_nmt import train
+from flaxformer_nmt.workdir import ConfigError
+
+
+def read_metrics(workdir):
+  return [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+
+
+def bleu_config(toy_corpus, tok_dir=None):
+  config = small_config(toy_corpus)
+  config.num_train_steps = 30
+  config.keep_checkpoints = 2  # rotation deletes 10 once 30 is written
+  config.eval_bleu_every_steps = 10
+  config.eval_bleu_beam_size = 0
+  config.eval_bleu_max_sentences = 15  # of the 20 validation pairs
+  config.eval_bleu_tok_ref_dir = str(tok_dir) if tok_dir else ''
+  config.best_checkpoint_metric = 'bleu'
+  return config
+
+
+@pytest.fixture
+def tok_refs(toy_corpus, tmp_path):
+  """Lowercased Moses-tokenized validation references, as multi30k_tok holds them."""
+  tok_dir = tmp_path / 'tok'
+  tok_dir.mkdir()
+  refs = (toy_corpus / 'valid.de').read_text().splitlines()
+  (tok_dir / 'valid.de').write_text('\n'.join(evaluate.moses_lowercase_tokenize(refs, 'de')) + '\n')
+  return tok_dir
+
+
+def test_training_logs_validation_bleu_and_keeps_the_best_checkpoint(toy_corpus, tok_refs, tmp_path):
+  workdir = tmp_path / 'run'
+  last = train.train_and_evaluate(bleu_config(toy_corpus, tok_refs), workdir)
+  records = [r for r in read_metrics(workdir) if 'eval/bleu' in r]
+  assert [r['step'] for r in records] == [10, 20, 30]
+  sources = (toy_corpus / 'valid.en').read_text().splitlines()[:15]
+  references = (toy_corpus / 'valid.de').read_text().splitlines()[:15]
+  tok_references = (tok_refs / 'valid.de').read_text().splitlines()[:15]
+  for record in records:
+    assert record['eval/bleu_signature'].startswith('nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp')
+    assert record['eval/bleu_seconds'] > 0 and record['eval/bleu_sentences'] == 15
+    hypotheses = (workdir / 'eval' / f'hyp_{record["step"]}.txt').read_text().split('\n')[:-1]
+    assert len(hypotheses) == 15
+    # The logged numbers are those of the written lines, scored here independently.
+    score = sacrebleu.corpus_bleu(hypotheses, [references])
+    assert record['eval/bleu'] == pytest.approx(score.score, abs=1e-9)
+    assert record['eval/bleu_length_ratio'] == pytest.approx(score.sys_len / score.ref_len)
+    tok_hyp = evaluate.moses_lowercase_tokenize(hypotheses, 'de')
+    assert record['eval/tok_bleu'] == pytest.approx(
+        sacrebleu.corpus_bleu(tok_hyp, [tok_references], tokenize='none', force=True).score, abs=1e-9)
+  assert last['eval/bleu'] == records[-1]['eval/bleu']
+
+  # The lines are those the trained parameters give offline (in-memory decode == decode of the checkpoint).
+  offline = decode.Translator(workdir, checkpoint='30').translate(sources, beam_size=0)
+  assert offline == (workdir / 'eval' / 'hyp_30.txt').read_text().split('\n')[:-1]
+
+  # The best evaluation's parameters survive rotation (checkpoint 10 is gone) and load as 'best'.
+  values = {r['step']: r['eval/bleu'] for r in records}
+  best_step = max(values, key=lambda s: (values[s], -s))  # the first of equal values stays best
+  info = best_checkpoint.read_info(workdir)
+  assert info['step'] == best_step and info['value'] == pytest.approx(values[best_step])
+  assert info['metric'] == 'bleu' and info['metrics']['eval/tok_bleu'] == pytest.approx(
+      next(r['eval/tok_bleu'] for r in records if r['step'] == best_step))
+  assert checkpoints_lib.Checkpoints(workdir).steps() == [20, 30]
+  assert [p.name for p in (workdir / 'best').iterdir() if p.name.startswith('params')] == [f'params_{best_step}']
+  best = decode.Translator(workdir, checkpoint='best')
+  assert best.checkpoint.startswith(f'the best checkpoint (step {best_step}, bleu ')
+  assert best.translate(sources, beam_size=0) == (workdir / 'eval' / f'hyp_{best_step}.txt').read_text().split('\n')[:-1]
+
+  # decode --checkpoint best from the command line.
+  (tmp_path / 'in.en').write_text('\n'.join(sources[:3]) + '\n')
+  result = subprocess.run([sys.executable, '-m', 'flaxformer_nmt.decode', f'--workdir={workdir}',
+                           '--checkpoint=best', f'--input={tmp_path / "in.en"}', '--greedy'],
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.split('\n')[:-1] == best.translate(sources[:3], beam_size=0)
+
+  # compare: best, the last two averaged in memory, and latest, in one table on the same sentences.
+  (tmp_path / 'ref.de').write_text('\n'.join(references) + '\n')
+  (tmp_path / 'all.en').write_text('\n'.join(sources) + '\n')
+  result = subprocess.run([sys.executable, '-m', 'flaxformer_nmt.compare', f'--workdir={workdir}',
+                           '--checkpoints=best,last:2,latest', f'--input={tmp_path / "all.en"}',
+                           f'--ref={tmp_path / "ref.de"}', '--beam_size=0'],
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  rows = [[cell.strip() for cell in line.strip('|').split('|')] for line in result.stdout.splitlines()
+          if line.startswith('| ') and '---' not in line][1:]
+  assert [r[0] for r in rows] == ['best', 'last:2', 'latest']
+  assert rows[1][1] == 'the average of checkpoints [20, 30]'
+  latest_hyp = (workdir / 'eval' / 'hyp_30.txt').read_text().split('\n')[:-1]
+  assert float(rows[2][2]) == pytest.approx(sacrebleu.corpus_bleu(latest_hyp, [references]).score, abs=0.005)
+
+
+def fake_params(value):
+  return {'w': np.full((2, 3), value, np.float32), 'b': np.arange(3, dtype=np.float32) + value}
+
+
+def test_best_is_replaced_only_by_a_better_value_and_survives_a_restart(tmp_path):
+  tracker = best_checkpoint.BestCheckpoint(tmp_path, 'bleu')
+  assert tracker.update(100, fake_params(1.0), {'eval/bleu': 20.0, 'eval/bleu_signature': 'sig'})
+  assert not tracker.update(200, fake_params(2.0), {'eval/bleu': 19.5})  # worse
+  assert not tracker.update(250, fake_params(2.5), {'eval/bleu': 20.0})  # equal: the earlier stays
+  assert not tracker.update(260, fake_params(2.6), {'eval/loss': 0.1})  # no BLEU at this step
+  params, info = best_checkpoint.load_best(tmp_path)
+  assert info['step'] == 100 and info['value'] == 20.0
+  np.testing.assert_array_equal(params['w'], fake_params(1.0)['w'])
+  # A restarted run reads the best so far: a worse evaluation after the restart does not replace it.
+  tracker = best_checkpoint.BestCheckpoint(tmp_path, 'bleu')
+  assert tracker.best_value == 20.0 and tracker.best_step == 100
+  assert not tracker.update(300, fake_params(3.0), {'eval/bleu': 15.0})
+  assert tracker.update(400, fake_params(4.0), {'eval/bleu': 21.0})
+  params, info = best_checkpoint.load_best(tmp_path)
+  assert info['step'] == 400
+  np.testing.assert_array_equal(params['b'], fake_params(4.0)['b'])
+  assert sorted(p.name for p in (tmp_path / 'best').iterdir()) == ['best.json', 'params_400']
+
+
+def test_loss_is_minimized():
+  import tempfile  # pylint: disable=g-import-not-at-top
+  with tempfile.TemporaryDirectory() as workdir:
+    tracker = best_checkpoint.BestCheckpoint(workdir, 'loss')
+    assert tracker.update(1, fake_params(1.0), {'eval/loss': 3.0})
+    assert not tracker.update(2, fake_params(2.0), {'eval/loss': 3.5})
+    assert tracker.update(3, fake_params(3.0), {'eval/loss': 2.5})
+    assert not tracker.update(4, fake_params(4.0), {'eval/loss': float('nan')})
+    assert best_checkpoint.read_info(workdir)['step'] == 3
+
+
+def test_bad_best_and_bleu_fields_are_named(toy_corpus, tmp_path):
+  config = bleu_config(toy_corpus)
+  config.eval_bleu_every_steps = 0
+  with pytest.raises(ConfigError, match='eval_bleu_every_steps > 0'):
+    bleu_eval.validate_config(config)
+  config.eval_bleu_every_steps = 10
+  config.best_checkpoint_metric = 'tok_bleu'
+  with pytest.raises(ConfigError, match='tokenized validation reference'):
+    bleu_eval.validate_config(config)
+  config.best_checkpoint_metric = 'accuracy'
+  with pytest.raises(ConfigError, match="best_checkpoint_metric='accuracy'"):
+    bleu_eval.validate_config(config)
+  with pytest.raises(FileNotFoundError, match='best_checkpoint_metric'):
+    decode.load_params(tmp_path, 'best')
+
+
+def test_validation_bleu_decodes_sharded_parameters_like_host_ones():
+  """Replicated over 4 devices or FSDP-sharded over 4, the in-training decode gives the translations of a
+  plain one-sentence-at-a-time search on host parameters."""
+  import os  # pylint: disable=g-import-not-at-top
+  here = os.path.dirname(os.path.abspath(__file__))
+  env = dict(os.environ, PYTHONPATH=os.path.dirname(here) + os.pathsep + os.environ.get('PYTHONPATH', ''))
+  result = subprocess.run([sys.executable, os.path.join(here, 'sharded_bleu.py')], env=env, capture_output=True,
+                          text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  report = json.loads(result.stdout.strip().splitlines()[-1])
+  assert len(report['plain']) == 20 and any(report['plain'])
+  for layout in ('1x1', '4x1', '1x4'):
+    assert report[layout] == report['plain'], layout
