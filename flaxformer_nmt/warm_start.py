@@ -17,6 +17,7 @@ import numpy as np
 from absl import logging
 from etils import epath
 
+from flaxformer_nmt import best_checkpoint
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import distributed
 from flaxformer_nmt import model as model_lib
@@ -53,7 +54,12 @@ def resolve(init_from, init_checkpoint='latest'):
     source = next((p for p in (path, path.parent, path.parent.parent) if (p / VOCAB_FILENAME).exists()), None)
     return directory, subtree, source, str(path)
   which = str(init_checkpoint)
-  if which in ('averaged', 'best'):
+  if which == 'best':  # best/best.json names the parameters of the best evaluation (best_checkpoint.py)
+    info = best_checkpoint.read_info(path)
+    if info is None:
+      raise WarmStartError(f'config.init_checkpoint=best: {best_checkpoint.directory(path) / "best.json"} not found')
+    return best_checkpoint.directory(path) / info['params'], None, path, f'best (step {info["step"]}) of {path}'
+  if which == 'averaged':
     if not (path / which).is_dir():
       raise WarmStartError(f'config.init_checkpoint={which}: {path / which} not found')
     directory, subtree = _params_dir(path / which)

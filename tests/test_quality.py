@@ -15,6 +15,7 @@ from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import decode
 from flaxformer_nmt import evaluate
 from flaxformer_nmt import train
+from flaxformer_nmt import warm_start
 from flaxformer_nmt.workdir import ConfigError
 
 
@@ -129,6 +130,11 @@ def test_best_is_replaced_only_by_a_better_value_and_survives_a_restart(tmp_path
   assert info['step'] == 400
   np.testing.assert_array_equal(params['b'], fake_params(4.0)['b'])
   assert sorted(p.name for p in (tmp_path / 'best').iterdir()) == ['best.json', 'params_400']
+  # A fine-tuning run started from this workdir's best reads the same parameters.
+  (tmp_path / 'config.json').write_text('{}')
+  directory, subtree, _, description = warm_start.resolve(tmp_path, 'best')
+  assert description.startswith('best (step 400)') and subtree is None
+  np.testing.assert_array_equal(checkpoints_lib.read_params(directory)['w'], fake_params(4.0)['w'])
 
 
 def test_loss_is_minimized():
