@@ -89,7 +89,8 @@ def main(_):
       translator = decode.Translator(recipe_dir, checkpoint=checkpoint)
       for beam_size in sorted({4, config.beam_size}):
         for alpha in sorted({0.6, config.length_penalty_alpha}):
-          out.append(f'| {checkpoint}, beam {beam_size}, alpha {alpha} | {scores(translator, data, beam_size, alpha)} |')
+          numbers = scores(translator, data, beam_size, alpha)
+          out.append(f'| {checkpoint}, beam {beam_size}, alpha {alpha} | {numbers} |')
           print(out[-1], flush=True)
   epath.Path(_ROOT.value).mkdir(parents=True, exist_ok=True)
   (epath.Path(_ROOT.value) / 'ablation.md').write_text('\n'.join(out) + '\n')

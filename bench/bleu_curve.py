@@ -38,6 +38,7 @@ _WORKDIR = flags.DEFINE_string('workdir', None, 'Training workdir.')
 _CONFIG = flags.DEFINE_string('config', None, 'Train this config into --workdir first (resumes a stopped run).')
 _OVERRIDES = flags.DEFINE_list('override', [], 'Extra --config.FIELD=VALUE overrides for training, as FIELD=VALUE.')
 _SPLITS = flags.DEFINE_list('splits', ['valid', 'test2016'], 'Splits to translate and score.')
+_SPLIT = flags.DEFINE_string('split', None, 'One split only (the same as --splits=SPLIT).')
 _BEAM = flags.DEFINE_integer('beam_size', None, 'Beam width (default: the config\'s); 0 is greedy.')
 _TOK_DIR = flags.DEFINE_string('tok_dir', None, 'Lowercased Moses-tokenized references ({split}.{lang}); default: '
                                'config.eval_bleu_tok_ref_dir, else ../shared/data/multi30k_tok.')
@@ -67,7 +68,8 @@ def read_log(workdir):
 
 def logged_bleu_table(records, elapsed):
   lines = ['Validation BLEU logged while training (greedy or the config\'s eval_bleu_beam_size):', '',
-           '| step | training min | sacreBLEU | lc-tok BLEU | length ratio | eval s |', '|---:|---:|---:|---:|---:|---:|']
+           '| step | training min | sacreBLEU | lc-tok BLEU | length ratio | eval s |',
+           '|---:|---:|---:|---:|---:|---:|']
   for r in records:
     minutes = elapsed.get(r['step'])
     lines.append(f'| {r["step"]} | {minutes / 60 if minutes else 0:.1f} | {r["eval/bleu"]:.2f} | '
@@ -103,13 +105,14 @@ def main(_):
   config = workdir_lib.load_config(workdir)
   tok_dir = _TOK_DIR.value or config.get('eval_bleu_tok_ref_dir') or config_lib.shared_data_dir('multi30k_tok')
   beam = config.beam_size if _BEAM.value is None else _BEAM.value
-  data = {split: split_data(config, split, tok_dir) for split in _SPLITS.value}
+  splits = [_SPLIT.value] if _SPLIT.value else _SPLITS.value
+  data = {split: split_data(config, split, tok_dir) for split in splits}
   elapsed, logged = read_log(workdir)
   out = logged_bleu_table(logged, elapsed) if logged else []
   out += ['', f'{os.path.basename(os.path.normpath(workdir))}: {"greedy" if beam == 0 else f"beam {beam}"}, '
           f'alpha {config.length_penalty_alpha}', '',
-          '| checkpoint | training min | ' + ' | '.join(f'{s} sacreBLEU | {s} lc-tok | {s} len ratio' for s in _SPLITS.value)
-          + ' | decode s |', '|---|---:|' + '---:|' * (3 * len(_SPLITS.value) + 1)]
+          '| checkpoint | training min | ' + ' | '.join(f'{s} sacreBLEU | {s} lc-tok | {s} len ratio' for s in splits)
+          + ' | decode s |', '|---|---:|' + '---:|' * (3 * len(splits) + 1)]
   print('\n'.join(out), flush=True)
   metric, names = sacrebleu.BLEU(), checkpoint_names(workdir)
   if not names:

@@ -82,7 +82,8 @@ def test_training_logs_validation_bleu_and_keeps_the_best_checkpoint(toy_corpus,
   assert [p.name for p in (workdir / 'best').iterdir() if p.name.startswith('params')] == [f'params_{best_step}']
   best = decode.Translator(workdir, checkpoint='best')
   assert best.checkpoint.startswith(f'the best checkpoint (step {best_step}, bleu ')
-  assert best.translate(sources, beam_size=0) == (workdir / 'eval' / f'hyp_{best_step}.txt').read_text().split('\n')[:-1]
+  best_lines = (workdir / 'eval' / f'hyp_{best_step}.txt').read_text().split('\n')[:-1]
+  assert best.translate(sources, beam_size=0) == best_lines
 
   # decode --checkpoint best from the command line.
   (tmp_path / 'in.en').write_text('\n'.join(sources[:3]) + '\n')
