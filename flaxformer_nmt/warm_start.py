@@ -57,7 +57,8 @@ def resolve(init_from, init_checkpoint='latest'):
   if which == 'best':  # best/best.json names the parameters of the best evaluation (best_checkpoint.py)
     info = best_checkpoint.read_info(path)
     if info is None:
-      raise WarmStartError(f'config.init_checkpoint=best: {best_checkpoint.directory(path) / "best.json"} not found')
+      raise WarmStartError(f'config.init_checkpoint=best: {best_checkpoint.directory(path)} not found (or no '
+                           'best.json in it: train with --config.best_checkpoint_metric to keep a best checkpoint)')
     return best_checkpoint.directory(path) / info['params'], None, path, f'best (step {info["step"]}) of {path}'
   if which == 'averaged':
     if not (path / which).is_dir():
