@@ -9,6 +9,9 @@ are sorted by length into token-budget batches (few shapes to compile, little pa
 
   --greedy | --beam_size=K | --sampling [--temperature=T --top_k=K --seed=S]
   --format=fairseq [--n_best=N]: S-i (source), H-i (score, sentencepiece pieces), D-i (score, text) lines
+  --max_len_a=A --max_len_b=B: at most floor(A * source length + B) tokens before EOS (default 1, 50)
+  --checkpoint=1700,1800 or --workdir=A,B: an ensemble (per-step average of the members' probabilities)
+  --dtype=float32|bfloat16: compute dtype of decoding
 
 Python API:
   translator = Translator('runs/m30k')
@@ -17,6 +20,7 @@ Python API:
 """
 import functools
 import itertools
+import math
 import sys
 import time
 
@@ -37,32 +41,16 @@ from flaxformer_nmt.model import Transformer
 from flaxformer_nmt.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
-def search(model, params, src, sample_keys=None, *, beam_size, alpha, extra_length, temperature=1.0, top_k=0,
-           cache_cross_kv=True):
-  """Translations of a padded source batch [B, S]: (tokens [B, K, L], scores [B, K]), best first.
-
-  beam_size=0 decodes greedily (K = 1). With `sample_keys` ([B, n] PRNG keys) it samples n translations per
-  sentence instead (see beam_search.sample_search), sorted by their log probability.
-
-  The encoder runs once, the encoder-decoder keys/values are projected once per sentence, and each step
-  runs only the new position through the decoder against its self-attention cache. cache_cross_kv=False
-  projects the encoder-decoder keys/values again at every step, as decoders without that cache do (kept
-  to measure what the cache saves; same results).
-  """
+def _member_step(model, params, src, rows, cache_cross_kv, max_length):
+  """(self-attention cache, step_fn) of one model: its encoder run once over `src`, each sentence's rows
+  (beams or samples) sharing its encoder-decoder keys/values."""
   variables = {'params': params}
-  batch, src_len = src.shape
-  max_length = src_len + extra_length  # static: the cache's length
-  # Limit per sentence: its source length (EOS excluded) + extra tokens, then EOS. Rows that only pad the
-  # batch may produce nothing but EOS, so that they never keep the search loop running.
-  src_tokens = (src != PAD_ID).sum(axis=1)
-  max_lengths = jnp.where(src_tokens > 0, src_tokens - 1 + extra_length + 1, 1)
+  batch = src.shape[0]
   encoded = model.apply(variables, src, method=Transformer.encode)
-  rows = sample_keys.shape[1] if sample_keys is not None else max(beam_size, 1)  # decoder rows per sentence
   src_rows = jnp.repeat(src, rows, axis=0)
   cache = model.apply(variables, batch * rows, max_length, method=Transformer.init_cache)
 
   if cache_cross_kv:
-    # Every row of a sentence (beam or sample) shares its encoder keys/values.
     cross_kv = jax.tree_util.tree_map(lambda x: jnp.repeat(x, rows, axis=0),
                                       model.apply(variables, encoded, method=Transformer.cross_attention_kv))
 
@@ -77,6 +65,72 @@ def search(model, params, src, sample_keys=None, *, beam_size, alpha, extra_leng
       step_encoded, _ = jax.lax.optimization_barrier((encoded_rows, index))
       step_kv = model.apply(variables, step_encoded, method=Transformer.cross_attention_kv)
       return model.apply(variables, tokens, index, cache, step_kv, src_rows, method=Transformer.decode_step)
+  return cache, step_fn
+
+
+def average_probabilities(log_probs):
+  """An ensemble's next-token distribution from its members' log probabilities [M, ..., V]: the log of the
+  mean of their probabilities, log((1/M) sum_m exp(log_probs_m)) (fairseq's ensemble rule, not a mean of
+  logits)."""
+  return jax.nn.logsumexp(log_probs, axis=0) - jnp.log(log_probs.shape[0]).astype(log_probs.dtype)
+
+
+def _ensemble_step(step_fns):
+  """One step_fn over several models (a tuple of caches): the average of their probabilities, returned as
+  log probabilities (already normalized, so the search's log_softmax leaves them as they are)."""
+  def step_fn(tokens, index, caches):
+    log_probs, new_caches = [], []
+    for member_step, cache in zip(step_fns, caches):
+      logits, cache = member_step(tokens, index, cache)
+      log_probs.append(jax.nn.log_softmax(logits.astype(jnp.float32)))
+      new_caches.append(cache)
+    return average_probabilities(jnp.stack(log_probs)), tuple(new_caches)
+  return step_fn
+
+
+def output_limits(src, max_len_a, max_len_b, max_position):
+  """(static cache length, [B] limits on generated tokens, EOS included) for a padded source batch [B, S].
+
+  fairseq's rule per sentence: at most floor(max_len_a * n + max_len_b) tokens before EOS, n being the
+  sentence's source length in pieces (EOS not counted; fairseq counts it, and takes the longest source of
+  the batch). The default a = 1, b = 50 is the paper's source length + 50.
+  """
+  # A small slack so that e.g. 0.7 * 10 gives 7 in float32 as in Python's float64.
+  slack = 1e-4
+  longest = src.shape[1] - 1
+  max_length = min(int(math.floor(max_len_a * longest + max_len_b + slack)) + 1, max_position)
+  src_tokens = (src != PAD_ID).sum(axis=1)
+  limits = jnp.floor(max_len_a * (src_tokens - 1).astype(jnp.float32) + max_len_b + slack).astype(jnp.int32) + 1
+  # Rows that only pad the batch may produce nothing but EOS, so that they never keep the search loop running.
+  return max_length, jnp.where(src_tokens > 0, limits, 1)
+
+
+def search(model, params, src, sample_keys=None, *, beam_size, alpha, extra_length, max_len_a=1.0, temperature=1.0,
+           top_k=0, cache_cross_kv=True):
+  """Translations of a padded source batch [B, S]: (tokens [B, K, L], scores [B, K]), best first.
+
+  beam_size=0 decodes greedily (K = 1). With `sample_keys` ([B, n] PRNG keys) it samples n translations per
+  sentence instead (see beam_search.sample_search), sorted by their log probability. A sentence of n source
+  pieces gets at most floor(max_len_a * n + extra_length) tokens before EOS (see output_limits).
+
+  An ensemble passes a tuple of models and a tuple of their parameters: each step averages the members'
+  probabilities (average_probabilities); every member has its own caches.
+
+  The encoder runs once, the encoder-decoder keys/values are projected once per sentence, and each step
+  runs only the new position through the decoder against its self-attention cache. cache_cross_kv=False
+  projects the encoder-decoder keys/values again at every step, as decoders without that cache do (kept
+  to measure what the cache saves; same results).
+  """
+  models, member_params = (model, params) if isinstance(model, tuple) else ((model,), (params,))
+  batch = src.shape[0]
+  max_length, max_lengths = output_limits(src, max_len_a, extra_length,
+                                          min(m.config.max_position for m in models))
+  rows = sample_keys.shape[1] if sample_keys is not None else max(beam_size, 1)  # decoder rows per sentence
+  members = [_member_step(m, p, src, rows, cache_cross_kv, max_length) for m, p in zip(models, member_params)]
+  if len(members) == 1:
+    cache, step_fn = members[0]
+  else:
+    cache, step_fn = tuple(c for c, _ in members), _ensemble_step([f for _, f in members])
 
   common = dict(max_length=max_length, bos_id=BOS_ID, eos_id=EOS_ID, forbidden_ids=(PAD_ID, BOS_ID))
   if sample_keys is not None:
@@ -146,24 +200,94 @@ def load_params(workdir, checkpoint='latest'):
   return jax.device_put(store.restore_params(step)), f'checkpoint {step}'
 
 
-class Translator:
-  """A trained model, loaded once, translating lists of sentences."""
+def _split_list(value):
+  """'a,b' or ['a', 'b'] (or one value, a path too) -> ['a', 'b']."""
+  items = [str(v) for v in value] if isinstance(value, (list, tuple)) else str(value).split(',')
+  return [item.strip() for item in items]
 
-  def __init__(self, workdir, checkpoint='latest'):
-    self.workdir = epath.Path(workdir)
-    self.config = workdir_lib.load_config(workdir)
-    if self.config.get('task', 'translation') != 'translation':
-      raise ValueError(f'{workdir} holds a language model (config.task={self.config.task!r}): use '
+
+def ensemble_members(workdirs, checkpoints):
+  """[(workdir, checkpoint)] of an ensemble: one workdir with several checkpoints ('1700,1800'), several
+  workdirs with one checkpoint each ('latest' or 'averaged' of all), or as many checkpoints as workdirs
+  (paired in order)."""
+  workdirs, checkpoints = _split_list(workdirs), _split_list(checkpoints)
+  if '' in workdirs or '' in checkpoints:
+    raise ValueError(f'empty entry in --workdir {",".join(workdirs)!r} or --checkpoint {",".join(checkpoints)!r}')
+  if len(workdirs) == 1:
+    return [(workdirs[0], c) for c in checkpoints]
+  if len(checkpoints) == 1:
+    return [(w, checkpoints[0]) for w in workdirs]
+  if len(workdirs) != len(checkpoints):
+    raise ValueError(f'{len(workdirs)} workdirs and {len(checkpoints)} checkpoints: give one checkpoint for all '
+                     'workdirs, or one per workdir')
+  return list(zip(workdirs, checkpoints))
+
+
+DTYPES = ('auto', 'float32', 'bfloat16')
+
+
+class Translator:
+  """A trained model (or an ensemble of several), loaded once, translating lists of sentences.
+
+  workdir: a training workdir, or several ('A,B' or a list) with the same vocabulary; checkpoint: latest,
+  averaged, a step, or several ('1700,1800'): more than one member makes an ensemble that averages the
+  members' probabilities at every step (see ensemble_members). dtype: the compute dtype of decoding
+  ('auto': bfloat16 on GPU/TPU, float32 on CPU); parameters stay as stored, log probabilities float32.
+  The decoding settings (beam size, length penalty, batch budget, max length) come from the first member.
+  """
+
+  def __init__(self, workdir, checkpoint='latest', dtype=None):
+    if dtype is not None and dtype not in DTYPES:
+      raise ValueError(f'dtype must be one of {DTYPES}, not {dtype!r}')
+    members = ensemble_members(workdir, checkpoint)
+    self.workdir = epath.Path(members[0][0])
+    self.config = workdir_lib.load_config(self.workdir)
+    self.tokenizer = tokenizer_lib.Tokenizer(self.workdir / tokenizer_lib.VOCAB_FILENAME)
+    models, params, descriptions, configs = [], [], [], {}
+    for member_workdir, member_checkpoint in members:
+      if member_workdir not in configs:
+        configs[member_workdir] = self._member_config(member_workdir, dtype)
+        models.append(workdir_lib.build_model(configs[member_workdir], self.tokenizer))
+      else:
+        models.append(models[[w for w, _ in members].index(member_workdir)])
+      member_params, description = load_params(member_workdir, member_checkpoint)
+      params.append(member_params)
+      one_workdir = len({w for w, _ in members}) == 1
+      descriptions.append(description if one_workdir else f'{description} of {member_workdir}')
+    self.config = configs[members[0][0]]
+    self.models, self.member_params = tuple(models), tuple(params)
+    # The first member, for single-model users (attention pictures teacher-force one model).
+    self.model, self.params = self.models[0], self.member_params[0]
+    self.checkpoint = descriptions[0] if len(members) == 1 else f'an ensemble of {", ".join(descriptions)}'
+    self._search = jax.jit(functools.partial(search, self.models if len(members) > 1 else self.model),
+                           static_argnames=('beam_size', 'alpha', 'extra_length', 'max_len_a', 'temperature',
+                                            'top_k', 'cache_cross_kv'))
+
+  def _member_config(self, workdir, dtype):
+    """A member's config, checked against the first member's vocabulary and direction."""
+    config = workdir_lib.load_config(workdir)
+    if config.get('task', 'translation') != 'translation':
+      raise ValueError(f'{workdir} holds a language model (config.task={config.task!r}): use '
                        'flaxformer_nmt.generate (lm) or flaxformer_nmt.fill_mask (mlm)')
+    vocab = epath.Path(workdir) / tokenizer_lib.VOCAB_FILENAME
+    if vocab.read_bytes() != (self.workdir / tokenizer_lib.VOCAB_FILENAME).read_bytes():
+      raise ValueError(f'an ensemble needs one vocabulary: {vocab} differs from '
+                       f'{self.workdir / tokenizer_lib.VOCAB_FILENAME}')
+    direction = lambda c: f'{c.source_lang}->{c.target_lang}'
+    if direction(config) != direction(self.config):
+      raise ValueError(f'an ensemble translates one direction: {workdir} is {direction(config)}, '
+                       f'{self.workdir} {direction(self.config)}')
     # How attention is computed and what is recomputed for gradients do not change the parameters: decide them
     # for this machine, not the one that trained (a workdir trained with 'cudnn' decodes on a CPU too).
-    self.config.model.attention_impl, self.config.model.remat = 'auto', 'none'
-    self.tokenizer = tokenizer_lib.Tokenizer(self.workdir / tokenizer_lib.VOCAB_FILENAME)
-    self.model = workdir_lib.build_model(self.config, self.tokenizer)
-    self.params, self.checkpoint = load_params(workdir, checkpoint)
-    self._search = jax.jit(functools.partial(search, self.model),
-                           static_argnames=('beam_size', 'alpha', 'extra_length', 'temperature', 'top_k',
-                                            'cache_cross_kv'))
+    config.model.attention_impl, config.model.remat = 'auto', 'none'
+    if dtype is not None:
+      config.model.dtype = dtype
+    return config
+
+  @property
+  def search_params(self):
+    """What the jitted search takes as `params`: one tree, or a tuple of them for an ensemble."""
+    return self.member_params if len(self.models) > 1 else self.params
 
   def batches(self, token_lists, tokens_per_batch, sort_by_length=True):
     """(indices, padded source [rows, len]) batches. Sorted by length, batches carry little padding;
@@ -184,26 +308,38 @@ class Translator:
       yield members, data_lib.pad_rows([token_lists[i] for i in members], rows, padded)
 
   def _prepare(self, token_lists, beam_size=None, alpha=None, n_best=1, tokens_per_batch=None, sampling=False,
-               temperature=1.0, top_k=0, cache_cross_kv=True, sort_by_length=True):
+               temperature=1.0, top_k=0, cache_cross_kv=True, sort_by_length=True, max_len_a=None, max_len_b=None):
     """(the static options of the jitted search, its batches) for search_tokens and warm_up."""
+    max_len_a = 1.0 if max_len_a is None else float(max_len_a)
+    max_len_b = self.config.max_decode_extra_length if max_len_b is None else max_len_b
+    if max_len_a < 0 or max_len_b < 0 or int(max_len_b) != max_len_b or (max_len_a == 0 and max_len_b < 1):
+      raise ValueError(f'max_len_a={max_len_a} and max_len_b={max_len_b} must leave room for a token: '
+                       'max_len_a >= 0, max_len_b a whole number >= 0, not both 0')
     beam_size = self.config.beam_size if beam_size is None else beam_size
     alpha = self.config.length_penalty_alpha if alpha is None else alpha
     if n_best < 1 or (not sampling and n_best > max(beam_size, 1)):
       raise ValueError(f'n_best={n_best} must be between 1 and the beam size ({beam_size})')
     if sampling and (temperature <= 0 or top_k < 0):
       raise ValueError(f'sampling needs temperature > 0 and top_k >= 0, not {temperature} and {top_k}')
-    options = dict(beam_size=beam_size, alpha=float(alpha), extra_length=self.config.max_decode_extra_length,
+    options = dict(beam_size=beam_size, alpha=float(alpha), extra_length=int(max_len_b), max_len_a=max_len_a,
                    cache_cross_kv=cache_cross_kv)
     if sampling:
       options.update(beam_size=0, alpha=0.0, temperature=float(temperature), top_k=int(top_k))
     tokens_per_batch = tokens_per_batch or self.config.decode_tokens_per_batch
     return options, self.batches(token_lists, tokens_per_batch, sort_by_length)
 
+  def check_options(self, seed=0, **options):
+    """Raises ValueError for option values that search_tokens would refuse."""
+    del seed  # any integer
+    self._prepare([], **options)
+
   def search_tokens(self, token_lists, n_best=1, sampling=False, seed=0, first_line=0, **options):
     """For each source (token ids ending with EOS), its n_best [(target ids ending with EOS, score)], in
     order; an empty source gives [([], 0.0)] * n_best.
 
-    options: beam_size (0: greedy), alpha, tokens_per_batch, temperature, top_k. sampling draws n_best
+    options: beam_size (0: greedy), alpha, tokens_per_batch, temperature, top_k, max_len_a and max_len_b (at
+    most floor(max_len_a * source length + max_len_b) tokens before EOS; default 1 and the config's
+    max_decode_extra_length, 50: the paper's source length + 50). sampling draws n_best
     samples per sentence (beam_size is then unused); sample j of sentence i depends only on (seed,
     first_line + i, j), so a stream read in chunks samples as the whole list would. cache_cross_kv=False
     and sort_by_length=False switch off two speed-ups, for measuring them.
@@ -217,7 +353,7 @@ class Translator:
       if sampling:  # padding rows sample too, from line -1's keys, and are dropped
         lines = [first_line + i for i in members] + [-1] * (len(src) - len(members))
         keys = sample_keys(seed, jnp.asarray(lines, jnp.int32), n_best)
-      tokens, scores = jax.device_get(self._search(self.params, src, keys, **options))
+      tokens, scores = jax.device_get(self._search(self.search_params, src, keys, **options))
       for r, i in enumerate(members):
         results[i] = [(_through_eos(tokens[r, k]), float(scores[r, k])) for k in range(n_best)]
     return results
@@ -228,7 +364,7 @@ class Translator:
     options, batches = self._prepare(token_lists, n_best=n_best, sampling=sampling, **options)
     for shape in sorted({src.shape for _, src in batches}):
       keys = sample_keys(0, jnp.zeros(shape[0], jnp.int32), n_best) if sampling else None
-      jax.block_until_ready(self._search(self.params, np.zeros(shape, np.int32), keys, **options))
+      jax.block_until_ready(self._search(self.search_params, np.zeros(shape, np.int32), keys, **options))
 
   def translate(self, sentences, beam_size=None, alpha=None, n_best=1, tokens_per_batch=None, return_scores=False,
                 **options):
@@ -236,7 +372,7 @@ class Translator:
 
     With n_best > 1 each item is a list of the n best translations. With return_scores, items are
     (translation, score) pairs: the length-normalized log probability (beam) or the log probability (greedy,
-    sampling). `options`: sampling=True, temperature, top_k, seed (see search_tokens).
+    sampling). `options`: sampling=True, temperature, top_k, seed, max_len_a, max_len_b (see search_tokens).
     """
     token_lists = self.tokenizer.encode([tokenizer_lib.normalize_whitespace(s) for s in sentences])
     results = self.search_tokens(token_lists, beam_size=beam_size, alpha=alpha, n_best=n_best,
@@ -302,14 +438,21 @@ def fairseq_lines(line_number, source, hypotheses, tokenizer):
 
 
 def define_flags():
-  flags.DEFINE_string('workdir', None, 'Training workdir (config.json, vocab.model, checkpoints/).')
+  flags.DEFINE_string('workdir', None, 'Training workdir (config.json, vocab.model, checkpoints/); several, '
+                      'comma-separated, with one vocabulary, decode as an ensemble.')
   flags.DEFINE_string('input', '-', 'Source sentences, one per line; - reads stdin.')
   flags.DEFINE_string('output', '-', 'Where translations go; - writes stdout.')
   flags.DEFINE_string('reference', None, 'Raw references: prints cased sacreBLEU (13a) and chrF.')
   flags.DEFINE_string('tok_reference', None,
                       'Lowercased Moses-tokenized references: prints the paper-comparable BLEU.')
   flags.DEFINE_string('checkpoint', 'latest', 'latest, averaged (see flaxformer_nmt.average), best (the best '
-                      'validation checkpoint), last:K (the newest K averaged now) or a step.')
+                      'validation checkpoint), last:K (the newest K averaged now) or a step; several, '
+                      'comma-separated (1700,1800), decode as an ensemble (per-step average of probabilities).')
+  flags.DEFINE_float('max_len_a', None, 'Output at most max_len_a * source length + max_len_b tokens before EOS '
+                     '(default 1, as the paper).')
+  flags.DEFINE_integer('max_len_b', None, 'See max_len_a (default: the config\'s max_decode_extra_length, 50).')
+  flags.DEFINE_enum('dtype', None, list(DTYPES), 'Compute dtype for decoding (default: the config\'s, auto = '
+                    'bfloat16 on GPU/TPU, float32 on CPU).')
   flags.DEFINE_integer('beam_size', None, 'Beam width (default: the config\'s); 0 is greedy.')
   flags.DEFINE_bool('greedy', False, 'Greedy decoding (same as --beam_size=0).')
   flags.DEFINE_float('alpha', None, 'Length penalty exponent (default: the config\'s).')
@@ -333,7 +476,7 @@ def main(argv):
     raise app.UsageError('--n_best > 1 gives several lines per input: use --format=fairseq')
   checkpoints_lib.quiet_orbax_logs()
   try:
-    translator = Translator(FLAGS.workdir, FLAGS.checkpoint)
+    translator = Translator(FLAGS.workdir, FLAGS.checkpoint, dtype=FLAGS.dtype)
   except (OSError, ValueError) as e:
     sys.exit(f'error: {e}')
   beam_size = 0 if FLAGS.greedy else FLAGS.beam_size
@@ -343,9 +486,13 @@ def main(argv):
     method = 'greedy' if beam_size == 0 else f'beam {beam_size or translator.config.beam_size}'
   logging.info('Translating with %s of %s (%s)', translator.checkpoint, FLAGS.workdir, method)
   options = dict(beam_size=beam_size, alpha=FLAGS.alpha, n_best=FLAGS.n_best,
-                 tokens_per_batch=FLAGS.tokens_per_batch)
+                 tokens_per_batch=FLAGS.tokens_per_batch, max_len_a=FLAGS.max_len_a, max_len_b=FLAGS.max_len_b)
   if FLAGS.sampling:
     options.update(sampling=True, temperature=FLAGS.temperature, top_k=FLAGS.top_k, seed=FLAGS.seed)
+  try:  # bad option values stop before the output file is opened
+    translator.check_options(**options)
+  except ValueError as e:
+    sys.exit(f'error: {e}')
   out = sys.stdout if FLAGS.output == '-' else epath.Path(FLAGS.output).open('w', encoding='utf-8')
   hypotheses, done, target_tokens, start = [], 0, 0, time.time()
   try:

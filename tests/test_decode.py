@@ -56,8 +56,9 @@ def test_batches_hold_every_sentence_once_within_the_token_budget(translator):
       assert seen == nonempty  # input order
 
 
-def run_cli(args, workdir, stdin=None):
-  result = subprocess.run([sys.executable, '-m', 'flaxformer_nmt.decode', f'--workdir={workdir}'] + args,
+def run_cli(args, workdir, stdin=None, extra_workdir=True):
+  workdir_flag = [f'--workdir={workdir}'] if extra_workdir else []
+  result = subprocess.run([sys.executable, '-m', 'flaxformer_nmt.decode'] + workdir_flag + args,
                           input=stdin, capture_output=True, text=True, timeout=300)
   return result
 
@@ -183,8 +184,81 @@ def test_a_source_longer_than_the_positions_is_cut_with_its_line_named(translato
   assert 'Input lines 102, 104: longer than the model allows' in caplog.text
   # Through the translator: a 5,000-word line is cut (and said so), not silently clamped.
   caplog.clear()
-  monkeypatch.setattr(translator.config.model, 'max_position', 80)  # a short cut keeps the search quick
+  # A short cut keeps the search quick. setitem, not setattr: setattr's undo deletes a ConfigDict field.
+  monkeypatch.setitem(translator.config.model, 'max_position', 80)
   long_line = ' '.join(['a big dog runs .'] * 1000)
   outputs = translator.translate(['a dog .', long_line], beam_size=0)
   assert len(outputs) == 2
   assert 'Input line 2: longer than the model allows (max_position 80 - max_decode_extra_length 50' in caplog.text
+
+
+# --- fairseq-style options: ensembles, --max_len_a/--max_len_b, --dtype ----------------------------------------
+
+
+def test_ensemble_of_one_checkpoint_twice_equals_that_checkpoint(workdir, mixed):
+  single = decode.Translator(workdir, checkpoint='20')
+  double = decode.Translator(workdir, checkpoint='20,20')
+  assert double.checkpoint == 'an ensemble of checkpoint 20, checkpoint 20'
+  for beam_size in (0, 3):
+    a = single.translate(mixed, beam_size=beam_size, return_scores=True)
+    b = double.translate(mixed, beam_size=beam_size, return_scores=True)
+    assert [text for text, _ in a] == [text for text, _ in b]
+    np.testing.assert_allclose([s for _, s in a], [s for _, s in b], atol=1e-5)
+
+
+def test_cli_ensemble_of_workdirs_equals_the_api(workdir, mixed, tmp_path):
+  import shutil  # pylint: disable=g-import-not-at-top
+  other = tmp_path / 'copy'
+  shutil.copytree(workdir, other)
+  api = decode.Translator([str(workdir), str(other)], checkpoint='10,20').translate(mixed, beam_size=2)
+  result = run_cli([f'--workdir={workdir},{other}', '--checkpoint=10,20', '--beam_size=2'], workdir=workdir,
+                   stdin='\n'.join(mixed) + '\n', extra_workdir=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.split('\n')[:-1] == api
+  assert 'an ensemble of checkpoint 10 of' in result.stderr
+
+
+def test_ensemble_with_another_vocabulary_names_both_workdirs(workdir, tmp_path):
+  import shutil  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  other = tmp_path / 'other'
+  shutil.copytree(workdir, other)
+  (other / 'vocab.model').unlink()
+  text = (workdir.parent / 'data' / 'train.de').read_text().splitlines()
+  tokenizer_lib.train_sentencepiece(text, other / 'vocab.model', vocab_size=48)
+  with pytest.raises(ValueError, match='one vocabulary') as error:
+    decode.Translator(f'{workdir},{other}')
+  assert str(workdir) in str(error.value) and str(other) in str(error.value)
+  result = run_cli([f'--workdir={workdir},{other}', f'--output={tmp_path / "out.de"}'], workdir=workdir,
+                   stdin='a dog .\n', extra_workdir=False)
+  assert result.returncode == 1 and 'one vocabulary' in result.stderr and str(other) in result.stderr
+  with pytest.raises(ValueError, match='3 workdirs and 2 checkpoints'):
+    decode.ensemble_members(f'{workdir},{other},{other}', '10,20')
+
+
+def test_cli_max_len_limits_the_output_and_rejects_bad_values(workdir, translator, mixed, tmp_path):
+  result = run_cli(['--max_len_a=0', '--max_len_b=2', '--greedy', '--format=fairseq'], workdir,
+                   stdin='\n'.join(mixed) + '\n')
+  assert result.returncode == 0, result.stderr[-3000:]
+  pieces = [line.split('\t')[2] for line in result.stdout.splitlines() if line.startswith('H-')]
+  assert len(pieces) == len(mixed) and all(len(p.split()) <= 2 for p in pieces)
+  assert max(len(p.split()) for p in pieces) == 2  # the toy model does not stop by itself within 2 pieces
+  api = translator.translate(mixed, beam_size=0, max_len_a=0, max_len_b=2)
+  assert [line.split('\t')[2] for line in result.stdout.splitlines() if line.startswith('D-')] == api
+  for bad in (['--max_len_a=-1'], ['--max_len_a=0', '--max_len_b=0']):
+    result = run_cli(bad + [f'--output={tmp_path / "out.de"}'], workdir, stdin='a dog .\n')
+    assert result.returncode == 1 and 'max_len_a' in result.stderr
+    assert not (tmp_path / 'out.de').exists()
+
+
+def test_bfloat16_decoding_computes_in_bfloat16(workdir, translator, mixed):
+  bf16 = decode.Translator(workdir, dtype='bfloat16')
+  assert bf16.model.config.dtype == 'bfloat16'
+  ours = translator.translate(mixed, beam_size=0, return_scores=True)
+  theirs = bf16.translate(mixed, beam_size=0, return_scores=True)
+  same = [(a, b) for (ta, a), (tb, b) in zip(ours, theirs) if ta == tb and ta]
+  assert len(same) >= len(mixed) // 2
+  assert any(a != b for a, b in same)  # bfloat16 rounding shows in the scores ...
+  np.testing.assert_allclose([b for _, b in same], [a for a, _ in same], rtol=0.05, atol=0.1)  # ... a little
+  with pytest.raises(ValueError, match='dtype'):
+    decode.Translator(workdir, dtype='float8')
