@@ -43,8 +43,8 @@ def ours_search(model, params, sources, beam_size, alpha=0.0):
   """Our decoder's best hypothesis per source, as token ids without EOS."""
   tokens, _ = decode.search(model, params, jnp.asarray(padded(sources)), beam_size=beam_size, alpha=alpha,
                             extra_length=50)
-  return [decode._through_eos(row)[:-1] if EOS_ID in list(row) else [int(t) for t in row]  # pylint: disable=protected-access
-          for row in np.asarray(tokens)[:, 0]]
+  rows = [[int(t) for t in row] for row in np.asarray(tokens)[:, 0]]
+  return [row[:row.index(EOS_ID)] if EOS_ID in row else row for row in rows]
 
 
 def ct2_search(translator, sources, beam_size, **options):
@@ -69,7 +69,8 @@ def test_teacher_forced_log_probs_agree_to_1e4(tmp_path, pre_layer_norm):
   model, params = tiny_model(pre_layer_norm=pre_layer_norm)
   translator = save_spec(model, params, tmp_path / 'ct2')
   sources, targets = random_sources(12, seed=1), random_sources(12, seed=2)
-  scored = translator.score_batch([[PIECES[t] for t in s] for s in sources], [[PIECES[t] for t in t_] for t_ in targets])
+  scored = translator.score_batch([[PIECES[t] for t in s] for s in sources],
+                                  [[PIECES[t] for t in target] for target in targets])
   src = jnp.asarray(padded(sources))
   tgt_out = padded(targets)  # target + EOS, padded
   tgt_in = np.concatenate([np.full((len(targets), 1), BOS_ID, np.int32), tgt_out[:, :-1]], axis=1)
