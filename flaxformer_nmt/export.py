@@ -178,13 +178,7 @@ def export_ctranslate2(workdir, output_dir, checkpoint='latest', quantization=No
   config = workdir_lib.load_config(workdir)
   tokenizer = tokenizer_lib.Tokenizer(epath.Path(workdir) / tokenizer_lib.VOCAB_FILENAME)
   model_config = model_lib.ModelConfig.from_config(config, tokenizer.vocab_size)
-  try:
-    params, description = decode.load_params(workdir, checkpoint)
-  except ValueError as e:
-    if checkpoint == 'best':  # until decode.load_params knows the best-BLEU checkpoint (issue 14)
-      raise ExportError(f'--checkpoint best: decoding does not know a best checkpoint yet ({e}); use latest, '
-                        'averaged or a step') from None
-    raise
+  params, description = decode.load_params(workdir, checkpoint)
   params = jax_to_numpy(params)
   pieces = [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
   spec = ctranslate2_spec(params, model_config, pieces)
@@ -208,7 +202,7 @@ def jax_to_numpy(tree):
 
 def define_flags():
   flags.DEFINE_string('workdir', None, 'Training workdir (config.json, vocab.model, checkpoints/).')
-  flags.DEFINE_string('checkpoint', 'latest', 'latest, averaged (see flaxformer_nmt.average), best or a step.')
+  flags.DEFINE_string('checkpoint', 'latest', 'latest, averaged (see flaxformer_nmt.average), best, last:K or a step.')
   flags.DEFINE_enum('format', 'ctranslate2', list(FORMATS), 'Export format.')
   flags.DEFINE_string('output_dir', None, 'Directory for the exported model (created).')
   flags.DEFINE_enum('quantization', None, list(QUANTIZATIONS),
