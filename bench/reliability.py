@@ -154,10 +154,11 @@ def storage_full_trial(root, source):
   store = checkpoints_lib.Checkpoints(workdir, keep=3)
   listed = store.steps()
   restored, _ = store.restore_newest_good(checkpoints_lib.abstract_like(jax.device_put(state)))
-  ok = error is not None and max(listed) == newest and int(restored.step) == newest and all(
+  restored_step = int(restored['step'])  # restored as saved, without a template: a dict
+  ok = error is not None and max(listed) == newest and restored_step == newest and all(
       p in listing(workdir / 'checkpoints') for p in before)
   row = ('storage full during a save', f'save of {newest + 5} (ENOSPC)',
-         f'save raised {type(error).__name__ if error else "nothing"}; listed {listed}; restored {int(restored.step)}',
+         f'save raised {type(error).__name__ if error else "nothing"}; listed {listed}; restored {restored_step}',
          'previous intact' if ok else 'UNEXPECTED')
   print(' | '.join(row), flush=True)
   return [row]
