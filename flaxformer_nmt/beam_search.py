@@ -34,21 +34,22 @@ def length_penalty(length, alpha):
 
 def _mask_logits(log_probs, index, max_lengths, eos_id, forbidden_ids):
   """Forbids `forbidden_ids`, and everything but EOS for rows that reached their length limit."""
-  vocab = log_probs.shape[-1]
-  for token in forbidden_ids:
-    log_probs = log_probs.at[..., token].set(NEG_INF)
+  tokens = jnp.arange(log_probs.shape[-1])
+  forbidden = jnp.isin(tokens, jnp.asarray(forbidden_ids, jnp.int32)) if forbidden_ids else tokens < 0
   at_limit = (index + 1 >= max_lengths)
   at_limit = at_limit.reshape(at_limit.shape + (1,) * (log_probs.ndim - at_limit.ndim))
-  return jnp.where(at_limit & (jnp.arange(vocab) != eos_id), NEG_INF, log_probs)
+  # One select over [rows, V] (not one scatter per forbidden token): a single pass over the largest array.
+  return jnp.where(forbidden | (at_limit & (tokens != eos_id)), NEG_INF, log_probs)
 
 
 def beam_search(step_fn, cache, *, batch_size, beam_size, max_length, max_lengths, alpha, bos_id, eos_id,
-                forbidden_ids=()):
+                forbidden_ids=(), cache_lengths=()):
   """Returns (sequences [B, K, max_length], scores [B, K]), best first; sequences end at EOS, then pad 0.
 
   cache: pytree whose leaves have a leading axis of B * K (sentence-major: row b * K + k).
   max_length: static number of decoding steps (the cache's length).
   max_lengths: [B] int, each sentence's limit on generated tokens (<= max_length).
+  cache_lengths: see `_staged_while_loop` (empty: the cache has max_length positions throughout).
   Scores are log P / length_penalty(n, alpha). A slot with no hypothesis (a sentence whose length limit
   leaves fewer than K possible outputs) scores NEG_INF.
   """
@@ -94,8 +95,36 @@ def beam_search(step_fn, cache, *, batch_size, beam_size, max_length, max_length
     return index + 1, sequences, alive_log_probs, finished_sequences, finished_scores, num_finished, cache
 
   state = (jnp.asarray(0), sequences, alive_log_probs, finished_sequences, finished_scores, num_finished, cache)
-  _, _, _, finished_sequences, finished_scores, _, _ = jax.lax.while_loop(still_running, step, state)
+  _, _, _, finished_sequences, finished_scores, _, _ = _staged_while_loop(still_running, step, state, cache_lengths)
   return finished_sequences[:, :, 1:], finished_scores
+
+
+def _staged_while_loop(still_running, step, state, cache_lengths):
+  """jax.lax.while_loop(still_running, step, state), where state = (index, ..., cache), with a cache that grows.
+
+  cache_lengths: ascending position counts, the last one the cache's full length; the given cache has the
+  first. While index < cache_lengths[i] the loop runs on a cache of that many positions, then every cache
+  leaf is zero-padded along its position axis (axis 1) to the next length. A step reads and reorders the
+  whole cache, so the early steps, where most searches end, cost a fraction of a full-length step. One loop
+  per length, all inside the same jit: a later loop finds every sentence done and runs no step.
+  """
+  if len(cache_lengths) <= 1:
+    return jax.lax.while_loop(still_running, step, state)
+  for i, length in enumerate(cache_lengths):
+    if i:
+      state = state[:-1] + (jax.tree_util.tree_map(
+          lambda x: jnp.pad(x, [(0, 0), (0, length - x.shape[1])] + [(0, 0)] * (x.ndim - 2)), state[-1]),)
+    state = jax.lax.while_loop(lambda s, length=length: still_running(s) & (s[0] < length), step, state)
+  return state
+
+
+def cache_lengths_for(first, max_length):
+  """Cache lengths first, 2 * first, 4 * first, ..., max_length (see _staged_while_loop); a doubling that would
+  reach 3/4 of max_length is max_length itself (one loop less to compile, for little extra reading)."""
+  lengths = [min(first, max_length)]
+  while lengths[-1] < max_length:
+    lengths.append(2 * lengths[-1] if 2 * lengths[-1] < 0.75 * max_length else max_length)
+  return tuple(lengths)
 
 
 def _top_candidates(candidates, n):
@@ -125,7 +154,7 @@ def _gather_rows(x, beams):
 
 
 def _token_by_token(step_fn, cache, choose, *, batch_size, max_length, max_lengths, bos_id, eos_id,
-                    forbidden_ids):
+                    forbidden_ids, cache_lengths=()):
   """One token per row and step, picked by `choose(log_probs [N, V], index) -> tokens [N]`.
 
   Returns (sequences [N, max_length], log probabilities [N]): the model's log P of each row's tokens (EOS
@@ -153,19 +182,20 @@ def _token_by_token(step_fn, cache, choose, *, batch_size, max_length, max_lengt
     return index + 1, sequences, finished | (tokens == eos_id), scores, cache
 
   state = (jnp.asarray(0), sequences, finished, scores, cache)
-  _, sequences, _, scores, _ = jax.lax.while_loop(still_running, step, state)
+  _, sequences, _, scores, _ = _staged_while_loop(still_running, step, state, cache_lengths)
   return sequences[:, 1:], scores
 
 
-def greedy_search(step_fn, cache, *, batch_size, max_length, max_lengths, bos_id, eos_id, forbidden_ids=()):
+def greedy_search(step_fn, cache, *, batch_size, max_length, max_lengths, bos_id, eos_id, forbidden_ids=(),
+                  cache_lengths=()):
   """Returns (sequences [B, max_length], log probabilities [B]): the most likely token at every step."""
   return _token_by_token(step_fn, cache, lambda log_probs, index: jnp.argmax(log_probs, axis=-1),
                          batch_size=batch_size, max_length=max_length, max_lengths=max_lengths, bos_id=bos_id,
-                         eos_id=eos_id, forbidden_ids=forbidden_ids)
+                         eos_id=eos_id, forbidden_ids=forbidden_ids, cache_lengths=cache_lengths)
 
 
 def sample_search(step_fn, cache, keys, *, temperature, top_k, batch_size, max_length, max_lengths, bos_id,
-                  eos_id, forbidden_ids=()):
+                  eos_id, forbidden_ids=(), cache_lengths=()):
   """Returns (sequences [B, max_length], log probabilities [B]) sampled token by token.
 
   Each token is drawn from softmax(logits / temperature) restricted to the `top_k` most likely tokens
@@ -187,7 +217,8 @@ def sample_search(step_fn, cache, keys, *, temperature, top_k, batch_size, max_l
     return jnp.take_along_axis(ids, picks[:, None], axis=1)[:, 0]
 
   return _token_by_token(step_fn, cache, choose, batch_size=batch_size, max_length=max_length,
-                         max_lengths=max_lengths, bos_id=bos_id, eos_id=eos_id, forbidden_ids=forbidden_ids)
+                         max_lengths=max_lengths, bos_id=bos_id, eos_id=eos_id, forbidden_ids=forbidden_ids,
+                         cache_lengths=cache_lengths)
 
 
 def token_by_token(step_fn, cache, choose, *, batch_size, max_length, max_lengths, bos_id, eos_id,

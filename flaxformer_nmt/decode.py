@@ -41,14 +41,14 @@ from flaxformer_nmt.model import Transformer
 from flaxformer_nmt.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
-def _member_step(model, params, src, rows, cache_cross_kv, max_length):
-  """(self-attention cache, step_fn) of one model: its encoder run once over `src`, each sentence's rows
-  (beams or samples) sharing its encoder-decoder keys/values."""
+def _member_step(model, params, src, rows, cache_cross_kv, cache_length):
+  """(self-attention cache of `cache_length` positions, step_fn) of one model: its encoder run once over
+  `src`, each sentence's rows (beams or samples) sharing its encoder-decoder keys/values."""
   variables = {'params': params}
   batch = src.shape[0]
   encoded = model.apply(variables, src, method=Transformer.encode)
   src_rows = jnp.repeat(src, rows, axis=0)
-  cache = model.apply(variables, batch * rows, max_length, method=Transformer.init_cache)
+  cache = model.apply(variables, batch * rows, cache_length, method=Transformer.init_cache)
 
   if cache_cross_kv:
     cross_kv = jax.tree_util.tree_map(lambda x: jnp.repeat(x, rows, axis=0),
@@ -106,7 +106,7 @@ def output_limits(src, max_len_a, max_len_b, max_position):
 
 
 def search(model, params, src, sample_keys=None, *, beam_size, alpha, extra_length, max_len_a=1.0, temperature=1.0,
-           top_k=0, cache_cross_kv=True):
+           top_k=0, cache_cross_kv=True, grow_cache=True):
   """Translations of a padded source batch [B, S]: (tokens [B, K, L], scores [B, K]), best first.
 
   beam_size=0 decodes greedily (K = 1). With `sample_keys` ([B, n] PRNG keys) it samples n translations per
@@ -119,20 +119,24 @@ def search(model, params, src, sample_keys=None, *, beam_size, alpha, extra_leng
   The encoder runs once, the encoder-decoder keys/values are projected once per sentence, and each step
   runs only the new position through the decoder against its self-attention cache. cache_cross_kv=False
   projects the encoder-decoder keys/values again at every step, as decoders without that cache do (kept
-  to measure what the cache saves; same results).
+  to measure what the cache saves; same results). The self-attention cache starts with as many positions as
+  the source and doubles when the decoder gets there (beam_search.cache_lengths_for); grow_cache=False
+  allocates all max_length positions at once (same results, slower).
   """
   models, member_params = (model, params) if isinstance(model, tuple) else ((model,), (params,))
   batch = src.shape[0]
   max_length, max_lengths = output_limits(src, max_len_a, extra_length,
                                           min(m.config.max_position for m in models))
   rows = sample_keys.shape[1] if sample_keys is not None else max(beam_size, 1)  # decoder rows per sentence
-  members = [_member_step(m, p, src, rows, cache_cross_kv, max_length) for m, p in zip(models, member_params)]
+  cache_lengths = beam_search.cache_lengths_for(src.shape[1], max_length) if grow_cache else (max_length,)
+  members = [_member_step(m, p, src, rows, cache_cross_kv, cache_lengths[0]) for m, p in zip(models, member_params)]
   if len(members) == 1:
     cache, step_fn = members[0]
   else:
     cache, step_fn = tuple(c for c, _ in members), _ensemble_step([f for _, f in members])
 
-  common = dict(max_length=max_length, bos_id=BOS_ID, eos_id=EOS_ID, forbidden_ids=(PAD_ID, BOS_ID))
+  common = dict(max_length=max_length, bos_id=BOS_ID, eos_id=EOS_ID, forbidden_ids=(PAD_ID, BOS_ID),
+                cache_lengths=cache_lengths)
   if sample_keys is not None:
     tokens, scores = beam_search.sample_search(
         step_fn, cache, sample_keys.reshape(-1), temperature=temperature, top_k=top_k, batch_size=batch * rows,
@@ -261,7 +265,7 @@ class Translator:
     self.checkpoint = descriptions[0] if len(members) == 1 else f'an ensemble of {", ".join(descriptions)}'
     self._search = jax.jit(functools.partial(search, self.models if len(members) > 1 else self.model),
                            static_argnames=('beam_size', 'alpha', 'extra_length', 'max_len_a', 'temperature',
-                                            'top_k', 'cache_cross_kv'))
+                                            'top_k', 'cache_cross_kv', 'grow_cache'))
 
   def _member_config(self, workdir, dtype):
     """A member's config, checked against the first member's vocabulary and direction."""
@@ -308,7 +312,8 @@ class Translator:
       yield members, data_lib.pad_rows([token_lists[i] for i in members], rows, padded)
 
   def _prepare(self, token_lists, beam_size=None, alpha=None, n_best=1, tokens_per_batch=None, sampling=False,
-               temperature=1.0, top_k=0, cache_cross_kv=True, sort_by_length=True, max_len_a=None, max_len_b=None):
+               temperature=1.0, top_k=0, cache_cross_kv=True, grow_cache=True, sort_by_length=True, max_len_a=None,
+               max_len_b=None):
     """(the static options of the jitted search, its batches) for search_tokens and warm_up."""
     max_len_a = 1.0 if max_len_a is None else float(max_len_a)
     max_len_b = self.config.max_decode_extra_length if max_len_b is None else max_len_b
@@ -322,7 +327,7 @@ class Translator:
     if sampling and (temperature <= 0 or top_k < 0):
       raise ValueError(f'sampling needs temperature > 0 and top_k >= 0, not {temperature} and {top_k}')
     options = dict(beam_size=beam_size, alpha=float(alpha), extra_length=int(max_len_b), max_len_a=max_len_a,
-                   cache_cross_kv=cache_cross_kv)
+                   cache_cross_kv=cache_cross_kv, grow_cache=grow_cache)
     if sampling:
       options.update(beam_size=0, alpha=0.0, temperature=float(temperature), top_k=int(top_k))
     tokens_per_batch = tokens_per_batch or self.config.decode_tokens_per_batch
@@ -341,8 +346,8 @@ class Translator:
     most floor(max_len_a * source length + max_len_b) tokens before EOS; default 1 and the config's
     max_decode_extra_length, 50: the paper's source length + 50). sampling draws n_best
     samples per sentence (beam_size is then unused); sample j of sentence i depends only on (seed,
-    first_line + i, j), so a stream read in chunks samples as the whole list would. cache_cross_kv=False
-    and sort_by_length=False switch off two speed-ups, for measuring them.
+    first_line + i, j), so a stream read in chunks samples as the whole list would. cache_cross_kv=False,
+    grow_cache=False and sort_by_length=False switch off three speed-ups, for measuring them.
     """
     token_lists = fit_to_positions(token_lists, self.config.model.max_position,
                                    self.config.max_decode_extra_length, first_line)

@@ -311,6 +311,19 @@ def test_search_projecting_cross_attention_every_step_equals_the_cache(beam_size
   np.testing.assert_allclose(cached[1], per_step[1], atol=1e-5)
 
 
+@pytest.mark.parametrize('beam_size', [0, 4])
+def test_search_with_a_growing_cache_equals_the_full_length_cache(beam_size):
+  model, params = tiny_model()
+  options = dict(beam_size=beam_size, alpha=0.6, extra_length=20)  # cache 5, 10, then 25 positions
+  assert beam_search.cache_lengths_for(SRC.shape[1], SRC.shape[1] + 20) == (5, 10, 25)
+  grown = jitted_search(model, grow_cache=True, **options)(params, SRC, grow_cache=True, **options)
+  full = jitted_search(model, grow_cache=False, **options)(params, SRC, grow_cache=False, **options)
+  lengths = [len(decode._through_eos(tokens)) for tokens in np.asarray(grown[0]).reshape(-1, SRC.shape[1] + 20)]
+  assert max(lengths) > 10  # outputs long enough to reach the last cache length
+  np.testing.assert_array_equal(grown[0], full[0])
+  np.testing.assert_allclose(grown[1], full[1], atol=1e-5)
+
+
 def test_sampling_from_the_top_1_is_greedy():
   model, params = tiny_model()
   options = dict(beam_size=0, alpha=0.6, extra_length=8)
