@@ -4,39 +4,19 @@ like configs/multi30k.py's encoder: 3 layers, d_model 256, 4 heads, an 8k senten
 masked-token accuracy and perplexity on valid.de. About 20 minutes on two CPU cores. Fill masks with
 `python -m flaxformer_nmt.fill_mask --workdir W "Ein Mann <mask> ein Pferd ."`.
 """
-from flaxformer_nmt import config
+import importlib.util
+import pathlib
+
+# The same data, vocabulary, size and schedule as the LM config beside this file; only the stack differs.
+_spec = importlib.util.spec_from_file_location('lm_multi30k', pathlib.Path(__file__).with_name('lm_multi30k.py'))
+_lm = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_lm)
 
 
 def get_config():
-  c = config.base_config()
+  c = _lm.get_config()
   c.task = 'mlm'
-  c.data_dir = config.shared_data_dir('multi30k')  # reads {split}.de (target_lang)
-  c.source_lang, c.target_lang = 'en', 'de'
-  c.eval_split = 'valid'
-  c.max_length = 128
-  c.tokens_per_batch = 4096
-  # Sentences packed into rows of 64 tokens (as nanoGPT and the Flax lm1b example pack): one batch shape,
-  # one compilation of the train step, little padding.
-  c.packed_length = 64
-  # Validation rows padded to 64 as well: one more compilation (the eval step), not one per length bucket.
-  c.length_buckets = (64,)
-  c.vocab_size = 8000
-  c.sentencepiece_max_chars = 0
-
   c.model.num_encoder_layers = 3
   c.model.num_decoder_layers = 0
-  c.model.d_model = 256
-  c.model.d_ff = 1024
-  c.model.num_heads = 4
-  c.model.dropout_rate = 0.1
-
   c.label_smoothing = 0.0  # BERT's loss: plain cross entropy on the masked positions
-  c.warmup_steps = 500
-  c.num_train_steps = 100_000
-  c.max_train_minutes = 20.0
-  c.log_every_steps = 50
-  c.eval_every_steps = 200
-  c.checkpoint_every_steps = 100
-  c.keep_checkpoints = 10
-  c.average_last_checkpoints = 5
   return c
