@@ -3,8 +3,9 @@ r"""Reliability of training on a tiny model, measured end to end through the CLI
   python bench/reliability.py                      # 10 kill -9 trials, corruption, storage faults, config changes
   python bench/reliability.py --trials 3 --steps 20
 
-1. kill -9: a run is SIGKILLed at a random moment (uniform over the reference run's duration), rerun with the
-   same command to the end, and its final parameters compared bitwise with an uninterrupted run's.
+1. kill -9: a run is SIGKILLed at a random moment of its training steps (uniform over the reference run's time
+   after start-up), rerun with the same command to the end, and its final parameters compared bitwise with an
+   uninterrupted run's.
 2. Corruption of the newest checkpoint (truncated array files, deleted commit marker, garbage tree metadata):
    the rerun must set it aside, resume from the previous one and finish.
 3. Storage failing during a save (ENOSPC raised by orbax's file writes, in process): the save fails loudly,
@@ -72,13 +73,39 @@ def steps_of(workdir):
   return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.exists() else []
 
 
-def kill_trials(root, data, reference, duration, steps, trials, rng):
+def _popen_logged(args, log_path):
+  with open(log_path, 'w') as log:
+    return subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=log)
+
+
+def _wait_for_training(process, log_path):
+  """Seconds until the run logs 'Starting at step' (start-up, vocabulary, compilation before it)."""
+  start = time.time()
+  while process.poll() is None and 'Starting at step' not in log_path.read_text():
+    time.sleep(0.05)
+  return time.time() - start
+
+
+def training_seconds(data, workdir, steps):
+  """The reference run: (seconds spent in training steps after start-up, exit status)."""
+  log_path = workdir.parent / 'reference.log'
+  process = _popen_logged(command(data, workdir, steps), log_path)
+  _wait_for_training(process, log_path)
+  start = time.time()
+  process.wait()
+  return time.time() - start, process.returncode, log_path
+
+
+def kill_trials(root, data, reference, train_seconds, steps, trials, rng):
+  """SIGKILL at a moment drawn uniformly over the training steps (start-up excluded, so that the kills land
+  between checkpoints of a running loop, not before it), then the same command to the end."""
   rows = []
   for trial in range(trials):
     workdir = root / f'kill{trial}'
-    delay = rng.uniform(0.1, duration)
-    process = subprocess.Popen(command(data, workdir, steps), cwd=REPO, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+    log_path = root / f'kill{trial}.log'
+    process = _popen_logged(command(data, workdir, steps), log_path)
+    _wait_for_training(process, log_path)
+    delay = rng.uniform(0.0, train_seconds)
     time.sleep(delay)
     finished_first = process.poll() is not None
     process.send_signal(signal.SIGKILL)
@@ -87,7 +114,7 @@ def kill_trials(root, data, reference, duration, steps, trials, rng):
     result = run(command(data, workdir, steps))
     equal = result.returncode == 0 and all(
         np.array_equal(a, b) for a, b in zip(final_params(workdir, steps), reference))
-    rows.append((f'kill -9 #{trial + 1}', f'after {delay:.1f} s' + (' (had finished)' if finished_first else ''),
+    rows.append((f'kill -9 #{trial + 1}', f'{delay:.1f} s into training' + (' (had finished)' if finished_first else ''),
                  f'checkpoints at kill {at_kill or "none"}; rerun exit {result.returncode}',
                  'bitwise equal' if equal else 'DIFFERENT'))
     print(' | '.join(rows[-1]), flush=True)
@@ -200,12 +227,10 @@ def main():
   root = __import__('pathlib').Path(tempfile.mkdtemp(prefix='reliability_'))
   data = root / 'data'
   write_corpus(data)
-  start = time.time()
-  result = run(command(data, root / 'reference', args.steps))
-  duration = time.time() - start
-  if result.returncode:
-    sys.exit(result.stderr[-3000:])
-  print(f'reference run: {args.steps} steps in {duration:.1f} s (process start included)', flush=True)
+  duration, returncode, log_path = training_seconds(data, root / 'reference', args.steps)
+  if returncode:
+    sys.exit(log_path.read_text()[-3000:])
+  print(f'reference run: {args.steps} steps in {duration:.1f} s after start-up', flush=True)
   reference = final_params(root / 'reference', args.steps)
   parts = {'corrupt': lambda: corruption_trials(root, data, root / 'reference', args.steps),
            'storage': lambda: storage_full_trial(root, root / 'reference'),
