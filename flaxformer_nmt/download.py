@@ -90,6 +90,10 @@ def ensure_corpus(config, is_leader=True, barrier=lambda name: None):
     return
   if config.data_download != 'multi30k':
     raise data_lib.DataError(f"config.data_download={config.data_download!r}: use 'multi30k' or '' (never)")
+  needed = [epath.Path(config.data_dir) / f'{split}.{lang}' for split in (config.train_split, config.eval_split)
+            for lang in (config.source_lang, config.target_lang)]
+  if all(path.exists() for path in needed):
+    return  # the run's own files are there (e.g. a --config.data_dir of the user's): nothing to fetch
   try:
     if is_leader:
       ensure_multi30k(config.data_dir)

@@ -252,6 +252,19 @@ def test_first_use_fetches_multi30k_into_the_cache_and_checks_it(file_server, tm
   assert download.multi30k_data_dir() == str(tmp_path / 'shared' / 'multi30k')
 
 
+def test_a_data_dir_holding_the_runs_own_splits_is_not_downloaded_into(tmp_path, monkeypatch):
+  """--config.data_dir with the user's own train/valid files: a config with data_download never fetches
+  (here any fetch would fail: the mirror is a closed address)."""
+  for name in ('train.en', 'train.de', 'valid.en', 'valid.de'):
+    (tmp_path / name).write_text('a line\n')
+  monkeypatch.setenv(download.URL_ENV, 'http://127.0.0.1:9')
+  download.ensure_corpus(multi30k_config(tmp_path))
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['train.de', 'train.en', 'valid.de', 'valid.en']
+  (tmp_path / 'valid.de').unlink()  # a split of the run missing: the fetch is tried, and fails in one error
+  with pytest.raises(data_lib.DataError, match='--config.data_dir=DIR'):
+    download.ensure_corpus(multi30k_config(tmp_path))
+
+
 def test_a_corrupted_download_is_rejected_and_not_written(file_server, tmp_path, monkeypatch):
   root, url = file_server
   serve_toy_multi30k(root, monkeypatch)
