@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import small_config
+from test_resilience import cli_args
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import train
@@ -95,16 +96,6 @@ def resume_config(toy_corpus):
   config.eval_every_steps = 1000
   config.prefetch_batches = 0
   return config
-
-
-def cli_args(config, workdir):
-  args = [sys.executable, '-m', 'flaxformer_nmt.train', f'--config={REPO}/configs/multi30k.py', f'--workdir={workdir}']
-  for key, value in config.items():
-    if key == 'model':
-      args += [f'--config.model.{k}={v}' for k, v in value.items()]
-    else:
-      args.append(f'--config.{key}={value if not isinstance(value, tuple) else str(value).replace(" ", "")}')
-  return args
 
 
 def logged_losses(workdir):
