@@ -42,6 +42,30 @@ def test_label_smoothed_loss_equals_numpy():
   np.testing.assert_allclose(nll, e_nll, rtol=1e-5)
 
 
+def test_label_smoothed_loss_gradient_is_softmax_minus_smoothed_target():
+  """d loss / d logits = w * (softmax(logits) - q) for each non-pad position, written out in NumPy: catches a
+  wrong off-value, a smoothing mass on PAD targets or on the reference, or a normalizer missing from the
+  backward pass."""
+  rng = np.random.default_rng(1)
+  V, eps = 13, 0.1
+  logits = rng.normal(size=(2, 6, V)).astype(np.float32) * 4
+  targets = rng.integers(1, V, size=(2, 6))
+  targets[1, 4:] = 0
+  grad = np.asarray(jax.grad(lambda x: ts.label_smoothed_cross_entropy(x, jnp.asarray(targets), eps)[0])(
+      jnp.asarray(logits)))
+  expected = np.zeros_like(grad, dtype=np.float64)
+  for b in range(2):
+    for t in range(6):
+      if targets[b, t] == 0:
+        continue
+      z = logits[b, t].astype(np.float64)
+      p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+      q = np.full(V, eps / (V - 1))
+      q[targets[b, t]] = 1 - eps
+      expected[b, t] = p - q
+  np.testing.assert_allclose(grad, expected, atol=2e-6)
+
+
 def test_schedule_equals_the_paper_formula():
   schedule = ts.paper_schedule(d_model=512, warmup_steps=4000, scale=2.0)
   for step in (1, 10, 1000, 3999, 4000, 4001, 10_000, 100_000):
