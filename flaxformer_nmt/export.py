@@ -176,6 +176,12 @@ def export_ctranslate2(workdir, output_dir, checkpoint='latest', quantization=No
   if output_dir.exists() and any(output_dir.iterdir()) and not force:
     raise ExportError(f'{output_dir} exists and is not empty: choose another --output_dir or pass --force')
   config = workdir_lib.load_config(workdir)
+  task = config.get('task', 'translation')
+  if task != 'translation':
+    # CTranslate2's Translator serves encoder-decoders; our LM/MLM workdirs have no source side to map.
+    raise ExportError(f'{workdir} holds a config.task={task!r} model: --format ctranslate2 exports translation '
+                      'models only (generate with python -m flaxformer_nmt.generate, fill masks with '
+                      'python -m flaxformer_nmt.fill_mask)')
   tokenizer = tokenizer_lib.Tokenizer(epath.Path(workdir) / tokenizer_lib.VOCAB_FILENAME)
   model_config = model_lib.ModelConfig.from_config(config, tokenizer.vocab_size)
   params, description = decode.load_params(workdir, checkpoint)

@@ -1,5 +1,6 @@
 """The CTranslate2 export computes our model's function: greedy tokens identical (post-LN and pre-LN),
 teacher-forced log probabilities equal to 1e-4, beam search agreeing, the CLI's int8 export translating."""
+import json
 import subprocess
 import sys
 
@@ -175,6 +176,14 @@ def test_export_errors_name_the_problem(workdir, exported, tmp_path):
   result = run_export(tmp_path / 'nowhere', tmp_path / 'y')
   assert result.returncode == 1 and 'config.json' in result.stderr
   assert not (tmp_path / 'x').exists() and not (tmp_path / 'y').exists()
+  lm_workdir = tmp_path / 'lm'  # an LM run's workdir: refused before any checkpoint is read
+  lm_workdir.mkdir()
+  lm_config = json.loads((workdir / 'config.json').read_text())
+  lm_config['task'] = 'lm'
+  (lm_workdir / 'config.json').write_text(json.dumps(lm_config))
+  result = run_export(lm_workdir, tmp_path / 'z')
+  assert result.returncode == 1 and "config.task='lm'" in result.stderr and 'generate' in result.stderr
+  assert not (tmp_path / 'z').exists()
 
 
 def test_decoding_and_export_do_not_import_the_trainer():
