@@ -4,12 +4,16 @@ learnt from the German text. About 20 minutes on two CPU cores; validation perpl
 valid.de. Generate with `python -m flaxformer_nmt.generate --workdir W --prompt "Ein Mann"`.
 """
 from flaxformer_nmt import config
+from flaxformer_nmt import download
 
 
 def get_config():
   c = config.base_config()
   c.task = 'lm'
-  c.data_dir = config.shared_data_dir('multi30k')  # reads {split}.de (target_lang)
+  # Reads {split}.de (target_lang) from ../shared/data/multi30k when present, else from the user cache,
+  # downloading Multi30k there on first use, as configs/multi30k.py does.
+  c.data_dir = download.multi30k_data_dir()
+  c.data_download = 'multi30k'
   c.source_lang, c.target_lang = 'en', 'de'
   c.eval_split = 'valid'
   c.max_length = 128

@@ -60,7 +60,7 @@ def test_multi30k_best_is_the_fairseq_tiny_recipe_and_trains_from_valid_only():
   # Selection sees validation data only.
   assert c.eval_split == 'valid' and c.best_checkpoint_metric == 'bleu' and c.eval_bleu_every_steps > 0
   bleu_eval.validate_config(c)
-  for name in ('multi30k', 'multi30k_best'):
+  for name in ('multi30k', 'multi30k_best', 'lm_multi30k', 'mlm_multi30k'):
     assert load_config_file(name).data_download == 'multi30k'
 
 
