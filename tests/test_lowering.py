@@ -4,7 +4,8 @@ JAX lowers a jitted function for platforms this machine lacks (`.trace(...).lowe
 from abstract inputs (`jax.eval_shape`, `jax.ShapeDtypeStruct`) and an `AbstractMesh` of devices that do not
 exist. So CI traces what a GPU or TPU user would run, with the configs they would run: the train step of
 configs/base.py and configs/big.py in bfloat16 (model.dtype 'auto' settled for the target platform) on a
-data 4 x fsdp 2 mesh, with and without rematerialization and gradient accumulation, and the beam-search and
+data 4 x fsdp 2 mesh, with and without rematerialization and gradient accumulation, the train steps of the
+decoder-only LM and the MLM (configs/lm_multi30k.py, configs/mlm_multi30k.py), and the beam-search and
 greedy decode loops. The StableHLO is then read for what must be there: bfloat16 matmuls, cuDNN flash
 attention on CUDA (and only there), the mesh and the FSDP layout, the remat barriers, the accumulation loop.
 
@@ -30,6 +31,7 @@ import pytest
 from jax._src.cudnn import fused_attention_stablehlo
 
 from flaxformer_nmt import decode
+from flaxformer_nmt import lm
 from flaxformer_nmt import model as model_lib
 from flaxformer_nmt import sharding
 from flaxformer_nmt import train_step
@@ -74,7 +76,9 @@ def lowered_train_step(name, platform, remat='none', accumulation=1, attention='
   config = load_config(name, **{'model.remat': remat, 'model.attention_impl': attention,
                                 'grad_accumulation_steps': accumulation,
                                 'data_parallelism': mesh.shape['data'], 'fsdp_parallelism': mesh.shape['fsdp']})
-  model = model_lib.Transformer(model_lib.ModelConfig.from_config(config, config.vocab_size, platform))
+  task = lm.task_of(config)
+  model = lm.build(task, model_lib.ModelConfig.from_config(config, config.vocab_size, platform,
+                                                           architecture=lm.ARCHITECTURES[task]), mask_id=4)
   optimizer, schedule = train_step.make_optimizer(config)
   abstract_mesh = jax.sharding.use_abstract_mesh(MESH) if on_mesh else contextlib.nullcontext()
   with abstract_mesh, cudnn_version_check_answered():
@@ -100,8 +104,12 @@ def dot_operand_dtypes(text):
 def dense_matmuls(model_config):
   """Weight matmuls of one forward pass, counted from the architecture: per encoder layer the fused QKV,
   the output projection and the two feed-forward layers; per decoder layer self QKV and output, cross Q,
-  fused KV and output, and the two feed-forward layers; and the pre-softmax projection."""
-  return 4 * model_config.num_encoder_layers + 7 * model_config.num_decoder_layers + 1
+  fused KV and output, and the two feed-forward layers (the LM's decoder layers have no cross-attention:
+  4); the MLM's prediction-head dense layer; and the pre-softmax projection."""
+  architecture = model_config.architecture
+  per_decoder_layer = 4 if architecture == 'decoder_only' else 7
+  head = 1 if architecture == 'encoder_only' else 0
+  return 4 * model_config.num_encoder_layers + per_decoder_layer * model_config.num_decoder_layers + head + 1
 
 
 def custom_calls(text, target):
@@ -159,6 +167,12 @@ def test_base_train_step_lowers_in_bfloat16_on_data_and_fsdp_mesh(platform):
 
 def test_base_train_step_lowers_with_cudnn_attention_for_cuda():
   check_cudnn_train_step('base', remat='none')
+
+
+@pytest.mark.parametrize('name', ['lm_multi30k', 'mlm_multi30k'])
+def test_language_model_train_steps_lower_in_bfloat16_on_data_and_fsdp_mesh(name):
+  # The decoder-only LM and the MLM (BERT's masking inside the step) on the GPU path users would run.
+  check_train_step(name, 'cuda', remat='none', accumulation=1)
 
 
 @pytest.mark.slow
