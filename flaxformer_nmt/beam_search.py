@@ -104,7 +104,8 @@ def _staged_while_loop(still_running, step, state, cache_lengths):
 
   cache_lengths: ascending position counts, the last one the cache's full length; the given cache has the
   first. While index < cache_lengths[i] the loop runs on a cache of that many positions, then every cache
-  leaf is zero-padded along its position axis (axis 1) to the next length. A step reads and reorders the
+  leaf is zero-padded along its position axis (axis 2: leaves are [rows, heads, positions, ...], the model's
+  head-major cache) to the next length. A step reads and reorders the
   whole cache, so the early steps, where most searches end, cost a fraction of a full-length step. One loop
   per length, all inside the same jit: a later loop finds every sentence done and runs no step.
   """
@@ -113,7 +114,7 @@ def _staged_while_loop(still_running, step, state, cache_lengths):
   for i, length in enumerate(cache_lengths):
     if i:
       state = state[:-1] + (jax.tree_util.tree_map(
-          lambda x: jnp.pad(x, [(0, 0), (0, length - x.shape[1])] + [(0, 0)] * (x.ndim - 2)), state[-1]),)
+          lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, length - x.shape[2])] + [(0, 0)] * (x.ndim - 3)), state[-1]),)
     state = jax.lax.while_loop(lambda s, length=length: still_running(s) & (s[0] < length), step, state)
   return state
 

@@ -52,7 +52,7 @@ def _member_step(model, params, src, rows, cache_cross_kv, cache_length):
 
   if cache_cross_kv:
     cross_kv = jax.tree_util.tree_map(lambda x: jnp.repeat(x, rows, axis=0),
-                                      model.apply(variables, encoded, method=Transformer.cross_attention_kv))
+                                      model.apply(variables, encoded, method=Transformer.decoding_cross_kv))
 
     def step_fn(tokens, index, cache):
       return model.apply(variables, tokens, index, cache, cross_kv, src_rows, method=Transformer.decode_step)
@@ -63,7 +63,7 @@ def _member_step(model, params, src, rows, cache_cross_kv, cache_length):
       # XLA would hoist a loop-invariant projection out of the loop by itself (it does on CPU), which is
       # the cache again; tying the encoder output to the step index keeps the projection in every step.
       step_encoded, _ = jax.lax.optimization_barrier((encoded_rows, index))
-      step_kv = model.apply(variables, step_encoded, method=Transformer.cross_attention_kv)
+      step_kv = model.apply(variables, step_encoded, method=Transformer.decoding_cross_kv)
       return model.apply(variables, tokens, index, cache, step_kv, src_rows, method=Transformer.decode_step)
   return cache, step_fn
 

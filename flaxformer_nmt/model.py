@@ -10,7 +10,9 @@
 
 Decoding runs the decoder one position at a time with explicit caches: each decoder layer's self-attention
 keys/values so far (`init_cache`), and the encoder-decoder attention keys/values, computed once per sentence
-(`cross_attention_kv`). A step then costs O(length) instead of re-running the whole prefix.
+(`decoding_cross_kv`). A step then costs O(length) instead of re-running the whole prefix. Both are kept
+head-major, [B, H, T, D], the layout of the step's attention products: with [B, T, H, D] XLA copied every
+cache into that layout at every step (on the CPU that was half of a step's attention time).
 
 Masks are boolean arrays broadcastable to [batch, heads, queries, keys]; True means "may attend" (carried
 with per-row lengths in an `AttentionMask`, the form cuDNN's flash attention takes).
@@ -287,6 +289,18 @@ class MultiHeadAttention(nn.Module):
       out = fused_attention(q, k, v, mask, self.attention_impl)
     return self.output(out.reshape(out.shape[:-2] + (self.d_model,)))
 
+  def attend_cached(self, q, k, v, mask):
+    """Incremental decoding: queries q [B, Tq, H, D] over head-major keys/values k, v [B, H, Tk, D] (a
+    cache), then the output projection. Explicit products in float32 logits and softmax, as the einsum path;
+    sows the weights [B, H, Tq, Tk] when 'intermediates' is mutable."""
+    q = q / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+    scores = jnp.einsum('bqhd,bhkd->bhqk', q, k, preferred_element_type=jnp.float32)
+    weights = jax.nn.softmax(jnp.where(mask.mask, scores, jnp.finfo(jnp.float32).min), axis=-1)
+    if self.is_mutable_collection('intermediates'):
+      self.sow('intermediates', 'attention_weights', weights)
+    out = jnp.einsum('bhqk,bhkd->bqhd', weights.astype(v.dtype), v)
+    return self.output(out.reshape(out.shape[:-2] + (self.d_model,)))
+
   def __call__(self, q_inputs, kv_inputs, mask, deterministic=True):
     if self.is_self_attention:
       q, k, v = self.project_qkv(q_inputs)
@@ -372,20 +386,27 @@ class DecoderLayer(nn.Module):
     self.self_block, self.feed_forward_block = sublayer(), sublayer()
 
   def __call__(self, y, cross_kv, self_mask, cross_mask, deterministic, cache=None, index=None):
-    """One decoder layer over y [B, T, d]. With `cache` (keys/values [B, L, H, D] of earlier positions), y
-    holds the single position `index`; returns (y, updated cache). cross_kv/cross_mask: None without
-    cross-attention."""
+    """One decoder layer over y [B, T, d]. With `cache` (head-major keys/values [B, H, L, D] of earlier
+    positions), y holds the single position `index` and cross_kv is head-major too (decoding_cross_kv);
+    returns (y, updated cache). cross_kv/cross_mask: None without cross-attention."""
+    incremental = cache is not None
+
     def self_attention(z):
       nonlocal cache
       q, k, v = self.self_attention.project_qkv(z)
-      if cache is not None:
-        k = jax.lax.dynamic_update_slice_in_dim(cache['k'], k.astype(cache['k'].dtype), index, axis=1)
-        v = jax.lax.dynamic_update_slice_in_dim(cache['v'], v.astype(cache['v'].dtype), index, axis=1)
-        cache = {'k': k, 'v': v}
-      return self.self_attention.attend(q, k, v, self_mask, deterministic)
+      if not incremental:
+        return self.self_attention.attend(q, k, v, self_mask, deterministic)
+      head_major = lambda x: jnp.swapaxes(x, 1, 2).astype(cache['k'].dtype)  # [B, 1, H, D] -> [B, H, 1, D]
+      k = jax.lax.dynamic_update_slice_in_dim(cache['k'], head_major(k), index, axis=2)
+      v = jax.lax.dynamic_update_slice_in_dim(cache['v'], head_major(v), index, axis=2)
+      cache = {'k': k, 'v': v}
+      return self.self_attention.attend_cached(q, k, v, self_mask)
 
     def cross_attention(z):
-      return self.cross_attention.attend(self.cross_attention.project_q(z), *cross_kv, cross_mask, deterministic)
+      q = self.cross_attention.project_q(z)
+      if incremental:
+        return self.cross_attention.attend_cached(q, *cross_kv, cross_mask)
+      return self.cross_attention.attend(q, *cross_kv, cross_mask, deterministic)
 
     y = self.self_block(y, self_attention, deterministic)
     if self.has_cross_attention:
@@ -522,16 +543,18 @@ class TransformerStacks(nn.Module):
   # --- Incremental decoding ---
 
   def init_cache(self, batch_size, max_length):
-    """Zeroed self-attention keys/values for `max_length` positions, one dict per decoder layer."""
+    """Zeroed self-attention keys/values for `max_length` positions, one dict per decoder layer, head-major:
+    [B, H, max_length, D] (positions on axis 2)."""
     c = self.config
-    shape = (batch_size, max_length, c.num_heads, c.d_model // c.num_heads)
+    shape = (batch_size, c.num_heads, max_length, c.d_model // c.num_heads)
     return [{'k': jnp.zeros(shape, self.dtype), 'v': jnp.zeros(shape, self.dtype)}
             for _ in range(c.num_decoder_layers)]
 
   def decode_step(self, tokens, index, cache, cross_kv=None, src=None):
     """tokens [B] at position `index` -> (logits [B, V], cache with this position's keys/values).
-    cross_kv and src (for its padding): the encoder's, or None for a decoder without cross-attention."""
-    max_length = cache[0]['k'].shape[1]
+    cross_kv (from decoding_cross_kv) and src (for its padding): the encoder's, or None for a decoder without
+    cross-attention."""
+    max_length = cache[0]['k'].shape[2]
     # The query may see cached positions 0..index, never the unwritten slots after it. One query per row:
     # the dense masks (XLA path), not cuDNN's length form.
     self_mask = AttentionMask((jnp.arange(max_length) <= index)[None, None, None, :])
@@ -555,6 +578,11 @@ class Transformer(TransformerStacks):
   def cross_attention_kv(self, encoded):
     """Every decoder layer's encoder-decoder attention keys and values, computed once per sentence."""
     return [layer.cross_attention.project_kv(encoded) for layer in self.decoder_layers]
+
+  def decoding_cross_kv(self, encoded):
+    """cross_attention_kv head-major ([B, H, S, D] keys and values), as decode_step reads them: transposed
+    once per sentence, not at every step."""
+    return [tuple(jnp.swapaxes(x, 1, 2) for x in kv) for kv in self.cross_attention_kv(encoded)]
 
   def decode(self, tgt_in, encoded, src, deterministic=True, *, src_segments=None, tgt_segments=None,
              tgt_positions=None):

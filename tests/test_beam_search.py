@@ -22,7 +22,7 @@ def cached_step_fn(model, params, src, rows):
   variables = {'params': params}
   encoded = model.apply(variables, src, method=Transformer.encode)
   cross = jax.tree_util.tree_map(lambda x: jnp.repeat(x, rows, axis=0),
-                                 model.apply(variables, encoded, method=Transformer.cross_attention_kv))
+                                 model.apply(variables, encoded, method=Transformer.decoding_cross_kv))
   src_rows = jnp.repeat(src, rows, axis=0)
   return jax.jit(lambda tokens, index, cache: model.apply(variables, tokens, index, cache, cross, src_rows,
                                                           method=Transformer.decode_step))
