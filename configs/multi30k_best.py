@@ -6,11 +6,13 @@ beam 5; sized for 150 minutes on two CPU cores.
 
 NOT YET TUNED ON VALID: these are the published recipe's values plus informed guesses where this project
 differs (an 8k joint sentencepiece BPE on raw cased text, where they train on lowercased tokenized text;
-length penalty alpha 1.0, against the short translations of configs/multi30k.py). Run it and its validation
-curve with `python bench/bleu_curve.py --config configs/multi30k_best.py --workdir runs/m30k_best`; choose
-any change on the validation columns only. Time: 0.117 model TFLOP per step (flops.py) against 0.187 for
-configs/multi30k.py's 1.6 s steps, so about 1.0-1.3 s per step on a quiet 2-core CPU: the 150-minute limit
-may end the run a little before step 8,000 (it then saves, averages and stops as usual).
+length penalty alpha 1.0, against the short translations of configs/multi30k.py). One change from the
+published recipe, made for the CPU budget before any BLEU was seen: 4,096 tokens per update (fairseq's
+--max-tokens 4096 on one GPU, without --update-freq 2). On a 2-core AMD EPYC (AVX2) the 8,192-token step takes
+3.6 s, so 150 minutes would end near update 2,500, most of it warmup; at 4,096 tokens the step takes 1.6-1.9 s.
+The run of 2026-11-23 and its validation curve are in bench/RESULTS.md; re-run and score with
+`python bench/bleu_curve.py --config configs/multi30k_best.py --workdir runs/m30k_best`, and choose any
+change on the validation columns only.
 """
 from flaxformer_nmt import config
 from flaxformer_nmt import download
@@ -22,7 +24,7 @@ def get_config():
   c.data_download = 'multi30k'
   c.eval_split = 'valid'
   c.max_length = 128
-  c.tokens_per_batch = 8192  # fairseq: --max-tokens 4096 --update-freq 2
+  c.tokens_per_batch = 4096  # fairseq --max-tokens 4096 (their --update-freq 2 halves the updates a CPU gets)
   c.vocab_size = 8000
   c.sentencepiece_max_chars = 0
 

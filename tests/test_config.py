@@ -55,7 +55,7 @@ def test_multi30k_best_is_the_fairseq_tiny_recipe_and_trains_from_valid_only():
       128, 256, 4, 4, 4, 0.3)
   assert (c.learning_rate_schedule, c.learning_rate, c.warmup_steps, c.adam_b1, c.adam_b2) == (
       'inverse_sqrt', 0.005, 2000, 0.9, 0.98)
-  assert (c.num_train_steps, c.tokens_per_batch, c.average_last_checkpoints, c.beam_size) == (8000, 8192, 10, 5)
+  assert (c.num_train_steps, c.tokens_per_batch, c.average_last_checkpoints, c.beam_size) == (8000, 4096, 10, 5)
   assert c.max_train_minutes <= 150 and c.average_last_checkpoints <= c.keep_checkpoints
   # Selection sees validation data only.
   assert c.eval_split == 'valid' and c.best_checkpoint_metric == 'bleu' and c.eval_bleu_every_steps > 0
