@@ -183,20 +183,22 @@ def cudnn_lengths(mask, batch):
   return lengths
 
 
-def scaled_dot_product_attention(q, k, v, mask, dropout=None):
-  """softmax(Q K^T / sqrt(d_k)) V over [B, T, H, D] arrays; returns (output, weights [B, H, Tq, Tk]).
+def scaled_dot_product_attention(q, k, v, mask, dropout=None, kv_head_major=False):
+  """softmax(Q K^T / sqrt(d_k)) V over [B, T, H, D] arrays; returns (output [B, Tq, H, D], weights [B, H, Tq, Tk]).
+  kv_head_major: k and v are [B, H, Tk, D] (the decoding caches' layout).
 
-  The explicit path: it materializes the float32 weights (attention pictures, attention dropout).
+  The explicit path: it materializes the float32 weights (attention pictures, attention dropout, decoding).
   """
+  kv = 'bhkd' if kv_head_major else 'bkhd'
   q = q / jnp.sqrt(q.shape[-1]).astype(q.dtype)
-  scores = jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32)
+  scores = jnp.einsum(f'bqhd,{kv}->bhqk', q, k, preferred_element_type=jnp.float32)
   # A select, not an added large negative: adding overflows to NaN in half precision. A fully masked row
   # (a padding query) gets uniform weights: finite, and the loss ignores it.
   scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
   weights = jax.nn.softmax(scores, axis=-1)
   if dropout is not None:
     weights = dropout(weights)
-  out = jnp.einsum('bhqk,bkhd->bqhd', weights.astype(v.dtype), v)
+  out = jnp.einsum(f'bhqk,{kv}->bqhd', weights.astype(v.dtype), v)
   return out, weights
 
 
@@ -273,32 +275,23 @@ class MultiHeadAttention(nn.Module):
   def project_q(self, q_inputs):
     return self._split_heads(self.query(q_inputs), 1)[0]
 
-  def attend(self, q, k, v, mask, deterministic):
-    """Attention of projected queries q over keys k / values v ([B, T, H, D]), then the output projection.
+  def attend(self, q, k, v, mask, deterministic, kv_head_major=False):
+    """Attention of projected queries q [B, Tq, H, D] over keys k / values v ([B, Tk, H, D], or [B, H, Tk, D]
+    with kv_head_major: the decoding caches), then the output projection.
 
-    The explicit einsum path runs when asked for, when attention dropout is active (the fused kernels have
-    none), and whenever 'intermediates' is mutable, where it sows the float32 weights [B, H, Tq, Tk] as
-    `attention_weights` for attention pictures.
+    The explicit einsum path runs when asked for, for head-major caches (one query per step: nothing for a
+    fused kernel to save), when attention dropout is active (the fused kernels have none), and whenever
+    'intermediates' is mutable, where it sows the float32 weights [B, H, Tq, Tk] as `attention_weights` for
+    attention pictures.
     """
     dropout_active = self.attention_dropout_rate > 0 and not deterministic
-    if self.attention_impl == 'einsum' or dropout_active or self.is_mutable_collection('intermediates'):
+    if (kv_head_major or self.attention_impl == 'einsum' or dropout_active
+        or self.is_mutable_collection('intermediates')):
       dropout = functools.partial(self.attention_dropout, deterministic=False) if dropout_active else None
-      out, weights = scaled_dot_product_attention(q, k, v, mask.mask, dropout)
+      out, weights = scaled_dot_product_attention(q, k, v, mask.mask, dropout, kv_head_major)
       self.sow('intermediates', 'attention_weights', weights)
     else:
       out = fused_attention(q, k, v, mask, self.attention_impl)
-    return self.output(out.reshape(out.shape[:-2] + (self.d_model,)))
-
-  def attend_cached(self, q, k, v, mask):
-    """Incremental decoding: queries q [B, Tq, H, D] over head-major keys/values k, v [B, H, Tk, D] (a
-    cache), then the output projection. Explicit products in float32 logits and softmax, as the einsum path;
-    sows the weights [B, H, Tq, Tk] when 'intermediates' is mutable."""
-    q = q / jnp.sqrt(q.shape[-1]).astype(q.dtype)
-    scores = jnp.einsum('bqhd,bhkd->bhqk', q, k, preferred_element_type=jnp.float32)
-    weights = jax.nn.softmax(jnp.where(mask.mask, scores, jnp.finfo(jnp.float32).min), axis=-1)
-    if self.is_mutable_collection('intermediates'):
-      self.sow('intermediates', 'attention_weights', weights)
-    out = jnp.einsum('bhqk,bhkd->bqhd', weights.astype(v.dtype), v)
     return self.output(out.reshape(out.shape[:-2] + (self.d_model,)))
 
   def __call__(self, q_inputs, kv_inputs, mask, deterministic=True):
@@ -400,13 +393,11 @@ class DecoderLayer(nn.Module):
       k = jax.lax.dynamic_update_slice_in_dim(cache['k'], head_major(k), index, axis=2)
       v = jax.lax.dynamic_update_slice_in_dim(cache['v'], head_major(v), index, axis=2)
       cache = {'k': k, 'v': v}
-      return self.self_attention.attend_cached(q, k, v, self_mask)
+      return self.self_attention.attend(q, k, v, self_mask, deterministic, kv_head_major=True)
 
     def cross_attention(z):
       q = self.cross_attention.project_q(z)
-      if incremental:
-        return self.cross_attention.attend_cached(q, *cross_kv, cross_mask)
-      return self.cross_attention.attend(q, *cross_kv, cross_mask, deterministic)
+      return self.cross_attention.attend(q, *cross_kv, cross_mask, deterministic, kv_head_major=incremental)
 
     y = self.self_block(y, self_attention, deterministic)
     if self.has_cross_attention:
