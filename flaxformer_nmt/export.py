@@ -28,6 +28,7 @@ from etils import epath
 
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import decode
+from flaxformer_nmt import lm
 from flaxformer_nmt import model as model_lib
 from flaxformer_nmt import tokenizer as tokenizer_lib
 from flaxformer_nmt import workdir as workdir_lib
@@ -176,7 +177,7 @@ def export_ctranslate2(workdir, output_dir, checkpoint='latest', quantization=No
   if output_dir.exists() and any(output_dir.iterdir()) and not force:
     raise ExportError(f'{output_dir} exists and is not empty: choose another --output_dir or pass --force')
   config = workdir_lib.load_config(workdir)
-  task = config.get('task', 'translation')
+  task = lm.task_of(config)
   if task != 'translation':
     # CTranslate2's Translator serves encoder-decoders; our LM/MLM workdirs have no source side to map.
     raise ExportError(f'{workdir} holds a config.task={task!r} model: --format ctranslate2 exports translation '
