@@ -198,7 +198,10 @@ def hypotheses(sequences, scores):
 REFERENCE_CASES = [(1, 16, 0.6), (2, 6, 0.0), (3, 16, 1.0), (4, 8, 0.6), (5, 16, 2.0), (4, 30, 0.6)]
 
 
-def test_beam_search_equals_a_plain_reference_on_random_automata():
+@pytest.mark.parametrize('top_k_chunk', [None, 2])  # 2: beam_search.top_k's slices on these small vocabularies
+def test_beam_search_equals_a_plain_reference_on_random_automata(top_k_chunk, monkeypatch):
+  if top_k_chunk:
+    monkeypatch.setattr(beam_search, 'TOP_K_CHUNK', top_k_chunk)
   rng = np.random.default_rng(0)
   batch, max_length = 40, 7
   stats = collections.Counter()
@@ -217,6 +220,21 @@ def test_beam_search_equals_a_plain_reference_on_random_automata():
   stats['cases'] = len(REFERENCE_CASES) * batch
   # The cases exercise what the rule is about: ties, and EOS candidates outside the K best.
   assert stats['ties'] > 50 and stats['eos_not_top_k'] > 50, stats
+
+
+@pytest.mark.parametrize('shape,k,chunk', [((3, 50), 4, 8), ((2, 3, 8000), 8, 64), ((5, 101), 7, 3), ((4, 40), 3, 40)])
+def test_top_k_by_slices_equals_a_stable_sort(shape, k, chunk):
+  # Values on a coarse grid (many ties, often across slices), masked entries (NEG_INF) and -inf: the k best
+  # by value, ties to the lower index, as a stable NumPy sort ranks them.
+  rng = np.random.default_rng(k)
+  for trial in range(20):
+    x = np.round(rng.normal(size=shape) * (1 + trial % 3)).astype(np.float32)
+    x[rng.random(shape) < 0.3] = beam_search.NEG_INF
+    x[rng.random(shape) < 0.05] = -np.inf
+    values, indices = jax.device_get(jax.jit(beam_search.top_k, static_argnums=(1, 2))(x, k, chunk))
+    expected = np.argsort(-x, axis=-1, kind='stable')[..., :k]
+    np.testing.assert_array_equal(indices, expected)
+    np.testing.assert_array_equal(values, np.take_along_axis(x, expected, axis=-1))
 
 
 def test_beam_of_one_is_greedy():
