@@ -43,21 +43,20 @@ from flaxformer_nmt.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 def _member_step(model, params, src, rows, cache_cross_kv, cache_length):
   """(self-attention cache of `cache_length` positions, step_fn) of one model: its encoder run once over
-  `src`, each sentence's rows (beams or samples) sharing its encoder-decoder keys/values."""
+  `src`, each sentence's rows (beams or samples) sharing its one copy of the encoder-decoder keys/values."""
   variables = {'params': params}
   batch = src.shape[0]
   encoded = model.apply(variables, src, method=Transformer.encode)
-  src_rows = jnp.repeat(src, rows, axis=0)
   cache = model.apply(variables, batch * rows, cache_length, method=Transformer.init_cache)
 
   if cache_cross_kv:
-    cross_kv = jax.tree_util.tree_map(lambda x: jnp.repeat(x, rows, axis=0),
-                                      model.apply(variables, encoded, method=Transformer.decoding_cross_kv))
+    cross_kv = model.apply(variables, encoded, method=Transformer.decoding_cross_kv)
 
     def step_fn(tokens, index, cache):
-      return model.apply(variables, tokens, index, cache, cross_kv, src_rows, method=Transformer.decode_step)
+      return model.apply(variables, tokens, index, cache, cross_kv, src, method=Transformer.decode_step)
   else:
     encoded_rows = jnp.repeat(encoded, rows, axis=0)
+    src_rows = jnp.repeat(src, rows, axis=0)
 
     def step_fn(tokens, index, cache):
       # XLA would hoist a loop-invariant projection out of the loop by itself (it does on CPU), which is

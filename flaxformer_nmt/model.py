@@ -397,7 +397,15 @@ class DecoderLayer(nn.Module):
 
     def cross_attention(z):
       q = self.cross_attention.project_q(z)
-      return self.cross_attention.attend(q, *cross_kv, cross_mask, deterministic, kv_head_major=incremental)
+      sentences = cross_kv[0].shape[0]
+      if not incremental or sentences == q.shape[0]:
+        return self.cross_attention.attend(q, *cross_kv, cross_mask, deterministic, kv_head_major=incremental)
+      # Decoding with several rows per sentence (beams, samples; sentence-major: row b * K + k): the K rows'
+      # queries attend together, as K query positions, to their sentence's one copy of the keys/values,
+      # which are then read once per sentence and step instead of once per row.
+      q = q.reshape((sentences, -1) + q.shape[2:])  # [B * K, 1, H, D] -> [B, K, H, D]
+      out = self.cross_attention.attend(q, *cross_kv, cross_mask, deterministic, kv_head_major=True)
+      return out.reshape(z.shape)
 
     y = self.self_block(y, self_attention, deterministic)
     if self.has_cross_attention:
@@ -542,9 +550,10 @@ class TransformerStacks(nn.Module):
             for _ in range(c.num_decoder_layers)]
 
   def decode_step(self, tokens, index, cache, cross_kv=None, src=None):
-    """tokens [B] at position `index` -> (logits [B, V], cache with this position's keys/values).
-    cross_kv (from decoding_cross_kv) and src (for its padding): the encoder's, or None for a decoder without
-    cross-attention."""
+    """tokens [N] at position `index` -> (logits [N, V], cache with this position's keys/values).
+    cross_kv (from decoding_cross_kv) and src [B, S] (for its padding): the encoder's, or None for a decoder
+    without cross-attention. B may divide N: rows b * N/B .. (b + 1) * N/B - 1 (a sentence's beams or samples)
+    then share sentence b's keys/values."""
     max_length = cache[0]['k'].shape[2]
     # The query may see cached positions 0..index, never the unwritten slots after it. One query per row:
     # the dense masks (XLA path), not cuDNN's length form.

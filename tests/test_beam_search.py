@@ -17,14 +17,13 @@ from flaxformer_nmt.tokenizer import BOS_ID, EOS_ID, PAD_ID
 SRC = jnp.array([[4, 5, 6, 7, 3], [6, 4, 3, 0, 0]])  # ids < 8, the smallest vocabulary used here
 
 
-def cached_step_fn(model, params, src, rows):
-  """The decoder run incrementally: one position per step against its self-attention cache."""
+def cached_step_fn(model, params, src):
+  """The decoder run incrementally: one position per step against its self-attention cache, the rows (beams)
+  of a sentence sharing its encoder-decoder keys/values (as decode.search runs it)."""
   variables = {'params': params}
   encoded = model.apply(variables, src, method=Transformer.encode)
-  cross = jax.tree_util.tree_map(lambda x: jnp.repeat(x, rows, axis=0),
-                                 model.apply(variables, encoded, method=Transformer.decoding_cross_kv))
-  src_rows = jnp.repeat(src, rows, axis=0)
-  return jax.jit(lambda tokens, index, cache: model.apply(variables, tokens, index, cache, cross, src_rows,
+  cross = model.apply(variables, encoded, method=Transformer.decoding_cross_kv)
+  return jax.jit(lambda tokens, index, cache: model.apply(variables, tokens, index, cache, cross, src,
                                                           method=Transformer.decode_step))
 
 
@@ -44,7 +43,7 @@ def run_search(model, params, cached, beam_size, max_length, alpha=0.6, max_leng
   rows = max(beam_size, 1)
   batch = SRC.shape[0]
   if cached:
-    step_fn = cached_step_fn(model, params, SRC, rows)
+    step_fn = cached_step_fn(model, params, SRC)
     cache = model.apply({'params': params}, batch * rows, max_length, method=Transformer.init_cache)
   else:
     step_fn = uncached_step_fn(model, params, SRC, rows)
@@ -61,7 +60,7 @@ def test_cached_decoder_step_equals_full_decoder():
   model, params = tiny_model()
   tgt = jnp.array([[2, 10, 11, 12, 13, 14], [2, 15, 4, 5, 6, 7]])
   full = model.apply({'params': params}, SRC, tgt)
-  step_fn = cached_step_fn(model, params, SRC, 1)
+  step_fn = cached_step_fn(model, params, SRC)
   cache = model.apply({'params': params}, 2, 6, method=Transformer.init_cache)
   for index in range(6):
     logits, cache = step_fn(tgt[:, index], index, cache)
