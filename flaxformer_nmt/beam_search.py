@@ -55,13 +55,13 @@ def best_extensions(logits, base, n, index, max_lengths, eos_id, forbidden_ids):
   round to the same score at the n-th place could be kept in logit rather than token order: no case seen.)
   """
   logits = logits.astype(jnp.float32)
-  V = logits.shape[-1]
   shift = jax.lax.stop_gradient(logits.max(axis=-1, keepdims=True))
   log_norm = jnp.log(jnp.exp(logits - shift).sum(axis=-1, keepdims=True))  # log_softmax's, to the last bit
   log_softmax = lambda x: (x - shift) - log_norm
-  values, tokens = top_k(logits, min(n + len(forbidden_ids), V))
-  scores = jnp.where(jnp.isin(tokens, jnp.asarray(forbidden_ids, jnp.int32)), NEG_INF,
-                     base[..., None] + log_softmax(values)) if forbidden_ids else base[..., None] + log_softmax(values)
+  values, tokens = top_k(logits, min(n + len(forbidden_ids), logits.shape[-1]))
+  scores = base[..., None] + log_softmax(values)
+  if forbidden_ids:
+    scores = jnp.where(jnp.isin(tokens, jnp.asarray(forbidden_ids, jnp.int32)), NEG_INF, scores)
   # A row at its length limit has one extension: EOS, whatever its rank.
   at_limit = jnp.broadcast_to(index + 1 >= max_lengths, base.shape)[..., None]
   slot = jnp.arange(tokens.shape[-1])

@@ -221,7 +221,8 @@ def test_beam_search_equals_a_plain_reference_on_random_automata(top_k_chunk, mo
   assert stats['ties'] > 50 and stats['eos_not_top_k'] > 50, stats
 
 
-@pytest.mark.parametrize('shape,k,chunk', [((3, 50), 4, 8), ((2, 3, 8000), 8, 64), ((5, 101), 7, 3), ((4, 40), 3, 40)])
+@pytest.mark.parametrize('shape,k,chunk',
+                         [((3, 50), 4, 8), ((2, 3, 8000), 8, 64), ((5, 101), 7, 3), ((4, 40), 3, 40)])
 def test_top_k_by_slices_equals_a_stable_sort(shape, k, chunk):
   # Values on a coarse grid (many ties, often across slices), masked entries (NEG_INF) and -inf: the k best
   # by value, ties to the lower index, as a stable NumPy sort ranks them.
