@@ -28,6 +28,7 @@ from etils import epath
 
 from flaxformer_nmt import best_checkpoint
 from flaxformer_nmt import checkpoints as checkpoints_lib
+from flaxformer_nmt import cli
 from flaxformer_nmt import config as config_lib
 from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import decode
@@ -102,6 +103,7 @@ def main(_):
   if _CONFIG.value and train(_CONFIG.value, workdir, _OVERRIDES.value) != 0:
     sys.exit('error: training failed (see above)')
   checkpoints_lib.quiet_orbax_logs()
+  cli.use_compilation_cache()  # every checkpoint decodes the same shapes
   config = workdir_lib.load_config(workdir)
   tok_dir = _TOK_DIR.value or config.get('eval_bleu_tok_ref_dir') or config_lib.shared_data_dir('multi30k_tok')
   beam = config.beam_size if _BEAM.value is None else _BEAM.value

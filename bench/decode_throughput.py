@@ -20,8 +20,9 @@ Variants (same translations, different speed):
                   decoding time only (sentencepiece pieces in, pieces out); "outputs differing from ours"
                   counts lines whose tokens are not ours (CTranslate2 normalizes by length^alpha, we by
                   ((5 + n) / 6)^alpha, so some differ by design). The last column is our speed over its.
-Every variant is warmed up first (Translator.warm_up compiles every batch shape of the timed pass), so the
-timed pass excludes compilation; the warm-up time is printed apart. With --repeats N the variants are timed
+Every variant is warmed up first (Translator.warm_up runs the timed pass once, which compiles every batch
+shape, also the smaller batches that finished sentences leave), so the timed pass excludes compilation; the
+warm-up time (compilation plus one pass) is printed apart. With --repeats N the variants are timed
 in N rounds and each keeps its fastest pass. Target tokens count the generated tokens with EOS; "tokens
 per output" shows when a model stops early (a Multi30k model on news text mostly outputs EOS at once). Inputs that are missing are skipped. The tables print as Markdown.
 """

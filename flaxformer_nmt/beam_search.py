@@ -19,9 +19,17 @@ one step's, the better ones) or at its length limit. A sentence of n source toke
 n + extra tokens: EOS is forced at that length, so every sentence finishes at least one hypothesis. The
 loop exits when every sentence is done; the finished hypotheses come back sorted by score.
 
+The searches are built from a state (BeamState, TokenState) whose arrays all lead with the sentence axis, a
+step, and a test of which sentences still search: beam_search() and friends run them in one jitted loop
+until every sentence is done; decode.Translator runs them in segments (run_until) and drops the finished
+sentences of a batch between segments (the same results, fewer rows computed).
+
 Greedy search and sampling share one loop that picks a single token per row and step; it exits once every
 row has produced EOS. Scores and log probabilities are float32 whatever the model's dtype.
 """
+import functools
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -73,6 +81,74 @@ def best_extensions(logits, base, n, index, max_lengths, eos_id, forbidden_ids):
   return -neg_scores[..., :n], tokens[..., :n]
 
 
+class BeamState(NamedTuple):
+  """A beam search of B sentences x K beams after `index` steps. Every array leads with the sentence axis
+  (the cache's leaves with its B * K rows, sentence-major), so that a batch can drop finished sentences."""
+  index: jax.Array  # [] tokens generated so far: the position fed to the decoder next
+  sequences: jax.Array  # [B, K, L + 1] the alive prefixes, BOS first
+  alive_log_probs: jax.Array  # [B, K] their log P (NEG_INF: no prefix)
+  finished_sequences: jax.Array  # [B, K, L + 1]
+  finished_scores: jax.Array  # [B, K] log P / length penalty, best first (NEG_INF: no hypothesis)
+  num_finished: jax.Array  # [B] hypotheses finished so far (the pool keeps the first K)
+  max_lengths: jax.Array  # [B] each sentence's limit on generated tokens, EOS included
+  cache: Any  # leaves [B * K, ...]
+
+
+def beam_start(cache, *, batch_size, beam_size, max_length, max_lengths, bos_id):
+  """The state before the first step: BOS, one alive beam per sentence. max_length: the static number of
+  steps (the cache's full length); max_lengths: [B] per-sentence limits (cut to max_length)."""
+  B, K, L = batch_size, beam_size, max_length
+  sequences = jnp.zeros((B, K, L + 1), jnp.int32).at[:, :, 0].set(bos_id)
+  # Only the first beam starts alive: K identical beams would fill the beam with duplicates.
+  alive_log_probs = jnp.tile(jnp.array([0.0] + [NEG_INF] * (K - 1), jnp.float32), (B, 1))
+  return BeamState(jnp.asarray(0), sequences, alive_log_probs, jnp.zeros_like(sequences),
+                   jnp.full((B, K), NEG_INF, jnp.float32), jnp.zeros((B,), jnp.int32),
+                   jnp.minimum(max_lengths, L), cache)
+
+
+def beam_unfinished(state):
+  """[B] bool: the sentences still searching (fewer than K finished and below their length limit)."""
+  return (state.num_finished < state.alive_log_probs.shape[1]) & (state.index < state.max_lengths)
+
+
+def beam_step(step_fn, state, *, alpha, eos_id, forbidden_ids):
+  """One step of every sentence's search (see the module docstring for the rule)."""
+  index, sequences, alive_log_probs, finished_sequences, finished_scores, num_finished, max_lengths, cache = state
+  B, K = alive_log_probs.shape
+  logits, cache = step_fn(sequences[:, :, index].reshape(B * K), index, cache)
+  scores, tokens = best_extensions(logits.reshape(B, K, -1), alive_log_probs, 2 * K, index, max_lengths[:, None],
+                                   eos_id, forbidden_ids)
+  scores, beams, tokens = _top_candidates(scores, tokens, 2 * K)
+  valid = scores > NEG_INF / 2  # extensions of dead beams and masked tokens are not hypotheses
+  is_eos = tokens == eos_id
+
+  # Finished: EOS candidates among the K best, in rank order, while the sentence has fewer than K.
+  eos_in_top = is_eos[:, :K] & valid[:, :K]
+  admitted = eos_in_top & (num_finished[:, None] + jnp.cumsum(eos_in_top, axis=1) <= K)
+  new_scores = jnp.where(admitted, scores[:, :K] / length_penalty(index + 1.0, alpha), NEG_INF)
+  new_sequences = _gather_beams(sequences, beams[:, :K]).at[:, :, index + 1].set(eos_id)
+  # Stable top_k: the earlier finished hypotheses first among equal scores, then these in rank order.
+  finished_scores, keep = jax.lax.top_k(jnp.concatenate([finished_scores, new_scores], axis=1), K)
+  finished_sequences = jnp.take_along_axis(
+      jnp.concatenate([finished_sequences, new_sequences], axis=1), keep[:, :, None], axis=1)
+  num_finished = num_finished + admitted.sum(axis=1)
+
+  # Alive: the K best non-EOS candidates (of 2K there are at least K: each beam has one EOS extension).
+  _, picks = jax.lax.top_k(jnp.where(is_eos, -1, 2 * K - jnp.arange(2 * K)), K)
+  alive_log_probs = jnp.take_along_axis(scores, picks, axis=1)
+  beams, tokens = jnp.take_along_axis(beams, picks, axis=1), jnp.take_along_axis(tokens, picks, axis=1)
+  sequences = _gather_beams(sequences, beams).at[:, :, index + 1].set(tokens)
+  cache = jax.tree_util.tree_map(lambda x: _gather_rows(x, beams), cache)
+  return BeamState(index + 1, sequences, alive_log_probs, finished_sequences, finished_scores, num_finished,
+                   max_lengths, cache)
+
+
+def beam_output(state):
+  """(sequences [B, K, L], scores [B, K]) of the finished hypotheses, best first; sequences end at EOS, then
+  pad 0."""
+  return state.finished_sequences[:, :, 1:], state.finished_scores
+
+
 def beam_search(step_fn, cache, *, batch_size, beam_size, max_length, max_lengths, alpha, bos_id, eos_id,
                 forbidden_ids=(), cache_lengths=()):
   """Returns (sequences [B, K, max_length], scores [B, K]), best first; sequences end at EOS, then pad 0.
@@ -80,78 +156,48 @@ def beam_search(step_fn, cache, *, batch_size, beam_size, max_length, max_length
   cache: pytree whose leaves have a leading axis of B * K (sentence-major: row b * K + k).
   max_length: static number of decoding steps (the cache's length).
   max_lengths: [B] int, each sentence's limit on generated tokens (<= max_length).
-  cache_lengths: see `_staged_while_loop` (empty: the cache has max_length positions throughout).
+  cache_lengths: see `staged_search` (empty: the cache has max_length positions throughout).
   Scores are log P / length_penalty(n, alpha). A slot with no hypothesis (a sentence whose length limit
   leaves fewer than K possible outputs) scores NEG_INF.
   """
-  B, K, L = batch_size, beam_size, max_length
-  sequences = jnp.zeros((B, K, L + 1), jnp.int32).at[:, :, 0].set(bos_id)
-  # Only the first beam starts alive: K identical beams would fill the beam with duplicates.
-  alive_log_probs = jnp.tile(jnp.array([0.0] + [NEG_INF] * (K - 1), jnp.float32), (B, 1))
-  finished_sequences = jnp.zeros_like(sequences)
-  finished_scores = jnp.full((B, K), NEG_INF, jnp.float32)
-  num_finished = jnp.zeros((B,), jnp.int32)
-  max_lengths = jnp.minimum(max_lengths, L)
-
-  def still_running(state):
-    index, _, _, _, _, num_finished, _ = state
-    return (index < L) & jnp.any((num_finished < K) & (index < max_lengths))
-
-  def step(state):
-    index, sequences, alive_log_probs, finished_sequences, finished_scores, num_finished, cache = state
-    logits, cache = step_fn(sequences[:, :, index].reshape(B * K), index, cache)
-    scores, tokens = best_extensions(logits.reshape(B, K, -1), alive_log_probs, 2 * K, index, max_lengths[:, None],
-                                     eos_id, forbidden_ids)
-    scores, beams, tokens = _top_candidates(scores, tokens, 2 * K)
-    valid = scores > NEG_INF / 2  # extensions of dead beams and masked tokens are not hypotheses
-    is_eos = tokens == eos_id
-
-    # Finished: EOS candidates among the K best, in rank order, while the sentence has fewer than K.
-    eos_in_top = is_eos[:, :K] & valid[:, :K]
-    admitted = eos_in_top & (num_finished[:, None] + jnp.cumsum(eos_in_top, axis=1) <= K)
-    new_scores = jnp.where(admitted, scores[:, :K] / length_penalty(index + 1.0, alpha), NEG_INF)
-    new_sequences = _gather_beams(sequences, beams[:, :K]).at[:, :, index + 1].set(eos_id)
-    # Stable top_k: the earlier finished hypotheses first among equal scores, then these in rank order.
-    finished_scores, keep = jax.lax.top_k(jnp.concatenate([finished_scores, new_scores], axis=1), K)
-    finished_sequences = jnp.take_along_axis(
-        jnp.concatenate([finished_sequences, new_sequences], axis=1), keep[:, :, None], axis=1)
-    num_finished = num_finished + admitted.sum(axis=1)
-
-    # Alive: the K best non-EOS candidates (of 2K there are at least K: each beam has one EOS extension).
-    _, picks = jax.lax.top_k(jnp.where(is_eos, -1, 2 * K - jnp.arange(2 * K)), K)
-    alive_log_probs = jnp.take_along_axis(scores, picks, axis=1)
-    beams, tokens = jnp.take_along_axis(beams, picks, axis=1), jnp.take_along_axis(tokens, picks, axis=1)
-    sequences = _gather_beams(sequences, beams).at[:, :, index + 1].set(tokens)
-    cache = jax.tree_util.tree_map(lambda x: _gather_rows(x, beams), cache)
-    return index + 1, sequences, alive_log_probs, finished_sequences, finished_scores, num_finished, cache
-
-  state = (jnp.asarray(0), sequences, alive_log_probs, finished_sequences, finished_scores, num_finished, cache)
-  _, _, _, finished_sequences, finished_scores, _, _ = _staged_while_loop(still_running, step, state, cache_lengths)
-  return finished_sequences[:, :, 1:], finished_scores
+  state = beam_start(cache, batch_size=batch_size, beam_size=beam_size, max_length=max_length,
+                     max_lengths=max_lengths, bos_id=bos_id)
+  step = functools.partial(beam_step, step_fn, alpha=alpha, eos_id=eos_id, forbidden_ids=forbidden_ids)
+  return beam_output(staged_search(beam_unfinished, step, state, cache_lengths))
 
 
-def _staged_while_loop(still_running, step, state, cache_lengths):
-  """jax.lax.while_loop(still_running, step, state), where state = (index, ..., cache), with a cache that grows.
+def run_until(unfinished, step, state, until):
+  """Steps while some sentence is unfinished and fewer than `until` tokens (a traced scalar too) are
+  generated: one segment of a search that the caller may continue, after dropping finished sentences."""
+  return jax.lax.while_loop(lambda s: (s.index < until) & jnp.any(unfinished(s)), step, state)
+
+
+def grow_cache(state, length):
+  """The state with every cache leaf zero-padded along its position axis (axis 2: leaves are [rows, heads,
+  positions, ...], the model's head-major cache) to `length` positions."""
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, length - x.shape[2])] + [(0, 0)] * (x.ndim - 3))
+  return state._replace(cache=jax.tree_util.tree_map(pad, state.cache))
+
+
+def staged_search(unfinished, step, state, cache_lengths):
+  """Runs `step` until no sentence is `unfinished`, on a cache that grows.
 
   cache_lengths: ascending position counts, the last one the cache's full length; the given cache has the
-  first. While index < cache_lengths[i] the loop runs on a cache of that many positions, then every cache
-  leaf is zero-padded along its position axis (axis 2: leaves are [rows, heads, positions, ...], the model's
-  head-major cache) to the next length. A step reads and reorders the
-  whole cache, so the early steps, where most searches end, cost a fraction of a full-length step. One loop
-  per length, all inside the same jit: a later loop finds every sentence done and runs no step.
+  first. While index < cache_lengths[i] the loop runs on a cache of that many positions, then the cache
+  grows to the next length (grow_cache). A step reads and reorders the whole cache, so the early steps, where
+  most searches end, cost a fraction of a full-length step. One loop per length, all inside the same jit: a
+  later loop finds every sentence done and runs no step.
   """
-  if len(cache_lengths) <= 1:
-    return jax.lax.while_loop(still_running, step, state)
-  for i, length in enumerate(cache_lengths):
+  full_length = state.sequences.shape[-1] - 1
+  for i, length in enumerate(cache_lengths or (full_length,)):
     if i:
-      state = state[:-1] + (jax.tree_util.tree_map(
-          lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, length - x.shape[2])] + [(0, 0)] * (x.ndim - 3)), state[-1]),)
-    state = jax.lax.while_loop(lambda s, length=length: still_running(s) & (s[0] < length), step, state)
+      state = grow_cache(state, length)
+    state = run_until(unfinished, step, state, length)
   return state
 
 
 def cache_lengths_for(first, max_length):
-  """Cache lengths first, 2 * first, 4 * first, ..., max_length (see _staged_while_loop); a doubling that would
+  """Cache lengths first, 2 * first, 4 * first, ..., max_length (see staged_search); a doubling that would
   reach 3/4 of max_length is max_length itself (one loop less to compile, for little extra reading)."""
   lengths = [min(first, max_length)]
   while lengths[-1] < max_length:
@@ -207,43 +253,60 @@ def _gather_rows(x, beams):
   return _gather_beams(x.reshape((B, K) + x.shape[1:]), beams).reshape(x.shape)
 
 
+class TokenState(NamedTuple):
+  """A search that picks one token per row and step (greedy, sampling), after `index` steps: N rows (a
+  sentence's samples are consecutive rows), every array leading with them."""
+  index: jax.Array  # [] tokens generated so far
+  sequences: jax.Array  # [N, L + 1] BOS first, pad 0 after EOS
+  finished: jax.Array  # [N] bool: EOS produced
+  scores: jax.Array  # [N] the model's log P of the row's tokens so far
+  max_lengths: jax.Array  # [N]
+  cache: Any  # leaves [N, ...]
+
+
+def token_start(cache, *, batch_size, max_length, max_lengths, bos_id):
+  N, L = batch_size, max_length
+  sequences = jnp.zeros((N, L + 1), jnp.int32).at[:, 0].set(bos_id)
+  return TokenState(jnp.asarray(0), sequences, jnp.zeros((N,), jnp.bool_), jnp.zeros((N,), jnp.float32),
+                    jnp.minimum(max_lengths, L), cache)
+
+
+def token_unfinished(state):
+  """[N] bool: rows without EOS (a row at its length limit is given EOS, so every row ends)."""
+  return ~state.finished
+
+
+def token_step(step_fn, choose, state, *, eos_id, forbidden_ids):
+  """One token per row, picked by `choose(log_probs [N, V], index) -> tokens [N]` (None: the most likely
+  allowed token, greedy search)."""
+  index, sequences, finished, scores, max_lengths, cache = state
+  logits, cache = step_fn(sequences[:, index], index, cache)
+  if choose is None:  # greedy: the best allowed token, without a [rows, V] array of log probabilities
+    token_log_probs, tokens = (x[:, 0] for x in best_extensions(
+        logits, jnp.zeros(finished.shape, jnp.float32), 1, index, max_lengths, eos_id, forbidden_ids))
+  else:
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))
+    log_probs = _mask_logits(log_probs, index, max_lengths, eos_id, forbidden_ids)
+    tokens = choose(log_probs, index)
+    token_log_probs = jnp.take_along_axis(log_probs, tokens[:, None], axis=1)[:, 0]
+  scores = scores + jnp.where(finished, 0.0, token_log_probs)
+  tokens = jnp.where(finished, 0, tokens)  # pad after EOS
+  sequences = sequences.at[:, index + 1].set(tokens)
+  return TokenState(index + 1, sequences, finished | (tokens == eos_id), scores, max_lengths, cache)
+
+
+def token_output(state):
+  """(sequences [N, L], log probabilities [N]): the model's log P of each row's tokens (EOS included),
+  whatever rule picked them."""
+  return state.sequences[:, 1:], state.scores
+
+
 def _token_by_token(step_fn, cache, choose, *, batch_size, max_length, max_lengths, bos_id, eos_id,
                     forbidden_ids, cache_lengths=()):
-  """One token per row and step, picked by `choose(log_probs [N, V], index) -> tokens [N]` (None: the most
-  likely allowed token, greedy search).
-
-  Returns (sequences [N, max_length], log probabilities [N]): the model's log P of each row's tokens (EOS
-  included), whatever rule picked them.
-  """
-  B, L = batch_size, max_length
-  max_lengths = jnp.minimum(max_lengths, L)
-  sequences = jnp.zeros((B, L + 1), jnp.int32).at[:, 0].set(bos_id)
-  finished = jnp.zeros((B,), jnp.bool_)
-  scores = jnp.zeros((B,), jnp.float32)
-
-  def still_running(state):
-    index, _, finished, _, _ = state
-    return (index < L) & ~jnp.all(finished)
-
-  def step(state):
-    index, sequences, finished, scores, cache = state
-    logits, cache = step_fn(sequences[:, index], index, cache)
-    if choose is None:  # greedy: the best allowed token, without a [rows, V] array of log probabilities
-      token_log_probs, tokens = (x[:, 0] for x in best_extensions(
-          logits, jnp.zeros((B,), jnp.float32), 1, index, max_lengths, eos_id, forbidden_ids))
-    else:
-      log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))
-      log_probs = _mask_logits(log_probs, index, max_lengths, eos_id, forbidden_ids)
-      tokens = choose(log_probs, index)
-      token_log_probs = jnp.take_along_axis(log_probs, tokens[:, None], axis=1)[:, 0]
-    scores = scores + jnp.where(finished, 0.0, token_log_probs)
-    tokens = jnp.where(finished, 0, tokens)  # pad after EOS
-    sequences = sequences.at[:, index + 1].set(tokens)
-    return index + 1, sequences, finished | (tokens == eos_id), scores, cache
-
-  state = (jnp.asarray(0), sequences, finished, scores, cache)
-  _, sequences, _, scores, _ = _staged_while_loop(still_running, step, state, cache_lengths)
-  return sequences[:, 1:], scores
+  """One token per row and step (see token_step); returns token_output's (sequences, log probabilities)."""
+  state = token_start(cache, batch_size=batch_size, max_length=max_length, max_lengths=max_lengths, bos_id=bos_id)
+  step = functools.partial(token_step, step_fn, choose, eos_id=eos_id, forbidden_ids=forbidden_ids)
+  return token_output(staged_search(token_unfinished, step, state, cache_lengths))
 
 
 def greedy_search(step_fn, cache, *, batch_size, max_length, max_lengths, bos_id, eos_id, forbidden_ids=(),
@@ -263,6 +326,13 @@ def sample_search(step_fn, cache, keys, *, temperature, top_k, batch_size, max_l
   fold_in(keys[r], t), so a row's sample does not depend on the other rows of its batch. The returned log
   probabilities are the model's (temperature 1, unrestricted), as for greedy search.
   """
+  return _token_by_token(step_fn, cache, sampling_rule(keys, temperature, top_k), batch_size=batch_size,
+                         max_length=max_length, max_lengths=max_lengths, bos_id=bos_id, eos_id=eos_id,
+                         forbidden_ids=forbidden_ids, cache_lengths=cache_lengths)
+
+
+def sampling_rule(keys, temperature, top_k):
+  """sample_search's `choose(log_probs, index)` for token_step: keys [N], one per row."""
   if temperature <= 0:
     raise ValueError(f'temperature must be positive, not {temperature}')
 
@@ -275,10 +345,7 @@ def sample_search(step_fn, cache, keys, *, temperature, top_k, batch_size, max_l
     picks = jax.vmap(lambda key, row: jax.random.categorical(jax.random.fold_in(key, index), row))(
         keys, candidates / temperature)
     return jnp.take_along_axis(ids, picks[:, None], axis=1)[:, 0]
-
-  return _token_by_token(step_fn, cache, choose, batch_size=batch_size, max_length=max_length,
-                         max_lengths=max_lengths, bos_id=bos_id, eos_id=eos_id, forbidden_ids=forbidden_ids,
-                         cache_lengths=cache_lengths)
+  return choose
 
 
 def token_by_token(step_fn, cache, choose, *, batch_size, max_length, max_lengths, bos_id, eos_id,

@@ -21,6 +21,7 @@ from absl import app, flags
 from etils import epath
 
 from flaxformer_nmt import checkpoints as checkpoints_lib
+from flaxformer_nmt import cli
 from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import decode
 from flaxformer_nmt import evaluate
@@ -79,6 +80,7 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   f = flags.FLAGS
   checkpoints_lib.quiet_orbax_logs()
+  cli.use_compilation_cache()  # every checkpoint decodes the same shapes
   try:
     config = workdir_lib.load_config(f.workdir)
     description, sources, references, tok_references = sentences(config, f.split, f.input, f.ref, f.tok_ref)

@@ -5,7 +5,10 @@ r"""Translates with a trained workdir; scores with sacreBLEU when references are
 
 One output line per input line, in input order; an empty input line gives an empty output line. Input is
 read in chunks of --buffer_lines, so a long stream is translated as it arrives. Within a chunk, sentences
-are sorted by length into token-budget batches (few shapes to compile, little padding).
+are sorted by length into token-budget batches (few shapes to compile, little padding). A batch decodes in
+segments of a few steps; once few of its sentences still search, it goes on with those only (as CTranslate2
+and fairseq drop finished sentences), so that one long output does not keep every row computing. Compiled
+programs are kept in JAX's persistent cache (cli.use_compilation_cache): a second run compiles nothing.
 
   --greedy | --beam_size=K | --sampling [--temperature=T --top_k=K --seed=S]
   --format=fairseq [--n_best=N]: S-i (source), H-i (score, sentencepiece pieces), D-i (score, text) lines
@@ -23,6 +26,7 @@ import itertools
 import math
 import sys
 import time
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +37,7 @@ from etils import epath
 from flaxformer_nmt import beam_search
 from flaxformer_nmt import best_checkpoint
 from flaxformer_nmt import checkpoints as checkpoints_lib
+from flaxformer_nmt import cli
 from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import evaluate
 from flaxformer_nmt import tokenizer as tokenizer_lib
@@ -41,22 +46,27 @@ from flaxformer_nmt.model import Transformer
 from flaxformer_nmt.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
-def _member_step(model, params, src, rows, cache_cross_kv, cache_length):
-  """(self-attention cache of `cache_length` positions, step_fn) of one model: its encoder run once over
-  `src`, each sentence's rows (beams or samples) sharing its one copy of the encoder-decoder keys/values."""
+def _member_inputs(model, params, src, rows, cache_cross_kv):
+  """What one model's decoder steps read that stays fixed for a batch: its encoder run once over `src`, then
+  the encoder-decoder keys/values of each sentence (shared by the sentence's `rows` beams or samples) and the
+  source. Without cache_cross_kv: the encoder output and the source repeated for every row."""
   variables = {'params': params}
-  batch = src.shape[0]
   encoded = model.apply(variables, src, method=Transformer.encode)
-  cache = model.apply(variables, batch * rows, cache_length, method=Transformer.init_cache)
-
   if cache_cross_kv:
-    cross_kv = model.apply(variables, encoded, method=Transformer.decoding_cross_kv)
+    return model.apply(variables, encoded, method=Transformer.decoding_cross_kv), src
+  return jnp.repeat(encoded, rows, axis=0), jnp.repeat(src, rows, axis=0)
+
+
+def _member_step(model, params, inputs, cache_cross_kv):
+  """One model's step_fn(tokens, index, cache) -> (logits, cache) over its `_member_inputs`."""
+  variables = {'params': params}
+  if cache_cross_kv:
+    cross_kv, src = inputs
 
     def step_fn(tokens, index, cache):
       return model.apply(variables, tokens, index, cache, cross_kv, src, method=Transformer.decode_step)
   else:
-    encoded_rows = jnp.repeat(encoded, rows, axis=0)
-    src_rows = jnp.repeat(src, rows, axis=0)
+    encoded_rows, src_rows = inputs
 
     def step_fn(tokens, index, cache):
       # XLA would hoist a loop-invariant projection out of the loop by itself (it does on CPU), which is
@@ -64,7 +74,7 @@ def _member_step(model, params, src, rows, cache_cross_kv, cache_length):
       step_encoded, _ = jax.lax.optimization_barrier((encoded_rows, index))
       step_kv = model.apply(variables, step_encoded, method=Transformer.decoding_cross_kv)
       return model.apply(variables, tokens, index, cache, step_kv, src_rows, method=Transformer.decode_step)
-  return cache, step_fn
+  return step_fn
 
 
 def average_probabilities(log_probs):
@@ -87,6 +97,15 @@ def _ensemble_step(step_fns):
   return step_fn
 
 
+LIMIT_SLACK = 1e-4  # so that e.g. 0.7 * 10 gives 7 in float32 as in Python's float64
+
+
+def max_steps(src_length, max_len_a, max_len_b, max_position):
+  """The static number of decoding steps of a source batch padded to `src_length` (EOS included): the
+  limit of its longest possible sentence, EOS included, within the position table."""
+  return min(int(math.floor(max_len_a * (src_length - 1) + max_len_b + LIMIT_SLACK)) + 1, max_position)
+
+
 def output_limits(src, max_len_a, max_len_b, max_position):
   """(static cache length, [B] limits on generated tokens, EOS included) for a padded source batch [B, S].
 
@@ -94,19 +113,117 @@ def output_limits(src, max_len_a, max_len_b, max_position):
   sentence's source length in pieces (EOS not counted; fairseq counts it, and takes the longest source of
   the batch). The default a = 1, b = 50 is the paper's source length + 50.
   """
-  # A small slack so that e.g. 0.7 * 10 gives 7 in float32 as in Python's float64.
-  slack = 1e-4
-  longest = src.shape[1] - 1
-  max_length = min(int(math.floor(max_len_a * longest + max_len_b + slack)) + 1, max_position)
+  max_length = max_steps(src.shape[1], max_len_a, max_len_b, max_position)
   src_tokens = (src != PAD_ID).sum(axis=1)
-  limits = jnp.floor(max_len_a * (src_tokens - 1).astype(jnp.float32) + max_len_b + slack).astype(jnp.int32) + 1
+  limits = jnp.floor(max_len_a * (src_tokens - 1).astype(jnp.float32) + max_len_b + LIMIT_SLACK).astype(jnp.int32) + 1
   # Rows that only pad the batch may produce nothing but EOS, so that they never keep the search loop running.
   return max_length, jnp.where(src_tokens > 0, limits, 1)
 
 
+FORBIDDEN_IDS = (PAD_ID, BOS_ID)  # never generated
+
+
+class SearchInputs(NamedTuple):
+  """What a batch's decoder steps read and never change; every array leads with the sentence axis (or its
+  rows), as the search state does."""
+  src: jax.Array  # [B, S] the padded sources
+  members: tuple  # per model, its _member_inputs
+  sample_keys: Any  # [B * n] PRNG keys, a sentence's n samples consecutive; None: beam or greedy search
+
+
+def _members(model, params):
+  """((models), (their parameters)): an ensemble passes tuples, a single model does not."""
+  return (model, params) if isinstance(model, tuple) else ((model,), (params,))
+
+
+def search_lengths(models, src_shape, *, extra_length, max_len_a=1.0, grow_cache=True, **unused):
+  """(static number of decoding steps, the self-attention cache's lengths) of a source batch shape [B, S]:
+  the cache starts with as many positions as the source and doubles when the decoder gets there
+  (beam_search.cache_lengths_for); grow_cache=False allocates all max_length positions at once."""
+  del unused
+  models = models if isinstance(models, tuple) else (models,)
+  max_length = max_steps(src_shape[1], max_len_a, extra_length, min(m.config.max_position for m in models))
+  return max_length, (beam_search.cache_lengths_for(src_shape[1], max_length) if grow_cache else (max_length,))
+
+
+def start_search(model, params, src, sample_keys=None, *, beam_size, extra_length, max_len_a=1.0,
+                 cache_cross_kv=True, grow_cache=True, **unused):
+  """(inputs, state) of the search of a padded source batch [B, S], before its first step: `inputs` holds what
+  the steps read and never change (each member's encoder-decoder keys/values and source, the sample keys),
+  `state` the search itself (beam_search.BeamState or TokenState). Both lead with the sentence axis, so a
+  host loop may drop finished sentences between segments (Translator)."""
+  del unused
+  models, member_params = _members(model, params)
+  batch = src.shape[0]
+  max_length, cache_lengths = search_lengths(models, src.shape, extra_length=extra_length, max_len_a=max_len_a,
+                                             grow_cache=grow_cache)
+  max_lengths = output_limits(src, max_len_a, extra_length, min(m.config.max_position for m in models))[1]
+  rows = sample_keys.shape[1] if sample_keys is not None else max(beam_size, 1)  # decoder rows per sentence
+  inputs = tuple(_member_inputs(m, p, src, rows, cache_cross_kv) for m, p in zip(models, member_params))
+  caches = tuple(m.apply({'params': p}, batch * rows, cache_lengths[0], method=Transformer.init_cache)
+                 for m, p in zip(models, member_params))
+  cache = caches[0] if len(models) == 1 else caches
+  common = dict(max_length=max_length, bos_id=BOS_ID)
+  if sample_keys is not None:
+    state = beam_search.token_start(cache, batch_size=batch * rows, max_lengths=jnp.repeat(max_lengths, rows),
+                                    **common)
+    return SearchInputs(src, inputs, sample_keys.reshape(-1)), state
+  inputs = SearchInputs(src, inputs, None)
+  if beam_size == 0:
+    return inputs, beam_search.token_start(cache, batch_size=batch, max_lengths=max_lengths, **common)
+  return inputs, beam_search.beam_start(cache, batch_size=batch, beam_size=beam_size, max_lengths=max_lengths,
+                                        **common)
+
+
+def _search_rule(model, params, inputs, *, beam_size, alpha, temperature=1.0, top_k=0, cache_cross_kv=True,
+                 **unused):
+  """(step(state) -> state, unfinished(state) -> [sentences or rows] bool) of the search start_search began."""
+  del unused
+  models, member_params = _members(model, params)
+  keys = inputs.sample_keys
+  step_fns = [_member_step(m, p, i, cache_cross_kv) for m, p, i in zip(models, member_params, inputs.members)]
+  step_fn = step_fns[0] if len(step_fns) == 1 else _ensemble_step(step_fns)
+  common = dict(eos_id=EOS_ID, forbidden_ids=FORBIDDEN_IDS)
+  if keys is not None:
+    choose = beam_search.sampling_rule(keys, temperature, top_k)
+    return functools.partial(beam_search.token_step, step_fn, choose, **common), beam_search.token_unfinished
+  if beam_size == 0:
+    return functools.partial(beam_search.token_step, step_fn, None, **common), beam_search.token_unfinished
+  return (functools.partial(beam_search.beam_step, step_fn, alpha=alpha, **common), beam_search.beam_unfinished)
+
+
+def continue_search(model, params, inputs, state, until, **options):
+  """(the state after steps up to `until` generated tokens, or until no sentence is unfinished, on its
+  cache as it is; [B] bool: the sentences still searching). Translator grows the cache between segments."""
+  step, unfinished = _search_rule(model, params, inputs, **options)
+  state = beam_search.run_until(unfinished, step, state, until)
+  return state, unfinished_sentences(inputs, state)
+
+
+def unfinished_sentences(inputs, state):
+  """[B] bool: the sentences still searching (a sampled sentence while any of its samples is)."""
+  if isinstance(state, beam_search.BeamState):
+    return beam_search.beam_unfinished(state)
+  return beam_search.token_unfinished(state).reshape(inputs.src.shape[0], -1).any(axis=1)
+
+
+def search_output(inputs, state):
+  """(tokens [B, K, L], scores [B, K]), best first, of a search state; samples sorted by log probability."""
+  if isinstance(state, beam_search.BeamState):
+    return beam_search.beam_output(state)
+  tokens, scores = beam_search.token_output(state)
+  batch = inputs.src.shape[0]
+  tokens, scores = tokens.reshape(batch, -1, tokens.shape[-1]), scores.reshape(batch, -1)
+  if inputs.sample_keys is None:  # greedy
+    return tokens, scores
+  best_first = jnp.argsort(-scores, axis=1)
+  return jnp.take_along_axis(tokens, best_first[:, :, None], axis=1), jnp.take_along_axis(scores, best_first, 1)
+
+
 def search(model, params, src, sample_keys=None, *, beam_size, alpha, extra_length, max_len_a=1.0, temperature=1.0,
            top_k=0, cache_cross_kv=True, grow_cache=True):
-  """Translations of a padded source batch [B, S]: (tokens [B, K, L], scores [B, K]), best first.
+  """Translations of a padded source batch [B, S]: (tokens [B, K, L], scores [B, K]), best first, in one
+  jit-able call (the whole batch steps until its last sentence ends; Translator drops finished sentences).
 
   beam_size=0 decodes greedily (K = 1). With `sample_keys` ([B, n] PRNG keys) it samples n translations per
   sentence instead (see beam_search.sample_search), sorted by their log probability. A sentence of n source
@@ -122,32 +239,40 @@ def search(model, params, src, sample_keys=None, *, beam_size, alpha, extra_leng
   the source and doubles when the decoder gets there (beam_search.cache_lengths_for); grow_cache=False
   allocates all max_length positions at once (same results, slower).
   """
-  models, member_params = (model, params) if isinstance(model, tuple) else ((model,), (params,))
-  batch = src.shape[0]
-  max_length, max_lengths = output_limits(src, max_len_a, extra_length,
-                                          min(m.config.max_position for m in models))
-  rows = sample_keys.shape[1] if sample_keys is not None else max(beam_size, 1)  # decoder rows per sentence
-  cache_lengths = beam_search.cache_lengths_for(src.shape[1], max_length) if grow_cache else (max_length,)
-  members = [_member_step(m, p, src, rows, cache_cross_kv, cache_lengths[0]) for m, p in zip(models, member_params)]
-  if len(members) == 1:
-    cache, step_fn = members[0]
-  else:
-    cache, step_fn = tuple(c for c, _ in members), _ensemble_step([f for _, f in members])
+  options = dict(beam_size=beam_size, alpha=alpha, extra_length=extra_length, max_len_a=max_len_a,
+                 temperature=temperature, top_k=top_k, cache_cross_kv=cache_cross_kv, grow_cache=grow_cache)
+  inputs, state = start_search(model, params, src, sample_keys, **options)
+  step, unfinished = _search_rule(model, params, inputs, **options)
+  _, cache_lengths = search_lengths(model, src.shape, **options)
+  return search_output(inputs, beam_search.staged_search(unfinished, step, state, cache_lengths))
 
-  common = dict(max_length=max_length, bos_id=BOS_ID, eos_id=EOS_ID, forbidden_ids=(PAD_ID, BOS_ID),
-                cache_lengths=cache_lengths)
-  if sample_keys is not None:
-    tokens, scores = beam_search.sample_search(
-        step_fn, cache, sample_keys.reshape(-1), temperature=temperature, top_k=top_k, batch_size=batch * rows,
-        max_lengths=jnp.repeat(max_lengths, rows), **common)
-    tokens, scores = tokens.reshape(batch, rows, -1), scores.reshape(batch, rows)
-    best_first = jnp.argsort(-scores, axis=1)
-    return jnp.take_along_axis(tokens, best_first[:, :, None], axis=1), jnp.take_along_axis(scores, best_first, 1)
-  if beam_size == 0:
-    tokens, scores = beam_search.greedy_search(step_fn, cache, batch_size=batch, max_lengths=max_lengths, **common)
-    return tokens[:, None], scores[:, None]
-  return beam_search.beam_search(step_fn, cache, batch_size=batch, beam_size=beam_size, alpha=alpha,
-                                 max_lengths=max_lengths, **common)
+
+def batch_rows(n):
+  """The rows a batch of n searching sentences runs in: the smallest power of two that holds them (few shapes
+  to compile: each costs ~1 s on a 2-core CPU, against ~5 s for decoding test2016)."""
+  return 1 << (n - 1).bit_length()
+
+
+def segment_ends(cache_lengths, steps):
+  """[(cache length, tokens generated at the segment's end)] of a search run in segments of `steps` steps
+  that also end where the cache grows: segment_ends((16, 32), 8) = [(16, 8), (16, 16), (32, 24), (32, 32)]."""
+  ends, start = [], 0
+  for length in cache_lengths:
+    ends += [(length, until) for until in range(start + steps, length, steps)] + [(length, length)]
+    start = length
+  return ends
+
+
+def take_sentences(tree, keep, batch):
+  """The sentences `keep` ([b] indices) of every array in `tree`, whose arrays lead with a sentence axis of
+  `batch` or with its rows ([batch * r, ...], sentence-major); scalars (the step index) stay as they are."""
+  def take(x):
+    if x.ndim == 0:
+      return x
+    rows = x.shape[0] // batch
+    x = x.reshape((batch, rows) + x.shape[1:])[keep]
+    return x.reshape((keep.shape[0] * rows,) + x.shape[2:])
+  return jax.tree_util.tree_map(take, tree)
 
 
 @functools.partial(jax.jit, static_argnames='num_samples')
@@ -227,6 +352,8 @@ def ensemble_members(workdirs, checkpoints):
 
 
 DTYPES = ('auto', 'float32', 'bfloat16')
+SEGMENT_STEPS = 8  # decoding steps between two looks at which sentences of a batch still search
+COMPACT_BELOW = 0.5  # a batch goes on with its searching sentences only once that halves its rows
 
 
 class Translator:
@@ -262,9 +389,14 @@ class Translator:
     # The first member, for single-model users (attention pictures teacher-force one model).
     self.model, self.params = self.models[0], self.member_params[0]
     self.checkpoint = descriptions[0] if len(members) == 1 else f'an ensemble of {", ".join(descriptions)}'
-    self._search = jax.jit(functools.partial(search, self.models if len(members) > 1 else self.model),
-                           static_argnames=('beam_size', 'alpha', 'extra_length', 'max_len_a', 'temperature',
-                                            'top_k', 'cache_cross_kv', 'grow_cache'))
+    self._search_model = self.models if len(members) > 1 else self.model
+    static = ('beam_size', 'alpha', 'extra_length', 'max_len_a', 'temperature', 'top_k', 'cache_cross_kv',
+              'grow_cache')
+    self._start = jax.jit(functools.partial(start_search, self._search_model), static_argnames=static)
+    self._continue = jax.jit(functools.partial(continue_search, self._search_model), static_argnames=static)
+    self._grow = jax.jit(beam_search.grow_cache, static_argnames='length')
+    self._take = jax.jit(take_sentences, static_argnames='batch')
+    self._output = jax.jit(search_output)
 
   def _member_config(self, workdir, dtype):
     """A member's config, checked against the first member's vocabulary and direction."""
@@ -357,18 +489,53 @@ class Translator:
       if sampling:  # padding rows sample too, from line -1's keys, and are dropped
         lines = [first_line + i for i in members] + [-1] * (len(src) - len(members))
         keys = sample_keys(seed, jnp.asarray(lines, jnp.int32), n_best)
-      tokens, scores = jax.device_get(self._search(self.search_params, src, keys, **options))
+      tokens, scores = self._search_batch(src, keys, options)
       for r, i in enumerate(members):
         results[i] = [(_through_eos(tokens[r, k]), float(scores[r, k])) for k in range(n_best)]
     return results
 
+  def _search_batch(self, src, keys, options):
+    """(tokens [B, K, L], scores [B, K]) of a padded source batch, as `search` returns them, run in segments
+    of SEGMENT_STEPS steps. Between segments the host reads which sentences are still searching; once they
+    fit in half the rows (or less), the finished ones are read out and the batch goes on with the others
+    only, in a power-of-two number of rows (few shapes to compile). A batch's last sentences (often one
+    that runs to its length limit) then no longer keep every row computing; the results are the same.
+    """
+    inputs, state = self._start(self.search_params, src, keys, **options)
+    _, cache_lengths = search_lengths(self._search_model, src.shape, **options)
+    sentences = np.arange(src.shape[0])  # the batch row of each row now searched
+    results = []
+
+    def read_out(rows):
+      tokens, scores = jax.device_get(self._output(inputs, state))
+      results.append((sentences[rows], tokens[rows], scores[rows]))
+
+    grown_to = cache_lengths[0]
+    for cache_length, until in segment_ends(cache_lengths, SEGMENT_STEPS):
+      if cache_length > grown_to:
+        state, grown_to = self._grow(state, length=cache_length), cache_length
+      state, unfinished = self._continue(self.search_params, inputs, state, np.int32(until), **options)
+      unfinished = np.asarray(unfinished)
+      live, done = np.flatnonzero(unfinished), np.flatnonzero(~unfinished)
+      if not len(live):
+        break
+      rows = batch_rows(len(live))
+      if rows <= COMPACT_BELOW * len(unfinished):
+        read_out(done)
+        keep = np.concatenate([live, np.full(rows - len(live), done[0])])  # a finished row pads
+        inputs, state = self._take((inputs, state), keep, batch=len(unfinished))
+        sentences = sentences[keep]
+    read_out(np.arange(len(sentences)))
+    tokens = np.zeros((src.shape[0],) + results[0][1].shape[1:], results[0][1].dtype)
+    scores = np.zeros((src.shape[0],) + results[0][2].shape[1:], results[0][2].dtype)
+    for rows, row_tokens, row_scores in results:  # a padding row repeats its sentence's final result
+      tokens[rows], scores[rows] = row_tokens, row_scores
+    return tokens, scores
+
   def warm_up(self, token_lists, n_best=1, sampling=False, **options):
-    """Compiles the search for every batch shape that search_tokens(token_lists, ...) with the same options
-    will run, on batches of padding (which stop after one step): timings after it exclude compilation."""
-    options, batches = self._prepare(token_lists, n_best=n_best, sampling=sampling, **options)
-    for shape in sorted({src.shape for _, src in batches}):
-      keys = sample_keys(0, jnp.zeros(shape[0], jnp.int32), n_best) if sampling else None
-      jax.block_until_ready(self._search(self.search_params, np.zeros(shape, np.int32), keys, **options))
+    """Runs search_tokens(token_lists, ...) once, which compiles every shape that the same call will run
+    (also the smaller batches that finished sentences leave): timings after it exclude compilation."""
+    self.search_tokens(token_lists, n_best=n_best, sampling=sampling, **options)
 
   def translate(self, sentences, beam_size=None, alpha=None, n_best=1, tokens_per_batch=None, return_scores=False,
                 **options):
@@ -479,6 +646,7 @@ def main(argv):
   if FLAGS.n_best > 1 and FLAGS.format == 'plain':
     raise app.UsageError('--n_best > 1 gives several lines per input: use --format=fairseq')
   checkpoints_lib.quiet_orbax_logs()
+  cli.use_compilation_cache()
   try:
     translator = Translator(FLAGS.workdir, FLAGS.checkpoint, dtype=FLAGS.dtype)
   except (OSError, ValueError) as e:

@@ -1,8 +1,12 @@
 """The translate CLI and API on a tiny trained workdir: order, empty lines, streaming, fairseq lines, sampling,
 batching switches, attention pictures."""
+import functools
+import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -262,3 +266,54 @@ def test_bfloat16_decoding_computes_in_bfloat16(workdir, translator, mixed):
   np.testing.assert_allclose([b for _, b in same], [a for a, _ in same], rtol=0.05, atol=0.1)  # ... a little
   with pytest.raises(ValueError, match='dtype'):
     decode.Translator(workdir, dtype='float8')
+
+
+@pytest.mark.parametrize('mode', ['beam', 'greedy', 'sampling'])
+def test_dropping_finished_sentences_gives_the_one_call_search(workdir, mixed, mode, monkeypatch):
+  # Translator steps a batch in segments and goes on with its unfinished sentences only; decode.search runs
+  # the whole batch in one jitted loop. Segments of one step drop sentences as early as possible.
+  monkeypatch.setattr(decode, 'SEGMENT_STEPS', 1)
+  translator = decode.Translator(workdir)
+  taken = []
+  take = translator._take
+  translator._take = lambda tree, keep, batch: taken.append((batch, len(keep))) or take(tree, keep, batch=batch)
+  # At most one token more than the source: a batch of 12 one-word sources and 4 long ones soon has only the
+  # long ones searching (the toy model's outputs run ~6 tokens).
+  options = dict(beam_size=2 if mode == 'beam' else 0, alpha=0.6, extra_length=1, max_len_a=1.0, temperature=1.0,
+                 top_k=0, cache_cross_kv=True, grow_cache=True)
+  one_call = jax.jit(functools.partial(decode.search, translator.model), static_argnames=tuple(options))
+  token_lists = translator.tokenizer.encode([mixed[2]] * 12 + [mixed[1]] * 4 + mixed)
+  n = 3 if mode == 'sampling' else options['beam_size'] or 1
+  for members, src in translator.batches(token_lists, 256):
+    keys = decode.sample_keys(5, jnp.arange(len(src)), n) if mode == 'sampling' else None
+    tokens, scores = translator._search_batch(src, keys, options)
+    expected_tokens, expected_scores = jax.device_get(one_call(translator.params, src, keys, **options))
+    np.testing.assert_array_equal(tokens, expected_tokens)
+    np.testing.assert_allclose(scores, expected_scores, rtol=1e-5, atol=1e-5)
+  assert taken and all(rows <= batch // 2 for batch, rows in taken), taken  # sentences were dropped
+
+
+def test_batch_rows_are_the_smallest_power_of_two_that_holds_the_sentences():
+  for n in range(1, 1025):
+    assert decode.batch_rows(n) == min(2 ** e for e in range(11) if 2 ** e >= n), n
+
+
+def test_segments_end_every_few_steps_and_where_the_cache_grows():
+  assert decode.segment_ends((16, 32), 8) == [(16, 8), (16, 16), (32, 24), (32, 32)]
+  assert decode.segment_ends((5, 10, 25), 4) == [(5, 4), (5, 5), (10, 9), (10, 10), (25, 14), (25, 18), (25, 22),
+                                                 (25, 25)]
+
+
+def test_commands_keep_compiled_programs_in_the_user_cache(tmp_path):
+  code = ('from flaxformer_nmt import cli; cli.use_compilation_cache(); import jax, jax.numpy as jnp; '
+          'jax.jit(lambda x: jnp.tanh(x) @ x)(jnp.ones((8, 8))).block_until_ready(); '
+          'print(jax.config.jax_compilation_cache_dir)')
+  run = lambda env: subprocess.run([sys.executable, '-c', code], env=env, check=True, timeout=300,
+                                   capture_output=True, text=True).stdout.strip()
+  env = {**os.environ, 'FLAXFORMER_NMT_CACHE': str(tmp_path)}
+  env.pop('JAX_COMPILATION_CACHE_DIR', None)
+  assert run(env) == str(tmp_path / 'jax_compilation')
+  assert list((tmp_path / 'jax_compilation').iterdir())  # even a small program is kept
+  # A directory the user gives JAX is left to JAX.
+  env['JAX_COMPILATION_CACHE_DIR'] = str(tmp_path / 'chosen')
+  assert run(env) == str(tmp_path / 'chosen')
