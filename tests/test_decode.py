@@ -269,14 +269,14 @@ def test_bfloat16_decoding_computes_in_bfloat16(workdir, translator, mixed):
 
 
 @pytest.mark.parametrize('mode', ['beam', 'greedy', 'sampling'])
-def test_dropping_finished_sentences_gives_the_one_call_search(workdir, mixed, mode, monkeypatch):
+def test_dropping_finished_sentences_gives_the_one_call_search(translator, mixed, mode, monkeypatch):
   # Translator steps a batch in segments and goes on with its unfinished sentences only; decode.search runs
   # the whole batch in one jitted loop. Segments of one step drop sentences as early as possible.
   monkeypatch.setattr(decode, 'SEGMENT_STEPS', 1)
-  translator = decode.Translator(workdir)
   taken = []
   take = translator._take
-  translator._take = lambda tree, keep, batch: taken.append((batch, len(keep))) or take(tree, keep, batch=batch)
+  monkeypatch.setattr(translator, '_take',
+                      lambda tree, keep, batch: taken.append((batch, len(keep))) or take(tree, keep, batch=batch))
   # At most one token more than the source: a batch of 12 one-word sources and 4 long ones soon has only the
   # long ones searching (the toy model's outputs run ~6 tokens).
   options = dict(beam_size=2 if mode == 'beam' else 0, alpha=0.6, extra_length=1, max_len_a=1.0, temperature=1.0,
