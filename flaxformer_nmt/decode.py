@@ -8,7 +8,7 @@ read in chunks of --buffer_lines, so a long stream is translated as it arrives. 
 are sorted by length into token-budget batches (few shapes to compile, little padding). A batch decodes in
 segments of a few steps; once few of its sentences still search, it goes on with those only (as CTranslate2
 and fairseq drop finished sentences), so that one long output does not keep every row computing. Compiled
-programs are kept in JAX's persistent cache (cli.use_compilation_cache): a second run compiles nothing.
+programs are kept in JAX's persistent cache (cli.use_compilation_cache): a later run loads those it has seen.
 
   --greedy | --beam_size=K | --sampling [--temperature=T --top_k=K --seed=S]
   --format=fairseq [--n_best=N]: S-i (source), H-i (score, sentencepiece pieces), D-i (score, text) lines
