@@ -63,10 +63,10 @@ def best_extensions(logits, base, n, index, max_lengths, eos_id, forbidden_ids):
   round to the same score at the n-th place could be kept in logit rather than token order: no case seen.)
   """
   logits = logits.astype(jnp.float32)
-  shift = jax.lax.stop_gradient(logits.max(axis=-1, keepdims=True))
+  values, tokens, row_max = _top_k_and_max(logits, min(n + len(forbidden_ids), logits.shape[-1]))
+  shift = jax.lax.stop_gradient(row_max[..., None])
   log_norm = jnp.log(jnp.exp(logits - shift).sum(axis=-1, keepdims=True))  # log_softmax's, to the last bit
   log_softmax = lambda x: (x - shift) - log_norm
-  values, tokens = top_k(logits, min(n + len(forbidden_ids), logits.shape[-1]))
   scores = base[..., None] + log_softmax(values)
   if forbidden_ids:
     scores = jnp.where(jnp.isin(tokens, jnp.asarray(forbidden_ids, jnp.int32)), NEG_INF, scores)
@@ -227,19 +227,28 @@ def top_k(x, k, chunk=None):
   so ties keep resolving to the lower index. On the CPU, top_k of a [rows, 8000] vocabulary is a per-row
   partial sort that costs more than the step's output projection; its slice maxima are one vectorized read.
   """
+  values, indices, _ = _top_k_and_max(x, k, chunk)
+  return values, indices
+
+
+def _top_k_and_max(x, k, chunk=None):
+  """top_k's (values, indices) and x's maximum over the last axis, from the same slice maxima (the maximum
+  needs no pass of its own over x)."""
   *lead, V = x.shape
   chunk = chunk or TOP_K_CHUNK
   num_chunks = -(-V // chunk)
   if k >= num_chunks:  # nothing to save
-    return jax.lax.top_k(x, k)
+    return (*jax.lax.top_k(x, k), x.max(axis=-1))
   # Padding ranks below every real value (also below NEG_INF, the masked tokens), and V >= k real ones exist.
   padded = jnp.pad(x, [(0, 0)] * len(lead) + [(0, num_chunks * chunk - V)], constant_values=-jnp.inf)
   slices = padded.reshape(*lead, num_chunks, chunk)
-  _, best_slices = jax.lax.top_k(slices.max(axis=-1), k)
+  slice_maxima = slices.max(axis=-1)
+  _, best_slices = jax.lax.top_k(slice_maxima, k)
   best_slices = jnp.sort(best_slices, axis=-1)  # index order: ties go to the lower token
   gathered = jnp.take_along_axis(slices, best_slices[..., None], axis=-2).reshape(*lead, k * chunk)
   values, positions = jax.lax.top_k(gathered, k)
-  return values, jnp.take_along_axis(best_slices, positions // chunk, axis=-1) * chunk + positions % chunk
+  indices = jnp.take_along_axis(best_slices, positions // chunk, axis=-1) * chunk + positions % chunk
+  return values, indices, slice_maxima.max(axis=-1)
 
 
 def _gather_beams(x, beams):

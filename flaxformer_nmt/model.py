@@ -198,7 +198,9 @@ def scaled_dot_product_attention(q, k, v, mask, dropout=None, kv_head_major=Fals
   weights = jax.nn.softmax(scores, axis=-1)
   if dropout is not None:
     weights = dropout(weights)
-  out = jnp.einsum(f'bhqk,{kv}->bqhd', weights.astype(v.dtype), v)
+  # Heads-first, then transposed: XLA's CPU backend runs 'bhqk,bhkd->bqhd' as a slow batched product (1.2 ms
+  # against 0.12 ms for a decoding step's encoder-decoder attention of 256 sentences x 4 beams).
+  out = jnp.swapaxes(jnp.einsum(f'bhqk,{kv}->bhqd', weights.astype(v.dtype), v), 1, 2)
   return out, weights
 
 
