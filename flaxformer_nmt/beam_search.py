@@ -231,6 +231,17 @@ def top_k(x, k, chunk=None):
   return values, indices
 
 
+INNER_TOP_K_CHUNK = 16  # the slice width of top_k's own two top_k (0: lax.top_k)
+
+
+def _inner_top_k(x, k):
+  """top_k over the slice maxima and over the gathered slices, by slices again: lax.top_k costs the CPU ~6 ns
+  per element (a per-row partial sort), a slice maximum far less (3% of a beam-4 step at 1,024 rows)."""
+  if not INNER_TOP_K_CHUNK:
+    return jax.lax.top_k(x, k)
+  return top_k(x, k, INNER_TOP_K_CHUNK)
+
+
 def _top_k_and_max(x, k, chunk=None):
   """top_k's (values, indices) and x's maximum over the last axis, from the same slice maxima (the maximum
   needs no pass of its own over x)."""
@@ -243,10 +254,10 @@ def _top_k_and_max(x, k, chunk=None):
   padded = jnp.pad(x, [(0, 0)] * len(lead) + [(0, num_chunks * chunk - V)], constant_values=-jnp.inf)
   slices = padded.reshape(*lead, num_chunks, chunk)
   slice_maxima = slices.max(axis=-1)
-  _, best_slices = jax.lax.top_k(slice_maxima, k)
+  _, best_slices = _inner_top_k(slice_maxima, k)
   best_slices = jnp.sort(best_slices, axis=-1)  # index order: ties go to the lower token
   gathered = jnp.take_along_axis(slices, best_slices[..., None], axis=-2).reshape(*lead, k * chunk)
-  values, positions = jax.lax.top_k(gathered, k)
+  values, positions = _inner_top_k(gathered, k)
   indices = jnp.take_along_axis(best_slices, positions // chunk, axis=-1) * chunk + positions % chunk
   return values, indices, slice_maxima.max(axis=-1)
 

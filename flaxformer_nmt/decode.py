@@ -248,9 +248,13 @@ def search(model, params, src, sample_keys=None, *, beam_size, alpha, extra_leng
 
 
 def batch_rows(n):
-  """The rows a batch of n searching sentences runs in: the smallest power of two that holds them (few shapes
-  to compile: each costs ~1 s on a 2-core CPU, against ~5 s for decoding test2016)."""
-  return 1 << (n - 1).bit_length()
+  """The rows a batch of n searching sentences runs in: the next multiple of an eighth of the next power of two
+  p >= n (n = 150 -> 160), or p itself below FINE_ROWS_FROM. Few shapes to compile (each costs ~1 s on a
+  2-core CPU, against ~5 s for decoding test2016), and at most an eighth of a large batch computes for nothing;
+  small batches cost little per step whatever their rows."""
+  p = 1 << (n - 1).bit_length()
+  step = max(p // 8, 1) if p >= FINE_ROWS_FROM else p
+  return -(-n // step) * step
 
 
 def segment_ends(cache_lengths, steps):
@@ -353,7 +357,8 @@ def ensemble_members(workdirs, checkpoints):
 
 DTYPES = ('auto', 'float32', 'bfloat16')
 SEGMENT_STEPS = 8  # decoding steps between two looks at which sentences of a batch still search
-COMPACT_BELOW = 0.5  # a batch goes on with its searching sentences only once that halves its rows
+COMPACT_BELOW = 0.9  # a batch goes on with its searching sentences only once that saves a tenth of its rows
+FINE_ROWS_FROM = 64  # batch_rows: eighths of a power of two from 64 sentences on, powers of two below
 
 
 class Translator:
@@ -428,7 +433,7 @@ class Translator:
     """(indices, padded source [rows, len]) batches. Sorted by length, batches carry little padding;
     sort_by_length=False keeps input order (to measure what sorting saves). A bucket's full batches have
     as many rows as the token budget allows; a partly filled one (the last of a bucket, or a short input)
-    is padded to the next power of two rows only, so a few sentences do not pay for a whole batch, and
+    is padded to batch_rows rows only, so a few sentences do not pay for a whole batch, and
     there are still few shapes to compile. Empty sentences (EOS alone) are left out: they translate to
     empty lines."""
     lengths = [len(t) for t in token_lists]
@@ -439,7 +444,7 @@ class Translator:
     else:
       plan = input_order_batches(lengths, buckets, tokens_per_batch, nonempty)
     for padded, rows, members in plan:
-      rows = min(rows, 1 << (len(members) - 1).bit_length())
+      rows = min(rows, batch_rows(len(members)))
       yield members, data_lib.pad_rows([token_lists[i] for i in members], rows, padded)
 
   def _prepare(self, token_lists, beam_size=None, alpha=None, n_best=1, tokens_per_batch=None, sampling=False,
@@ -497,8 +502,8 @@ class Translator:
   def _search_batch(self, src, keys, options):
     """(tokens [B, K, L], scores [B, K]) of a padded source batch, as `search` returns them, run in segments
     of SEGMENT_STEPS steps. Between segments the host reads which sentences are still searching; once they
-    fit in half the rows (or less), the finished ones are read out and the batch goes on with the others
-    only, in a power-of-two number of rows (few shapes to compile). A batch's last sentences (often one
+    fit in COMPACT_BELOW of the rows, the finished ones are read out and the batch goes on with the others
+    only, in batch_rows rows (few shapes to compile). A batch's last sentences (often one
     that runs to its length limit) then no longer keep every row computing; the results are the same.
     """
     inputs, state = self._start(self.search_params, src, keys, **options)

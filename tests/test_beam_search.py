@@ -201,6 +201,7 @@ REFERENCE_CASES = [(1, 16, 0.6), (2, 6, 0.0), (3, 16, 1.0), (4, 8, 0.6), (5, 16,
 def test_beam_search_equals_a_plain_reference_on_random_automata(top_k_chunk, monkeypatch):
   if top_k_chunk:
     monkeypatch.setattr(beam_search, 'TOP_K_CHUNK', top_k_chunk)
+    monkeypatch.setattr(beam_search, 'INNER_TOP_K_CHUNK', top_k_chunk)
   rng = np.random.default_rng(0)
   batch, max_length = 40, 7
   stats = collections.Counter()
@@ -221,11 +222,13 @@ def test_beam_search_equals_a_plain_reference_on_random_automata(top_k_chunk, mo
   assert stats['ties'] > 50 and stats['eos_not_top_k'] > 50, stats
 
 
+@pytest.mark.parametrize('inner_chunk', [0, 2])  # 2: slices of slices, several levels deep
 @pytest.mark.parametrize('shape,k,chunk',
                          [((3, 50), 4, 8), ((2, 3, 8000), 8, 64), ((5, 101), 7, 3), ((4, 40), 3, 40)])
-def test_top_k_by_slices_equals_a_stable_sort(shape, k, chunk):
+def test_top_k_by_slices_equals_a_stable_sort(shape, k, chunk, inner_chunk, monkeypatch):
   # Values on a coarse grid (many ties, often across slices), masked entries (NEG_INF) and -inf: the k best
   # by value, ties to the lower index, as a stable NumPy sort ranks them.
+  monkeypatch.setattr(beam_search, 'INNER_TOP_K_CHUNK', inner_chunk)
   rng = np.random.default_rng(k)
   for trial in range(20):
     x = np.round(rng.normal(size=shape) * (1 + trial % 3)).astype(np.float32)

@@ -273,6 +273,7 @@ def test_dropping_finished_sentences_gives_the_one_call_search(translator, mixed
   # Translator steps a batch in segments and goes on with its unfinished sentences only; decode.search runs
   # the whole batch in one jitted loop. Segments of one step drop sentences as early as possible.
   monkeypatch.setattr(decode, 'SEGMENT_STEPS', 1)
+  monkeypatch.setattr(decode, 'FINE_ROWS_FROM', 2)  # rows in eighths (here often exactly the live sentences)
   taken = []
   take = translator._take
   monkeypatch.setattr(translator, '_take',
@@ -290,12 +291,17 @@ def test_dropping_finished_sentences_gives_the_one_call_search(translator, mixed
     expected_tokens, expected_scores = jax.device_get(one_call(translator.params, src, keys, **options))
     np.testing.assert_array_equal(tokens, expected_tokens)
     np.testing.assert_allclose(scores, expected_scores, rtol=1e-5, atol=1e-5)
-  assert taken and all(rows <= batch // 2 for batch, rows in taken), taken  # sentences were dropped
+  assert taken and all(rows < batch for batch, rows in taken), taken  # sentences were dropped
+  assert any(rows & (rows - 1) for _, rows in taken), taken  # also to sizes that are not powers of two
 
 
-def test_batch_rows_are_the_smallest_power_of_two_that_holds_the_sentences():
+def test_batch_rows_are_the_smallest_allowed_size_that_holds_the_sentences():
+  # Allowed: powers of two, and from 64 on the multiples of an eighth of a power of two above its half.
+  powers = [2 ** e for e in range(12)]
+  sizes = set(powers) | {j * p // 8 for p in powers if p >= decode.FINE_ROWS_FROM for j in range(5, 8)}
   for n in range(1, 1025):
-    assert decode.batch_rows(n) == min(2 ** e for e in range(11) if 2 ** e >= n), n
+    assert decode.batch_rows(n) == min(r for r in sizes if r >= n), n
+  assert [decode.batch_rows(n) for n in (20, 33, 65, 150, 161, 200, 255)] == [32, 40, 80, 160, 192, 224, 256]
 
 
 def test_segments_end_every_few_steps_and_where_the_cache_grows():
