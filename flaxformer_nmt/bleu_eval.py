@@ -89,14 +89,8 @@ class ValidationBleu:
     return self.enabled and (step % self.every == 0 or done)
 
   def _plan(self):
-    """(members, padded sources) batches as decode.Translator makes them: by length, a partly filled batch
-    padded to decode.batch_rows rows; empty sentences are left out (they translate to empty lines)."""
-    lengths = [len(t) for t in self.token_lists]
-    nonempty = sorted((i for i, n in enumerate(lengths) if n > 1), key=lengths.__getitem__)
-    for padded, rows, members in data_lib.plan_batches(lengths, self.config.length_buckets,
-                                                       self.config.decode_tokens_per_batch, 1, nonempty):
-      rows = min(rows, decode.batch_rows(len(members)))
-      yield list(members), data_lib.pad_rows([self.token_lists[i] for i in members], rows, padded)
+    """(members, padded sources) batches as decode.Translator makes them (decode.source_batches)."""
+    return decode.source_batches(self.token_lists, self.config.length_buckets, self.config.decode_tokens_per_batch)
 
   def translate(self, params):
     """Detokenized translations of the validation sources, in order (the same on every host)."""

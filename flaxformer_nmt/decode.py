@@ -267,6 +267,24 @@ def segment_ends(cache_lengths, steps):
   return ends
 
 
+def source_batches(token_lists, buckets, tokens_per_batch, sort_by_length=True):
+  """(indices, padded source [rows, len]) batches of the sources (token ids ending with EOS). Sorted by
+  length, batches carry little padding; sort_by_length=False keeps input order (to measure what sorting
+  saves). A bucket's full batches have as many rows as the token budget allows; a partly filled one (the last
+  of a bucket, or a short input) is padded to batch_rows rows only, so a few sentences do not pay for a whole
+  batch, and there are still few shapes to compile. Empty sentences (EOS alone) are left out: they translate
+  to empty lines."""
+  lengths = [len(t) for t in token_lists]
+  nonempty = [i for i, n in enumerate(lengths) if n > 1]
+  if sort_by_length:
+    plan = data_lib.plan_batches(lengths, buckets, tokens_per_batch, 1, sorted(nonempty, key=lengths.__getitem__))
+  else:
+    plan = input_order_batches(lengths, buckets, tokens_per_batch, nonempty)
+  for padded, rows, members in plan:
+    rows = min(rows, batch_rows(len(members)))
+    yield list(members), data_lib.pad_rows([token_lists[i] for i in members], rows, padded)
+
+
 def take_sentences(tree, keep, batch):
   """The sentences `keep` ([b] indices) of every array in `tree`, whose arrays lead with a sentence axis of
   `batch` or with its rows ([batch * r, ...], sentence-major); scalars (the step index) stay as they are."""
@@ -430,22 +448,8 @@ class Translator:
     return self.member_params if len(self.models) > 1 else self.params
 
   def batches(self, token_lists, tokens_per_batch, sort_by_length=True):
-    """(indices, padded source [rows, len]) batches. Sorted by length, batches carry little padding;
-    sort_by_length=False keeps input order (to measure what sorting saves). A bucket's full batches have
-    as many rows as the token budget allows; a partly filled one (the last of a bucket, or a short input)
-    is padded to batch_rows rows only, so a few sentences do not pay for a whole batch, and
-    there are still few shapes to compile. Empty sentences (EOS alone) are left out: they translate to
-    empty lines."""
-    lengths = [len(t) for t in token_lists]
-    nonempty = [i for i, n in enumerate(lengths) if n > 1]
-    buckets = self.config.length_buckets
-    if sort_by_length:
-      plan = data_lib.plan_batches(lengths, buckets, tokens_per_batch, 1, sorted(nonempty, key=lengths.__getitem__))
-    else:
-      plan = input_order_batches(lengths, buckets, tokens_per_batch, nonempty)
-    for padded, rows, members in plan:
-      rows = min(rows, batch_rows(len(members)))
-      yield members, data_lib.pad_rows([token_lists[i] for i in members], rows, padded)
+    """source_batches with this model's length buckets."""
+    return source_batches(token_lists, self.config.length_buckets, tokens_per_batch, sort_by_length)
 
   def _prepare(self, token_lists, beam_size=None, alpha=None, n_best=1, tokens_per_batch=None, sampling=False,
                temperature=1.0, top_k=0, cache_cross_kv=True, grow_cache=True, sort_by_length=True, max_len_a=None,
