@@ -110,6 +110,10 @@ def base_config():
   c.learning_rate = 0.0  # the peak of 'inverse_sqrt' (fairseq --lr); unused by 'paper'.
   c.learning_rate_scale = 1.0
   c.warmup_steps = 4000
+  # > 0: the learning rate falls linearly to 0 over the last cooldown_steps of num_train_steps (times the
+  # schedule above; fairseq's tri_stage decay). 0 (the paper): no cooldown. A run stopped early by
+  # max_train_minutes never reaches the ramp's end: size num_train_steps to the time.
+  c.cooldown_steps = 0
   c.adam_b1 = 0.9
   c.adam_b2 = 0.98
   c.adam_eps = 1e-9

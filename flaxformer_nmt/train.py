@@ -175,6 +175,9 @@ def train_and_evaluate(config, workdir):
         logging.info('Stopping at step %d after %s (%s)', step, metrics_lib.duration(time.time() - start_time),
                      decision.reason)
         break
+  if decision.reason == 'config.max_train_minutes' and config.cooldown_steps > 0:
+    logging.warning('The time limit stopped the run at step %d, before its learning-rate cooldown ended at step '
+                    '%d: size config.num_train_steps to config.max_train_minutes.', step, config.num_train_steps)
   finish(run, signalled=decision.signalled)
   logging.info('Trained steps %d..%d in %s', first_step, step, metrics_lib.duration(time.time() - start_time))
   return last

@@ -41,10 +41,22 @@ def inverse_sqrt_schedule(peak, warmup_steps):
   return schedule
 
 
+def with_cooldown(schedule, num_train_steps, cooldown_steps):
+  """`schedule` times a linear ramp from 1 down to 0 over the last `cooldown_steps` updates of a
+  `num_train_steps` run (the decay stage of fairseq's tri_stage and of warmup-stable-decay schedules): update
+  num_train_steps - cooldown_steps + i (counted from 0) runs at (1 - i / cooldown_steps) times the schedule,
+  so the last one runs at 1 / cooldown_steps of it. A short run ends at a low learning rate instead of where
+  the slow inverse square root has left it."""
+  def cooled(count):
+    remaining = num_train_steps - jnp.asarray(count, jnp.float32)
+    return schedule(count) * jnp.clip(remaining / cooldown_steps, 0.0, 1.0)
+  return cooled
+
+
 SCHEDULES = ('paper', 'inverse_sqrt')
 
 
-def make_schedule(config):
+def _base_schedule(config):
   if config.learning_rate_schedule == 'paper':
     return paper_schedule(config.model.d_model, config.warmup_steps, config.learning_rate_scale)
   if config.learning_rate_schedule == 'inverse_sqrt':
@@ -52,6 +64,17 @@ def make_schedule(config):
       raise ValueError("config.learning_rate_schedule='inverse_sqrt' needs a peak config.learning_rate > 0")
     return inverse_sqrt_schedule(config.learning_rate, config.warmup_steps)
   raise ValueError(f'config.learning_rate_schedule={config.learning_rate_schedule!r}: use one of {SCHEDULES}')
+
+
+def make_schedule(config):
+  schedule = _base_schedule(config)
+  cooldown = config.get('cooldown_steps', 0)
+  if cooldown <= 0:
+    return schedule
+  if not 0 < cooldown <= config.num_train_steps:
+    raise ValueError(f'config.cooldown_steps={cooldown} must lie in [1, config.num_train_steps='
+                     f'{config.num_train_steps}]: the ramp ends at the last update')
+  return with_cooldown(schedule, config.num_train_steps, cooldown)
 
 
 def make_optimizer(config):

@@ -179,3 +179,29 @@ def test_train_step_lowers_the_loss_on_a_repeated_batch():
     assert float(metrics['target_tokens']) == 6
   assert int(state.step) == 20
   assert losses[-1] < 0.5 * losses[0]
+
+
+@pytest.mark.parametrize('name', ['paper', 'inverse_sqrt'])
+def test_cooldown_ramps_the_schedule_linearly_to_zero_over_the_last_steps(name):
+  """Update k (from 1) of an n-update run with a c-update cooldown runs at base(k) * min(1, (n - k + 1) / c):
+  untouched before the ramp, 1/c of the base at the last update. Catches a ramp one update off, one that
+  reaches 0 before the end (a wasted update), or one anchored at the start of the run."""
+  c = config_lib.base_config()
+  c.learning_rate_schedule, c.learning_rate, c.warmup_steps = name, 0.005, 100
+  c.model.d_model, c.num_train_steps, c.cooldown_steps = 64, 1000, 300
+  base = ts.paper_schedule(64, 100) if name == "paper" else ts.inverse_sqrt_schedule(0.005, 100)
+  cooled = ts.make_schedule(c)
+  for k in (1, 50, 100, 699, 700, 701, 702, 850, 999, 1000):
+    factor = 1.0 if k <= 700 else (1000 - k + 1) / 300
+    np.testing.assert_allclose(cooled(k - 1), base(k - 1) * factor, rtol=1e-5)
+  np.testing.assert_allclose(cooled(999) / base(999), 1 / 300, rtol=1e-4)
+  assert float(cooled(1000)) == 0.0  # past the end (never applied)
+  c.cooldown_steps = 0
+  np.testing.assert_allclose(ts.make_schedule(c)(999), base(999), rtol=1e-6)  # off by default
+
+
+def test_cooldown_longer_than_the_run_is_refused():
+  c = config_lib.base_config()
+  c.num_train_steps, c.cooldown_steps = 100, 101
+  with pytest.raises(ValueError, match='cooldown_steps=101'):
+    ts.make_schedule(c)
