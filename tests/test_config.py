@@ -45,23 +45,38 @@ def load_config_file(name):
   return module.get_config()
 
 
-def test_multi30k_best_is_the_fairseq_tiny_recipe_and_trains_from_valid_only():
-  from flaxformer_nmt import bleu_eval  # pylint: disable=g-import-not-at-top
-  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
-  c = load_config_file('multi30k_best')
-  assert set(c.keys()) == set(config_lib.base_config().keys())
+def test_multi30k_tiny_is_the_fairseq_tiny_recipe():
+  c = load_config_file('multi30k_tiny')
   m = c.model
   assert (m.d_model, m.d_ff, m.num_heads, m.num_encoder_layers, m.num_decoder_layers, m.dropout_rate) == (
       128, 256, 4, 4, 4, 0.3)
   assert (c.learning_rate_schedule, c.learning_rate, c.warmup_steps, c.adam_b1, c.adam_b2) == (
       'inverse_sqrt', 0.005, 2000, 0.9, 0.98)
   assert (c.num_train_steps, c.tokens_per_batch, c.average_last_checkpoints, c.beam_size) == (8000, 4096, 10, 5)
+  assert c.cooldown_steps == 0 and c.eval_split == 'valid'
+
+
+def test_multi30k_best_is_the_d256_recipe_with_a_cooldown_and_trains_from_valid_only():
+  from flaxformer_nmt import bleu_eval  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  c = load_config_file('multi30k_best')
+  assert set(c.keys()) == set(config_lib.base_config().keys())
+  m = c.model
+  assert (m.d_model, m.d_ff, m.num_heads, m.num_encoder_layers, m.num_decoder_layers, m.dropout_rate) == (
+      256, 1024, 4, 3, 3, 0.3)
+  assert (c.learning_rate_schedule, c.warmup_steps, c.adam_b1, c.adam_b2, c.label_smoothing) == (
+      'paper', 500, 0.9, 0.98, 0.1)
+  # The learning rate reaches zero at the last step: the cooldown starts where the warmup ends.
+  assert c.cooldown_steps == c.num_train_steps - c.warmup_steps
+  assert (c.num_train_steps, c.tokens_per_batch, c.beam_size) == (4500, 4096, 5)
   assert c.max_train_minutes <= 150 and c.average_last_checkpoints <= c.keep_checkpoints
   # Selection sees validation data only.
   assert c.eval_split == 'valid' and c.best_checkpoint_metric == 'bleu' and c.eval_bleu_every_steps > 0
   bleu_eval.validate_config(c)
-  for name in ('multi30k', 'multi30k_best', 'lm_multi30k', 'mlm_multi30k'):
+  for name in ('multi30k', 'multi30k_best', 'multi30k_tiny', 'lm_multi30k', 'mlm_multi30k'):
     assert load_config_file(name).data_download == 'multi30k'
+  hour = load_config_file('multi30k')
+  assert hour.cooldown_steps == hour.num_train_steps - hour.warmup_steps
 
 
 def test_unknown_field_is_a_clear_error(tmp_path):
