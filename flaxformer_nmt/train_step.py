@@ -67,8 +67,9 @@ def _base_schedule(config):
 
 
 def make_schedule(config):
+  """The learning rate as a function of the update count: config.learning_rate_schedule, then the cooldown."""
   schedule = _base_schedule(config)
-  cooldown = config.get('cooldown_steps', 0)
+  cooldown = config.cooldown_steps
   if cooldown <= 0:
     return schedule
   if not 0 < cooldown <= config.num_train_steps:

@@ -189,7 +189,7 @@ def test_cooldown_ramps_the_schedule_linearly_to_zero_over_the_last_steps(name):
   c = config_lib.base_config()
   c.learning_rate_schedule, c.learning_rate, c.warmup_steps = name, 0.005, 100
   c.model.d_model, c.num_train_steps, c.cooldown_steps = 64, 1000, 300
-  base = ts.paper_schedule(64, 100) if name == "paper" else ts.inverse_sqrt_schedule(0.005, 100)
+  base = ts.paper_schedule(64, 100) if name == 'paper' else ts.inverse_sqrt_schedule(0.005, 100)
   cooled = ts.make_schedule(c)
   for k in (1, 50, 100, 699, 700, 701, 702, 850, 999, 1000):
     factor = 1.0 if k <= 700 else (1000 - k + 1) / 300
