@@ -72,7 +72,7 @@ def make_schedule(config):
   cooldown = config.cooldown_steps
   if cooldown <= 0:
     return schedule
-  if not 0 < cooldown <= config.num_train_steps:
+  if cooldown > config.num_train_steps:
     raise ValueError(f'config.cooldown_steps={cooldown} must lie in [1, config.num_train_steps='
                      f'{config.num_train_steps}]: the ramp ends at the last update')
   return with_cooldown(schedule, config.num_train_steps, cooldown)
