@@ -12,8 +12,10 @@ config.eval_bleu_tok_ref_dir (else ../shared/data/multi30k_tok); prints Markdown
 {workdir}/bleu_curve.md):
 1. the validation BLEU logged during training (metrics.jsonl: step, minutes, BLEU, lc-tok BLEU, length ratio);
 2. per checkpoint: training minutes, then per split cased sacreBLEU, lc-tok BLEU and length ratio, decoded
-   with the config's beam and length penalty (the decode a user gets).
-Training minutes are those of the process that logged the step: a resumed run starts its clock again.
+   with the config's beam and length penalty (the decode a user gets), or --beam_size and --alpha.
+Training minutes add up over resumed runs: each process's clock starts again at 0, so when the logged clock
+goes back, the previous process's last logged time is added to what follows (time spent on steps lost to a
+hard kill counts, as the wall-clock cost it was).
 Choose on the validation columns only; test2016 is reported, never used to choose.
 """
 import json
@@ -41,6 +43,7 @@ _OVERRIDES = flags.DEFINE_list('override', [], 'Extra --config.FIELD=VALUE overr
 _SPLITS = flags.DEFINE_list('splits', ['valid', 'test2016'], 'Splits to translate and score.')
 _SPLIT = flags.DEFINE_string('split', None, 'One split only (the same as --splits=SPLIT).')
 _BEAM = flags.DEFINE_integer('beam_size', None, 'Beam width (default: the config\'s); 0 is greedy.')
+_ALPHA = flags.DEFINE_float('alpha', None, 'Length penalty exponent (default: the config\'s).')
 _TOK_DIR = flags.DEFINE_string('tok_dir', None, 'Lowercased Moses-tokenized references ({split}.{lang}); default: '
                                'config.eval_bleu_tok_ref_dir, else ../shared/data/multi30k_tok.')
 _STEPS = flags.DEFINE_list('steps', None, 'Only these checkpoints (default: all kept, then averaged and best).')
@@ -56,12 +59,16 @@ def train(config_path, workdir, overrides):
 
 
 def read_log(workdir):
-  """(step -> elapsed seconds of its latest record, [validation BLEU records]) from metrics.jsonl."""
+  """(step -> training seconds summed over resumed runs, [validation BLEU records]) from metrics.jsonl."""
   elapsed, bleu = {}, []
+  offset, previous = 0.0, 0.0  # earlier processes' seconds; this process's last logged clock
   for line in (epath.Path(workdir) / 'metrics.jsonl').read_text().splitlines():
     record = json.loads(line)
     if 'elapsed_seconds' in record:
-      elapsed[record['step']] = record['elapsed_seconds']
+      if record['elapsed_seconds'] < previous:  # a resumed run: its clock started again
+        offset += previous
+      previous = record['elapsed_seconds']
+      elapsed[record['step']] = offset + previous
     if 'eval/bleu' in record:
       bleu.append(record)
   return elapsed, bleu
@@ -107,12 +114,13 @@ def main(_):
   config = workdir_lib.load_config(workdir)
   tok_dir = _TOK_DIR.value or config.get('eval_bleu_tok_ref_dir') or config_lib.shared_data_dir('multi30k_tok')
   beam = config.beam_size if _BEAM.value is None else _BEAM.value
+  alpha = config.length_penalty_alpha if _ALPHA.value is None else _ALPHA.value
   splits = [_SPLIT.value] if _SPLIT.value else _SPLITS.value
   data = {split: split_data(config, split, tok_dir) for split in splits}
   elapsed, logged = read_log(workdir)
   out = logged_bleu_table(logged, elapsed) if logged else []
   out += ['', f'{os.path.basename(os.path.normpath(workdir))}: {"greedy" if beam == 0 else f"beam {beam}"}, '
-          f'alpha {config.length_penalty_alpha}', '',
+          f'alpha {alpha}', '',
           '| checkpoint | training min | ' + ' | '.join(f'{s} sacreBLEU | {s} lc-tok | {s} len ratio' for s in splits)
           + ' | decode s |', '|---|---:|' + '---:|' * (3 * len(splits) + 1)]
   print('\n'.join(out), flush=True)
@@ -123,7 +131,7 @@ def main(_):
     translator = decode.Translator(workdir, checkpoint=name)
     cells, start = [], time.time()
     for split, (sources, references, tok_references) in data.items():
-      hypotheses = translator.translate(sources, beam_size=beam)
+      hypotheses = translator.translate(sources, beam_size=beam, alpha=alpha)
       metric = sacrebleu.BLEU()
       bleu = metric.corpus_score(hypotheses, [references])
       tok = evaluate.tokenized_bleu(hypotheses, tok_references, config.target_lang)[0] if tok_references else None
