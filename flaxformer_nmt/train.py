@@ -132,6 +132,21 @@ def log_eval(run, step, start_time):
   return metrics
 
 
+def evaluate_step(run, step, start_time, done):
+  """The validation metrics due at this step (loss, BLEU: bleu_eval.py), logged and offered to the best
+  checkpoint; returns them (empty when none is due)."""
+  evaluated = {}
+  if step % run.config.eval_every_steps == 0 or done:
+    evaluated.update(log_eval(run, step, start_time))
+  if run.validation_bleu.due(step, done):
+    bleu_metrics = run.validation_bleu.evaluate(step, run.state.params)
+    run.log.write(step, bleu_metrics)
+    evaluated.update(bleu_metrics)
+  if evaluated and run.best is not None:
+    run.best.update(step, run.state.params, evaluated)
+  return evaluated
+
+
 def train_and_evaluate(config, workdir):
   """Trains to config.num_train_steps (or max_train_minutes, or a stop signal); returns the last metrics."""
   start_time = time.time()
@@ -144,11 +159,13 @@ def train_and_evaluate(config, workdir):
   preemption_sync = preemption.preemption_sync_available(step)
   with preemption.StopSignal(handle_sigterm=not preemption_sync) as stop_signal:
     decision = preemption.StopDecision(config, start_time, stop_signal, preemption_sync)
+    in_flight = preemption.StepsInFlight()
     while step < config.num_train_steps:
       batch = interval.next_batch(run.train_batches)
       run.profiler.before_step(step)
       run.state, step_metrics = run.train_fn(run.state, sharding.put_batch(batch, run.batch_sharding))
-      interval.add(step_metrics, batch)  # device arrays: read only at log/save time, so the loop never waits
+      interval.add(step_metrics, batch)  # device arrays: read only at log/save time
+      in_flight.add(step_metrics)  # stop decisions below are for a step the device is about to reach
       step += 1
       run.profiler.after_step(step, run.state)
       save, done = decision.after_step(step)
@@ -156,21 +173,14 @@ def train_and_evaluate(config, workdir):
         interval.check_finite(step)
       if step % config.log_every_steps == 0 or done:
         last = log_train(run, interval, step, start_time, decision)
-      evaluated = {}  # this step's validation metrics: loss, BLEU (bleu_eval.py)
-      if step % config.eval_every_steps == 0 or done:
-        evaluated.update(log_eval(run, step, start_time))
-      if run.validation_bleu.due(step, done):
-        bleu_metrics = run.validation_bleu.evaluate(step, run.state.params)
-        run.log.write(step, bleu_metrics)
-        evaluated.update(bleu_metrics)
-      if evaluated:
-        last.update(evaluated)
-        if run.best is not None:
-          run.best.update(step, run.state.params, evaluated)
-        interval.restart()  # keep evaluation out of the next interval's tokens/s
-      if save:
+      if save:  # before evaluating: a kill during a long validation decode loses nothing; the write is async
         run.checkpoints.save(step, run.state, run.train_batches.state(), force=True, vocab_sha256=run.vocab_sha256)
         decision.saved()
+      if not decision.signalled:  # a preempted run exits at once (its grace period is short); no evaluation
+        evaluated = evaluate_step(run, step, start_time, done)
+        if evaluated:
+          last.update(evaluated)
+          interval.restart()  # keep evaluation out of the next interval's tokens/s
       if done:
         logging.info('Stopping at step %d after %s (%s)', step, metrics_lib.duration(time.time() - start_time),
                      decision.reason)

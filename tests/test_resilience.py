@@ -14,6 +14,7 @@ from conftest import small_config, tiny_model
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import config as config_lib
 from flaxformer_nmt import metrics as metrics_lib
+from flaxformer_nmt import preemption
 from flaxformer_nmt import train
 from flaxformer_nmt import train_step as ts
 
@@ -63,6 +64,7 @@ def test_sigterm_then_sigkill_then_resume_equals_an_uninterrupted_run(toy_corpus
   assert 'Received SIGTERM' in stderr and 'a stop signal' in stderr
   stopped_at = max(checkpoints_lib.Checkpoints(workdir).steps())
   assert 0 < stopped_at < config.num_train_steps
+  assert 'validation' not in stderr.split('Received SIGTERM')[1]  # no evaluation inside the grace period
 
   # A crash at an arbitrary point (possibly mid-save): nothing but the finished checkpoints survives.
   process = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -75,12 +77,34 @@ def test_sigterm_then_sigkill_then_resume_equals_an_uninterrupted_run(toy_corpus
   # The same command again runs to the end.
   result = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
+  last_step = config.num_train_steps
+  assert (result.stderr.index(f'Saving checkpoint {last_step} ')
+          < result.stderr.index(f'step {last_step} | validation loss'))  # saved before the evaluation
 
   reference = tmp_path / 'uninterrupted'
   train.train_and_evaluate(config, reference)
   load = lambda w: checkpoints_lib.Checkpoints(w, keep=0).restore_params(config.num_train_steps)
   for a, b in zip(jax.tree_util.tree_leaves(load(workdir)), jax.tree_util.tree_leaves(load(reference))):
     np.testing.assert_array_equal(a, b)
+
+
+def test_the_loop_waits_for_the_step_two_back_and_never_for_the_newest():
+  """Stop decisions are for a step the device nearly reached (not one 50 dispatches ahead), yet the device keeps
+  a step queued: a wrong depth, blocking on the newest step, or in the wrong order fails."""
+  blocked = []
+
+  class StepOutput:
+    def __init__(self, step):
+      self.step = step
+
+    def block_until_ready(self):
+      blocked.append(self.step)
+      return self
+
+  in_flight = preemption.StepsInFlight(max_steps=2)
+  for step in range(1, 7):
+    in_flight.add({'loss': StepOutput(step), 'grad_norm': StepOutput(step)})
+    assert blocked == [s for s in range(1, step - 1) for _ in range(2)]
 
 
 def test_a_nonfinite_step_is_never_applied():
