@@ -13,7 +13,8 @@ Training variants (each a run in {root}/{name}, resumable; same seed; steps size
   model_tiny       the Transformer-tiny dimensions of configs/multi30k_tiny.py (4+4 layers, d 128, ff 256),
                    10,000 steps (its step takes 0.85 s against 1.9 s)
   tokens_8192      8,192 tokens per step instead of 4,096 (half the updates in the same time)
-Decoding variants, on the recipe's run: beam 4 / 5, alpha 0.6 / 1.0, checkpoints latest, best, last:5, last:10.
+Decoding variants, on the recipe's run: beam 4 and the config's, alpha 0.6 (the paper's) and the config's,
+checkpoints latest, best, the average of the last half of the config's averaging window, and the averaged.
 
 Prints Markdown tables of validation sacreBLEU, lowercased tokenized BLEU and length ratio (also written to
 {root}/ablation.md). Validation only: this is what choices are made on.
