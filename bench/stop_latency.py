@@ -1,0 +1,87 @@
+r"""Seconds from a preemption notice (SIGTERM) to the trainer's exit, on a real config, through the CLI.
+
+A preempted cloud VM is killed about 30 s after its SIGTERM (GCE spot/preemptible VMs; AWS gives 2 minutes):
+the trainer must finish the step, save and exit within that, or the work since the last checkpoint is lost.
+
+  python bench/stop_latency.py --config configs/multi30k_best.py                 # signal 20 s after step 100
+  python bench/stop_latency.py --config configs/multi30k_best.py --after_step 100 --delay 7 --trials 2
+
+Each trial trains a fresh workdir until the log line of step --after_step, waits --delay seconds more (so the
+signal falls mid-interval, where the loop has had time to run ahead of the device), sends SIGTERM and times
+the exit. It prints: seconds to exit; the step the run stopped (and saved) at; the step the device had reached
+at the signal, estimated from the logged step time (after_step + delay / step time); and the difference, the
+steps the loop had dispatched ahead (meaningful when the device step dominates: for a toy model of a few ms per
+step, Python's per-step work sets the pace and the estimate runs far past the real step). Extra
+--config.FIELD=VALUE arguments go to the trainer. Measured with it and by hand: bench/RESULTS.md.
+"""
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEP_LINE = re.compile(r'step (\d+)/\d+ \|.* (\d+) ms/step')
+STOP_LINE = re.compile(r'Stopping at step (\d+) after')
+
+
+def wait_for_step(log_path, process, step, timeout):
+  """Blocks until the log has step `step`'s line; returns its milliseconds per step."""
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    for match in STEP_LINE.finditer(open(log_path).read()):
+      if int(match.group(1)) >= step:
+        return int(match.group(2))
+    if process.poll() is not None:
+      sys.exit(f'the trainer exited ({process.returncode}) before step {step}; log: {log_path}')
+    time.sleep(0.05)
+  sys.exit(f'no step {step} within {timeout} s; log: {log_path}')
+
+
+def trial(args, extra, workdir):
+  """(seconds to exit, stop step, estimated device step at the signal, ms per step)."""
+  log_path = os.path.join(workdir + '.log')
+  command = [sys.executable, '-m', 'flaxformer_nmt.train', f'--config={args.config}', f'--workdir={workdir}'] + extra
+  with open(log_path, 'w') as log:
+    process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+  ms_per_step = wait_for_step(log_path, process, args.after_step, args.timeout)
+  time.sleep(args.delay)
+  signalled = time.time()
+  process.send_signal(signal.SIGTERM)
+  returncode = process.wait(timeout=args.timeout)
+  seconds = time.time() - signalled
+  stop = STOP_LINE.search(open(log_path).read())
+  if returncode != 0 or not stop:
+    sys.exit(f'the trainer did not stop cleanly (exit {returncode}); log: {log_path}')
+  return seconds, int(stop.group(1)), args.after_step + args.delay * 1000 / ms_per_step, ms_per_step
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--config', default=os.path.join(REPO, 'configs/multi30k_best.py'))
+  parser.add_argument('--after_step', type=int, default=100, help='Signal after this step\'s log line...')
+  parser.add_argument('--delay', type=float, default=20.0, help='...and this many seconds more.')
+  parser.add_argument('--trials', type=int, default=1)
+  parser.add_argument('--timeout', type=float, default=900)
+  parser.add_argument('--keep', action='store_true', help='Keep the workdirs and logs (printed).')
+  args, extra = parser.parse_known_args()
+  root = tempfile.mkdtemp(prefix='stop_latency_')
+  print(f'{os.path.relpath(args.config, REPO)}: SIGTERM {args.delay:g} s after step {args.after_step}\'s log line\n')
+  print('| trial | seconds to exit | stopped at step | device step at the signal (est.) | steps ahead | ms/step |')
+  print('|---:|---:|---:|---:|---:|---:|')
+  for i in range(args.trials):
+    seconds, stop_step, device_step, ms = trial(args, extra, os.path.join(root, f'trial{i}'))
+    print(f'| {i} | {seconds:.1f} | {stop_step} | {device_step:.1f} | {stop_step - device_step:.1f} | {ms} |',
+          flush=True)
+  if args.keep:
+    print(f'\nworkdirs and logs: {root}')
+  else:
+    shutil.rmtree(root)
+
+
+if __name__ == '__main__':
+  main()
