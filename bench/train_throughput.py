@@ -4,6 +4,8 @@ CPU also the achieved FLOP rate over a large float32 matmul's rate measured in t
   python bench/train_throughput.py --configs base,big,multi30k --lengths 32 --tokens_per_batch 4096
   python bench/train_throughput.py --configs big --tokens_per_batch 32768 --peak 989e12   # an H100
   python bench/train_throughput.py --configs multi30k,lm_multi30k,mlm_multi30k --lengths 64   # the three tasks
+  python bench/train_throughput.py --configs multi30k_best --matmul_precision bfloat16   # bf16 operands on CPU
+  python bench/train_throughput.py --configs multi30k_best --dropout_rate 0   # what the dropout masks cost
 
 Each config trains its task's model (config.task: translation, lm, mlm). tok/s counts the tokens of one
 side: translation reads as many source tokens again; the LM and the MLM read only these.
@@ -36,6 +38,8 @@ _VOCAB = flags.DEFINE_integer('vocab_size', 0, "Vocabulary size (default: each c
 _DTYPE = flags.DEFINE_string('dtype', '', "Override config.model.dtype ('auto': bf16 on GPU/TPU, f32 on CPU).")
 _ATTENTION = flags.DEFINE_string('attention_impl', '', 'Override config.model.attention_impl.')
 _REMAT = flags.DEFINE_string('remat', '', 'Override config.model.remat.')
+_MATMUL = flags.DEFINE_string('matmul_precision', '', "Override config.model.matmul_precision ('bfloat16').")
+_DROPOUT = flags.DEFINE_float('dropout_rate', -1.0, "Override config.model.dropout_rate (-1: the config's).")
 _ACCUMULATE = flags.DEFINE_integer('grad_accumulation_steps', 1, 'Microbatches per step.')
 _FSDP = flags.DEFINE_integer('fsdp', 1, 'fsdp_parallelism of the mesh.')
 _PEAK = flags.DEFINE_float('peak', 0.0, 'Per-device peak FLOP/s for MFU (default: flops.py table; none on CPU).')
@@ -51,11 +55,13 @@ def time_fn(fn, *args, steps):
   return (time.perf_counter() - start) / steps
 
 
-def matmul_rate():
-  """FLOP/s of a float32 4096x1024x1024 matmul on this machine (the CPU's practical peak)."""
-  a = jax.random.normal(jax.random.PRNGKey(0), (4096, 1024), jnp.float32)
-  b = jax.random.normal(jax.random.PRNGKey(1), (1024, 1024), jnp.float32)
-  seconds = time_fn(jax.jit(jnp.matmul), a, b, steps=20)
+def matmul_rate(dtype=jnp.float32):
+  """FLOP/s of a 4096x1024x1024 matmul on this machine (the CPU's practical peak), operands in `dtype`,
+  float32 accumulation and result (bfloat16: what model.matmul_precision='bfloat16' runs)."""
+  a = jax.random.normal(jax.random.PRNGKey(0), (4096, 1024), jnp.float32).astype(dtype)
+  b = jax.random.normal(jax.random.PRNGKey(1), (1024, 1024), jnp.float32).astype(dtype)
+  product = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
+  seconds = time_fn(product, a, b, steps=20)
   return 2 * 4096 * 1024 * 1024 / seconds
 
 
@@ -72,9 +78,12 @@ def load_config(name):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   config = module.get_config()
-  for field, flag in (('dtype', _DTYPE), ('attention_impl', _ATTENTION), ('remat', _REMAT)):
+  for field, flag in (('dtype', _DTYPE), ('attention_impl', _ATTENTION), ('remat', _REMAT),
+                      ('matmul_precision', _MATMUL)):
     if flag.value:
       config.model[field] = flag.value
+  if _DROPOUT.value >= 0:
+    config.model.dropout_rate = _DROPOUT.value
   config.grad_accumulation_steps = _ACCUMULATE.value
   config.fsdp_parallelism = _FSDP.value
   return config
@@ -92,7 +101,7 @@ def bench_config(name, peak, matmul, check_xla):
   train_fn, _ = train_step_lib.jit_steps(model, optimizer, schedule, config, mesh, state_sharding)
   dtype, attention = model.config.dtype, model.config.attention_impl  # as settled for this machine
   print(f'# {name} ({task}): {model_lib.count_params(state.params):,} parameters, vocab {vocab}, {dtype}, attention '
-        f'{attention}, remat {config.model.remat}, mesh {dict(mesh.shape)}')
+        f'{attention}, matmul {config.model.matmul_precision}, remat {config.model.remat}, mesh {dict(mesh.shape)}')
   rng = np.random.default_rng(0)
   rows_multiple = sharding.rows_multiple(mesh) * config.grad_accumulation_steps
   for length in [int(x) for x in _LENGTHS.value]:
@@ -127,7 +136,8 @@ def main(argv):
   print(f'# backend {backend}, {jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}, '
         f'peak {peak / 1e12 if peak else "-"} TFLOP/s per device, {_TOKENS.value} tokens per side per step')
   if matmul:
-    print(f'# float32 4096x1024x1024 matmul: {matmul / 1e9:.1f} GFLOP/s')
+    print(f'# float32 4096x1024x1024 matmul: {matmul / 1e9:.1f} GFLOP/s; with bfloat16 operands (float32 '
+          f'accumulation and result): {matmul_rate(jnp.bfloat16) / 1e9:.1f} GFLOP/s')
   print(f'# {"config":>7} {"len":>5} {"rows":>5} {"step ms":>9} {"tok/s":>10} {"TFLOP/s":>8} {"MFU":>7} '
         f'{"/matmul":>8}')
   for i, name in enumerate(_CONFIGS.value):

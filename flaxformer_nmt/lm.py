@@ -56,7 +56,8 @@ class MaskedLM(model_lib.TransformerStacks):
     self.setup_embedding()
     self.setup_encoder()
     c = self.config
-    self.head_dense = nn.Dense(c.d_model, kernel_init=model_lib.xavier_uniform, dtype=self.dtype)
+    self.head_dense = nn.Dense(c.d_model, kernel_init=model_lib.xavier_uniform, dtype=self.dtype,
+                               dot_general=model_lib.dense_dot_general(c.matmul_precision))
     self.head_norm = nn.LayerNorm(epsilon=1e-5, dtype=jnp.float32)
     self.head_bias = self.param('head_bias', nn.initializers.zeros, (c.vocab_size,))
 

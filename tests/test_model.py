@@ -20,6 +20,37 @@ def test_sinusoidal_positions_match_the_paper_formula():
       assert math.isclose(table[pos, 2 * i + 1], math.cos(angle), abs_tol=1e-6)
 
 
+def _dropout(rate, x, seed=0, deterministic=False):
+  return model_lib.Dropout(rate).apply({}, x, deterministic, rngs={'dropout': jax.random.PRNGKey(seed)})
+
+
+@pytest.mark.parametrize('rate', [0.1, 0.3])
+def test_dropout_zeroes_at_its_rate_and_scales_the_rest_to_keep_the_mean(rate):
+  x = jnp.ones((300, 1001), jnp.float32)  # odd width: the last 32-bit word is cut in half
+  y = np.asarray(_dropout(rate, x))
+  dropped = y == 0
+  # 300k Bernoulli draws: the standard error of the fraction is below 0.001.
+  assert abs(dropped.mean() - rate) < 0.004
+  np.testing.assert_allclose(y[~dropped], 1 / (1 - rate), rtol=1e-4)
+  assert abs(y.mean() - 1.0) < 0.01
+  # Each row, and each column, drops its own share: no mask repeated along an axis.
+  assert np.all(np.abs(dropped.mean(axis=1) - rate) < 0.08) and np.all(np.abs(dropped.mean(axis=0) - rate) < 0.15)
+  # The two 16-bit halves of one random word are independent: both dropped with probability rate^2.
+  both = dropped[:, 0:1000:2] & dropped[:, 1:1000:2]
+  assert abs(both.mean() - rate ** 2) < 0.006
+  assert len({row.tobytes() for row in dropped}) == len(dropped)
+
+
+def test_dropout_is_the_identity_when_deterministic_or_off_and_keeps_dtype_and_key():
+  x = jax.random.normal(jax.random.PRNGKey(1), (4, 7, 3), jnp.bfloat16)
+  assert _dropout(0.3, x, deterministic=True) is x and _dropout(0.0, x) is x
+  y = _dropout(0.5, x)
+  assert y.dtype == jnp.bfloat16 and y.shape == x.shape
+  np.testing.assert_array_equal(y, _dropout(0.5, x))  # same key, same mask
+  assert not np.array_equal(y, _dropout(0.5, x, seed=2))
+  np.testing.assert_array_equal(_dropout(1.0, x), np.zeros(x.shape))
+
+
 def test_padding_and_causal_masks_match_loops():
   q = np.array([[5, 6, 0], [7, 0, 0]])
   k = np.array([[5, 0, 0, 0], [7, 8, 9, 0]])
@@ -273,3 +304,52 @@ def test_checkpoints_from_before_the_fused_projections_are_upgraded_to_the_same_
   for a, b in zip(jax.tree_util.tree_leaves(upgraded), jax.tree_util.tree_leaves(params)):
     np.testing.assert_array_equal(a, b)
   assert model_lib.upgrade_legacy_params(params) == params  # today's layout passes through
+
+
+def _bf16(x):
+  """x rounded to bfloat16, as float64: the operands a bfloat16 matmul multiplies."""
+  return np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
+
+
+def test_bfloat16_matmul_rounds_operands_and_accumulates_in_float32_forward_and_backward():
+  x = np.asarray(jax.random.normal(jax.random.PRNGKey(0), (3, 5, 64)), np.float32)
+  w = np.asarray(jax.random.normal(jax.random.PRNGKey(1), (64, 7)), np.float32)
+  cotangent = np.asarray(jax.random.normal(jax.random.PRNGKey(2), (3, 5, 7)), np.float32)
+  y = model_lib.bfloat16_matmul(jnp.asarray(x), jnp.asarray(w), jnp.float32)
+  assert y.dtype == jnp.float32
+  np.testing.assert_allclose(y, _bf16(x) @ _bf16(w), rtol=1e-5, atol=1e-5)
+  assert np.abs(np.asarray(y) - x.astype(np.float64) @ w).max() > 1e-3  # the operands were rounded
+  dx, dw = jax.grad(lambda x, w: jnp.sum(model_lib.bfloat16_matmul(x, w, jnp.float32) * cotangent),
+                    argnums=(0, 1))(jnp.asarray(x), jnp.asarray(w))
+  assert dx.dtype == dw.dtype == jnp.float32
+  np.testing.assert_allclose(dx, _bf16(cotangent) @ _bf16(w).T, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dw, _bf16(x).reshape(-1, 64).T @ _bf16(cotangent).reshape(-1, 7), rtol=1e-5, atol=1e-4)
+
+
+def test_bfloat16_matmul_precision_keeps_the_parameters_and_nearly_the_logits():
+  model, params = tiny_model()
+  fast = _variant(model, matmul_precision='bfloat16')
+  src, tgt = jnp.array([[4, 5, 6, 3]]), jnp.array([[2, 7, 8, 9]])
+  fast_params = fast.init(jax.random.PRNGKey(0), src, tgt)['params']
+  assert jax.tree.structure(fast_params) == jax.tree.structure(params)  # checkpoints interchange
+  exact = model.apply({'params': params}, src, tgt)
+  rounded = fast.apply({'params': params}, src, tgt)
+  assert rounded.dtype == jnp.float32
+  difference = np.abs(np.asarray(rounded) - np.asarray(exact))
+  assert 1e-4 < difference.max() < 0.05 * np.abs(np.asarray(exact)).max()
+  with pytest.raises(model_lib.ConfigError, match='config.model.matmul_precision must be one of'):
+    _variant(model, matmul_precision='bf16')
+
+
+def test_auto_matmul_precision_is_bfloat16_only_on_a_cpu_with_bfloat16_dot_instructions(tmp_path, monkeypatch):
+  zen4, avx2 = tmp_path / 'zen4', tmp_path / 'avx2'
+  zen4.write_text('processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n\n')
+  avx2.write_text('processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n\n')
+  assert model_lib.cpu_has_bfloat16_dot(str(zen4)) and not model_lib.cpu_has_bfloat16_dot(str(avx2))
+  assert not model_lib.cpu_has_bfloat16_dot(str(tmp_path / 'missing'))  # not Linux: stay float32
+  monkeypatch.setattr(model_lib, 'cpu_has_bfloat16_dot', lambda: True)
+  assert model_lib.resolve_matmul_precision('auto', 'cpu') == 'bfloat16'
+  assert model_lib.resolve_matmul_precision('auto', 'gpu') == 'float32'  # there dtype bfloat16 decides
+  assert model_lib.resolve_matmul_precision('float32', 'cpu') == 'float32'
+  monkeypatch.setattr(model_lib, 'cpu_has_bfloat16_dot', lambda: False)
+  assert model_lib.resolve_matmul_precision('auto', 'cpu') == 'float32'
