@@ -44,7 +44,7 @@ def wait_for_step(log_path, process, step, timeout):
 
 def trial(args, extra, workdir):
   """(seconds to exit, stop step, estimated device step at the signal, ms per step)."""
-  log_path = os.path.join(workdir + '.log')
+  log_path = workdir + '.log'
   command = [sys.executable, '-m', 'flaxformer_nmt.train', f'--config={args.config}', f'--workdir={workdir}'] + extra
   with open(log_path, 'w') as log:
     process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)

@@ -7,7 +7,7 @@ Validation BLEU (greedy, all 1,014 sentences) is logged every 500 steps and the 
 
 Where the CPU has bf16 dot instructions (AVX512-BF16 or AMX: AMD Zen 4, Intel Sapphire Rapids) the matmuls
 take bfloat16 operands, with float32 activations, accumulation and parameters (model.matmul_precision 'auto'):
-1.4x faster steps, 2,400 of them in the hour instead of 1,750. Its run (2026-11-25, AMD EPYC Zen 4, 2 cores,
+1.3-1.4x faster steps, 2,400 of them in the hour instead of 1,750. Its run (2026-11-25, AMD EPYC Zen 4, 2 cores,
 bench/RESULTS.md): 53m54s; valid 39.19 lc-tok with the last checkpoint, beam 4, alpha 1.0 (the best of
 alpha 0.6-2.0 and of last vs averaged, on valid); test2016 38.56 lc-tok, 38.11 sacreBLEU, length ratio 0.985.
 Elsewhere the matmuls stay float32 and the 58-minute backstop ends the run near step 1,750, before the learning

@@ -102,7 +102,7 @@ def base_config():
   # layer) or 'dots' (keep the matmul outputs, recompute the rest).
   c.model.remat = 'none'
   # The operands of the projection/feed-forward/output matmuls: 'float32', or 'bfloat16' (rounded to bf16,
-  # float32 accumulation and results, as TPU's default precision): ~1.4x faster train steps on CPUs with
+  # float32 accumulation and results, as TPU's default precision): 1.3-1.4x faster train steps on CPUs with
   # AVX512-BF16 or AMX (AMD Zen 4, Intel Sapphire Rapids); 'auto' picks bfloat16 on such CPUs only. float32
   # by default, as the paper's model (the Multi30k CPU configs use 'auto').
   c.model.matmul_precision = 'float32'

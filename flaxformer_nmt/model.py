@@ -66,7 +66,7 @@ class ModelConfig:
   # The operands of the projection, feed-forward and output matmuls: 'float32' (as the activations), or
   # 'bfloat16': rounded to bfloat16 and multiplied with float32 accumulation and results (`bfloat16_matmul`).
   # With float32 activations that is TPU's default matmul precision, and on CPUs with AVX512-BF16 the step is
-  # ~1.4x faster (bench/RESULTS.md). 'auto': 'bfloat16' on a CPU with bf16 dot instructions, else 'float32'
+  # 1.3-1.4x faster (bench/RESULTS.md). 'auto': 'bfloat16' on a CPU with bf16 dot instructions, else 'float32'
   # (settled like dtype). Attention's own two products stay in `dtype`.
   matmul_precision: str = 'float32'
   # The platform the model computes on: 'auto' = this process's backend (jax.default_backend()), or 'cpu',
@@ -122,6 +122,7 @@ def resolve_dtype(name, platform):
 MATMUL_PRECISIONS = ('auto', 'float32', 'bfloat16')
 
 
+@functools.cache  # read once per process: every ModelConfig with 'auto' asks
 def cpu_has_bfloat16_dot(cpuinfo='/proc/cpuinfo'):
   """Whether this CPU multiplies bfloat16 in hardware (x86 AVX512-BF16 or AMX-BF16; read from Linux's
   /proc/cpuinfo, False where it cannot be read). Without it XLA converts bf16 operands to float32 first, and
