@@ -86,12 +86,18 @@ def test_teacher_forced_log_probs_agree_to_1e4(tmp_path, pre_layer_norm):
 
 @pytest.fixture(scope='module')
 def workdir(tmp_path_factory):
-  """A toy model trained for 60 steps: it translates the toy corpus partly, with uneven output lengths."""
+  """A toy model trained for 400 steps: it translates the toy corpus partly (a quarter of the test lines
+  exactly), with output lengths from 2 to 20-odd pieces. small_config's learning rate (scale 2.0) is too high to
+  get there: after 60 steps at it every beam output was "." (or, on jax 0.12, ran to the length limit), and the
+  beam comparison below compared nothing."""
   from flaxformer_nmt import train  # pylint: disable=g-import-not-at-top
   root = tmp_path_factory.mktemp('export')
   config = small_config(write_toy_corpus(root / 'data'))
-  config.num_train_steps = 60
-  config.checkpoint_every_steps = 30
+  config.learning_rate_scale = 0.5
+  config.num_train_steps = 400
+  config.checkpoint_every_steps = 200
+  config.eval_every_steps = 200
+  config.log_every_steps = 100
   train.train_and_evaluate(config, str(root / 'run'))
   return root / 'run'
 
@@ -130,7 +136,7 @@ def test_cli_export_writes_model_vocabulary_and_readme(workdir, exported):
   assert (exported / 'model.bin').exists() and (exported / 'config.json').exists()
   assert (exported / 'vocab.model').read_bytes() == (workdir / 'vocab.model').read_bytes()
   readme = (exported / 'README.md').read_text()
-  assert 'ctranslate2.Translator(' in readme and 'length_penalty' in readme and 'checkpoint 60' in readme
+  assert 'ctranslate2.Translator(' in readme and 'length_penalty' in readme and 'checkpoint 400' in readme
 
 
 def test_trained_model_greedy_identical_on_every_line(workdir, exported):
@@ -139,20 +145,28 @@ def test_trained_model_greedy_identical_on_every_line(workdir, exported):
   assert ct2_translate(exported, sources, beam_size=1) == ours
 
 
-def test_trained_model_beam_identical_on_99_percent_of_lines(workdir, exported):
-  # Length normalization off on both sides (alpha 0, length_penalty 0): the two searches then differ only
-  # if their rules for finishing and keeping hypotheses differ. Lines that reach the length limit are left
-  # out: there we force EOS (its log probability counts), CTranslate2 stops without it.
-  sources = toy_sources(workdir)
+def test_trained_model_beam_identical_on_97_percent_of_lines(workdir, exported):
+  # Both searches stop once K = 4 hypotheses have finished, an EOS finishing one only from among the K best
+  # candidates. CTranslate2 does so for any length_penalty but 0, where it instead stops when a step's best
+  # candidate is EOS (allow_early_exit in its decoding.cc): a length penalty of 1e-6 on both sides keeps the
+  # same rule and leaves the ranking that of log P. What still differs: CTranslate2 normalizes its softmax
+  # without the suppressed <pad> and <s>, we forbid them after normalizing, so scores differ by ~1e-3 a step
+  # and a near tie may go the other way (2 of 199 lines on jax 0.12, 0 on jax 0.10). A search that stops at
+  # the first finished hypothesis, or lets EOS finish from the 2K candidates, disagrees on far more.
+  # Lines that reach the length limit are left out: there we force EOS (its log probability counts),
+  # CTranslate2 stops without it.
+  train_sources = (workdir.parent / 'data' / 'train.en').read_text().splitlines()[:160]
+  sources = toy_sources(workdir) + train_sources
   translator = decode.Translator(workdir)
   token_lists = translator.tokenizer.encode(sources)
-  results = translator.search_tokens(token_lists, beam_size=4, alpha=0.0)
-  theirs = ct2_translate(exported, sources, beam_size=4, length_penalty=0.0)
+  results = translator.search_tokens(token_lists, beam_size=4, alpha=1e-6)
+  theirs = ct2_translate(exported, sources, beam_size=4, length_penalty=1e-6)
   compared = [(translator.tokenizer.decode(hyps[0][0]), ct2) for src, hyps, ct2 in zip(token_lists, results, theirs)
               if len(hyps[0][0]) - 1 < len(src) - 1 + 50]
-  assert len(compared) >= 30
+  assert len(compared) >= 150
+  assert len({len(ours.split()) for ours, _ in compared}) >= 5  # real translations of many lengths, not "."
   same = sum(a == b for a, b in compared)
-  assert same >= 0.99 * len(compared), [(a, b) for a, b in compared if a != b][:5]
+  assert same >= 0.97 * len(compared), [(a, b) for a, b in compared if a != b][:5]
 
 
 def test_int8_export_loads_and_scores_close_to_float32(workdir, tmp_path):
@@ -161,9 +175,9 @@ def test_int8_export_loads_and_scores_close_to_float32(workdir, tmp_path):
   # the same outputs are: 8-bit rounding moves them by ~0.01 nats (0.04 at most, measured), a wrong scale
   # or a float32 copy left unquantized would not.
   for name, args in (('int8', ['--quantization=int8']), ('float32', [])):
-    result = run_export(workdir, tmp_path / name, *args, '--checkpoint=30')
+    result = run_export(workdir, tmp_path / name, *args, '--checkpoint=200')
     assert result.returncode == 0, result.stderr[-3000:]
-  assert 'checkpoint 30' in (tmp_path / 'int8' / 'README.md').read_text()
+  assert 'checkpoint 200' in (tmp_path / 'int8' / 'README.md').read_text()
   config = json.loads((tmp_path / 'int8' / 'config.json').read_text())
   assert config['add_source_eos'] and config['decoder_start_token'] == '<s>'
   sizes = {name: (tmp_path / name / 'model.bin').stat().st_size for name in ('int8', 'float32')}
@@ -171,7 +185,7 @@ def test_int8_export_loads_and_scores_close_to_float32(workdir, tmp_path):
   import sentencepiece as spm  # pylint: disable=g-import-not-at-top
   sp = spm.SentencePieceProcessor(model_file=str(tmp_path / 'int8' / 'vocab.model'))
   sources = toy_sources(workdir)
-  outputs = decode.Translator(workdir, checkpoint='30').translate(sources, beam_size=0)
+  outputs = decode.Translator(workdir, checkpoint='200').translate(sources, beam_size=0)
   source_pieces, output_pieces = sp.encode(sources, out_type=str), sp.encode(outputs, out_type=str)
   log_probs = {}
   for name in ('int8', 'float32'):
