@@ -305,15 +305,27 @@ def abstract_like(tree):
   return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
+def _not_step_metadata_notice(record):
+  """False for orbax's warning that `path`/_CHECKPOINT_METADATA does not exist. read_params reads one item
+  directory (checkpoints/N/state, averaged/params) on its own; that file belongs to the step directory one level
+  up, and the item reads the same without it. Users saw the warning once per averaged checkpoint."""
+  return not str(record.msg).startswith('Metadata file does not exist')
+
+
 def read_params(path, subtree=None):
   """A tree of host numpy arrays saved at `path` (or only its `subtree` item), read without a template."""
-  checkpointer = ocp.PyTreeCheckpointer()
-  metadata = checkpointer.metadata(path).item_metadata.tree
-  if subtree is not None:
-    metadata = {subtree: metadata[subtree]}
-  restore_args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), metadata)
-  restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
-      item=metadata, restore_args=restore_args, partial_restore=subtree is not None))
+  absl_logger = std_logging.getLogger('absl')
+  absl_logger.addFilter(_not_step_metadata_notice)
+  try:
+    checkpointer = ocp.PyTreeCheckpointer()
+    metadata = checkpointer.metadata(path).item_metadata.tree
+    if subtree is not None:
+      metadata = {subtree: metadata[subtree]}
+    restore_args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), metadata)
+    restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+        item=metadata, restore_args=restore_args, partial_restore=subtree is not None))
+  finally:
+    absl_logger.removeFilter(_not_step_metadata_notice)
   return restored[subtree] if subtree is not None else restored
 
 
