@@ -1,11 +1,11 @@
 """Sequence packing: several (source, target) examples per fixed-length row, without padding between them.
 
 Short sentences waste most of a padded batch; packing fills each row of `length` tokens (per side) with
-consecutive examples, the way the Flax WMT example does. Each token carries its example's segment number
-within the row (1, 2, ...; 0 on the padding at the row's end) and its position within its example (0, 1,
-... restarting with every example). The model keeps attention inside a segment (self-attention,
-encoder-decoder attention, and causally in the decoder) and takes sinusoidal positions from the
-`*_positions` arrays, so a packed example is computed exactly as it would be alone.
+several examples, as the Flax WMT example does, first fit over the newest rows (plan_rows). Each token carries
+its example's segment number within the row (1, 2, ...; 0 on the padding at the row's end) and its position
+within its example (0, 1, ... restarting with every example). The model keeps attention inside a segment
+(self-attention, encoder-decoder attention, and causally in the decoder) and takes sinusoidal positions from
+the `*_positions` arrays, so a packed example is computed exactly as it would be alone.
 """
 import numpy as np
 
@@ -14,20 +14,34 @@ from flaxformer_nmt.tokenizer import BOS_ID, PAD_ID
 PACKED_KEYS = ('src', 'tgt_in', 'tgt_out', 'src_segments', 'tgt_segments', 'src_positions', 'tgt_positions')
 
 
-def plan_rows(src_lengths, tgt_lengths, length):
-  """Examples (indices, in order) grouped into rows: an example joins the open row while both of its sides
-  still fit in `length` tokens, else it opens the next row. Order is kept, so shuffling stays the caller's."""
-  rows, current, src_used, tgt_used = [], [], 0, 0
+# Rows still open to new examples. Next fit (1) leaves 15% of the target tokens of Multi30k's 64-token rows
+# padding, as each row is closed by the first example that does not fit; 16 open rows leave 6% (64 rows, 5%)
+# while the caller's shuffle still decides which examples share a row: an example goes at most 16 rows back.
+OPEN_ROWS = 16
+
+
+def plan_rows(src_lengths, tgt_lengths, length, open_rows=OPEN_ROWS):
+  """Examples (indices) grouped into rows of at most `length` tokens a side, first fit: an example joins the
+  oldest of the open rows that still has room on both sides, else it opens a new row, and once more than
+  `open_rows` are open the oldest is closed. Rows come out in the order they were opened, each row's examples
+  in input order; open_rows=1 is next fit, the examples in order."""
+  rows, rows_src, rows_tgt = [], [], []  # every row so far, and its tokens a side
+  first_open = 0  # rows[first_open:] are open
   for i, (s, t) in enumerate(zip(src_lengths, tgt_lengths)):
     if s > length or t > length:
       raise ValueError(f'example {i} has {max(s, t)} tokens on one side, more than the packed length {length}')
-    if current and (src_used + s > length or tgt_used + t > length):
-      rows.append(current)
-      current, src_used, tgt_used = [], 0, 0
-    current.append(i)
-    src_used, tgt_used = src_used + s, tgt_used + t
-  if current:
-    rows.append(current)
+    for r in range(first_open, len(rows)):
+      if rows_src[r] + s <= length and rows_tgt[r] + t <= length:
+        break
+    else:
+      r = len(rows)
+      rows.append([])
+      rows_src.append(0)
+      rows_tgt.append(0)
+      first_open = max(first_open, len(rows) - open_rows)
+    rows[r].append(i)
+    rows_src[r] += s
+    rows_tgt[r] += t
   return rows
 
 

@@ -20,12 +20,31 @@ def examples(n, vocab=16, seed=0, max_len=7):
   return src, tgt
 
 
-def test_plan_rows_fills_in_order_within_the_length():
-  rows = packing.plan_rows([3, 4, 2, 5, 1], [2, 2, 6, 1, 1], length=8)
-  # 0+1: 7 src, 4 tgt. 2 would bring the target to 10: new row. 2+3: 7 src, 7 tgt. 4 would bring 8 src: fits.
-  assert rows == [[0, 1], [2, 3, 4]]
+def test_plan_rows_first_fit_within_the_length():
+  src, tgt = [3, 4, 2, 5, 1], [2, 2, 6, 1, 1]
+  # 0+1: 7 src, 4 tgt. 2 would bring row 0's target to 10: row 1. 3 would bring row 0's source to 12: row 1 (7
+  # src, 7 tgt). 4 still fits row 0 (8 src, 5 tgt): first fit goes back to it; next fit only looks at row 1.
+  assert packing.plan_rows(src, tgt, length=8) == [[0, 1, 4], [2, 3]]
+  assert packing.plan_rows(src, tgt, length=8, open_rows=1) == [[0, 1], [2, 3, 4]]
   with pytest.raises(ValueError, match='more than the packed length'):
     packing.plan_rows([9], [1], length=8)
+
+
+def test_plan_rows_closes_the_oldest_row_past_open_rows():
+  lengths = [3, 3, 3, 1]  # three rows of 3, then one token that fits any of them
+  assert packing.plan_rows(lengths, lengths, length=4, open_rows=3) == [[0, 3], [1], [2]]
+  assert packing.plan_rows(lengths, lengths, length=4, open_rows=2) == [[0], [1, 3], [2]]  # row 0 was closed
+
+
+def test_plan_rows_packs_every_example_once_and_tighter_than_next_fit():
+  rng = np.random.default_rng(0)
+  src, tgt = rng.integers(1, 30, 2000), rng.integers(1, 30, 2000)
+  rows = packing.plan_rows(src, tgt, length=64)
+  assert sorted(i for row in rows for i in row) == list(range(2000))
+  assert all(row == sorted(row) for row in rows)
+  assert max(src[row].sum() for row in rows) <= 64 and max(tgt[row].sum() for row in rows) <= 64
+  next_fit = packing.plan_rows(src, tgt, length=64, open_rows=1)
+  assert len(rows) < 0.93 * len(next_fit)
 
 
 def test_packed_batch_layout():
