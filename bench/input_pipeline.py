@@ -85,10 +85,13 @@ def main():
     print(f'load cache (warm, a restarted run): {warm:.3f} s = {len(corpus) / warm:,.0f} pairs/s '
           f'({cold / warm:.0f}x faster than tokenizing)')
 
-    examples = corpus.usable(config.max_length)
-    for prefetch in (0, config.prefetch_batches):
+    max_length = min(config.max_length, config.packed_length) if config.packed_length else config.max_length
+    examples = corpus.usable(max_length)
+    for prefetch in (0, config.prefetch_batches):  # the config's batches, packed where it packs
       batches = data_lib.TrainBatches(corpus, examples=examples, tokens_per_batch=config.tokens_per_batch,
-                                      buckets=config.length_buckets, seed=config.seed, prefetch=prefetch)
+                                      buckets=config.length_buckets, seed=config.seed, prefetch=prefetch,
+                                      packed_length=config.packed_length,
+                                      packing_open_rows=config.packing_open_rows, max_length=max_length)
       count = int(batches.batches_per_epoch() * args.epochs)
       start = time.perf_counter()
       real = padded = rows = 0
@@ -96,7 +99,10 @@ def main():
         batch = next(batches)
         real += int((batch['src'] != 0).sum() + (batch['tgt_out'] != 0).sum())
         padded += 2 * batch['src'].size
-        rows += int((batch['src'] != 0).any(axis=1).sum())
+        if 'src_segments' in batch:  # packed: segments 1..n in each row
+          rows += int(batch['src_segments'].max(axis=1).sum())
+        else:
+          rows += int((batch['src'] != 0).any(axis=1).sum())
       seconds = time.perf_counter() - start
       batches.close()
       print(f'batches (prefetch {prefetch}): {count} batches in {seconds:.2f} s = {count / seconds:,.0f} batches/s, '

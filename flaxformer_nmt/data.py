@@ -346,8 +346,8 @@ class BatchingError(DataError):
 
 
 # What the saved data position depends on, by config field (besides the seed): a change moves every batch.
-BATCHING_FIELDS = ('tokens_per_batch', 'length_buckets', 'max_length', 'packed_length', 'batch_rows_multiple',
-                   'training_examples')
+BATCHING_FIELDS = ('tokens_per_batch', 'length_buckets', 'max_length', 'packed_length', 'packing_open_rows',
+                   'batch_rows_multiple', 'training_examples')
 
 
 class TrainBatches:
@@ -367,7 +367,8 @@ class TrainBatches:
   """
 
   def __init__(self, corpus, *, tokens_per_batch, buckets, seed, multiple_of=1, pad_rows_to=1, examples=None,
-               process_index=0, process_count=1, prefetch=2, packed_length=0, max_length=None):
+               process_index=0, process_count=1, prefetch=2, packed_length=0, max_length=None,
+               packing_open_rows=packing.OPEN_ROWS):
     self.corpus = corpus
     self.examples = np.arange(len(corpus)) if examples is None else np.asarray(examples)
     self.tokens_per_batch = tokens_per_batch
@@ -379,11 +380,13 @@ class TrainBatches:
     self.process_index, self.process_count = process_index, process_count
     self.batching = {'tokens_per_batch': int(tokens_per_batch), 'length_buckets': [int(b) for b in self.buckets],
                      'max_length': max_length, 'packed_length': int(packed_length),
+                     'packing_open_rows': int(packing_open_rows) if packed_length else 0,
                      'batch_rows_multiple': int(multiple_of), 'training_examples': int(self.examples.size)}
     self.prefetch = prefetch
     self.lengths = corpus.lengths()
     # > 0: several examples per row of this many tokens (packing.py), every batch one shape.
     self.packed_length = packed_length
+    self.packing_open_rows = packing_open_rows
     if packed_length and self.examples.size and self.lengths[self.examples].max() > packed_length:
       raise ValueError(f'examples longer than packed_length={packed_length}: filter them first')
     self.epoch, self.batch = 0, 0
@@ -406,6 +409,8 @@ class TrainBatches:
     self.close()
     epoch, batch = int(state['epoch']), int(state['batch'])
     saved = state.get('batching')
+    if saved is not None and 'packing_open_rows' not in saved:  # saved before the field: packed rows were next fit
+      saved = {**saved, 'packing_open_rows': 1 if saved.get('packed_length') else 0}
     if saved is None:
       logging.warning('The checkpoint\'s data position (epoch %d, batch %d) was saved without its batching '
                       'settings (an older checkpoint): assuming they are unchanged.', epoch, batch)
@@ -443,7 +448,7 @@ class TrainBatches:
     """Packed batches: examples (in `order`) fill rows of packed_length tokens a side, rows fill batches.
     A batch's members are its rows, each an array of example indices."""
     rows = packing.plan_rows(self.corpus.source.lengths[order], self.corpus.target.lengths[order],
-                             self.packed_length)
+                             self.packed_length, self.packing_open_rows)
     rows = [order[r] for r in rows]
     per_batch = batch_size_for(self.packed_length, self.tokens_per_batch, self.multiple_of)
     return [(self.packed_length, per_batch, rows[i:i + per_batch]) for i in range(0, len(rows), per_batch)]

@@ -14,9 +14,9 @@ from flaxformer_nmt.tokenizer import BOS_ID, PAD_ID
 PACKED_KEYS = ('src', 'tgt_in', 'tgt_out', 'src_segments', 'tgt_segments', 'src_positions', 'tgt_positions')
 
 
-# Rows still open to new examples. Next fit (1) leaves 15% of the target tokens of Multi30k's 64-token rows
-# padding, as each row is closed by the first example that does not fit; 16 open rows leave 6% (64 rows, 5%)
-# while the caller's shuffle still decides which examples share a row: an example goes at most 16 rows back.
+# Rows still open to new examples (config.packing_open_rows). Next fit (1) leaves 15% of the target tokens of
+# Multi30k's 64-token rows padding, as each row is closed by the first example that does not fit; 16 open rows
+# leave 6% (64 rows, 5%) while the caller's shuffle still decides which examples share a row.
 OPEN_ROWS = 16
 
 
@@ -26,11 +26,10 @@ def plan_rows(src_lengths, tgt_lengths, length, open_rows=OPEN_ROWS):
   `open_rows` are open the oldest is closed. Rows come out in the order they were opened, each row's examples
   in input order; open_rows=1 is next fit, the examples in order."""
   rows, rows_src, rows_tgt = [], [], []  # every row so far, and its tokens a side
-  first_open = 0  # rows[first_open:] are open
   for i, (s, t) in enumerate(zip(src_lengths, tgt_lengths)):
     if s > length or t > length:
       raise ValueError(f'example {i} has {max(s, t)} tokens on one side, more than the packed length {length}')
-    for r in range(first_open, len(rows)):
+    for r in range(max(len(rows) - open_rows, 0), len(rows)):  # the open rows, oldest first
       if rows_src[r] + s <= length and rows_tgt[r] + t <= length:
         break
     else:
@@ -38,7 +37,6 @@ def plan_rows(src_lengths, tgt_lengths, length, open_rows=OPEN_ROWS):
       rows.append([])
       rows_src.append(0)
       rows_tgt.append(0)
-      first_open = max(first_open, len(rows) - open_rows)
     rows[r].append(i)
     rows_src[r] += s
     rows_tgt[r] += t
