@@ -22,7 +22,8 @@ def test_configs_load_with_the_paper_values(name):
   spec.loader.exec_module(module)
   c = module.get_config()
   assert set(c.keys()) == set(config_lib.base_config().keys())
-  assert (c.adam_b1, c.adam_b2, c.adam_eps, c.label_smoothing) == (0.9, 0.98, 1e-9, 0.1)
+  # The paper's label smoothing, except for the CPU hour, whose 0.2 was chosen on valid (bench/RESULTS.md).
+  assert (c.adam_b1, c.adam_b2, c.adam_eps, c.label_smoothing) == (0.9, 0.98, 1e-9, 0.2 if name == 'multi30k' else 0.1)
   assert not c.model.pre_layer_norm
   if name.startswith('wmt14'):
     assert (c.data_source, c.tfds_name, c.source_lang, c.target_lang) == ('tfds', 'wmt14_translate/de-en', 'en', 'de')
