@@ -262,6 +262,120 @@ def split_long(corpus, max_length):
   return TokenizedCorpus(text, text)
 
 
+def sample_segmentation(corpus, pairs, tokenizer, *, dropout, seed, epoch, examples, max_length,
+                        chunk_pairs=CHUNK_PAIRS):
+  """`corpus` with the pairs of `examples` segmented anew by BPE-dropout for `epoch` (config.bpe_dropout), so
+  that every epoch trains on other pieces of the same sentences, drawn from (seed, epoch) (repeatable within a
+  process only: SavedSegmentations keeps each epoch's draw). `pairs` is the corpora.* corpus `corpus` was
+  tokenized from: its text is read again.
+
+  A pair whose sampled pieces are longer than `max_length` on either side keeps its deterministic pieces, so
+  the batching limits hold. The other pairs (never trained on) are left as they are.
+  """
+  source = [corpus.source[i] for i in range(len(corpus))]
+  target = [corpus.target[i] for i in range(len(corpus))]
+  examples = np.sort(np.asarray(examples))
+  pieces_before, pieces_after, kept = 0, 0, 0
+  for start in range(0, len(examples), chunk_pairs):
+    indices = examples[start:start + chunk_pairs]
+    chunk_seed = int(np.random.SeedSequence((seed, epoch, start)).generate_state(1)[0])
+    source_text, target_text = pairs.read(indices)
+    sampled_source = tokenizer.encode_sampled(source_text, dropout, chunk_seed)
+    sampled_target = tokenizer.encode_sampled(target_text, dropout, chunk_seed + 1)
+    for i, src, tgt in zip(indices, sampled_source, sampled_target):
+      pieces_before += len(source[i]) + len(target[i])
+      if max(len(src), len(tgt)) > max_length:
+        kept += 1
+        pieces_after += len(source[i]) + len(target[i])
+        continue
+      source[i], target[i] = np.asarray(src, np.int32), np.asarray(tgt, np.int32)
+      pieces_after += len(src) + len(tgt)
+  logging.info('Epoch %d: BPE-dropout %.2f resegmented %d pairs, %+.1f%% pieces; %d kept their deterministic '
+               'pieces (longer than %d)', epoch, dropout, len(examples),
+               100 * (pieces_after / max(pieces_before, 1) - 1), kept, max_length)
+  dtype = corpus.source.tokens.dtype  # uint16 from the tokenization cache for vocabularies up to 65,536
+  flat = lambda sequences: Ragged(np.concatenate([np.zeros(0, dtype), *sequences]).astype(dtype),
+                                  np.concatenate([[0], np.cumsum([len(x) for x in sequences])]).astype(np.int64))
+  return TokenizedCorpus(flat(source), flat(target))
+
+
+class SavedSegmentations:
+  """epoch -> the training corpus segmented for that epoch by BPE-dropout (`sample(epoch)`, e.g. a partial of
+  `sample_segmentation`), sampled once and saved in `directory`, then read back by every later call, host
+  and run of the workdir.
+
+  sentencepiece's sampling is not a function of its seed across processes, so the saved sample is what keeps
+  a resumed run on the batches of an uninterrupted one and all hosts on the same pieces: process 0 samples
+  and writes `epoch_EEEEEE.npz` (write then rename), the others wait for it (shared storage, as the
+  checkpoints need). A file written for other settings (`fingerprint`: vocabulary, dropout, seed, pairs) is
+  not used. The newest `keep_epochs` epochs are kept: a resume from a checkpoint older than those samples
+  its epoch anew, with a warning.
+  """
+
+  def __init__(self, directory, sample, *, fingerprint, is_leader=True, keep_epochs=5, wait_seconds=600.0):
+    self.directory = epath.Path(directory)
+    self.sample = sample
+    self.fingerprint = json.dumps(fingerprint, sort_keys=True)
+    self.is_leader = is_leader
+    self.keep_epochs = keep_epochs
+    self.wait_seconds = wait_seconds
+
+  def path(self, epoch):
+    return self.directory / f'epoch_{epoch:06d}.npz'
+
+  def __call__(self, epoch):
+    corpus = self._load(epoch)
+    if corpus is not None:
+      return corpus
+    if not self.is_leader:
+      return self._wait(epoch)
+    if any(saved >= epoch for saved in self._saved_epochs()):  # a resume into epochs sampled before
+      logging.warning('No saved BPE-dropout sample of epoch %d in %s (older than the newest %d epochs kept, or '
+                      'written for other settings): sampling it anew, so its batches differ from the first '
+                      'run\'s.', epoch, self.directory, self.keep_epochs)
+    corpus = self.sample(epoch)
+    self._save(epoch, corpus)
+    for saved in self._saved_epochs():
+      if saved <= epoch - self.keep_epochs:
+        self.path(saved).unlink()
+    return corpus
+
+  def _saved_epochs(self):
+    if not self.directory.exists():
+      return []
+    return sorted(int(p.name[len('epoch_'):-len('.npz')]) for p in self.directory.glob('epoch_*.npz'))
+
+  def _load(self, epoch):
+    path = self.path(epoch)
+    if not path.exists():
+      return None
+    with np.load(io.BytesIO(path.read_bytes())) as f:
+      if str(f['fingerprint']) != self.fingerprint:
+        return None
+      return TokenizedCorpus(Ragged(f['source_tokens'], f['source_offsets']),
+                             Ragged(f['target_tokens'], f['target_offsets']))
+
+  def _save(self, epoch, corpus):
+    self.directory.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    np.savez(buffer, fingerprint=np.array(self.fingerprint), source_tokens=corpus.source.tokens,
+             source_offsets=corpus.source.offsets, target_tokens=corpus.target.tokens,
+             target_offsets=corpus.target.offsets)
+    tmp = self.directory / f'.{self.path(epoch).name}.tmp'
+    tmp.write_bytes(buffer.getvalue())
+    tmp.replace(self.path(epoch))  # over a sample written for other settings
+
+  def _wait(self, epoch):
+    deadline = time.time() + self.wait_seconds
+    while time.time() < deadline:
+      corpus = self._load(epoch)
+      if corpus is not None:
+        return corpus
+      time.sleep(0.5)
+    raise DataError(f'{self.path(epoch)} (the BPE-dropout sample of epoch {epoch}, written by process 0) did not '
+                    f'appear within {self.wait_seconds:.0f} s: the workdir must be on storage all hosts share')
+
+
 def bucket_length(length, buckets):
   """The smallest bucket that holds `length` tokens (lengths beyond the last bucket round up to x8)."""
   return int(bucket_lengths(np.asarray([length]), buckets)[0])
@@ -347,7 +461,7 @@ class BatchingError(DataError):
 
 # What the saved data position depends on, by config field (besides the seed): a change moves every batch.
 BATCHING_FIELDS = ('tokens_per_batch', 'length_buckets', 'max_length', 'packed_length', 'packing_open_rows',
-                   'batch_rows_multiple', 'training_examples')
+                   'batch_rows_multiple', 'bpe_dropout', 'training_examples')
 
 
 class TrainBatches:
@@ -364,12 +478,19 @@ class TrainBatches:
   microbatches) and split over hosts. So a run resumed on another number of devices or hosts, or with other
   gradient accumulation, trains on the same global batches. The position is saved with the batching
   settings, and `restore` refuses a position planned with other ones.
+
+  With `resegment` (BPE-dropout: epoch -> the corpus segmented for that epoch, a SavedSegmentations) each
+  epoch is planned and built from its own segmentation, saved with the workdir, so a resumed run plans the
+  epoch it resumes in from the same pieces.
   """
 
   def __init__(self, corpus, *, tokens_per_batch, buckets, seed, multiple_of=1, pad_rows_to=1, examples=None,
                process_index=0, process_count=1, prefetch=2, packed_length=0, max_length=None,
-               packing_open_rows=packing.OPEN_ROWS):
+               packing_open_rows=packing.OPEN_ROWS, bpe_dropout=0.0, resegment=None):
+    if bool(bpe_dropout) != (resegment is not None):
+      raise ValueError('bpe_dropout and resegment go together')
     self.corpus = corpus
+    self.resegment = resegment
     self.examples = np.arange(len(corpus)) if examples is None else np.asarray(examples)
     self.tokens_per_batch = tokens_per_batch
     self.buckets = tuple(buckets)
@@ -381,7 +502,8 @@ class TrainBatches:
     self.batching = {'tokens_per_batch': int(tokens_per_batch), 'length_buckets': [int(b) for b in self.buckets],
                      'max_length': max_length, 'packed_length': int(packed_length),
                      'packing_open_rows': int(packing_open_rows) if packed_length else 0,
-                     'batch_rows_multiple': int(multiple_of), 'training_examples': int(self.examples.size)}
+                     'batch_rows_multiple': int(multiple_of), 'bpe_dropout': float(bpe_dropout),
+                     'training_examples': int(self.examples.size)}
     self.prefetch = prefetch
     self.lengths = corpus.lengths()
     # > 0: several examples per row of this many tokens (packing.py), every batch one shape.
@@ -411,6 +533,8 @@ class TrainBatches:
     saved = state.get('batching')
     if saved is not None and 'packing_open_rows' not in saved:  # saved before the field: packed rows were next fit
       saved = {**saved, 'packing_open_rows': 1 if saved.get('packed_length') else 0}
+    if saved is not None and 'bpe_dropout' not in saved:  # saved before the field: deterministic pieces
+      saved = {**saved, 'bpe_dropout': 0.0}
     if saved is None:
       logging.warning('The checkpoint\'s data position (epoch %d, batch %d) was saved without its batching '
                       'settings (an older checkpoint): assuming they are unchanged.', epoch, batch)
@@ -431,23 +555,32 @@ class TrainBatches:
 
   def plan(self, epoch):
     """The global batches of `epoch`: [(padded length, rows, member example indices)]."""
+    return self._epoch(epoch)[1]
+
+  def corpus_of(self, epoch):
+    """The token ids `epoch` is built from: the corpus, or with BPE-dropout that epoch's segmentation."""
+    return self._epoch(epoch)[0]
+
+  def _epoch(self, epoch):
+    """(corpus, plan) of `epoch`, made once."""
     with self._plan_lock:
       if epoch not in self._plans:
+        corpus = self.resegment(epoch) if self.resegment else self.corpus
         rng = np.random.default_rng((self.seed, epoch))
         order = rng.permutation(self.examples)
         if self.packed_length:
-          plan = self._plan_packed(order)
+          plan = self._plan_packed(corpus, order)
         else:
-          plan = plan_batches(self.lengths, self.buckets, self.tokens_per_batch, self.multiple_of, order)
+          plan = plan_batches(corpus.lengths(), self.buckets, self.tokens_per_batch, self.multiple_of, order)
         # The consumer's epoch and the one the background thread may have moved on to.
         self._plans = {e: p for e, p in self._plans.items() if e == epoch - 1}
-        self._plans[epoch] = [plan[i] for i in rng.permutation(len(plan))]
+        self._plans[epoch] = (corpus, [plan[i] for i in rng.permutation(len(plan))])
       return self._plans[epoch]
 
-  def _plan_packed(self, order):
+  def _plan_packed(self, corpus, order):
     """Packed batches: examples (in `order`) fill rows of packed_length tokens a side, rows fill batches.
     A batch's members are its rows, each an array of example indices."""
-    rows = packing.plan_rows(self.corpus.source.lengths[order], self.corpus.target.lengths[order],
+    rows = packing.plan_rows(corpus.source.lengths[order], corpus.target.lengths[order],
                              self.packed_length, self.packing_open_rows)
     rows = [order[r] for r in rows]
     per_batch = batch_size_for(self.packed_length, self.tokens_per_batch, self.multiple_of)
@@ -464,11 +597,11 @@ class TrainBatches:
       epoch, batch = epoch + 1, 0
     padded = self.plan(epoch)[batch][0]
     members, rows = self.host_members(epoch, batch)
+    corpus = self.corpus_of(epoch)
     if self.packed_length:
-      arrays = packing.make_packed_batch(self.corpus.source, self.corpus.target, members, rows, padded)
+      arrays = packing.make_packed_batch(corpus.source, corpus.target, members, rows, padded)
       return arrays, (epoch, batch + 1)
-    arrays = make_batch([self.corpus.source[i] for i in members], [self.corpus.target[i] for i in members],
-                        rows, padded)
+    arrays = make_batch([corpus.source[i] for i in members], [corpus.target[i] for i in members], rows, padded)
     return arrays, (epoch, batch + 1)
 
   def _produce(self, out, stop, epoch, batch):

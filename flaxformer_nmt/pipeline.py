@@ -51,11 +51,22 @@ def input_pipeline(config, workdir, num_devices):
   logging.info('Training pairs: %d of %d kept (at most %d tokens a side) from %s; validation pairs: %d',
                len(train_examples), len(train_corpus), max_length, train_pairs.description,
                len(eval_corpus.usable()))
+  resegment = None
+  if config.bpe_dropout:  # each epoch's own pieces, sampled from the training text when the epoch is planned
+    sample = functools.partial(data_lib.sample_segmentation, train_corpus, train_pairs, tokenizer,
+                               dropout=config.bpe_dropout, seed=config.seed, examples=train_examples,
+                               max_length=max_length)
+    resegment = data_lib.SavedSegmentations(
+        epath.Path(workdir) / 'tokenized' / f'{config.train_split}_bpe_dropout', lambda epoch: sample(epoch=epoch),
+        fingerprint={'vocabulary_sha256': tokenizer.sha256, 'bpe_dropout': config.bpe_dropout, 'seed': config.seed,
+                     'pairs': train_pairs.fingerprint, 'max_length': max_length},
+        is_leader=distributed.is_leader())
   train_batches = data_lib.TrainBatches(
       train_corpus, examples=train_examples, tokens_per_batch=config.tokens_per_batch,
       buckets=config.length_buckets, seed=config.seed, multiple_of=config.batch_rows_multiple,
       pad_rows_to=num_devices, prefetch=config.prefetch_batches, packed_length=config.packed_length,
-      packing_open_rows=config.packing_open_rows, max_length=max_length, **hosts)
+      packing_open_rows=config.packing_open_rows, max_length=max_length, bpe_dropout=config.bpe_dropout,
+      resegment=resegment, **hosts)
   if config.batch_rows_multiple % num_devices:
     logging.info('Training batches are planned in multiples of %d rows (config.batch_rows_multiple) and padded '
                  'with empty rows to a multiple of %d (devices x microbatches); a batch_rows_multiple that '

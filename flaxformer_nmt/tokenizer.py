@@ -10,6 +10,7 @@ The model is stored as `vocab.model` in the workdir and reused when training res
 import hashlib
 import io
 import os
+import threading
 
 import numpy as np
 import sentencepiece as spm
@@ -19,6 +20,10 @@ from etils import epath
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 VOCAB_FILENAME = 'vocab.model'
 MASK_PIECE = '<mask>'
+
+
+# One BPE-dropout sampler at a time: it sets sentencepiece's process-wide seed.
+_SAMPLING_LOCK = threading.Lock()
 
 
 class TokenizerError(ValueError):
@@ -114,6 +119,30 @@ class Tokenizer:
     """List of str -> list of int lists, each ending with EOS (num_threads: sentencepiece's; 0 = all cores)."""
     num_threads = num_threads or os.cpu_count() or 1
     return [ids + [EOS_ID] for ids in self.sp.encode(list(texts), num_threads=num_threads)]
+
+  def encode_sampled(self, texts, dropout, seed):
+    """BPE-dropout (Provilkov et al. 2020): `encode` with each merge skipped with probability `dropout`, so a
+    word comes out in smaller pieces at random (dropout 1: characters).
+
+    The same (texts, dropout, seed) give the same ids within a process, not across processes: sentencepiece's
+    sampler depends on per-process state besides its seed (measured with sentencepiece 0.2.x), so whatever
+    must be repeated in another process or on another host is saved (data.SavedSegmentations). It draws from
+    a generator per thread, seeded when the thread first samples: a fresh thread that sets the seed and
+    encodes alone (num_threads=1) starts every call from the seed.
+    """
+    texts, result = list(texts), []
+
+    def sample():
+      spm.set_random_generator_seed(seed % 0xFFFFFFFF)  # 0xFFFFFFFF itself means "seed from the clock"
+      result.extend(self.sp.encode(texts, enable_sampling=True, alpha=dropout, nbest_size=-1, num_threads=1))
+
+    with _SAMPLING_LOCK:  # the seed is process-wide
+      thread = threading.Thread(target=sample, name='bpe-dropout')
+      thread.start()
+      thread.join()
+    if len(result) != len(texts):
+      raise TokenizerError(f'{self.path}: sampling the segmentation of {len(texts)} lines failed')
+    return [ids + [EOS_ID] for ids in result]
 
   def decode(self, ids):
     """One id sequence -> text, cut at the first EOS; pad and bos are dropped."""

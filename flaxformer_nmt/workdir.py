@@ -49,6 +49,13 @@ def validate_config(config):
       raise ConfigError(f'config.{field}={config[field]} exceeds config.model.max_position='
                         f'{config.model.max_position}: positions past it would all share its encoding. Lower '
                         f'{field} or raise model.max_position (a new model).')
+  bpe_dropout = config.get('bpe_dropout', 0.0)
+  if not 0.0 <= bpe_dropout <= 1.0:
+    raise ConfigError(f'config.bpe_dropout={bpe_dropout} is a probability: use 0 (off) to 1')
+  if bpe_dropout and (config.sentencepiece_model_type != 'bpe' or lm.task_of(config) != 'translation'):
+    raise ConfigError(f'config.bpe_dropout={bpe_dropout} needs a translation task with a BPE vocabulary '
+                      f"(config.sentencepiece_model_type='bpe'; now {config.sentencepiece_model_type!r}, task "
+                      f'{lm.task_of(config)!r})')
   for field in ('tokens_per_batch', 'log_every_steps', 'eval_every_steps', 'checkpoint_every_steps',
                 'grad_accumulation_steps', 'batch_rows_multiple'):
     if config[field] <= 0:
