@@ -53,11 +53,12 @@ def input_pipeline(config, workdir, num_devices):
                len(eval_corpus.usable()))
   resegment = None
   if config.bpe_dropout:  # each epoch's own pieces, sampled from the training text when the epoch is planned
-    sample = functools.partial(data_lib.sample_segmentation, train_corpus, train_pairs, tokenizer,
-                               dropout=config.bpe_dropout, seed=config.seed, examples=train_examples,
-                               max_length=max_length)
+    def sample(epoch):
+      return data_lib.sample_segmentation(train_corpus, train_pairs, tokenizer, dropout=config.bpe_dropout,
+                                          seed=config.seed, epoch=epoch, examples=train_examples,
+                                          max_length=max_length)
     resegment = data_lib.SavedSegmentations(
-        epath.Path(workdir) / 'tokenized' / f'{config.train_split}_bpe_dropout', lambda epoch: sample(epoch=epoch),
+        epath.Path(workdir) / 'tokenized' / f'{config.train_split}_bpe_dropout', sample,
         fingerprint={'vocabulary_sha256': tokenizer.sha256, 'bpe_dropout': config.bpe_dropout, 'seed': config.seed,
                      'pairs': train_pairs.fingerprint, 'max_length': max_length},
         is_leader=distributed.is_leader())
