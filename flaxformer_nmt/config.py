@@ -90,7 +90,7 @@ def base_config():
   # 0 = off (one deterministic segmentation, the paper's). Validation, BLEU and decoding keep the deterministic
   # pieces. Each epoch's sample is saved in {workdir}/tokenized/ (sentencepiece's draws are not repeatable
   # across processes), so a resume and the other hosts read it. Part of the batching (a resume needs the same
-  # value). Costs per epoch: reading and sampling the training text again (3-5 s of one core for Multi30k's 29k
+  # value). Costs per epoch: reading and sampling the training text again (1-5 s of one core for Multi30k's 29k
   # pairs, in the input thread, beside training), and longer sequences (Multi30k's training pairs at 8k, EOS
   # included: +19% pieces at 0.05, +38% at 0.1; 3 and 9 pairs past 64 keep their pieces), so fewer pairs per
   # token budget.
