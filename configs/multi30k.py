@@ -68,6 +68,8 @@ def get_config():
   # dropout 0.2 model (39.97 lc-tok, last checkpoint; 1.0 had won at dropout 0.1, 2.0 for the 1,750-step
   # models); beam 4 with 0.6 leaves the outputs short (length ratio 0.94 on valid).
   c.length_penalty_alpha = 1.5
+  # The last checkpoint, chosen on valid: 40.99 lc-tok against 40.75 for the average of the last 5.
+  c.decode_checkpoint = 'latest'
   c.eval_bleu_every_steps = 500
   c.eval_bleu_beam_size = 0
   c.eval_bleu_tok_ref_dir = config.shared_data_dir('multi30k_tok')  # used where present

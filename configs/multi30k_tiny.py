@@ -52,6 +52,7 @@ def get_config():
   c.eval_bleu_tok_ref_dir = config.shared_data_dir('multi30k_tok')
   c.best_checkpoint_metric = 'bleu'
 
+  c.decode_checkpoint = 'averaged'  # Wu et al. report the average of the last 10
   c.beam_size = 5
   c.length_penalty_alpha = 1.0
   c.decode_tokens_per_batch = 4096

@@ -21,4 +21,5 @@ def get_config():
   c.num_train_steps = 100_000
   c.keep_checkpoints = 6
   c.average_last_checkpoints = 5
+  c.decode_checkpoint = 'averaged'  # the paper's base numbers are those of the average
   return c

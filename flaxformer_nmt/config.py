@@ -195,6 +195,10 @@ def base_config():
   c.data_download = ''
 
   # --- Decoding.
+  # The parameters decode, export and visualize use when --checkpoint is not given: latest, averaged, best,
+  # last:K or a step. A recipe sets the one it chose on validation, so its README command decodes what its
+  # results table reports.
+  c.decode_checkpoint = 'latest'
   c.beam_size = 4
   c.length_penalty_alpha = 0.6
   c.max_decode_extra_length = 50  # output at most source length + 50 tokens.
@@ -212,6 +216,7 @@ def make_big(c):
   c.num_train_steps = 300_000
   c.keep_checkpoints = 21
   c.average_last_checkpoints = 20
+  c.decode_checkpoint = 'averaged'
   return c
 
 

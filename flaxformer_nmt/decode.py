@@ -323,13 +323,26 @@ def input_order_batches(lengths, buckets, tokens_per_batch, order):
   return plan
 
 
-def load_params(workdir, checkpoint='latest'):
+def default_checkpoint(workdir):
+  """The checkpoint the workdir's config chose for decoding (config.decode_checkpoint; 'latest' for workdirs
+  trained before the field)."""
+  return workdir_lib.load_config(workdir).get('decode_checkpoint', 'latest')
+
+
+def load_params(workdir, checkpoint=None):
   """(parameters on the default device, description) of checkpoint `latest`, `averaged`, `best` (the best
   validation metric, best_checkpoint.py), `last:K` (the average of the newest K checkpoints, computed now and
-  not written) or STEP.
+  not written) or STEP; None: the workdir's config.decode_checkpoint.
 
   Only the parameters are read: decoding needs neither the optimizer state nor the data position.
   """
+  if checkpoint is None:
+    checkpoint = default_checkpoint(workdir)
+    try:
+      return load_params(workdir, checkpoint)
+    except FileNotFoundError as e:  # e.g. 'averaged' of a run that has not finished
+      raise FileNotFoundError(f'{e} (config.decode_checkpoint={checkpoint!r} of {workdir} is the default; '
+                              'pass --checkpoint latest, or another, to decode something else)') from None
   if checkpoint == 'averaged':
     params, info = checkpoints_lib.load_averaged(workdir)
     return jax.device_put(params), f'the average of checkpoints {info["steps"]}'
@@ -359,7 +372,9 @@ def _split_list(value):
 def ensemble_members(workdirs, checkpoints):
   """[(workdir, checkpoint)] of an ensemble: one workdir with several checkpoints ('1700,1800'), several
   workdirs with one checkpoint each ('latest' or 'averaged' of all), or as many checkpoints as workdirs
-  (paired in order)."""
+  (paired in order). checkpoints None: each workdir's config.decode_checkpoint (resolved by load_params)."""
+  if checkpoints is None:
+    return [(w, None) for w in _split_list(workdirs)]
   workdirs, checkpoints = _split_list(workdirs), _split_list(checkpoints)
   if '' in workdirs or '' in checkpoints:
     raise ValueError(f'empty entry in --workdir {",".join(workdirs)!r} or --checkpoint {",".join(checkpoints)!r}')
@@ -384,12 +399,12 @@ class Translator:
 
   workdir: a training workdir, or several ('A,B' or a list) with the same vocabulary; checkpoint: latest,
   averaged, a step, or several ('1700,1800'): more than one member makes an ensemble that averages the
-  members' probabilities at every step (see ensemble_members). dtype: the compute dtype of decoding
+  members' probabilities at every step (see ensemble_members); None: the config's decode_checkpoint. dtype: the compute dtype of decoding
   ('auto': bfloat16 on GPU/TPU, float32 on CPU); parameters stay as stored, log probabilities float32.
   The decoding settings (beam size, length penalty, batch budget, max length) come from the first member.
   """
 
-  def __init__(self, workdir, checkpoint='latest', dtype=None):
+  def __init__(self, workdir, checkpoint=None, dtype=None):
     if dtype is not None and dtype not in DTYPES:
       raise ValueError(f'dtype must be one of {DTYPES}, not {dtype!r}')
     members = ensemble_members(workdir, checkpoint)
@@ -625,9 +640,10 @@ def define_flags():
   flags.DEFINE_string('reference', None, 'Raw references: prints cased sacreBLEU (13a) and chrF.')
   flags.DEFINE_string('tok_reference', None,
                       'Lowercased Moses-tokenized references: prints the paper-comparable BLEU.')
-  flags.DEFINE_string('checkpoint', 'latest', 'latest, averaged (see flaxformer_nmt.average), best (the best '
+  flags.DEFINE_string('checkpoint', None, 'latest, averaged (see flaxformer_nmt.average), best (the best '
                       'validation checkpoint), last:K (the newest K averaged now) or a step; several, '
-                      'comma-separated (1700,1800), decode as an ensemble (per-step average of probabilities).')
+                      'comma-separated (1700,1800), decode as an ensemble (per-step average of probabilities). '
+                      'Default: the config\'s decode_checkpoint (latest unless the config chose another).')
   flags.DEFINE_float('max_len_a', None, 'Output at most max_len_a * source length + max_len_b tokens before EOS '
                      '(default 1, as the paper).')
   flags.DEFINE_integer('max_len_b', None, 'See max_len_a (default: the config\'s max_decode_extra_length, 50).')

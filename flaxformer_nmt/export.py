@@ -168,9 +168,9 @@ def write_readme(output_dir, *, workdir, checkpoint, config, quantization):
   (epath.Path(output_dir) / 'README.md').write_text(text)
 
 
-def export_ctranslate2(workdir, output_dir, checkpoint='latest', quantization=None, force=False):
-  """Writes the CTranslate2 model of `checkpoint` of `workdir` into `output_dir`; returns the checkpoint's
-  description. An existing non-empty output_dir is replaced only with force=True."""
+def export_ctranslate2(workdir, output_dir, checkpoint=None, quantization=None, force=False):
+  """Writes the CTranslate2 model of `checkpoint` of `workdir` (None: its config.decode_checkpoint) into
+  `output_dir`; returns the checkpoint's description. An existing non-empty output_dir is replaced only with force=True."""
   if quantization is not None and quantization not in QUANTIZATIONS:
     raise ExportError(f'--quantization must be one of {QUANTIZATIONS}, not {quantization!r}')
   output_dir = epath.Path(output_dir)
@@ -209,7 +209,8 @@ def jax_to_numpy(tree):
 
 def define_flags():
   flags.DEFINE_string('workdir', None, 'Training workdir (config.json, vocab.model, checkpoints/).')
-  flags.DEFINE_string('checkpoint', 'latest', 'latest, averaged (see flaxformer_nmt.average), best, last:K or a step.')
+  flags.DEFINE_string('checkpoint', None, 'latest, averaged (see flaxformer_nmt.average), best, last:K or a step '
+                      '(default: the config\'s decode_checkpoint).')
   flags.DEFINE_enum('format', 'ctranslate2', list(FORMATS), 'Export format.')
   flags.DEFINE_string('output_dir', None, 'Directory for the exported model (created).')
   flags.DEFINE_enum('quantization', None, list(QUANTIZATIONS),

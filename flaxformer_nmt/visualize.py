@@ -204,7 +204,8 @@ def define_flags():
                             '(config.task lm/mlm) the text to run (MLM: with <mask>s).')
   flags.DEFINE_string('input', None, 'A file of source sentences, one per line (empty lines skipped).')
   flags.DEFINE_string('output_dir', None, 'Where the PNGs go.')
-  flags.DEFINE_string('checkpoint', 'latest', 'latest, averaged or a step.')
+  flags.DEFINE_string('checkpoint', None, 'latest, averaged, best or a step (default: the config\'s '
+                      'decode_checkpoint for a translation model, latest for a language model).')
   flags.DEFINE_integer('beam_size', None, 'Beam width for the translation (default: the config\'s); 0 is greedy.')
   flags.mark_flags_as_required(['workdir', 'output_dir'])
 
@@ -223,7 +224,7 @@ def main(argv):
     if not sentences:
       raise ValueError('no sentences: pass --sentences or --input')
     if lm.task_of(workdir_lib.load_config(FLAGS.workdir)) != 'translation':
-      maps = self_attention_maps(FLAGS.workdir, sentences, FLAGS.checkpoint)
+      maps = self_attention_maps(FLAGS.workdir, sentences, FLAGS.checkpoint or 'latest')
       for path in write_self_attention_pictures(maps, FLAGS.output_dir):
         print(path)
       return

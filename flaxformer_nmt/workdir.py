@@ -4,6 +4,7 @@ read by decoding, averaging and export, and the model it describes.
 Training and decoding both stand on this module; decoding never imports the trainer.
 """
 import json
+import re
 
 import ml_collections
 from etils import epath
@@ -31,6 +32,19 @@ def _model_identity(config_dict, field):
   return value
 
 
+def _validate_decode_checkpoint(config):
+  """config.decode_checkpoint names one checkpoint the run will have: found now, not when decoding after it."""
+  which = config.get('decode_checkpoint', 'latest')
+  if not re.fullmatch(r'latest|averaged|best|last:[1-9][0-9]*|[0-9]+', str(which)):
+    raise ConfigError(f'config.decode_checkpoint={which!r}: use latest, averaged, best, last:K or a step')
+  if which == 'averaged' and config.average_last_checkpoints <= 0:
+    raise ConfigError("config.decode_checkpoint='averaged' needs config.average_last_checkpoints > 0 (now "
+                      f'{config.average_last_checkpoints}): nothing would be averaged')
+  if which == 'best' and not config.best_checkpoint_metric:
+    raise ConfigError("config.decode_checkpoint='best' needs config.best_checkpoint_metric (now ''): no best "
+                      'checkpoint would be kept')
+
+
 def validate_config(config):
   """Raises ConfigError for a config that cannot be trained, before anything is read or written."""
   if config.get('task', 'translation') not in lm.TASKS:
@@ -41,6 +55,7 @@ def validate_config(config):
     raise ConfigError("config.tfds_name is empty: name a TFDS builder, e.g. 'wmt14_translate/de-en'")
   if config.data_source not in ('text', 'tfds'):
     raise ConfigError(f"config.data_source={config.data_source!r}: use 'text' or 'tfds'")
+  _validate_decode_checkpoint(config)
   if config.average_last_checkpoints > config.keep_checkpoints > 0:
     raise ConfigError(f'config.average_last_checkpoints={config.average_last_checkpoints} needs '
                       f'config.keep_checkpoints >= it (now {config.keep_checkpoints})')

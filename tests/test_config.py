@@ -72,6 +72,8 @@ def test_multi30k_best_is_the_d256_recipe_with_a_cooldown_and_trains_from_valid_
   assert (c.num_train_steps, c.tokens_per_batch, c.packed_length, c.beam_size) == (5800, 4096, 64, 5)
   # The hour's findings: bf16 operands where the CPU has them; BPE-dropout stays off (it set the run back).
   assert (m.matmul_precision, c.bpe_dropout) == ('auto', 0.0)
+  # Decoded as chosen on valid: the average of the last 5 (41.33 against the last checkpoint's 41.08).
+  assert c.decode_checkpoint == 'averaged'
   assert c.max_train_minutes <= 150 and c.average_last_checkpoints <= c.keep_checkpoints
   # Selection sees validation data only.
   assert c.eval_split == 'valid' and c.best_checkpoint_metric == 'bleu' and c.eval_bleu_every_steps > 0
@@ -80,6 +82,28 @@ def test_multi30k_best_is_the_d256_recipe_with_a_cooldown_and_trains_from_valid_
     assert load_config_file(name).data_download == 'multi30k'
   hour = load_config_file('multi30k')
   assert hour.cooldown_steps == hour.num_train_steps - hour.warmup_steps
+
+
+def test_decode_checkpoint_names_one_the_run_will_have():
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  for name in ('base', 'big', 'multi30k', 'multi30k_best', 'multi30k_tiny', 'wmt14_ende_base', 'wmt14_ende_big'):
+    c = load_config_file(name)
+    c.data_dir = c.data_dir or '/data'  # base and big name none
+    workdir_lib.validate_config(c)
+  c = config_lib.base_config()
+  c.data_dir = '/data'
+  for good in ('latest', 'averaged', 'last:3', '1200'):
+    c.decode_checkpoint = good
+    workdir_lib.validate_config(c)
+  for bad, average, metric, match in (('avg', 5, '', 'use latest'), ('last:0', 5, '', 'use latest'),
+                                      ('averaged', 0, '', 'average_last_checkpoints > 0'),
+                                      ('best', 5, '', 'best_checkpoint_metric')):
+    c.decode_checkpoint, c.average_last_checkpoints, c.best_checkpoint_metric = bad, average, metric
+    with pytest.raises(workdir_lib.ConfigError, match=match):
+      workdir_lib.validate_config(c)
+  c.decode_checkpoint, c.best_checkpoint_metric = 'best', 'bleu'
+  workdir_lib.validate_config(c)
 
 
 def test_unknown_field_is_a_clear_error(tmp_path):

@@ -240,6 +240,36 @@ def test_ensemble_with_another_vocabulary_names_both_workdirs(workdir, tmp_path)
     decode.ensemble_members(f'{workdir},{other},{other}', '10,20')
 
 
+def test_decode_uses_the_checkpoint_the_config_chose_unless_told(workdir, mixed, tmp_path):
+  import json  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+  other = tmp_path / 'run'
+  shutil.copytree(workdir, other)
+  saved = json.loads((other / 'config.json').read_text())
+
+  def set_default(value):
+    saved.pop('decode_checkpoint', None)
+    if value is not None:
+      saved['decode_checkpoint'] = value
+    (other / 'config.json').write_text(json.dumps(saved))
+
+  set_default(None)  # a workdir trained before the field: the newest checkpoint, as before
+  assert decode.Translator(other).checkpoint == 'checkpoint 20'
+  set_default('10')
+  assert decode.Translator(other).checkpoint == 'checkpoint 10'
+  result = run_cli(['--greedy'], other, stdin='\n'.join(mixed) + '\n')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'Translating with checkpoint 10 of' in result.stderr
+  assert result.stdout.split('\n')[:-1] == decode.Translator(other, '10').translate(mixed, beam_size=0)
+  # A default that the workdir lacks (no average written) names the field and the way out; --checkpoint wins.
+  set_default('averaged')
+  result = run_cli(['--greedy'], other, stdin='a dog .\n')
+  assert result.returncode == 1
+  assert "config.decode_checkpoint='averaged'" in result.stderr and 'flaxformer_nmt.average' in result.stderr
+  result = run_cli(['--greedy', '--checkpoint=latest'], other, stdin='a dog .\n')
+  assert result.returncode == 0 and 'Translating with checkpoint 20 of' in result.stderr
+
+
 def test_cli_max_len_limits_the_output_and_rejects_bad_values(workdir, translator, mixed, tmp_path):
   result = run_cli(['--max_len_a=0', '--max_len_b=2', '--greedy', '--format=fairseq'], workdir,
                    stdin='\n'.join(mixed) + '\n')

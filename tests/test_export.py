@@ -214,6 +214,18 @@ def test_export_errors_name_the_problem(workdir, exported, tmp_path):
   assert not (tmp_path / 'z').exists()
 
 
+def test_export_defaults_to_the_checkpoint_the_config_chose(workdir, tmp_path):
+  # A recipe that chose the average on validation (config.decode_checkpoint) exports it without --checkpoint.
+  import shutil  # pylint: disable=g-import-not-at-top
+  other = tmp_path / 'run'
+  shutil.copytree(workdir, other)
+  saved = json.loads((other / 'config.json').read_text())
+  saved['decode_checkpoint'] = '200'  # not the latest (400)
+  (other / 'config.json').write_text(json.dumps(saved))
+  assert export.export_ctranslate2(other, tmp_path / 'ct2') == 'checkpoint 200'
+  assert 'checkpoint 200' in (tmp_path / 'ct2' / 'README.md').read_text()
+
+
 def test_decoding_and_export_do_not_import_the_trainer():
   code = ('import sys, flaxformer_nmt.decode, flaxformer_nmt.export; '
           'print(sorted(m for m in sys.modules if m.startswith("flaxformer_nmt")))')
