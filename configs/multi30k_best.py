@@ -10,9 +10,10 @@ packed 64-token rows, label smoothing 0.2, a 500-step warmup and a linear decay 
 Its run (2026-11-26, AMD EPYC Zen 4, 2 cores, bench/RESULTS.md): 5,800 steps in 2h14m of training. Greedy
 valid lc-tok BLEU 25.30 / 34.09 / 37.78 / 38.80 / 39.82 / 39.59 at steps 500 / 1,000 / 2,000 / 2,500 / 4,500 /
 5,800. Decode chosen on valid only: beam 5, the average of the last 5 checkpoints (decode_checkpoint, what
-decode and export use without --checkpoint), alpha 1.5: 41.33 lc-tok (alpha 2.0 tied; 41.08 with the last checkpoint). test2016, scored once for
-that choice: 40.26 lc-tok, 39.89 sacreBLEU, length ratio 1.004. Issue 14's 42.0 is not reached. BPE-dropout 0.1
-(config.bpe_dropout) set the run back 16 greedy BLEU at step 500 and was left off.
+decode and export use without --checkpoint), alpha 1.5: 41.33 lc-tok (alpha 2.0 tied; 41.08 with the last
+checkpoint). test2016, scored once for that choice: 40.26 lc-tok, 39.89 sacreBLEU, length ratio 1.004. Issue
+14's 42.0 is not reached. BPE-dropout 0.1 (config.bpe_dropout) set the run back 16 greedy BLEU at step 500 and
+was left off.
 Where the CPU lacks bf16 dot instructions the matmuls stay float32 (about 1.9 s per step): pass
 --config.num_train_steps=4500 --config.cooldown_steps=4000 there, or the backstop ends the run before the
 learning rate reaches zero.

@@ -20,6 +20,7 @@ time, into a float32 running sum, and writes `{workdir}/averaged/` with the step
 """
 import json
 import logging as std_logging
+import re
 import time
 
 import jax
@@ -38,6 +39,15 @@ COMMIT_MARKER = 'commit_success.txt'  # written by orbax as the last file of a f
 # Tensorstore statuses of a store that cannot be reached or refuses us now (not of bytes that are wrong).
 _STORAGE_STATUSES = ('UNAVAILABLE', 'DEADLINE_EXCEEDED', 'RESOURCE_EXHAUSTED', 'ABORTED', 'CANCELLED',
                      'PERMISSION_DENIED', 'UNAUTHENTICATED')
+
+
+# The names of one set of parameters of a workdir: decode's --checkpoint, export's, config.decode_checkpoint.
+CHECKPOINT_NAMES = 'latest, averaged, best, last:K or a step'
+
+
+def is_checkpoint_name(name):
+  """Whether `name` is one of CHECKPOINT_NAMES (last:K with K >= 1)."""
+  return re.fullmatch(r'latest|averaged|best|last:[1-9][0-9]*|[0-9]+', str(name)) is not None
 
 
 class CheckpointMismatchError(ValueError):

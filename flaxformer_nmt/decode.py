@@ -343,17 +343,17 @@ def load_params(workdir, checkpoint=None):
     except FileNotFoundError as e:  # e.g. 'averaged' of a run that has not finished
       raise FileNotFoundError(f'{e} (config.decode_checkpoint={checkpoint!r} of {workdir} is the default; '
                               'pass --checkpoint latest, or another, to decode something else)') from None
+  if not checkpoints_lib.is_checkpoint_name(checkpoint):
+    raise ValueError(f'--checkpoint must be {checkpoints_lib.CHECKPOINT_NAMES}, not {checkpoint!r}')
   if checkpoint == 'averaged':
     params, info = checkpoints_lib.load_averaged(workdir)
     return jax.device_put(params), f'the average of checkpoints {info["steps"]}'
   if checkpoint == 'best':
     params, info = best_checkpoint.load_best(workdir)
     return jax.device_put(params), f'the best checkpoint (step {info["step"]}, {info["metric"]} {info["value"]:.4g})'
-  if checkpoint.startswith('last:') and checkpoint[5:].isdigit() and int(checkpoint[5:]) > 0:
+  if checkpoint.startswith('last:'):
     steps = sorted(checkpoints_lib.Checkpoints(workdir, keep=0, async_save=False).steps())[-int(checkpoint[5:]):]
     return jax.device_put(checkpoints_lib.average_params(workdir, steps)), f'the average of checkpoints {steps}'
-  if checkpoint != 'latest' and not checkpoint.isdigit():
-    raise ValueError(f'--checkpoint must be latest, averaged, best, last:K or a step number, not {checkpoint!r}')
   store = checkpoints_lib.Checkpoints(workdir, keep=0, async_save=False)
   steps = store.steps()
   store.close()
@@ -399,8 +399,9 @@ class Translator:
 
   workdir: a training workdir, or several ('A,B' or a list) with the same vocabulary; checkpoint: latest,
   averaged, a step, or several ('1700,1800'): more than one member makes an ensemble that averages the
-  members' probabilities at every step (see ensemble_members); None: the config's decode_checkpoint. dtype: the compute dtype of decoding
-  ('auto': bfloat16 on GPU/TPU, float32 on CPU); parameters stay as stored, log probabilities float32.
+  members' probabilities at every step (see ensemble_members); None: the config's decode_checkpoint. dtype:
+  the compute dtype of decoding ('auto': bfloat16 on GPU/TPU, float32 on CPU); parameters stay as stored, log
+  probabilities float32.
   The decoding settings (beam size, length penalty, batch budget, max length) come from the first member.
   """
 

@@ -170,7 +170,8 @@ def write_readme(output_dir, *, workdir, checkpoint, config, quantization):
 
 def export_ctranslate2(workdir, output_dir, checkpoint=None, quantization=None, force=False):
   """Writes the CTranslate2 model of `checkpoint` of `workdir` (None: its config.decode_checkpoint) into
-  `output_dir`; returns the checkpoint's description. An existing non-empty output_dir is replaced only with force=True."""
+  `output_dir`; returns the checkpoint's description. An existing non-empty output_dir is replaced only with
+  force=True."""
   if quantization is not None and quantization not in QUANTIZATIONS:
     raise ExportError(f'--quantization must be one of {QUANTIZATIONS}, not {quantization!r}')
   output_dir = epath.Path(output_dir)

@@ -4,11 +4,11 @@ read by decoding, averaging and export, and the model it describes.
 Training and decoding both stand on this module; decoding never imports the trainer.
 """
 import json
-import re
 
 import ml_collections
 from etils import epath
 
+from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import distributed
 from flaxformer_nmt import lm
 from flaxformer_nmt import model as model_lib
@@ -35,8 +35,8 @@ def _model_identity(config_dict, field):
 def _validate_decode_checkpoint(config):
   """config.decode_checkpoint names one checkpoint the run will have: found now, not when decoding after it."""
   which = config.get('decode_checkpoint', 'latest')
-  if not re.fullmatch(r'latest|averaged|best|last:[1-9][0-9]*|[0-9]+', str(which)):
-    raise ConfigError(f'config.decode_checkpoint={which!r}: use latest, averaged, best, last:K or a step')
+  if not checkpoints_lib.is_checkpoint_name(which):
+    raise ConfigError(f'config.decode_checkpoint={which!r}: use {checkpoints_lib.CHECKPOINT_NAMES}')
   if which == 'averaged' and config.average_last_checkpoints <= 0:
     raise ConfigError("config.decode_checkpoint='averaged' needs config.average_last_checkpoints > 0 (now "
                       f'{config.average_last_checkpoints}): nothing would be averaged')
