@@ -6,6 +6,12 @@ CPU also the achieved FLOP rate over a large float32 matmul's rate measured in t
   python bench/train_throughput.py --configs multi30k,lm_multi30k,mlm_multi30k --lengths 64   # the three tasks
   python bench/train_throughput.py --configs multi30k_best --matmul_precision bfloat16   # bf16 operands on CPU
   python bench/train_throughput.py --configs multi30k_best --dropout_rate 0   # what the dropout masks cost
+  python bench/train_throughput.py --configs big --lengths 64 --tokens_per_batch 65536,131072,262144 \
+      --remat none,dots,full   # on a GPU: each remat policy's largest budget that fits
+
+--tokens_per_batch, --attention_impl and --remat take lists: every combination is timed, one compiled step
+each, in one process. A budget that runs out of device memory prints a row saying so and ends that config's
+list (the larger ones would not fit either).
 
 Each config trains its task's model (config.task: translation, lm, mlm). tok/s counts the tokens of one
 side: translation reads as many source tokens again; the LM and the MLM read only these.
@@ -32,16 +38,20 @@ from flaxformer_nmt import train_step as train_step_lib
 
 _CONFIGS = flags.DEFINE_list('configs', ['base', 'big', 'multi30k'], 'Configs (configs/NAME.py) to time.')
 _LENGTHS = flags.DEFINE_list('lengths', ['32'], 'Padded lengths (per side) to time.')
-_TOKENS = flags.DEFINE_integer('tokens_per_batch', 4096, 'Tokens per side per step, over all devices.')
+_TOKENS = flags.DEFINE_list('tokens_per_batch', ['4096'], 'Tokens per side per step, over all devices; several are '
+                            'timed in turn, and the first that runs out of device memory ends the list.')
 _STEPS = flags.DEFINE_integer('steps', 5, 'Timed steps per length.')
 _VOCAB = flags.DEFINE_integer('vocab_size', 0, "Vocabulary size (default: each config's).")
 _DTYPE = flags.DEFINE_string('dtype', '', "Override config.model.dtype ('auto': bf16 on GPU/TPU, f32 on CPU).")
-_ATTENTION = flags.DEFINE_string('attention_impl', '', 'Override config.model.attention_impl.')
-_REMAT = flags.DEFINE_string('remat', '', 'Override config.model.remat.')
+_ATTENTION = flags.DEFINE_list('attention_impl', [''], 'Override config.model.attention_impl; several are timed '
+                               'in turn.')
+_REMAT = flags.DEFINE_list('remat', [''], 'Override config.model.remat; several are timed in turn.')
 _MATMUL = flags.DEFINE_string('matmul_precision', '', "Override config.model.matmul_precision ('bfloat16').")
 _DROPOUT = flags.DEFINE_float('dropout_rate', -1.0, "Override config.model.dropout_rate (-1: the config's).")
 _ACCUMULATE = flags.DEFINE_integer('grad_accumulation_steps', 1, 'Microbatches per step.')
 _FSDP = flags.DEFINE_integer('fsdp', 1, 'fsdp_parallelism of the mesh.')
+_CHECK_XLA = flags.DEFINE_bool('check_xla_flops', True, "Compare XLA's FLOP count of the first compiled step with "
+                                'the analytic count (compiles that step twice).')
 _PEAK = flags.DEFINE_float('peak', 0.0, 'Per-device peak FLOP/s for MFU (default: flops.py table; none on CPU).')
 
 
@@ -71,17 +81,17 @@ def xla_flops(compiled):
   return float(analysis.get('flops', 0.0)) if analysis else 0.0
 
 
-def load_config(name):
+def load_config(name, attention_impl, remat):
   # By file path, so the script runs from any directory (configs/ is not a package on sys.path).
   path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs', f'{name}.py')
   spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   config = module.get_config()
-  for field, flag in (('dtype', _DTYPE), ('attention_impl', _ATTENTION), ('remat', _REMAT),
-                      ('matmul_precision', _MATMUL)):
-    if flag.value:
-      config.model[field] = flag.value
+  for field, value in (('dtype', _DTYPE.value), ('attention_impl', attention_impl), ('remat', remat),
+                       ('matmul_precision', _MATMUL.value)):
+    if value:
+      config.model[field] = value
   if _DROPOUT.value >= 0:
     config.model.dropout_rate = _DROPOUT.value
   config.grad_accumulation_steps = _ACCUMULATE.value
@@ -89,8 +99,12 @@ def load_config(name):
   return config
 
 
-def bench_config(name, peak, matmul, check_xla):
-  config = load_config(name)
+def out_of_memory(error):
+  return 'RESOURCE_EXHAUSTED' in str(error) or 'out of memory' in str(error).lower()
+
+
+def bench_config(name, attention_impl, remat, peak, matmul, check_xla):
+  config = load_config(name, attention_impl, remat)
   vocab = _VOCAB.value or config.vocab_size
   task = lm.task_of(config)
   model_config = model_lib.ModelConfig.from_config(config, vocab, architecture=lm.ARCHITECTURES[task])
@@ -104,27 +118,42 @@ def bench_config(name, peak, matmul, check_xla):
         f'{attention}, matmul {config.model.matmul_precision}, remat {config.model.remat}, mesh {dict(mesh.shape)}')
   rng = np.random.default_rng(0)
   rows_multiple = sharding.rows_multiple(mesh) * config.grad_accumulation_steps
-  for length in [int(x) for x in _LENGTHS.value]:
-    rows = max(_TOKENS.value // length // rows_multiple, 1) * rows_multiple
-    tokens = rng.integers(4, vocab, (rows, length), dtype=np.int32)
-    batch = sharding.put_batch({'src': tokens, 'tgt_in': tokens, 'tgt_out': tokens}, sharding.batch_sharded(mesh))
-    analytic = flops_lib.train_flops(model.config, vocab, rows * length, rows * length, length, length)
-    if check_xla:
-      counted = xla_flops(train_fn.lower(state, batch).compile())
-      if counted:
-        print(f'# XLA cost analysis / analytic FLOPs: {counted / analytic:.3f}')
-    state, _ = train_fn(state, batch)  # compile + warm-up
-    jax.block_until_ready(state)
-    start = time.perf_counter()
-    for _ in range(_STEPS.value):
-      state, _ = train_fn(state, batch)
-    jax.block_until_ready(state)
-    seconds = (time.perf_counter() - start) / _STEPS.value
-    achieved = analytic / seconds
-    mfu = f'{achieved / (peak * jax.device_count()):7.1%}' if peak else f'{"-":>7}'
-    ratio = f'{achieved / matmul:8.2f}' if matmul else f'{"-":>8}'
-    print(f'{name:>9} {length:5d} {rows:5d} {seconds * 1e3:9.1f} {rows * length / seconds:10.0f} '
-          f'{achieved / 1e12:8.3f} {mfu} {ratio}', flush=True)
+  for tokens_per_batch in [int(x) for x in _TOKENS.value]:
+    for length in [int(x) for x in _LENGTHS.value]:
+      rows = max(tokens_per_batch // length // rows_multiple, 1) * rows_multiple
+      analytic = flops_lib.train_flops(model.config, vocab, rows * length, rows * length, length, length)
+      try:
+        state, seconds = time_steps(train_fn, state, rng, (rows, length), vocab, mesh, analytic if check_xla else 0)
+      except Exception as error:  # pylint: disable=broad-except
+        if not out_of_memory(error):
+          raise
+        # The largest budget that fits is the row above; larger ones will not fit either.
+        print(f'{name:>9} {length:5d} {rows:5d} {"out of device memory":>40}', flush=True)
+        return
+      check_xla = False
+      achieved = analytic / seconds
+      mfu = f'{achieved / (peak * jax.device_count()):7.1%}' if peak else f'{"-":>7}'
+      ratio = f'{achieved / matmul:8.2f}' if matmul else f'{"-":>8}'
+      print(f'{name:>9} {length:5d} {rows:5d} {seconds * 1e3:9.1f} {rows * length / seconds:10.0f} '
+            f'{achieved / 1e12:8.3f} {mfu} {ratio}', flush=True)
+
+
+def time_steps(train_fn, state, rng, shape, vocab, mesh, analytic):
+  """Seconds per step of `train_fn` on a batch of `shape` (rows, length) random tokens, after a warm-up step;
+  with `analytic` FLOPs, XLA's own count of the compiled step is printed against them first."""
+  tokens = rng.integers(4, vocab, shape, dtype=np.int32)
+  batch = sharding.put_batch({'src': tokens, 'tgt_in': tokens, 'tgt_out': tokens}, sharding.batch_sharded(mesh))
+  if analytic:
+    counted = xla_flops(train_fn.lower(state, batch).compile())
+    if counted:
+      print(f'# XLA cost analysis / analytic FLOPs: {counted / analytic:.3f}')
+  state, _ = train_fn(state, batch)  # compile + warm-up
+  jax.block_until_ready(state)
+  start = time.perf_counter()
+  for _ in range(_STEPS.value):
+    state, _ = train_fn(state, batch)
+  jax.block_until_ready(state)
+  return state, (time.perf_counter() - start) / _STEPS.value
 
 
 def main(argv):
@@ -134,14 +163,18 @@ def main(argv):
   peak = flops_lib.peak_flops_per_device(override=_PEAK.value)
   matmul = matmul_rate() if backend == 'cpu' else None
   print(f'# backend {backend}, {jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}, '
-        f'peak {peak / 1e12 if peak else "-"} TFLOP/s per device, {_TOKENS.value} tokens per side per step')
+        f'peak {peak / 1e12 if peak else "-"} TFLOP/s per device, {",".join(_TOKENS.value)} tokens per side per step')
   if matmul:
     print(f'# float32 4096x1024x1024 matmul: {matmul / 1e9:.1f} GFLOP/s; with bfloat16 operands (float32 '
           f'accumulation and result): {matmul_rate(jnp.bfloat16) / 1e9:.1f} GFLOP/s')
   print(f'# {"config":>7} {"len":>5} {"rows":>5} {"step ms":>9} {"tok/s":>10} {"TFLOP/s":>8} {"MFU":>7} '
         f'{"/matmul":>8}')
-  for i, name in enumerate(_CONFIGS.value):
-    bench_config(name, peak, matmul, check_xla=i == 0)
+  first = _CHECK_XLA.value
+  for name in _CONFIGS.value:
+    for attention_impl in _ATTENTION.value:
+      for remat in _REMAT.value:
+        bench_config(name, attention_impl, remat, peak, matmul, check_xla=first)
+        first = False
 
 
 if __name__ == '__main__':

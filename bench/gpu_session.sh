@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# The GPU measurements of issue #15 (item 4), as stages that fit one short lease of a lent GPU machine.
+#
+#   bash bench/gpu_session.sh env tests throughput decode     # the first lease's first call (447 s on an H100)
+#   bash bench/gpu_session.sh diagnose multi30k               # its second call
+#   bash bench/gpu_session.sh tests memory                    # what is still owed (bench/RESULTS.md, last section)
+#
+# Stages:
+#   env         the GPU, driver and the Python stack that will run
+#   tests       tests/test_model.py on the GPU: the cuDNN flash-attention cases (the attention call against a
+#               float64 reference, values and gradients; the bf16 model against float32) run only there
+#   diagnose    each attention path's error against a float32 reference (bench/gpu_attention_check.py), and
+#               the padding test with float32 matmuls at full precision
+#   throughput  transformer base and big train steps in bf16 (dtype 'auto'): tokens/s and MFU; cuDNN
+#               against XLA attention
+#   memory      big: remat none/dots/full, and the largest token budget that fits
+#   decode      sentences/s and target tokens/s, beam 4 and greedy, of the Multi30k model of gpu_carry/m30k
+#               on Multi30k test2016 and newstest2013 (bench/decode_throughput.py)
+#   multi30k    configs/multi30k.py trained on the GPU (wall time of its 2,400 steps), then test2016 BLEU
+#
+# What must travel with the working tree (the lent machine reaches no network and has no ../shared), made
+# here before the lease and named in the call's carry (gpu_carry and .whl are git-ignored):
+#   gpu_carry/m30k   a trained Multi30k workdir, slimmed: config.json, vocab.model and averaged/ (27 MB)
+#                      mkdir -p gpu_carry/m30k gpu_carry/data; cp runs/W/{config.json,vocab.model} gpu_carry/m30k
+#                      cp -r runs/W/averaged gpu_carry/m30k
+#   gpu_carry/data   cp -r ../shared/data/{multi30k,multi30k_tok} ../shared/data/wmt_ende/newstest2013.en gpu_carry/data
+#   .whl             Python 3.12 wheels (pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl)
+#                    of ml-collections, sacremoses, tensorboardX, importlib_resources, orbax-checkpoint, flax
+#                    and optax: setup() installs only those the image lacks or has older than our pins
+# Logs go to $OUT/<stage>.log (absl's INFO/WARNING lines there only); each stage has its own time limit, so
+# one that hangs leaves the others. SMOKE=1 shrinks every stage, to check the script on a CPU before a lease.
+set -u
+OUT=${OUT:-/tmp/gpu_session}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+if [ "${SMOKE:-0}" = 1 ]; then
+  TT_SIZES=(--steps 2 --configs multi30k_tiny --lengths 16 --tokens_per_batch 256,512)
+  DECODE_SIZES=(--max_sentences 40)
+  TRAIN_SIZES=(--config.num_train_steps=30 --config.cooldown_steps=20 --config.warmup_steps=10
+               --config.eval_bleu_every_steps=30 --config.eval_bleu_max_sentences=40
+               --config.checkpoint_every_steps=30)
+else
+  TT_SIZES=(--steps 20)
+  DECODE_SIZES=(--max_sentences 1000)
+  TRAIN_SIZES=(--config.max_train_minutes=2.5)
+fi
+
+setup() {
+  # Our pins' lower bounds: the image's flax/optax/orbax are used where they are new enough, so that only
+  # what is missing or too old is replaced by the carried wheels.
+  local need
+  need=$($PY - <<'EOF'
+import importlib.metadata as md
+bounds = {'flax': '0.12.8', 'optax': '0.2.8', 'orbax-checkpoint': '0.12.8', 'ml-collections': '1.0',
+          'sacremoses': '0.1', 'tensorboardX': '2.6', 'importlib_resources': '6'}
+def key(v):
+  return tuple(int(''.join(c for c in p if c.isdigit()) or 0) for p in v.split('.')[:3])
+for name, low in bounds.items():
+  try:
+    if key(md.version(name)) >= key(low):
+      continue
+  except md.PackageNotFoundError:
+    pass
+  print(name.lower().replace('-', '_'))
+EOF
+)
+  local wheels=()
+  for name in $need; do
+    wheels+=($(ls .whl/ 2>/dev/null | grep -i "^${name}-" | sed 's|^|.whl/|'))
+  done
+  if [ ${#wheels[@]} -gt 0 ]; then
+    echo "# installing carried wheels: ${wheels[*]}"
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "${wheels[@]}" || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+  else
+    export PYTHONPATH=$PWD
+  fi
+}
+
+stage_env() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,power.limit --format=csv
+  $PY -c "
+import importlib.metadata as md, jax
+print('jax', jax.__version__, jax.devices(), jax.default_backend())
+print({n: md.version(n) for n in ('jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'ml-collections', 'sentencepiece',
+                                  'sacrebleu', 'tensorstore', 'numpy')})
+import flaxformer_nmt.model as m; print('model imports from', m.__file__)"
+}
+
+stage_tests() {
+  timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_model.py -rs
+}
+
+stage_diagnose() {
+  # Each attention path's error against a float32 'highest' reference, and the padding test under full
+  # float32 matmuls (a GPU's default runs float32 matmuls as TF32)
+  timeout 150 $PY bench/gpu_attention_check.py
+  JAX_DEFAULT_MATMUL_PRECISION=highest timeout 60 $PY -m pytest -q -p no:cacheprovider tests/test_model.py \
+    -k no_position_sees_padding
+}
+
+stage_throughput() {
+  local tt="$PY bench/train_throughput.py"
+  # base and big at two lengths, dtype and attention 'auto' (bf16, cuDNN flash attention on a GPU)
+  timeout 200 $tt --configs base,big --lengths 32,64 --tokens_per_batch 16384 "${TT_SIZES[@]}"
+  # XLA's attention on the same big step
+  timeout 100 $tt --nocheck_xla_flops --configs big --lengths 64 --tokens_per_batch 16384 --attention_impl xla \
+    "${TT_SIZES[@]}"
+}
+
+stage_memory() {
+  local tt="$PY bench/train_throughput.py --nocheck_xla_flops"
+  # remat policies at a larger budget, then the largest budget that fits without remat, then with 'dots'
+  timeout 150 $tt --configs big --lengths 64 --tokens_per_batch 32768 --remat none,dots,full "${TT_SIZES[@]}"
+  timeout 150 $tt --configs big --lengths 64 --tokens_per_batch 65536,131072,262144 --remat none,dots \
+    "${TT_SIZES[@]}"
+}
+
+stage_decode() {
+  timeout 180 $PY bench/decode_throughput.py --workdir gpu_carry/m30k --checkpoint averaged --variants ours \
+    --inputs gpu_carry/data/multi30k/test2016.en,gpu_carry/data/newstest2013.en --repeats 2 "${DECODE_SIZES[@]}"
+}
+
+stage_multi30k() {
+  local workdir=/tmp/m30k_gpu
+  local start=$SECONDS
+  timeout 240 $PY -m flaxformer_nmt.train --config configs/multi30k.py --workdir $workdir \
+    --config.data_dir=gpu_carry/data/multi30k --config.eval_bleu_tok_ref_dir=gpu_carry/data/multi30k_tok \
+    "${TRAIN_SIZES[@]}"
+  echo "# training wall time: $((SECONDS - start)) s"
+  grep -h '"eval/tok_bleu"' $workdir/metrics.jsonl | tail -5
+  timeout 90 $PY -m flaxformer_nmt.compare --workdir $workdir --checkpoints latest --split test2016
+  # bf16 against float32 decoding of the same CPU-trained weights (the numerics of decode's dtype 'auto')
+  for dtype in bfloat16 float32; do
+    timeout 60 $PY -m flaxformer_nmt.decode --workdir gpu_carry/m30k --checkpoint averaged --dtype $dtype \
+      --input gpu_carry/data/multi30k/test2016.en --reference gpu_carry/data/multi30k/test2016.de \
+      --output "$OUT/test2016.$dtype.de"
+  done
+}
+
+setup
+for stage in "$@"; do
+  echo "=== $stage ($(date -u +%H:%M:%S))"
+  set -o pipefail
+  "stage_$stage" 2>&1 | tee "$OUT/$stage.log" | grep --line-buffered -v -E '^(W|I)[0-9]{4} '
+  echo "=== $stage exit $? ($(date -u +%H:%M:%S))"
+done
