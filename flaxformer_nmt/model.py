@@ -630,9 +630,14 @@ class TransformerStacks(nn.Module):
     return self.encoder_norm(x).astype(self.dtype) if self.config.pre_layer_norm else x
 
   def vocabulary_logits(self, y):
-    """Projection onto the shared embedding matrix: a compute-dtype matmul with float32 results."""
+    """Projection onto the shared embedding matrix: a compute-dtype matmul with float32 results.
+
+    In bfloat16 it is a `bfloat16_matmul`, whose backward pass rounds the float32 gradient of the logits to
+    bfloat16 for its two matmuls (as mixed-precision training does elsewhere). jax's own derivative would
+    multiply that float32 gradient by the bfloat16 states and embedding: CUDA's lowering runs those two
+    vocabulary-sized matmuls (about 11% of a Transformer big step's FLOPs) in float32, TPU's in several passes."""
     embedding = self.embedding.embedding
-    if self.config.matmul_precision == 'bfloat16':
+    if self.config.matmul_precision == 'bfloat16' or jnp.dtype(self.dtype) == jnp.bfloat16:
       return bfloat16_matmul(y, embedding.T, jnp.float32)
     return jnp.einsum('...d,vd->...v', y.astype(self.dtype), embedding.astype(self.dtype),
                       preferred_element_type=jnp.float32)

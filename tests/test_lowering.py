@@ -118,14 +118,13 @@ def custom_calls(text, target):
 
 def check_bfloat16_matmuls(model_config, text, passes):
   """Every weight matmul of the forward pass (and, passes=3, both of its backward matmuls) takes bfloat16
-  operands, but for the two backward matmuls of the float32-result pre-softmax projection, which CUDA's
-  lowering runs in float32; and only those two dots have no bfloat16 operand. A step that silently ran in
+  operands, the pre-softmax projection's too (its float32 logit gradient is rounded to bfloat16 for the two
+  backward matmuls: model.bfloat16_matmul), and no dot has only float32 operands. A step that silently ran in
   float32 would have no bfloat16 dot at all."""
   dots = dot_operand_dtypes(text)
-  exempt = 2 if passes > 1 else 0
-  assert dots[('bf16', 'bf16')] >= passes * dense_matmuls(model_config) - exempt, dots
+  assert dots[('bf16', 'bf16')] >= passes * dense_matmuls(model_config), dots
   # (float32 attention weights times bfloat16 values, and their gradients, are mixed: softmax stays float32.)
-  assert sum(count for operands, count in dots.items() if 'bf16' not in operands) <= exempt, dots
+  assert sum(count for operands, count in dots.items() if 'bf16' not in operands) == 0, dots
 
 
 def check_train_step(name, platform, remat, accumulation):
