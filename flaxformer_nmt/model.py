@@ -635,7 +635,7 @@ class TransformerStacks(nn.Module):
     In bfloat16 it is a `bfloat16_matmul`, whose backward pass rounds the float32 gradient of the logits to
     bfloat16 for its two matmuls (as mixed-precision training does elsewhere). jax's own derivative would
     multiply that float32 gradient by the bfloat16 states and embedding: CUDA's lowering runs those two
-    vocabulary-sized matmuls (about 11% of a Transformer big step's FLOPs) in float32, TPU's in several passes."""
+    vocabulary-sized matmuls (about 12% of a Transformer big step's FLOPs) in float32, TPU's in several passes."""
     embedding = self.embedding.embedding
     if self.config.matmul_precision == 'bfloat16' or jnp.dtype(self.dtype) == jnp.bfloat16:
       return bfloat16_matmul(y, embedding.T, jnp.float32)
