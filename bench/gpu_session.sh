@@ -26,10 +26,10 @@
 #   gpu_carry/data   cp -r ../shared/data/{multi30k,multi30k_tok} ../shared/data/wmt_ende/newstest2013.en gpu_carry/data
 #   .whl             Python 3.12 wheels (pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl)
 #                    of ml-collections, sacremoses, tensorboardX, importlib_resources, orbax-checkpoint, flax
-#                    and optax: setup() installs only those the image lacks or has older than our pins
+#                    and optax: setup() installs those whose pyproject.toml range the image's version misses
 # Logs go to $OUT/<stage>.log (absl's INFO/WARNING lines there only); each stage has its own time limit, so
 # one that hangs leaves the others. SMOKE=1 shrinks every stage, to check the script on a CPU before a lease.
-set -u
+set -uo pipefail
 OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -47,27 +47,28 @@ else
 fi
 
 setup() {
-  # Our pins' lower bounds: the image's flax/optax/orbax are used where they are new enough, so that only
-  # what is missing or too old is replaced by the carried wheels.
+  # The dependencies of pyproject.toml that this Python lacks or has outside their pinned ranges: those get
+  # the carried wheels; the image's own packages are used where they fit the pins.
   local need
   need=$($PY - <<'EOF'
-import importlib.metadata as md
-bounds = {'flax': '0.12.8', 'optax': '0.2.8', 'orbax-checkpoint': '0.12.8', 'ml-collections': '1.0',
-          'sacremoses': '0.1', 'tensorboardX': '2.6', 'importlib_resources': '6'}
-def key(v):
-  return tuple(int(''.join(c for c in p if c.isdigit()) or 0) for p in v.split('.')[:3])
-for name, low in bounds.items():
+import importlib.metadata as md, tomllib
+from packaging.requirements import Requirement
+with open('pyproject.toml', 'rb') as f:
+  dependencies = tomllib.load(f)['project']['dependencies']
+for requirement in map(Requirement, dependencies):
   try:
-    if key(md.version(name)) >= key(low):
+    if requirement.specifier.contains(md.version(requirement.name), prereleases=True):
       continue
   except md.PackageNotFoundError:
     pass
-  print(name.lower().replace('-', '_'))
+  print(requirement.name.lower().replace('-', '_'))
 EOF
 )
   local wheels=()
   for name in $need; do
-    wheels+=($(ls .whl/ 2>/dev/null | grep -i "^${name}-" | sed 's|^|.whl/|'))
+    local found=($(ls .whl/ 2>/dev/null | grep -i "^${name}-" | sed 's|^|.whl/|'))
+    [ ${#found[@]} -gt 0 ] || echo "# not carried, left out: $name"
+    wheels+=("${found[@]}")
   done
   if [ ${#wheels[@]} -gt 0 ]; then
     echo "# installing carried wheels: ${wheels[*]}"
@@ -143,7 +144,6 @@ stage_multi30k() {
 setup
 for stage in "$@"; do
   echo "=== $stage ($(date -u +%H:%M:%S))"
-  set -o pipefail
   "stage_$stage" 2>&1 | tee "$OUT/$stage.log" | grep --line-buffered -v -E '^(W|I)[0-9]{4} '
   echo "=== $stage exit $? ($(date -u +%H:%M:%S))"
 done
