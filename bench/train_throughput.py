@@ -6,6 +6,8 @@ CPU also the achieved FLOP rate over a large float32 matmul's rate measured in t
   python bench/train_throughput.py --configs multi30k,lm_multi30k,mlm_multi30k --lengths 64   # the three tasks
   python bench/train_throughput.py --configs multi30k_best --matmul_precision bfloat16   # bf16 operands on CPU
   python bench/train_throughput.py --configs multi30k_best --dropout_rate 0   # what the dropout masks cost
+  python bench/train_throughput.py --configs multi30k --lengths 64 --packed_segments 4 \
+      --profile_dir /tmp/step_profile   # where the one-hour config's packed step goes, op by op
   python bench/train_throughput.py --configs big --lengths 64 --tokens_per_batch 65536,131072,262144 \
       --remat none,dots,full   # on a GPU: each remat policy's largest budget that fits
 
@@ -30,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+import op_profile  # bench/op_profile.py, beside this script
+
 from flaxformer_nmt import flops as flops_lib
 from flaxformer_nmt import lm
 from flaxformer_nmt import model as model_lib
@@ -52,6 +56,13 @@ _ACCUMULATE = flags.DEFINE_integer('grad_accumulation_steps', 1, 'Microbatches p
 _FSDP = flags.DEFINE_integer('fsdp', 1, 'fsdp_parallelism of the mesh.')
 _CHECK_XLA = flags.DEFINE_bool('check_xla_flops', True, "Compare XLA's FLOP count of the first compiled step with "
                                 'the analytic count (compiles that step twice).')
+_SEGMENTS = flags.DEFINE_integer('packed_segments', 0, 'Split every row into this many examples (segment ids and '
+                                 'positions as config.packed_length batches carry), so the step runs the packed '
+                                 'masks; 0: one example a row.')
+_PROFILE = flags.DEFINE_string('profile_dir', '', 'Trace 3 steps of each timed case with jax.profiler into '
+                               'DIR/CONFIG_LENGTH_ROWS and print its costliest XLA operations with the model code '
+                               'they come from (bench/op_profile.py).')
+_PROFILE_TOP = flags.DEFINE_integer('profile_top', 25, 'Operations printed per profile.')
 _PEAK = flags.DEFINE_float('peak', 0.0, 'Per-device peak FLOP/s for MFU (default: flops.py table; none on CPU).')
 
 
@@ -123,7 +134,9 @@ def bench_config(name, attention_impl, remat, peak, matmul, check_xla):
       rows = max(tokens_per_batch // length // rows_multiple, 1) * rows_multiple
       analytic = flops_lib.train_flops(model.config, vocab, rows * length, rows * length, length, length)
       try:
-        state, seconds = time_steps(train_fn, state, rng, (rows, length), vocab, mesh, analytic if check_xla else 0)
+        state, seconds = time_steps(train_fn, state, rng, (rows, length), vocab, mesh, analytic if check_xla else 0,
+                                    profile_dir=_PROFILE.value and os.path.join(_PROFILE.value,
+                                                                                 f'{name}_{length}_{rows}'))
       except Exception as error:  # pylint: disable=broad-except
         if not out_of_memory(error):
           raise
@@ -138,22 +151,44 @@ def bench_config(name, attention_impl, remat, peak, matmul, check_xla):
             f'{achieved / 1e12:8.3f} {mfu} {ratio}', flush=True)
 
 
-def time_steps(train_fn, state, rng, shape, vocab, mesh, analytic):
-  """Seconds per step of `train_fn` on a batch of `shape` (rows, length) random tokens, after a warm-up step;
-  with `analytic` FLOPs, XLA's own count of the compiled step is printed against them first."""
+def synthetic_batch(rng, shape, vocab, segments):
+  """Random tokens, no padding; with `segments` > 0 each row holds that many packed examples of equal length."""
   tokens = rng.integers(4, vocab, shape, dtype=np.int32)
-  batch = sharding.put_batch({'src': tokens, 'tgt_in': tokens, 'tgt_out': tokens}, sharding.batch_sharded(mesh))
+  batch = {'src': tokens, 'tgt_in': tokens, 'tgt_out': tokens}
+  if segments:
+    rows, length = shape
+    ids = np.minimum(np.arange(length) * segments // length, segments - 1)  # 0, 0, .., 1, 1, .., segments - 1
+    starts = np.searchsorted(ids, ids)  # where each position's example starts
+    for side in ('src', 'tgt'):
+      batch[f'{side}_segments'] = np.broadcast_to(ids + 1, shape).astype(np.int32)
+      batch[f'{side}_positions'] = np.broadcast_to(np.arange(length) - starts, shape).astype(np.int32)
+  return batch
+
+
+def time_steps(train_fn, state, rng, shape, vocab, mesh, analytic, profile_dir=''):
+  """Seconds per step of `train_fn` on a batch of `shape` (rows, length) random tokens, after a warm-up step;
+  with `analytic` FLOPs, XLA's own count of the compiled step is printed against them first; with
+  `profile_dir`, 3 more steps are traced there and their costliest operations printed."""
+  batch = sharding.put_batch(synthetic_batch(rng, shape, vocab, _SEGMENTS.value), sharding.batch_sharded(mesh))
   if analytic:
     counted = xla_flops(train_fn.lower(state, batch).compile())
     if counted:
       print(f'# XLA cost analysis / analytic FLOPs: {counted / analytic:.3f}')
-  state, _ = train_fn(state, batch)  # compile + warm-up
-  jax.block_until_ready(state)
+
+  def run_steps(steps):
+    nonlocal state
+    for _ in range(steps):
+      state, _ = train_fn(state, batch)
+    jax.block_until_ready(state)
+
+  run_steps(1)  # compile + warm-up
   start = time.perf_counter()
-  for _ in range(_STEPS.value):
-    state, _ = train_fn(state, batch)
-  jax.block_until_ready(state)
-  return state, (time.perf_counter() - start) / _STEPS.value
+  run_steps(_STEPS.value)
+  seconds = (time.perf_counter() - start) / _STEPS.value
+  if profile_dir:
+    op_profile.print_profile(train_fn.lower(state, batch).compile().as_text(), run_steps, steps=3,
+                             directory=profile_dir, top=_PROFILE_TOP.value, step_ms=seconds * 1e3)
+  return state, seconds
 
 
 def main(argv):
