@@ -111,8 +111,7 @@ def base_config():
   # 'auto': bfloat16 on GPU/TPU, float32 on CPU (where bf16 matmuls are slower). Params stay float32.
   c.model.dtype = 'auto'
   # How attention is computed (the parameters are the same either way): 'auto' = cuDNN flash attention on
-  # GPU in bf16/fp16, the explicit einsum path on CPU (faster there), XLA elsewhere; or 'xla', 'cudnn',
-  # 'einsum' (explicit weights, the portable reference).
+  # GPU in bf16/fp16, XLA elsewhere; or 'xla', 'cudnn', 'einsum' (explicit weights, the portable reference).
   c.model.attention_impl = 'auto'
   # Recompute activations in the backward pass to fit longer batches: 'none', 'full' (keep nothing per
   # layer) or 'dots' (keep the matmul outputs, recompute the rest).

@@ -20,9 +20,8 @@ with per-row lengths in an `AttentionMask`, the form cuDNN's flash attention tak
 
 Precision: parameters are float32; with dtype bfloat16 (the default on GPU/TPU) the matmuls and the
 residual stream run in bfloat16, while LayerNorm statistics, attention logits and softmax, the pre-softmax
-logits and the loss stay float32. Attention goes through jax.nn.dot_product_attention on GPU and TPU, and
-through the explicit einsum path on CPU, where it is faster (see `resolve_attention_impl`); the einsum path
-also serves attention pictures and attention dropout.
+logits and the loss stay float32. Attention goes through jax.nn.dot_product_attention (see
+`resolve_attention_impl`); the explicit einsum path serves attention pictures and attention dropout.
 """
 import dataclasses
 import functools
@@ -249,16 +248,11 @@ ATTENTION_IMPLEMENTATIONS = ('auto', 'xla', 'cudnn', 'einsum')
 
 
 def resolve_attention_impl(name, dtype, head_dim, platform):
-  """'auto' -> 'cudnn' (flash attention) on GPU in bf16/fp16 with a head size cuDNN takes; 'einsum' on CPU,
-  where XLA:CPU runs the explicit path's products and softmax faster than jax.nn.dot_product_attention's
-  (train step of configs/multi30k.py with packed rows 1,308 against 1,413 ms, base 12.3-12.5 s against
-  13.6-14.0 s: bench/RESULTS.md); else 'xla'."""
+  """'auto' -> 'cudnn' (flash attention) on GPU in bf16/fp16 with a head size cuDNN takes, else 'xla'."""
   if name not in ATTENTION_IMPLEMENTATIONS:
     raise ConfigError(f'config.model.attention_impl must be one of {ATTENTION_IMPLEMENTATIONS}, not {name!r}')
   if name != 'auto':
     return name
-  if platform == 'cpu':
-    return 'einsum'
   flash_ok = (platform == 'gpu' and jnp.dtype(dtype) in CUDNN_DTYPES
               and head_dim % 8 == 0 and head_dim <= CUDNN_MAX_HEAD_DIM)
   return 'cudnn' if flash_ok else 'xla'

@@ -137,7 +137,7 @@ def test_fused_attention_equals_the_einsum_path_and_keeps_padding_rows_finite():
   np.testing.assert_allclose(fused[1, :2], reference[1, :2], rtol=1e-5, atol=5e-5)
 
 
-def test_auto_attention_picks_cudnn_only_for_gpu_half_precision_and_einsum_on_cpu():
+def test_auto_attention_picks_cudnn_only_for_gpu_half_precision():
   assert model_lib.resolve_attention_impl('auto', jnp.bfloat16, 64, 'gpu') == 'cudnn'
   assert model_lib.resolve_attention_impl('auto', jnp.float16, 128, 'gpu') == 'cudnn'
   assert model_lib.resolve_attention_impl('auto', jnp.float32, 64, 'gpu') == 'xla'
@@ -145,8 +145,6 @@ def test_auto_attention_picks_cudnn_only_for_gpu_half_precision_and_einsum_on_cp
   assert model_lib.resolve_attention_impl('auto', jnp.bfloat16, 136, 'gpu') == 'xla'
   assert model_lib.resolve_attention_impl('auto', jnp.bfloat16, 60, 'gpu') == 'xla'
   assert model_lib.resolve_attention_impl('einsum', jnp.bfloat16, 64, 'gpu') == 'einsum'
-  assert model_lib.resolve_attention_impl('auto', jnp.float32, 64, 'cpu') == 'einsum'
-  assert model_lib.resolve_attention_impl('xla', jnp.float32, 64, 'cpu') == 'xla'
 
 
 def test_model_config_settles_dtype_and_attention_for_its_platform_not_this_machine():
@@ -155,7 +153,7 @@ def test_model_config_settles_dtype_and_attention_for_its_platform_not_this_mach
   cuda = settled('cuda')
   assert (cuda.platform, cuda.dtype, cuda.attention_impl) == ('gpu', 'bfloat16', 'cudnn')
   assert (settled('tpu').dtype, settled('tpu').attention_impl) == ('bfloat16', 'xla')
-  assert (settled('cpu').dtype, settled('cpu').attention_impl) == ('float32', 'einsum')
+  assert (settled('cpu').dtype, settled('cpu').attention_impl) == ('float32', 'xla')
   assert settled('auto').platform == jax.default_backend()
   assert settled('cuda', dtype='float32').attention_impl == 'xla'
   # Big: 1024 / 16 = 64 per head, which cuDNN takes.
