@@ -12,7 +12,13 @@ CPU also the achieved FLOP rate over a large float32 matmul's rate measured in t
       --remat none,dots,full   # on a GPU: each remat policy's largest budget that fits
 
 --tokens_per_batch, --attention_impl and --remat take lists: every combination is timed, one compiled step
-each, in one process. A budget that runs out of device memory prints a row saying so and ends that config's
+each, in one process, one after the other. The step keeps getting faster for the first minutes of a process,
+so to compare variants pass --alternate: single steps of each in turn, medians reported (first column: the
+variant, attention/remat):
+
+  python bench/train_throughput.py --configs multi30k --lengths 64 --packed_segments 4 --steps 30 \
+      --attention_impl xla,einsum --alternate
+ A budget that runs out of device memory prints a row saying so and ends that config's
 list (the larger ones would not fit either).
 
 Each config trains its task's model (config.task: translation, lm, mlm). tok/s counts the tokens of one
@@ -62,6 +68,8 @@ _SEGMENTS = flags.DEFINE_integer('packed_segments', 0, 'Split every row into thi
 _PROFILE = flags.DEFINE_string('profile_dir', '', 'Trace 3 steps of each timed case with jax.profiler into '
                                'DIR/CONFIG_LENGTH_ROWS and print its costliest XLA operations with the model code '
                                'they come from (bench/op_profile.py).')
+_ALTERNATE = flags.DEFINE_bool('alternate', False, 'Compare the --attention_impl x --remat variants of each '
+                               'config by single steps in turn (medians), not one variant after the other.')
 _PROFILE_TOP = flags.DEFINE_integer('profile_top', 25, 'Operations printed per profile.')
 _PEAK = flags.DEFINE_float('peak', 0.0, 'Per-device peak FLOP/s for MFU (default: flops.py table; none on CPU).')
 
@@ -114,7 +122,8 @@ def out_of_memory(error):
   return 'RESOURCE_EXHAUSTED' in str(error) or 'out of memory' in str(error).lower()
 
 
-def bench_config(name, attention_impl, remat, peak, matmul, check_xla):
+def build(name, attention_impl, remat):
+  """(model, train state, compiled train step, mesh, vocabulary size, config) of a config, its line printed."""
   config = load_config(name, attention_impl, remat)
   vocab = _VOCAB.value or config.vocab_size
   task = lm.task_of(config)
@@ -127,28 +136,68 @@ def bench_config(name, attention_impl, remat, peak, matmul, check_xla):
   dtype, attention = model.config.dtype, model.config.attention_impl  # as settled for this machine
   print(f'# {name} ({task}): {model_lib.count_params(state.params):,} parameters, vocab {vocab}, {dtype}, attention '
         f'{attention}, matmul {config.model.matmul_precision}, remat {config.model.remat}, mesh {dict(mesh.shape)}')
-  rng = np.random.default_rng(0)
+  return model, state, train_fn, mesh, vocab, config
+
+
+def batch_shapes(mesh, config):
+  """(rows, length) of every --tokens_per_batch x --lengths case, rows a multiple of what the mesh needs."""
   rows_multiple = sharding.rows_multiple(mesh) * config.grad_accumulation_steps
   for tokens_per_batch in [int(x) for x in _TOKENS.value]:
     for length in [int(x) for x in _LENGTHS.value]:
-      rows = max(tokens_per_batch // length // rows_multiple, 1) * rows_multiple
+      yield max(tokens_per_batch // length // rows_multiple, 1) * rows_multiple, length
+
+
+def print_row(label, rows, length, seconds, analytic, peak, matmul):
+  achieved = analytic / seconds
+  mfu = f'{achieved / (peak * jax.device_count()):7.1%}' if peak else f'{"-":>7}'
+  ratio = f'{achieved / matmul:8.2f}' if matmul else f'{"-":>8}'
+  print(f'{label:>9} {length:5d} {rows:5d} {seconds * 1e3:9.1f} {rows * length / seconds:10.0f} '
+        f'{achieved / 1e12:8.3f} {mfu} {ratio}', flush=True)
+
+
+def alternate_variants(name, peak, matmul):
+  """Every --attention_impl x --remat variant of one config, timed by single steps in turn (the order reversed
+  every round) and reported as medians: in one process the step keeps getting faster for minutes, so variants
+  timed one after the other favour the later ones (bench/RESULTS.md, 2026-11-26)."""
+  variants = [(f'{a or "-"}/{r or "-"}', *build(name, a, r)) for a in _ATTENTION.value for r in _REMAT.value]
+  rng = np.random.default_rng(0)
+  for rows, length in batch_shapes(variants[0][4], variants[0][6]):
+    runs = []
+    for label, model, state, train_fn, mesh, vocab, _ in variants:
+      batch = sharding.put_batch(synthetic_batch(rng, (rows, length), vocab, _SEGMENTS.value),
+                                 sharding.batch_sharded(mesh))
+      state, _ = train_fn(state, batch)  # compile + warm-up
+      jax.block_until_ready(state)
       analytic = flops_lib.train_flops(model.config, vocab, rows * length, rows * length, length, length)
-      try:
-        state, seconds = time_steps(train_fn, state, rng, (rows, length), vocab, mesh, analytic if check_xla else 0,
-                                    profile_dir=_PROFILE.value and os.path.join(_PROFILE.value,
-                                                                                 f'{name}_{length}_{rows}'))
-      except Exception as error:  # pylint: disable=broad-except
-        if not out_of_memory(error):
-          raise
-        # The largest budget that fits is the row above; larger ones will not fit either.
-        print(f'{name:>9} {length:5d} {rows:5d} {"out of device memory":>40}', flush=True)
-        return
-      check_xla = False
-      achieved = analytic / seconds
-      mfu = f'{achieved / (peak * jax.device_count()):7.1%}' if peak else f'{"-":>7}'
-      ratio = f'{achieved / matmul:8.2f}' if matmul else f'{"-":>8}'
-      print(f'{name:>9} {length:5d} {rows:5d} {seconds * 1e3:9.1f} {rows * length / seconds:10.0f} '
-            f'{achieved / 1e12:8.3f} {mfu} {ratio}', flush=True)
+      runs.append({'label': label, 'fn': train_fn, 'state': state, 'batch': batch, 'analytic': analytic,
+                   'seconds': []})
+    for round_ in range(_STEPS.value):
+      for run in (runs if round_ % 2 == 0 else runs[::-1]):
+        start = time.perf_counter()
+        run['state'], _ = run['fn'](run['state'], run['batch'])
+        jax.block_until_ready(run['state'])
+        run['seconds'].append(time.perf_counter() - start)
+    for run in runs:
+      print_row(run['label'], rows, length, float(np.median(run['seconds'])), run['analytic'], peak, matmul)
+
+
+def bench_config(name, attention_impl, remat, peak, matmul, check_xla):
+  model, state, train_fn, mesh, vocab, config = build(name, attention_impl, remat)
+  rng = np.random.default_rng(0)
+  for rows, length in batch_shapes(mesh, config):
+    analytic = flops_lib.train_flops(model.config, vocab, rows * length, rows * length, length, length)
+    try:
+      state, seconds = time_steps(train_fn, state, rng, (rows, length), vocab, mesh, analytic if check_xla else 0,
+                                  profile_dir=_PROFILE.value and os.path.join(_PROFILE.value,
+                                                                               f'{name}_{length}_{rows}'))
+    except Exception as error:  # pylint: disable=broad-except
+      if not out_of_memory(error):
+        raise
+      # The largest budget that fits is the row above; larger ones will not fit either.
+      print(f'{name:>9} {length:5d} {rows:5d} {"out of device memory":>40}', flush=True)
+      return
+    check_xla = False
+    print_row(name, rows, length, seconds, analytic, peak, matmul)
 
 
 def synthetic_batch(rng, shape, vocab, segments):
@@ -206,6 +255,9 @@ def main(argv):
         f'{"/matmul":>8}')
   first = _CHECK_XLA.value
   for name in _CONFIGS.value:
+    if _ALTERNATE.value:
+      alternate_variants(name, peak, matmul)
+      continue
     for attention_impl in _ATTENTION.value:
       for remat in _REMAT.value:
         bench_config(name, attention_impl, remat, peak, matmul, check_xla=first)
