@@ -13,20 +13,26 @@ import re
 import jax
 
 # `name = type[shape] opcode(...), ..., metadata={op_name="..." source_file="..." source_line=N}` in the
-# compiled HLO text (older XLA writes the names with a leading %).
-_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\S+\s+([\w\-]+)\(.*?'
-                          r'metadata=\{op_name="([^"]*)"(?:\s+source_file="([^"]*)"\s+source_line=(\d+))?')
+# compiled HLO text (older XLA writes the names with a leading %; tuple types contain spaces; copies XLA
+# adds itself carry no metadata).
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$')
+_OPCODE = re.compile(r'(?:^|\s)([\w\-]+)\(')
+_METADATA = re.compile(r'metadata=\{op_name="([^"]*)"(?:\s+source_file="([^"]*)"\s+source_line=(\d+))?')
 
 
 def op_sources(hlo_text):
-  """{instruction name: (opcode, op_name, 'file:line')} for the instructions of the HLO text with metadata."""
+  """{instruction name: (opcode, op_name or '', 'file:line' or '')} for the instructions of the HLO text."""
   sources = {}
   for line in hlo_text.splitlines():
-    match = _INSTRUCTION.match(line)
-    if match:
-      name, opcode, op_name, source_file, source_line = match.groups()
-      where = f'{pathlib.Path(source_file).name}:{source_line}' if source_file else ''
-      sources[name] = (opcode, op_name, where)
+    instruction, opcode = _INSTRUCTION.match(line), None
+    if instruction:
+      opcode = _OPCODE.search(instruction.group(2))
+    if not opcode:
+      continue
+    metadata = _METADATA.search(instruction.group(2))
+    op_name, source_file, source_line = metadata.groups() if metadata else ('', None, None)
+    where = f'{pathlib.Path(source_file).name}:{source_line}' if source_file else ''
+    sources[instruction.group(1)] = (opcode.group(1), op_name, where)
   return sources
 
 
@@ -72,7 +78,9 @@ COMPONENTS = (
 )
 
 
-def component_of(op_name):
+def component_of(op_name, opcode):
+  if not op_name:
+    return f'no op_name: {opcode}'  # copies XLA added, fusions of its own
   for label, pattern in COMPONENTS:
     if re.search(pattern, op_name):
       return label
@@ -95,8 +103,8 @@ def print_profile(hlo_text, run_steps, *, steps, directory, top, step_ms):
   by_component, ops = collections.Counter(), collections.Counter()
   for ms, _, name in ranked:
     opcode, op_name, _ = sources[name]
-    by_component[component_of(op_name)] += ms
-    ops[component_of(op_name)] += 1
+    by_component[component_of(op_name, opcode)] += ms
+    ops[component_of(op_name, opcode)] += 1
   print(f'# {"ms":>8} {"share":>6} {"ops":>5}  part of the step')
   for label, ms in by_component.most_common():
     print(f'# {ms:8.1f} {ms / step_ms:6.1%} {ops[label]:5d}  {label}')

@@ -18,8 +18,9 @@ variant, attention/remat):
 
   python bench/train_throughput.py --configs multi30k --lengths 64 --packed_segments 4 --steps 30 \
       --attention_impl xla,einsum --alternate
- A budget that runs out of device memory prints a row saying so and ends that config's
-list (the larger ones would not fit either).
+
+A budget that runs out of device memory prints a row saying so and ends that config's list (the larger ones
+would not fit either).
 
 Each config trains its task's model (config.task: translation, lm, mlm). tok/s counts the tokens of one
 side: translation reads as many source tokens again; the LM and the MLM read only these.
@@ -161,7 +162,8 @@ def alternate_variants(name, peak, matmul):
   timed one after the other favour the later ones (bench/RESULTS.md, 2026-11-26)."""
   variants = [(f'{a or "-"}/{r or "-"}', *build(name, a, r)) for a in _ATTENTION.value for r in _REMAT.value]
   rng = np.random.default_rng(0)
-  for rows, length in batch_shapes(variants[0][4], variants[0][6]):
+  *_, mesh, _, config = variants[0]
+  for rows, length in batch_shapes(mesh, config):
     runs = []
     for label, model, state, train_fn, mesh, vocab, _ in variants:
       batch = sharding.put_batch(synthetic_batch(rng, (rows, length), vocab, _SEGMENTS.value),
@@ -219,8 +221,10 @@ def time_steps(train_fn, state, rng, shape, vocab, mesh, analytic, profile_dir='
   with `analytic` FLOPs, XLA's own count of the compiled step is printed against them first; with
   `profile_dir`, 3 more steps are traced there and their costliest operations printed."""
   batch = sharding.put_batch(synthetic_batch(rng, shape, vocab, _SEGMENTS.value), sharding.batch_sharded(mesh))
+  # One extra compile serves both the FLOP check and the profile's HLO (before the state is donated).
+  compiled = train_fn.lower(state, batch).compile() if analytic or profile_dir else None
   if analytic:
-    counted = xla_flops(train_fn.lower(state, batch).compile())
+    counted = xla_flops(compiled)
     if counted:
       print(f'# XLA cost analysis / analytic FLOPs: {counted / analytic:.3f}')
 
@@ -235,7 +239,7 @@ def time_steps(train_fn, state, rng, shape, vocab, mesh, analytic, profile_dir='
   run_steps(_STEPS.value)
   seconds = (time.perf_counter() - start) / _STEPS.value
   if profile_dir:
-    op_profile.print_profile(train_fn.lower(state, batch).compile().as_text(), run_steps, steps=3,
+    op_profile.print_profile(compiled.as_text(), run_steps, steps=3,
                              directory=profile_dir, top=_PROFILE_TOP.value, step_ms=seconds * 1e3)
   return state, seconds
 
