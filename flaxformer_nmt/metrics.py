@@ -111,6 +111,8 @@ def interval_metrics(pending, seconds, start_time, epoch, lengths=None, throughp
   total = lambda key: sum(float(m[key]) for m in pending)
   tokens = total('target_tokens')
   accounting = throughput.metrics(pending, lengths, seconds) if throughput is not None else {}
+  if 'rdrop_divergence_sum' in pending[0]:  # R-Drop: per example's target token (both copies count in tokens)
+    accounting['train/rdrop_divergence'] = total('rdrop_divergence_sum') / max(tokens / 2, 1.0)
   return {
       **accounting,
       'train/loss': total('loss_sum') / max(tokens, 1.0),  # label-smoothed cross entropy per target token

@@ -131,6 +131,28 @@ def label_smoothed_cross_entropy(logits, targets, smoothing):
   return (smoothed * weights).sum(), (nll * weights).sum(), weights.sum()
 
 
+def rdrop_divergence(logits, targets):
+  """R-Drop's regularizer (Liang et al. 2021): summed over the non-pad target positions of each row pair, the
+  symmetric KL divergence (KL(P || Q) + KL(Q || P)) / 2 between the two predictions P and Q of one example.
+
+  logits [2B, T, V] hold rows 2i and 2i + 1 as the same example under two dropout masks (`duplicate_rows`);
+  targets [2B, T] mark padding with PAD. Both directions are differentiated, as in the authors' fairseq code.
+  """
+  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  pairs = log_probs.reshape((-1, 2) + log_probs.shape[1:])  # [B, 2, T, V]: the pair axis beside each row
+  log_p, log_q = pairs[:, 0], pairs[:, 1]
+  # KL(P || Q) + KL(Q || P) = sum_v (p_v - q_v) (log p_v - log q_v): one pass over the vocabulary.
+  symmetric = ((jnp.exp(log_p) - jnp.exp(log_q)) * (log_p - log_q)).sum(axis=-1)
+  weights = (targets.reshape((-1, 2) + targets.shape[1:])[:, 0] != PAD_ID).astype(jnp.float32)
+  return 0.5 * (symmetric * weights).sum()
+
+
+def duplicate_rows(batch):
+  """Every [B, ...] array of `batch` as [2B, ...] with rows 2i and 2i + 1 copies of row i. Each device's block
+  of rows stays on that device (a concatenation of the batch with itself would move rows between devices)."""
+  return jax.tree_util.tree_map(lambda x: jnp.repeat(x, 2, axis=0), batch)
+
+
 # --- Steps -------------------------------------------------------------------------------------------------
 
 # Optional batch keys of packed rows (packing.py), passed to the model as keyword arguments.
@@ -158,9 +180,15 @@ _MASKING_STREAM = 0x6D61736B
 
 
 def train_step(state, batch, *, model, optimizer, schedule, label_smoothing, grad_accumulation_steps=1,
-               task='translation'):
+               task='translation', rdrop_alpha=0.0):
   """One update on the batch loss: smoothed cross entropy summed over all target tokens (for the MLM the
   positions bert_mask selected), divided by their count over the whole (global) batch.
+
+  With rdrop_alpha > 0 (R-Drop) every example runs twice, under two dropout masks, and the loss adds
+  rdrop_alpha times their symmetric KL divergence (`rdrop_divergence`) to the cross entropy of both copies,
+  all divided by the target tokens of both copies: the weighting of the authors' fairseq criterion, whose
+  sum is divided by the tokens of one copy instead (a constant factor 2, which Adam does not see). The token
+  counts (and so tokens/s and FLOP/s) then count every example twice: the model computes both copies.
 
   With grad_accumulation_steps = k the batch is processed as k microbatches in a loop (lax.scan) that sums
   the gradients of the summed loss; dividing by the total target count afterwards makes the update equal
@@ -169,28 +197,30 @@ def train_step(state, batch, *, model, optimizer, schedule, label_smoothing, gra
   dropout_rng = jax.random.fold_in(state.rng, state.step)
 
   def loss_sums(params, microbatch, rng):
+    if rdrop_alpha > 0:
+      microbatch = duplicate_rows(microbatch)
     logits, targets, _ = lm.forward(task, model, params, microbatch, False, rngs={'dropout': rng},
                                     mask_rng=jax.random.fold_in(rng, _MASKING_STREAM))
     loss_sum, nll_sum, tokens = label_smoothed_cross_entropy(logits, targets, label_smoothing)
-    return loss_sum, (nll_sum, tokens)
+    divergence_sum = rdrop_divergence(logits, targets) if rdrop_alpha > 0 else jnp.zeros((), jnp.float32)
+    return loss_sum + rdrop_alpha * divergence_sum, (nll_sum, tokens, divergence_sum)
 
   grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
   if grad_accumulation_steps == 1:
-    (loss_sum, (nll_sum, tokens)), grad_sums = grad_fn(state.params, batch, dropout_rng)
+    (loss_sum, (nll_sum, tokens, divergence_sum)), grad_sums = grad_fn(state.params, batch, dropout_rng)
   else:
     def accumulate(carry, inputs):
       index, microbatch = inputs
-      (loss_sum, (nll_sum, tokens)), grads = grad_fn(state.params, microbatch,
-                                                     jax.random.fold_in(dropout_rng, index))
+      (loss_sum, aux), grads = grad_fn(state.params, microbatch, jax.random.fold_in(dropout_rng, index))
       grad_sums, sums = carry
       grad_sums = jax.tree_util.tree_map(jnp.add, grad_sums, grads)
-      return (grad_sums, sums + jnp.stack([loss_sum, nll_sum, tokens])), None
+      return (grad_sums, sums + jnp.stack([loss_sum, *aux])), None
 
     zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
     microbatches = split_microbatches(batch, grad_accumulation_steps)
-    (grad_sums, sums), _ = jax.lax.scan(accumulate, (zeros, jnp.zeros(3, jnp.float32)),
+    (grad_sums, sums), _ = jax.lax.scan(accumulate, (zeros, jnp.zeros(4, jnp.float32)),
                                         (jnp.arange(grad_accumulation_steps), microbatches))
-    loss_sum, nll_sum, tokens = sums[0], sums[1], sums[2]
+    loss_sum, nll_sum, tokens, divergence_sum = sums[0], sums[1], sums[2], sums[3]
   grads = jax.tree_util.tree_map(lambda g: g / jnp.maximum(tokens, 1.0), grad_sums)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
@@ -203,10 +233,12 @@ def train_step(state, batch, *, model, optimizer, schedule, label_smoothing, gra
   metrics = {
       'loss_sum': loss_sum, 'nll_sum': nll_sum, 'target_tokens': tokens,
       # Tokens read by the encoder (translation: the source; MLM: the whole text; LM: none).
-      'source_tokens': _source_tokens(task, batch),
+      'source_tokens': _source_tokens(task, batch) * (2 if rdrop_alpha > 0 else 1),
       'grad_norm': grad_norm, 'learning_rate': schedule(state.step),
       'nonfinite': (~finite).astype(jnp.int32),
   }
+  if rdrop_alpha > 0:
+    metrics['rdrop_divergence_sum'] = divergence_sum  # part of loss_sum, times rdrop_alpha
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
@@ -259,7 +291,8 @@ def jit_steps(model, optimizer, schedule, config, mesh, state_sharding=None):
     state_sharding = state_shardings(model, optimizer, config, mesh)
   train = functools.partial(train_step, model=model, optimizer=optimizer, schedule=schedule,
                             label_smoothing=config.label_smoothing,
-                            grad_accumulation_steps=config.grad_accumulation_steps, task=lm.task_of(config))
+                            grad_accumulation_steps=config.grad_accumulation_steps, task=lm.task_of(config),
+                            rdrop_alpha=config.rdrop_alpha)
   evaluate = functools.partial(eval_step, model=model, label_smoothing=config.label_smoothing,
                                task=lm.task_of(config))
   batch_sharding, replicated = sharding.batch_sharded(mesh), sharding.replicated(mesh)

@@ -45,6 +45,21 @@ def _validate_decode_checkpoint(config):
                       'checkpoint would be kept')
 
 
+def _validate_rdrop(config):
+  alpha = config.get('rdrop_alpha', 0.0)
+  if alpha < 0:
+    raise ConfigError(f'config.rdrop_alpha={alpha} is a weight: use 0 (off) or more')
+  if not alpha:
+    return
+  if lm.task_of(config) == 'mlm':
+    raise ConfigError(f'config.rdrop_alpha={alpha} is not for the MLM: its two copies of an example would be '
+                      'masked differently')
+  rates = (config.model.dropout_rate, config.model.attention_dropout_rate, config.model.relu_dropout_rate)
+  if not any(rates):
+    raise ConfigError(f'config.rdrop_alpha={alpha} needs dropout (config.model.dropout_rate, '
+                      'attention_dropout_rate or relu_dropout_rate > 0): without it both predictions are the same')
+
+
 def validate_config(config):
   """Raises ConfigError for a config that cannot be trained, before anything is read or written."""
   if config.get('task', 'translation') not in lm.TASKS:
@@ -71,6 +86,7 @@ def validate_config(config):
     raise ConfigError(f'config.bpe_dropout={bpe_dropout} needs a translation task with a BPE vocabulary '
                       f"(config.sentencepiece_model_type='bpe'; now {config.sentencepiece_model_type!r}, task "
                       f'{lm.task_of(config)!r})')
+  _validate_rdrop(config)
   for field in ('tokens_per_batch', 'log_every_steps', 'eval_every_steps', 'checkpoint_every_steps',
                 'grad_accumulation_steps', 'batch_rows_multiple'):
     if config[field] <= 0:

@@ -161,3 +161,24 @@ def test_cudnn_attention_where_cudnn_cannot_run_stops_before_any_work(tmp_path):
   assert result.returncode == 1
   assert "config.model.attention_impl='cudnn' needs" in result.stderr and 'Traceback' not in result.stderr
   assert not (tmp_path / 'w' / 'vocab.model').exists()
+
+def test_rdrop_is_refused_where_it_cannot_work():
+  """R-Drop without any dropout compares two equal predictions (a regularizer that does nothing); on the MLM
+  the two copies would be masked differently. Both stop at validation, naming the field."""
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  c = config_lib.base_config()
+  c.data_dir = '/data'
+  c.rdrop_alpha = 5.0
+  workdir_lib.validate_config(c)  # dropout 0.1: fine
+  c.model.dropout_rate = 0.0
+  with pytest.raises(workdir_lib.ConfigError, match='config.rdrop_alpha=5.0 needs dropout'):
+    workdir_lib.validate_config(c)
+  c.model.relu_dropout_rate = 0.1
+  workdir_lib.validate_config(c)
+  c.task = 'mlm'
+  with pytest.raises(workdir_lib.ConfigError, match='not for the MLM'):
+    workdir_lib.validate_config(c)
+  c.task, c.rdrop_alpha = 'translation', -1.0
+  with pytest.raises(workdir_lib.ConfigError, match='is a weight'):
+    workdir_lib.validate_config(c)

@@ -205,3 +205,57 @@ def test_cooldown_longer_than_the_run_is_refused():
   c.num_train_steps, c.cooldown_steps = 100, 101
   with pytest.raises(ValueError, match='cooldown_steps=101'):
     ts.make_schedule(c)
+
+
+def numpy_rdrop_divergence(logits, targets):
+  """Sum over the non-pad positions of each row pair (2i, 2i + 1) of (KL(P || Q) + KL(Q || P)) / 2."""
+  logits = logits.astype(np.float64)
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  total = 0.0
+  for i in range(logits.shape[0] // 2):
+    for t in range(logits.shape[1]):
+      if targets[2 * i, t] == 0:
+        continue
+      p, q = probs[2 * i, t], probs[2 * i + 1, t]
+      total += 0.5 * ((p * np.log(p / q)).sum() + (q * np.log(q / p)).sum())
+  return total
+
+
+def test_rdrop_divergence_equals_numpy():
+  """Catches pairing the wrong rows (halves instead of neighbours), one KL direction only, a missing 1/2, or
+  padding counted."""
+  rng = np.random.default_rng(2)
+  logits = rng.normal(size=(6, 5, 9)).astype(np.float32) * 2
+  targets = np.repeat(rng.integers(1, 9, size=(3, 5)), 2, axis=0)
+  targets[2:4, 3:] = 0
+  got = ts.rdrop_divergence(jnp.asarray(logits), jnp.asarray(targets))
+  np.testing.assert_allclose(got, numpy_rdrop_divergence(logits, targets), rtol=1e-5)
+  same = np.repeat(logits[::2], 2, axis=0)  # identical predictions: no divergence
+  np.testing.assert_allclose(ts.rdrop_divergence(jnp.asarray(same), jnp.asarray(targets)), 0.0, atol=1e-6)
+
+
+def test_rdrop_train_step_loss_is_both_copies_cross_entropy_plus_alpha_times_their_divergence():
+  """The step's loss against the same model run by hand on the duplicated rows with the step's dropout key,
+  scored in NumPy: catches a batch not duplicated, copies paired with other examples, the same dropout mask
+  on both copies (no divergence), alpha not applied, or the tokens of one copy only."""
+  model, _ = tiny_model(dropout_rate=0.3)
+  c = config_lib.base_config()
+  c.model.d_model = 32
+  tx, schedule = ts.make_optimizer(c)
+  state = ts.init_state(model, tx, seed=0)
+  batch = {'src': jnp.array([[4, 5, 6, 3], [7, 8, 3, 0]]), 'tgt_in': jnp.array([[2, 9, 10, 11], [2, 12, 0, 0]]),
+           'tgt_out': jnp.array([[9, 10, 11, 3], [12, 3, 0, 0]])}
+  alpha, eps = 2.5, 0.1
+  _, metrics = jax.jit(lambda s, b: ts.train_step(s, b, model=model, optimizer=tx, schedule=schedule,
+                                                  label_smoothing=eps, rdrop_alpha=alpha))(state, batch)
+  doubled = {k: np.repeat(np.asarray(v), 2, axis=0) for k, v in batch.items()}
+  logits = np.asarray(model.apply({'params': state.params}, doubled['src'], doubled['tgt_in'], False,
+                                  rngs={'dropout': jax.random.fold_in(state.rng, state.step)}))
+  cross_entropy, _, count = numpy_label_smoothed_loss(logits, doubled['tgt_out'], eps)
+  divergence = numpy_rdrop_divergence(logits, doubled['tgt_out'])
+  assert divergence > 1e-3  # the copies saw different dropout masks
+  assert float(metrics['target_tokens']) == count == 12
+  assert float(metrics['source_tokens']) == 14
+  np.testing.assert_allclose(metrics['rdrop_divergence_sum'], divergence, rtol=1e-4)
+  np.testing.assert_allclose(metrics['loss_sum'], cross_entropy + alpha * divergence, rtol=1e-4)
