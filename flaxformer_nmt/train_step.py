@@ -220,7 +220,7 @@ def train_step(state, batch, *, model, optimizer, schedule, label_smoothing, gra
     microbatches = split_microbatches(batch, grad_accumulation_steps)
     (grad_sums, sums), _ = jax.lax.scan(accumulate, (zeros, jnp.zeros(4, jnp.float32)),
                                         (jnp.arange(grad_accumulation_steps), microbatches))
-    loss_sum, nll_sum, tokens, divergence_sum = sums[0], sums[1], sums[2], sums[3]
+    loss_sum, nll_sum, tokens, divergence_sum = sums
   grads = jax.tree_util.tree_map(lambda g: g / jnp.maximum(tokens, 1.0), grad_sums)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
