@@ -18,6 +18,8 @@
 #               on Multi30k test2016 and newstest2013 (bench/decode_throughput.py)
 #   multi30k    configs/multi30k.py trained on the GPU (wall time of its 2,400 steps), then test2016 BLEU
 #
+#   bash bench/gpu_session.sh env tests throughput memory     # the second lease (cut at 585 s in memory)
+#
 # What must travel with the working tree (the lent machine reaches no network and has no ../shared), made
 # here before the lease and named in the call's carry (gpu_carry and .whl are git-ignored):
 #   gpu_carry/m30k   a trained Multi30k workdir, slimmed: config.json, vocab.model and averaged/ (27 MB)
