@@ -382,15 +382,31 @@ def averaging_window(steps, last, every_steps=None):
   return steps[-last:]
 
 
+# Written by a run whose end was fitted to its time limit (time_budget.py); its checkpoint_every_steps is the
+# spacing of the regular saves from the fit on.
+FITTED_SCHEDULE_FILE = 'fitted_schedule.json'
+
+
+def regular_save_interval(workdir):
+  """The spacing of the workdir's regular saves: a fitted run's (fitted_schedule.json), else config.json's."""
+  for name in (FITTED_SCHEDULE_FILE, 'config.json'):
+    path = absolute(workdir) / name
+    if path.exists():
+      every_steps = json.loads(path.read_text()).get('checkpoint_every_steps')
+      if every_steps:
+        return every_steps
+  return None
+
+
 def average_last(workdir, last=None, steps=None, every_steps=None):
   """Averages `steps` (or the newest `last` regular checkpoints, see averaging_window) into
-  {workdir}/averaged; returns the steps used. every_steps defaults to the workdir's config.json."""
+  {workdir}/averaged; returns the steps used. every_steps defaults to the workdir's (regular_save_interval)."""
   available = Checkpoints(workdir, keep=0, async_save=False).steps()
   if steps:
     steps = sorted(int(s) for s in steps)
   else:
-    if every_steps is None and (absolute(workdir) / 'config.json').exists():
-      every_steps = json.loads((absolute(workdir) / 'config.json').read_text()).get('checkpoint_every_steps')
+    if every_steps is None:
+      every_steps = regular_save_interval(workdir)
     steps = averaging_window(available, last, every_steps)
     if 0 < len(steps) < last:
       logging.warning('Averaging %d checkpoints %s, fewer than the %d asked: %s holds no more at the regular '

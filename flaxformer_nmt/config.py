@@ -160,6 +160,11 @@ def base_config():
   c.init_from = ''
   c.init_checkpoint = 'latest'
   c.max_train_minutes = 0.0  # > 0: also stop (and checkpoint) after this much wall time.
+  # True (with max_train_minutes and cooldown_steps > 0): where the cooldown begins, measure the step time on
+  # this machine and, if num_train_steps do not fit in the time left, end the cooldown at the last step that
+  # does, so a slower machine still brings the learning rate to zero (time_budget.py). Never lengthens a run.
+  # False (the default): the time limit only stops the run.
+  c.fit_schedule_to_time = False
 
   # --- Devices: a ('data', 'fsdp') mesh over every device of every host; -1 = whatever the other axis
   # leaves. Default: data parallel everywhere. fsdp_parallelism > 1 splits parameters and optimizer state

@@ -30,6 +30,7 @@ from flaxformer_nmt import metrics as metrics_lib
 from flaxformer_nmt import model as model_lib
 from flaxformer_nmt import preemption
 from flaxformer_nmt import sharding
+from flaxformer_nmt import time_budget
 from flaxformer_nmt import tokenizer as tokenizer_lib
 from flaxformer_nmt import train_step as train_step_lib
 from flaxformer_nmt import warm_start
@@ -57,6 +58,10 @@ class Run:
   vocab_sha256: str  # recorded with each checkpoint, checked on restore
   validation_bleu: bleu_eval.ValidationBleu
   best: Any  # best_checkpoint.BestCheckpoint, or None (config.best_checkpoint_metric off)
+  num_train_steps: int  # config.num_train_steps, or the end fitted to the time limit (time_budget.py)
+  checkpoint_every_steps: int  # config.checkpoint_every_steps, or closer after a fit (time_budget.py)
+  schedule_fit: time_budget.ScheduleFit
+  refit_train_fn: Callable  # FittedEnd -> the train step compiled on the bent schedule
 
 
 def set_up(config, workdir):
@@ -79,7 +84,9 @@ def set_up(config, workdir):
       config, workdir, num_devices=sharding.rows_multiple(mesh) * config.grad_accumulation_steps)
 
   model = build_model(config, tokenizer)
-  optimizer, schedule = train_step_lib.make_optimizer(config)
+  decided = time_budget.load(workdir)  # an end fitted to the time limit by an earlier run of this workdir
+  fitted = decided if decided and decided.num_train_steps < config.num_train_steps else None
+  optimizer, schedule = train_step_lib.make_optimizer(config, fitted)
   state, state_sharding = train_step_lib.create_state(model, optimizer, config, mesh)
   logging.info('Model: %s parameters, %s', f'{model_lib.count_params(state.params):,}', model.config)
   checkpoints = checkpoints_lib.Checkpoints(workdir, keep=config.keep_checkpoints)
@@ -92,12 +99,19 @@ def set_up(config, workdir):
   elif config.init_from:
     state = warm_start.load_params(state, state_sharding, config, tokenizer)
   train_fn, eval_fn = train_step_lib.jit_steps(model, optimizer, schedule, config, mesh, state_sharding)
+
+  def refit_train_fn(new_end):
+    return train_step_lib.jit_steps(model, *train_step_lib.make_optimizer(config, new_end), config, mesh,
+                                    state_sharding)[0]
   peak = flops_lib.peak_flops_per_device(override=config.peak_flops_per_device)
   return Run(config, workdir, sharding.batch_sharded(mesh), train_batches, eval_batches, state, train_fn, eval_fn,
              checkpoints, metrics_lib.Throughput(model.config, tokenizer.vocab_size, num_devices, peak),
              Profiler(workdir, config.profile_start_step, config.profile_steps), metrics_lib.MetricsLog(workdir),
              tokenizer.sha256, bleu_eval.ValidationBleu(config, tokenizer, workdir, mesh),
-             best_lib.BestCheckpoint(workdir, config.best_checkpoint_metric) if config.best_checkpoint_metric else None)
+             best_lib.BestCheckpoint(workdir, config.best_checkpoint_metric) if config.best_checkpoint_metric else None,
+             fitted.num_train_steps if fitted else config.num_train_steps,
+             time_budget.checkpoint_every_steps(config, fitted),
+             time_budget.ScheduleFit(config, workdir, int(state.step), decided), refit_train_fn)
 
 
 def evaluate(eval_fn, params, batches, batch_sharding):
@@ -118,8 +132,8 @@ def evaluate(eval_fn, params, batches, batch_sharding):
 def log_train(run, interval, step, start_time, decision):
   """Writes the interval's metrics and the log line; returns the metrics."""
   metrics = interval.summarize(start_time, run.train_batches.epoch)
-  eta = min((run.config.num_train_steps - step) * metrics['train/step_time'], decision.seconds_left())
-  logging.info('%s', metrics_lib.train_log_line(step, run.config.num_train_steps, metrics, eta, interval.skipped))
+  eta = min((run.num_train_steps - step) * metrics['train/step_time'], decision.seconds_left())
+  logging.info('%s', metrics_lib.train_log_line(step, run.num_train_steps, metrics, eta, interval.skipped))
   run.log.write(step, metrics)
   return metrics
 
@@ -147,23 +161,38 @@ def evaluate_step(run, step, start_time, done):
   return evaluated
 
 
+def fit_to_time(run, step, decision):
+  """config.fit_schedule_to_time: once, where the cooldown begins, moves the run's end to what the time left
+  holds (time_budget.py), saves at the interval shrunk with it, and recompiles the step on the bent schedule."""
+  fitted = run.schedule_fit.fit(step, decision.seconds_left(), run.state)
+  if fitted is not None:
+    run.num_train_steps = decision.num_steps = fitted.num_train_steps
+    run.checkpoint_every_steps = decision.every_steps = time_budget.checkpoint_every_steps(run.config, fitted)
+    run.train_fn = run.refit_train_fn(fitted)
+
+
 def train_and_evaluate(config, workdir):
-  """Trains to config.num_train_steps (or max_train_minutes, or a stop signal); returns the last metrics."""
+  """Trains to config.num_train_steps (or the end fitted to max_train_minutes, or until max_train_minutes or a
+  stop signal); returns the last metrics."""
   start_time = time.time()
   run = set_up(config, workdir)
   step = first_step = int(run.state.step)
-  logging.info('Starting at step %d of %d; %d batches per epoch', step, config.num_train_steps,
+  logging.info('Starting at step %d of %d; %d batches per epoch', step, run.num_train_steps,
                run.train_batches.batches_per_epoch())
   interval = metrics_lib.TrainInterval(run.throughput, config.skip_nonfinite_updates)
   last = {}
   preemption_sync = preemption.preemption_sync_available(step)
   with preemption.StopSignal(handle_sigterm=not preemption_sync) as stop_signal:
-    decision = preemption.StopDecision(config, start_time, stop_signal, preemption_sync)
+    decision = preemption.StopDecision(config, start_time, stop_signal, preemption_sync,
+                                       num_steps=run.num_train_steps, every_steps=run.checkpoint_every_steps)
     in_flight = preemption.StepsInFlight()
-    while step < config.num_train_steps:
+    while step < run.num_train_steps:
       batch = interval.next_batch(run.train_batches)
       run.profiler.before_step(step)
+      call_start = time.time()
       run.state, step_metrics = run.train_fn(run.state, sharding.put_batch(batch, run.batch_sharding))
+      if step == first_step:  # the call compiles the step; the rest runs asynchronously
+        run.schedule_fit.first_step_done(step + 1, time.time() - call_start)
       interval.add(step_metrics, batch)  # device arrays: read only at log/save time
       in_flight.add(step_metrics)  # stop decisions below are for a step the device is about to reach
       step += 1
@@ -181,13 +210,16 @@ def train_and_evaluate(config, workdir):
         if evaluated:
           last.update(evaluated)
           interval.restart()  # keep evaluation out of the next interval's tokens/s
+      if run.schedule_fit.due(step) and not done:
+        fit_to_time(run, step, decision)
       if done:
         logging.info('Stopping at step %d after %s (%s)', step, metrics_lib.duration(time.time() - start_time),
                      decision.reason)
         break
   if decision.reason == 'config.max_train_minutes' and config.cooldown_steps > 0:
     logging.warning('The time limit stopped the run at step %d, before its learning-rate cooldown ended at step '
-                    '%d: size config.num_train_steps to config.max_train_minutes.', step, config.num_train_steps)
+                    '%d: size config.num_train_steps to config.max_train_minutes, or set '
+                    'config.fit_schedule_to_time.', step, run.num_train_steps)
   finish(run, signalled=decision.signalled)
   logging.info('Trained steps %d..%d in %s', first_step, step, metrics_lib.duration(time.time() - start_time))
   return last
@@ -201,7 +233,8 @@ def finish(run, signalled):
   run.checkpoints.close()
   run.log.close()
   if run.config.average_last_checkpoints > 0 and not signalled:
-    checkpoints_lib.average_last(run.workdir, last=run.config.average_last_checkpoints)
+    checkpoints_lib.average_last(run.workdir, last=run.config.average_last_checkpoints,
+                                 every_steps=run.checkpoint_every_steps)
 
 
 def define_flags():

@@ -1,4 +1,5 @@
 """Loss, learning-rate schedule, optimizer and the pure train/eval steps that `train.py` jit-compiles."""
+import dataclasses
 import functools
 
 import jax
@@ -41,15 +42,31 @@ def inverse_sqrt_schedule(peak, warmup_steps):
   return schedule
 
 
-def with_cooldown(schedule, num_train_steps, cooldown_steps):
+@dataclasses.dataclass(frozen=True)
+class FittedEnd:
+  """A cooldown moved to end earlier (time_budget.py fits it to config.max_train_minutes): from update
+  `knot_step` on, where the configured ramp stood at `knot_ramp`, the ramp falls linearly to 0 at update
+  `num_train_steps` instead of config.num_train_steps."""
+  num_train_steps: int
+  knot_step: int
+  knot_ramp: float
+
+
+def with_cooldown(schedule, num_train_steps, cooldown_steps, fitted=None):
   """`schedule` times a linear ramp from 1 down to 0 over the last `cooldown_steps` updates of a
   `num_train_steps` run (the decay stage of fairseq's tri_stage and of warmup-stable-decay schedules): update
   num_train_steps - cooldown_steps + i (counted from 0) runs at (1 - i / cooldown_steps) times the schedule,
   so the last one runs at 1 / cooldown_steps of it. A short run ends at a low learning rate instead of where
-  the slow inverse square root has left it."""
+  the slow inverse square root has left it. `fitted` (a FittedEnd) bends the ramp at its knot to reach 0 at
+  its end; the learning rate is continuous there."""
   def cooled(count):
-    remaining = num_train_steps - jnp.asarray(count, jnp.float32)
-    return schedule(count) * jnp.clip(remaining / cooldown_steps, 0.0, 1.0)
+    count = jnp.asarray(count, jnp.float32)
+    ramp = jnp.clip((num_train_steps - count) / cooldown_steps, 0.0, 1.0)
+    if fitted is not None:
+      span = fitted.num_train_steps - fitted.knot_step
+      bent = fitted.knot_ramp * jnp.clip((fitted.num_train_steps - count) / span, 0.0, 1.0)
+      ramp = jnp.where(count > fitted.knot_step, bent, ramp)
+    return schedule(count) * ramp
   return cooled
 
 
@@ -66,8 +83,9 @@ def _base_schedule(config):
   raise ValueError(f'config.learning_rate_schedule={config.learning_rate_schedule!r}: use one of {SCHEDULES}')
 
 
-def make_schedule(config):
-  """The learning rate as a function of the update count: config.learning_rate_schedule, then the cooldown."""
+def make_schedule(config, fitted=None):
+  """The learning rate as a function of the update count: config.learning_rate_schedule, then the cooldown
+  (bent to end at `fitted`, a FittedEnd, when the run's end was fitted to its time limit)."""
   schedule = _base_schedule(config)
   cooldown = config.cooldown_steps
   if cooldown <= 0:
@@ -75,18 +93,19 @@ def make_schedule(config):
   if cooldown > config.num_train_steps:
     raise ValueError(f'config.cooldown_steps={cooldown} must lie in [1, config.num_train_steps='
                      f'{config.num_train_steps}]: the ramp ends at the last update')
-  return with_cooldown(schedule, config.num_train_steps, cooldown)
+  return with_cooldown(schedule, config.num_train_steps, cooldown, fitted)
 
 
-def make_optimizer(config):
+def make_optimizer(config, fitted=None):
   """Adam(b1, b2, eps) on the configured schedule (decoupled weight decay if config.weight_decay > 0, as
   fairseq's Adam and optax.adamw apply it: lr * weight_decay * param), after optional gradient clipping.
 
   Clipping is stateless, so it is applied inside Adam's update rather than chained in front of it: the
   optimizer state is Adam's alone with or without clipping, and a run can be resumed with
-  --config.grad_clip_norm switched on or off (as the NaN error advises).
+  --config.grad_clip_norm switched on or off (as the NaN error advises). `fitted`: see make_schedule; the
+  optimizer state is the same with or without it.
   """
-  schedule = make_schedule(config)
+  schedule = make_schedule(config, fitted)
   if config.weight_decay > 0:
     adam = optax.adamw(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
                        weight_decay=config.weight_decay)

@@ -60,6 +60,13 @@ def _validate_rdrop(config):
                       'attention_dropout_rate or relu_dropout_rate > 0): without it both predictions are the same')
 
 
+def _validate_schedule_fit(config):
+  if config.get('fit_schedule_to_time', False) and not (config.max_train_minutes > 0 and config.cooldown_steps > 0):
+    raise ConfigError('config.fit_schedule_to_time needs a time limit and a cooldown to fit to it: '
+                      f'config.max_train_minutes > 0 (now {config.max_train_minutes}) and config.cooldown_steps > 0 '
+                      f'(now {config.cooldown_steps})')
+
+
 def validate_config(config):
   """Raises ConfigError for a config that cannot be trained, before anything is read or written."""
   if config.get('task', 'translation') not in lm.TASKS:
@@ -87,6 +94,7 @@ def validate_config(config):
                       f"(config.sentencepiece_model_type='bpe'; now {config.sentencepiece_model_type!r}, task "
                       f'{lm.task_of(config)!r})')
   _validate_rdrop(config)
+  _validate_schedule_fit(config)
   for field in ('tokens_per_batch', 'log_every_steps', 'eval_every_steps', 'checkpoint_every_steps',
                 'grad_accumulation_steps', 'batch_rows_multiple'):
     if config[field] <= 0:

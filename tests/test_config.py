@@ -82,6 +82,11 @@ def test_multi30k_best_is_the_d256_recipe_with_a_cooldown_and_trains_from_valid_
     assert load_config_file(name).data_download == 'multi30k'
   hour = load_config_file('multi30k')
   assert hour.cooldown_steps == hour.num_train_steps - hour.warmup_steps
+  # Both end their cooldown within their time limit on a slower machine (a Zen 3 EPYC takes 3.3 s a step).
+  from flaxformer_nmt import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  assert c.fit_schedule_to_time and hour.fit_schedule_to_time
+  workdir_lib.validate_config(c)
+  workdir_lib.validate_config(hour)
 
 
 def test_decode_checkpoint_names_one_the_run_will_have():

@@ -200,6 +200,25 @@ def test_cooldown_ramps_the_schedule_linearly_to_zero_over_the_last_steps(name):
   np.testing.assert_allclose(ts.make_schedule(c)(999), base(999), rtol=1e-6)  # off by default
 
 
+def test_a_fitted_end_bends_the_cooldown_at_its_knot_to_reach_zero_at_its_end():
+  """A 1,000-update run (cooldown 300) fitted after update 750 to end at 850: the configured ramp up to the
+  knot, then from its value there ((1000 - 750) / 300) linearly to 0 at 850, written out per update. Catches a
+  bend that starts from 1 (a jump up at the knot), one anchored at the cooldown's start, one that still ends at
+  1,000, or a knot one update off."""
+  c = config_lib.base_config()
+  c.model.d_model, c.warmup_steps, c.num_train_steps, c.cooldown_steps = 64, 100, 1000, 300
+  base = ts.paper_schedule(64, 100)
+  knot_ramp = (1000 - 750) / 300
+  bent = ts.make_schedule(c, ts.FittedEnd(num_train_steps=850, knot_step=750, knot_ramp=knot_ramp))
+  for count in (0, 99, 500, 699, 700, 749, 750, 751, 800, 848, 849, 850, 900):
+    if count <= 750:
+      factor = min(1.0, (1000 - count) / 300)
+    else:
+      factor = knot_ramp * max(0.0, (850 - count) / (850 - 750))
+    np.testing.assert_allclose(bent(count), base(count) * factor, rtol=1e-5, atol=1e-12)
+  assert float(bent(850)) == 0.0 and float(bent(849)) > 0.0  # the fitted run's last update still moves
+
+
 def test_cooldown_longer_than_the_run_is_refused():
   c = config_lib.base_config()
   c.num_train_steps, c.cooldown_steps = 100, 101

@@ -1,0 +1,133 @@
+"""config.fit_schedule_to_time: the run's end fitted to its time limit (time_budget.py), measured once and kept
+on resume."""
+import json
+import types
+
+import numpy as np
+import pytest
+
+from conftest import small_config
+from flaxformer_nmt import checkpoints as checkpoints_lib
+from flaxformer_nmt import config as config_lib
+from flaxformer_nmt import time_budget
+from flaxformer_nmt import train
+from flaxformer_nmt import train_step as ts
+from flaxformer_nmt.workdir import ConfigError, validate_config
+
+
+def test_fitted_steps_are_the_time_left_less_the_recompile_at_the_measured_rate_never_more_than_configured():
+  # 1,000 s left, 10 of them for compiling the new step, at 2 s a step after 500 updates: 495 more.
+  assert time_budget.fitted_num_train_steps(500, 1000.0, 2.0, 10.0, 2250) == 995
+  assert time_budget.fitted_num_train_steps(500, 1001.9, 2.0, 0.0, 2250) == 1000  # whole steps only
+  assert time_budget.fitted_num_train_steps(500, 5000.0, 2.0, 10.0, 2250) == 2250  # never lengthened
+  assert time_budget.fitted_num_train_steps(500, 5.0, 2.0, 10.0, 2250) == 501  # no time: one last step
+
+
+def test_a_fitted_run_saves_closer_together_in_the_proportion_its_cooldown_shrank():
+  config = fit_config()
+  config.checkpoint_every_steps = 100
+  # The hour on a Zen 3 EPYC: the 1,750-step cooldown became 449 steps: a save every 26 steps, not 100.
+  assert time_budget.checkpoint_every_steps(config, ts.FittedEnd(949, 500, 1.0)) == 26
+  assert time_budget.checkpoint_every_steps(config, ts.FittedEnd(2250, 500, 1.0)) == 100  # it fit
+  assert time_budget.checkpoint_every_steps(config, None) == 100
+  assert time_budget.checkpoint_every_steps(config, ts.FittedEnd(501, 500, 1.0)) == 1
+
+
+class FakeClock:
+  def __init__(self, *times):
+    self.times = list(times)
+
+  def time(self):
+    return self.times.pop(0)
+
+
+def fit_config():
+  c = config_lib.base_config()
+  c.num_train_steps, c.cooldown_steps, c.warmup_steps, c.max_train_minutes = 2250, 1750, 500, 60.0
+  c.fit_schedule_to_time = True
+  return c
+
+
+def test_the_fit_measures_from_the_first_step_to_the_cooldown_start_and_is_written_for_resumes(tmp_path,
+                                                                                                 monkeypatch):
+  config = fit_config()
+  fit = time_budget.ScheduleFit(config, tmp_path, first_step=0, decided=None)
+  assert fit.fit_step == 500  # where the cooldown begins
+  monkeypatch.setattr(time_budget, 'time', types.SimpleNamespace(time=FakeClock(100.0, 1098.0).time))
+  fit.first_step_done(1, call_seconds=12.0)
+  assert not fit.due(499) and fit.due(500)
+  # 499 steps in 998 s: 2 s a step; 1,012 s left less 12 s of compiling hold 500 steps.
+  fitted = fit.fit(500, 1012.0, state=np.zeros(1))
+  assert fitted == ts.FittedEnd(num_train_steps=1000, knot_step=500, knot_ramp=1.0)
+  assert not fit.due(500)  # decided once
+  assert time_budget.load(tmp_path) == fitted
+  record = json.loads((tmp_path / time_budget.FILE).read_text())
+  assert record['seconds_per_step'] == pytest.approx(2.0) and record['configured_num_train_steps'] == 2250
+  # A resumed run follows the decision instead of measuring again.
+  assert not time_budget.ScheduleFit(config, tmp_path, first_step=600, decided=fitted).enabled
+
+
+def test_a_run_that_fits_keeps_its_steps_and_a_late_resume_measures_its_own_steps_first(tmp_path, monkeypatch):
+  config = fit_config()
+  fit = time_budget.ScheduleFit(config, tmp_path, first_step=800, decided=None)
+  assert fit.fit_step == 900  # resumed past the cooldown's start: MIN_MEASURED_STEPS of its own first
+  monkeypatch.setattr(time_budget, 'time', types.SimpleNamespace(time=FakeClock(0.0, 99.0).time))
+  fit.first_step_done(801, call_seconds=5.0)
+  assert fit.fit(900, 5000.0, state=np.zeros(1)) is None  # 1 s a step: 2,250 fit
+  assert time_budget.load(tmp_path).num_train_steps == 2250  # recorded: a resume does not measure again
+
+
+@pytest.mark.parametrize('field, value', [('max_train_minutes', 0.0), ('cooldown_steps', 0)])
+def test_fitting_without_a_time_limit_or_a_cooldown_is_a_config_error(toy_corpus, field, value):
+  config = small_config(toy_corpus)
+  config.max_train_minutes, config.cooldown_steps, config.fit_schedule_to_time = 10.0, 10, True
+  validate_config(config)
+  config[field] = value
+  with pytest.raises(ConfigError, match=f'config.{field}'):
+    validate_config(config)
+
+
+def test_the_trainer_fits_at_the_cooldown_start_follows_the_bent_schedule_and_stops_at_the_fitted_end(
+    toy_corpus, tmp_path, monkeypatch):
+  """The loop's side: the fit is asked for at the cooldown's start with this run's measurements, the step is
+  recompiled on the bent schedule (the learning rate logged at every step follows it), the run stops at the
+  fitted end, and the same command afterwards trains nothing more. The arithmetic is pinned to 40 steps."""
+  config = small_config(toy_corpus)
+  config.num_train_steps, config.cooldown_steps, config.warmup_steps = 60, 40, 10
+  config.max_train_minutes, config.fit_schedule_to_time = 100.0, True
+  config.log_every_steps, config.eval_every_steps, config.checkpoint_every_steps = 1, 1000, 10
+  config.keep_checkpoints = config.average_last_checkpoints = 3
+  asked = []
+
+  def pinned(step, seconds_left, seconds_per_step, reserve_seconds, configured):
+    asked.append((step, seconds_left, seconds_per_step, reserve_seconds, configured))
+    return 40
+  monkeypatch.setattr(time_budget, 'fitted_num_train_steps', pinned)
+  monkeypatch.setattr(time_budget, 'MIN_MEASURED_STEPS', 10)  # a run this short measures less
+  workdir = tmp_path / 'run'
+  train.train_and_evaluate(config, workdir)
+
+  [(step, seconds_left, seconds_per_step, reserve_seconds, configured)] = asked
+  assert (step, configured) == (20, 60)  # the cooldown starts after update 20
+  assert 0 < seconds_per_step < 60 and 0 < reserve_seconds < 600 and 5000 < seconds_left <= 6000
+  logged = {}
+  for line in (workdir / 'metrics.jsonl').read_text().splitlines():
+    record = json.loads(line)
+    if 'train/learning_rate' in record:
+      logged[record['step']] = record['train/learning_rate']
+  assert sorted(logged) == list(range(1, 41))  # stopped at the fitted end
+  base = ts.paper_schedule(config.model.d_model, 10, config.learning_rate_scale)
+  for s, lr in logged.items():  # the update after s - 1 updates
+    count = s - 1
+    factor = 1.0 if count <= 20 else (40 - count) / 20  # from 1 at the knot (the cooldown's start) to 0 at 40
+    np.testing.assert_allclose(lr, float(base(count)) * factor, rtol=1e-5)
+  assert time_budget.load(workdir) == ts.FittedEnd(40, 20, 1.0)
+  # Saves every 5 steps from the fit on (the cooldown halved, 40 - 20 of 60 - 20), so the last 3 averaged span
+  # the same share of it as the configured 10-step grid would have (not 20, 30, 40: back to the peak).
+  assert checkpoints_lib.Checkpoints(workdir).steps() == [30, 35, 40]
+  assert json.loads((workdir / 'averaged' / 'averaged.json').read_text())['steps'] == [30, 35, 40]
+  assert checkpoints_lib.regular_save_interval(workdir) == 5  # what `python -m flaxformer_nmt.average` uses
+
+  monkeypatch.setattr(time_budget, 'fitted_num_train_steps', None)  # a resume must not fit again
+  train.train_and_evaluate(config, workdir)
+  assert max(json.loads(line)['step'] for line in (workdir / 'metrics.jsonl').read_text().splitlines()) == 40
