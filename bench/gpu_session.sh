@@ -3,7 +3,8 @@
 #
 #   bash bench/gpu_session.sh env tests throughput decode     # the first lease's first call (447 s on an H100)
 #   bash bench/gpu_session.sh diagnose multi30k               # its second call
-#   bash bench/gpu_session.sh tests memory                    # what is still owed (bench/RESULTS.md, last section)
+#   bash bench/gpu_session.sh env tests throughput memory     # the second lease (cut at 585 s, in memory)
+#   bash bench/gpu_session.sh decode                          # still owed: newstest (bench/RESULTS.md, GPU sections)
 #
 # Stages:
 #   env         the GPU, driver and the Python stack that will run
@@ -17,8 +18,6 @@
 #   decode      sentences/s and target tokens/s, beam 4 and greedy, of the Multi30k model of gpu_carry/m30k
 #               on Multi30k test2016 and newstest2013 (bench/decode_throughput.py)
 #   multi30k    configs/multi30k.py trained on the GPU (wall time of its 2,400 steps), then test2016 BLEU
-#
-#   bash bench/gpu_session.sh env tests throughput memory     # the second lease (cut at 585 s in memory)
 #
 # What must travel with the working tree (the lent machine reaches no network and has no ../shared), made
 # here before the lease and named in the call's carry (gpu_carry and .whl are git-ignored):
