@@ -123,16 +123,20 @@ MATMUL_PRECISIONS = ('auto', 'float32', 'bfloat16')
 
 
 @functools.cache  # read once per process: every ModelConfig with 'auto' asks
-def cpu_has_bfloat16_dot(cpuinfo='/proc/cpuinfo'):
-  """Whether this CPU multiplies bfloat16 in hardware (x86 AVX512-BF16 or AMX-BF16; read from Linux's
-  /proc/cpuinfo, False where it cannot be read). Without it XLA converts bf16 operands to float32 first, and
-  bfloat16 matmuls are slower than float32 ones."""
+def cpu_flags(cpuinfo='/proc/cpuinfo'):
+  """The instruction-set flags of this CPU from Linux's /proc/cpuinfo (empty where it cannot be read)."""
   try:
     with open(cpuinfo) as f:
-      flags = next((line.split(':', 1)[1].split() for line in f if line.startswith('flags')), [])
+      return frozenset(next((line.split(':', 1)[1].split() for line in f if line.startswith('flags')), []))
   except OSError:
-    return False
-  return 'avx512_bf16' in flags or 'amx_bf16' in flags
+    return frozenset()
+
+
+def cpu_has_bfloat16_dot(cpuinfo='/proc/cpuinfo'):
+  """Whether this CPU multiplies bfloat16 in hardware (x86 AVX512-BF16 or AMX-BF16; False where
+  /proc/cpuinfo cannot be read). Without it XLA converts bf16 operands to float32 first, and bfloat16 matmuls
+  are slower than float32 ones."""
+  return bool({'avx512_bf16', 'amx_bf16'} & cpu_flags(cpuinfo))
 
 
 def resolve_matmul_precision(name, platform):

@@ -23,7 +23,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from flaxformer_nmt.checkpoints import FITTED_SCHEDULE_FILE as FILE
-from flaxformer_nmt.train_step import FittedEnd
+from flaxformer_nmt.train_step import FittedEnd, cooldown_ramp
 
 # Steps measured before deciding: enough for the step time to settle after the first (compiling) step.
 MIN_MEASURED_STEPS = 100
@@ -34,11 +34,6 @@ def fitted_num_train_steps(step, seconds_left, seconds_per_step, reserve_seconds
   seconds_per_step, never more than `configured` and at least one more."""
   fit = step + int((seconds_left - reserve_seconds) // seconds_per_step)
   return max(step + 1, min(configured, fit))
-
-
-def configured_ramp(config, step):
-  """The configured cooldown's factor for the update after `step` (train_step.with_cooldown's ramp)."""
-  return float(np.clip((config.num_train_steps - step) / config.cooldown_steps, 0.0, 1.0))
 
 
 def checkpoint_every_steps(config, fitted):
@@ -88,7 +83,8 @@ class ScheduleFit:
                                  self.config.num_train_steps)
     if jax.process_count() > 1:  # one schedule for every host: process 0's measurement decides
       end = int(multihost_utils.broadcast_one_to_all(np.int64(end)))
-    fitted = FittedEnd(end, step, configured_ramp(self.config, step))
+    knot_ramp = float(cooldown_ramp(step, self.config.num_train_steps, self.config.cooldown_steps))
+    fitted = FittedEnd(end, step, knot_ramp)
     if jax.process_index() == 0:
       record = dict(num_train_steps=fitted.num_train_steps, knot_step=step, knot_ramp=fitted.knot_ramp,
                     configured_num_train_steps=self.config.num_train_steps, seconds_per_step=seconds_per_step,

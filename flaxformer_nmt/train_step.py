@@ -52,6 +52,11 @@ class FittedEnd:
   knot_ramp: float
 
 
+def cooldown_ramp(count, num_train_steps, cooldown_steps):
+  """The factor of update `count` (from 0): 1 until the last `cooldown_steps` updates, then linearly to 0."""
+  return jnp.clip((num_train_steps - count) / cooldown_steps, 0.0, 1.0)
+
+
 def with_cooldown(schedule, num_train_steps, cooldown_steps, fitted=None):
   """`schedule` times a linear ramp from 1 down to 0 over the last `cooldown_steps` updates of a
   `num_train_steps` run (the decay stage of fairseq's tri_stage and of warmup-stable-decay schedules): update
@@ -61,7 +66,7 @@ def with_cooldown(schedule, num_train_steps, cooldown_steps, fitted=None):
   its end; the learning rate is continuous there."""
   def cooled(count):
     count = jnp.asarray(count, jnp.float32)
-    ramp = jnp.clip((num_train_steps - count) / cooldown_steps, 0.0, 1.0)
+    ramp = cooldown_ramp(count, num_train_steps, cooldown_steps)
     if fitted is not None:
       span = fitted.num_train_steps - fitted.knot_step
       bent = fitted.knot_ramp * jnp.clip((fitted.num_train_steps - count) / span, 0.0, 1.0)
