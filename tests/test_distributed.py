@@ -28,7 +28,8 @@ def start_processes(data_dir, workdir, num_steps, num_processes=2, overrides=())
   port = free_port()
   env = dict(os.environ, JAX_PLATFORMS='cpu',
              PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get('PYTHONPATH', '')]))
-  env.pop('XLA_FLAGS', None)  # one CPU device per process
+  env['XLA_FLAGS'] = ' '.join(flag for flag in os.environ.get('XLA_FLAGS', '').split()  # one CPU device per process
+                              if not flag.startswith('--xla_force_host_platform_device_count'))
   return [subprocess.Popen([sys.executable, os.path.join(HERE, 'multiprocess_train.py'), str(port), str(i),
                             str(num_processes), str(data_dir), str(workdir), str(num_steps), *overrides],
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
