@@ -329,7 +329,7 @@ def test_search_projecting_cross_attention_every_step_equals_the_cache(beam_size
   cached = jitted_search(model, cache_cross_kv=True, **options)(params, SRC, cache_cross_kv=True, **options)
   per_step = jitted_search(model, cache_cross_kv=False, **options)(params, SRC, cache_cross_kv=False, **options)
   np.testing.assert_array_equal(cached[0], per_step[0])
-  np.testing.assert_allclose(cached[1], per_step[1], atol=1e-5)
+  np.testing.assert_allclose(cached[1], per_step[1], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize('beam_size', [0, 4])
@@ -342,7 +342,7 @@ def test_search_with_a_growing_cache_equals_the_full_length_cache(beam_size):
   lengths = [len(decode._through_eos(tokens)) for tokens in np.asarray(grown[0]).reshape(-1, SRC.shape[1] + 20)]
   assert max(lengths) > 10  # outputs long enough to reach the last cache length
   np.testing.assert_array_equal(grown[0], full[0])
-  np.testing.assert_allclose(grown[1], full[1], atol=1e-5)
+  np.testing.assert_allclose(grown[1], full[1], rtol=1e-5, atol=1e-5)
 
 
 def test_sampling_from_the_top_1_is_greedy():
@@ -353,7 +353,7 @@ def test_sampling_from_the_top_1_is_greedy():
   sampled = jitted_search(model, top_k=1, **options)(params, SRC, keys, top_k=1, **options)
   for k in range(3):
     np.testing.assert_array_equal(sampled[0][:, k], greedy_tokens[:, 0])
-    np.testing.assert_allclose(sampled[1][:, k], greedy_scores[:, 0], atol=1e-5)
+    np.testing.assert_allclose(sampled[1][:, k], greedy_scores[:, 0], rtol=1e-5, atol=1e-5)
 
 
 def test_samples_use_only_the_top_k_tokens_of_the_full_decoder():

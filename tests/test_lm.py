@@ -176,11 +176,16 @@ PROMPTS = [[5, 6, 7], [9], [], [10, 11, 12, 13, 14]]
 def test_greedy_generation_equals_argmax_of_full_reruns():
   model, params = tiny('lm')
   out = _generate(model, params, PROMPTS, [0, 1, 2, 3], greedy=True)
+  # One compiled program for every length: the sequence right-padded to 16 (the causal mask keeps the padding
+  # out of the positions read, as test_no_information_flows_from_future_tokens checks).
+  full_model = jax.jit(lambda tokens: model.apply({'params': params}, tokens))
   for row, prompt in enumerate(PROMPTS):
     sequence = [BOS_ID] + prompt
     assert list(out[row, :len(prompt)]) == prompt  # the prompt is kept
     for _ in range(10):  # an independent loop: the whole sequence through the model at every step
-      logits = np.array(model.apply({"params": params}, jnp.asarray([sequence])))[0, -1]
+      padded = np.full((1, 16), PAD_ID, np.int32)
+      padded[0, :len(sequence)] = sequence
+      logits = np.array(full_model(jnp.asarray(padded)))[0, len(sequence) - 1]
       logits[[PAD_ID, BOS_ID]] = -np.inf
       sequence.append(int(logits.argmax()))
       if sequence[-1] == EOS_ID:

@@ -165,6 +165,7 @@ def test_bad_best_and_bleu_fields_are_named(toy_corpus, tmp_path):
     decode.load_params(tmp_path, 'best')
 
 
+@pytest.mark.slow  # 41-61 s of the 2-core CI machine (a 4-device subprocess); -m slow runs it
 def test_validation_bleu_decodes_sharded_parameters_like_host_ones():
   """Replicated over 4 devices or FSDP-sharded over 4, the in-training decode gives the translations of the
   same parameters on one device (which tests/test_quality.py's end-to-end test ties to decode.Translator)."""

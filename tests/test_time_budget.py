@@ -97,6 +97,7 @@ def test_the_trainer_fits_at_the_cooldown_start_follows_the_bent_schedule_and_st
   config.max_train_minutes, config.fit_schedule_to_time = 100.0, True
   config.log_every_steps, config.eval_every_steps, config.checkpoint_every_steps = 1, 1000, 10
   config.keep_checkpoints = config.average_last_checkpoints = 3
+  config.length_buckets = (32,)  # one batch shape: one compile of each schedule's step, not four
   asked = []
 
   def pinned(step, seconds_left, seconds_per_step, reserve_seconds, configured):
