@@ -16,7 +16,7 @@ if os.environ.get('TESTS_COMPILATION_CACHE', '1') != '0':
   os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'  # the small programs too
 
 # The tests compile hundreds of small programs and run each for a few steps: at LLVM optimization level 0 XLA's
-# CPU backend compiles them ~2.7x faster (the toy trainer's step: 11.9 s -> 3.8 s on a 2-core Zen 3) for code
+# CPU backend compiles them ~3x faster (the toy trainer's step: 11.9 s -> 3.8 s on a 2-core Zen 3) for code
 # that runs slower, which tiny models do not feel. Subprocesses inherit it. TESTS_XLA_OPTIMIZE=1 keeps XLA's
 # default level (the level users train at).
 if os.environ.get('TESTS_XLA_OPTIMIZE', '0') != '1':
