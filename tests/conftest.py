@@ -93,6 +93,7 @@ def small_config(data_dir):
   c.keep_checkpoints = 3
   c.average_last_checkpoints = 0
   c.decode_tokens_per_batch = 256
+  c.max_decode_extra_length = 10
   return c
 
 

@@ -76,16 +76,22 @@ def test_search_with_the_cache_equals_search_without_it(beam_size):
   np.testing.assert_allclose(cached[1], uncached[1], atol=1e-4)
 
 
-def exhaustive_best(model, params, src_row, max_length, alpha, vocab):
-  """Best-scoring output over every token sequence of at most max_length tokens ending in EOS."""
+def every_output(model, params, src_row, max_length, vocab):
+  """Every token sequence of at most max_length tokens ending in EOS, each with its log probability per token
+  (one teacher-forced pass of the full model over all of them)."""
   allowed = [t for t in range(vocab) if t not in (PAD_ID, BOS_ID, EOS_ID)]
   candidates = [list(body) + [EOS_ID] for length in range(1, max_length + 1)
                 for body in itertools.product(allowed, repeat=length - 1)]
   targets = np.array([c + [PAD_ID] * (max_length - len(c)) for c in candidates])
   tgt_in = np.concatenate([np.full((len(targets), 1), BOS_ID), targets[:, :-1]], axis=1)
   src = jnp.repeat(src_row[None], len(targets), axis=0)
-  log_probs = jax.nn.log_softmax(model.apply({'params': params}, src, jnp.asarray(tgt_in)))
+  log_probs = jax.nn.log_softmax(jax.jit(model.apply)({'params': params}, src, jnp.asarray(tgt_in)))
   token_log_probs = np.take_along_axis(np.asarray(log_probs), targets[:, :, None], axis=2)[:, :, 0]
+  return candidates, token_log_probs
+
+
+def exhaustive_best(candidates, token_log_probs, alpha):
+  """Best-scoring output of `every_output`'s candidates under length penalty alpha (a plain loop)."""
   scores = [token_log_probs[i, :len(c)].sum() / beam_search.length_penalty(len(c), alpha)
             for i, c in enumerate(candidates)]
   best = int(np.argmax(scores))
@@ -98,10 +104,11 @@ def test_a_beam_holding_every_hypothesis_finds_the_exhaustive_optimum():
   vocab = 8
   model, params = tiny_model(vocab_size=vocab)
   for max_length, beam_size in ((2, 6), (3, 31)):  # 1 + 5 and 1 + 5 + 25 outputs (5 allowed tokens)
+    outputs = [every_output(model, params, SRC[b], max_length, vocab) for b in range(SRC.shape[0])]
     for alpha in (0.0, 0.6, 2.0):
       sequences, scores = run_search(model, params, True, beam_size, max_length, alpha)
       for b in range(SRC.shape[0]):
-        best_score, best_sequence = exhaustive_best(model, params, SRC[b], max_length, alpha, vocab)
+        best_score, best_sequence = exhaustive_best(*outputs[b], alpha)
         found = [int(t) for t in sequences[b, 0]]
         found = found[:found.index(EOS_ID) + 1]
         assert found == best_sequence, (max_length, alpha, b)

@@ -193,7 +193,7 @@ def test_a_source_longer_than_the_positions_is_cut_with_its_line_named(translato
   long_line = ' '.join(['a big dog runs .'] * 1000)
   outputs = translator.translate(['a dog .', long_line], beam_size=0)
   assert len(outputs) == 2
-  assert 'Input line 2: longer than the model allows (max_position 80 - max_decode_extra_length 50' in caplog.text
+  assert 'Input line 2: longer than the model allows (max_position 80 - max_decode_extra_length 10' in caplog.text
 
 
 # --- fairseq-style options: ensembles, --max_len_a/--max_len_b, --dtype ----------------------------------------

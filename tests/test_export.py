@@ -96,6 +96,7 @@ def workdir(tmp_path_factory):
   config = small_config(write_toy_corpus(root / 'data'))
   config.learning_rate_scale = 0.5
   config.num_train_steps = 400
+  config.max_decode_extra_length = 50  # as CTranslate2's max_decoding_length below (small_config has 10)
   config.checkpoint_every_steps = 200
   config.eval_every_steps = 200
   config.log_every_steps = 100
