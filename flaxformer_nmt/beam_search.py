@@ -18,6 +18,9 @@ Stopping rule (fairseq's): a sentence is done once K hypotheses have finished (t
 one step's, the better ones) or at its length limit. A sentence of n source tokens may produce at most
 n + extra tokens: EOS is forced at that length, so every sentence finishes at least one hypothesis. The
 loop exits when every sentence is done; the finished hypotheses come back sorted by score.
+`min_length` (every search; 0 by default here, 1 in decode.py as fairseq's --min-len and CTranslate2's
+min_decoding_length) forbids EOS while fewer tokens have been generated: with 1, a non-empty source never
+gets an empty output, whatever the model prefers. A row's length limit wins over it.
 
 The searches are built from a state (BeamState, TokenState) whose arrays all lead with the sentence axis, a
 step, and a test of which sentences still search: beam_search() and friends run them in one jitted loop
@@ -40,22 +43,24 @@ def length_penalty(length, alpha):
   return ((5.0 + length) / 6.0) ** alpha
 
 
-def _mask_logits(log_probs, index, max_lengths, eos_id, forbidden_ids):
-  """Forbids `forbidden_ids`, and everything but EOS for rows that reached their length limit."""
+def _mask_logits(log_probs, index, max_lengths, eos_id, forbidden_ids, min_length=0):
+  """Forbids `forbidden_ids`, EOS before `min_length` tokens, and everything but EOS for rows that reached
+  their length limit."""
   tokens = jnp.arange(log_probs.shape[-1])
   forbidden = jnp.isin(tokens, jnp.asarray(forbidden_ids, jnp.int32)) if forbidden_ids else tokens < 0
+  forbidden = forbidden | ((tokens == eos_id) & (index < min_length))
   at_limit = (index + 1 >= max_lengths)
   at_limit = at_limit.reshape(at_limit.shape + (1,) * (log_probs.ndim - at_limit.ndim))
   # One select over [rows, V] (not one scatter per forbidden token): a single pass over the largest array.
   return jnp.where(forbidden | (at_limit & (tokens != eos_id)), NEG_INF, log_probs)
 
 
-def best_extensions(logits, base, n, index, max_lengths, eos_id, forbidden_ids):
+def best_extensions(logits, base, n, index, max_lengths, eos_id, forbidden_ids, min_length=0):
   """The n best allowed extensions of each row: (scores [..., n], tokens [..., n]), best first.
 
   logits [..., V]; base [...] (a row's log P so far, 0 for greedy); max_lengths broadcasts against base.
-  A row's scores are base + log_softmax(logits)[token] for its allowed tokens (not `forbidden_ids`; EOS only
-  once index + 1 reaches the row's limit), ranked by score, ties to the lower token, padded with NEG_INF:
+  A row's scores are base + log_softmax(logits)[token] for its allowed tokens (not `forbidden_ids`, nor EOS
+  while index < min_length; EOS only once index + 1 reaches the row's limit), ranked by score, ties to the lower token, padded with NEG_INF:
   top_k(base + mask(log_softmax(logits)), n), without [rows, V] arrays of log probabilities and masks. Those
   cost the CPU more than the step's output projection (a write and two reads of rows x V floats, and a
   select the slice maxima of `top_k` do not fuse); here the vocabulary is read for its normalizer and
@@ -63,13 +68,17 @@ def best_extensions(logits, base, n, index, max_lengths, eos_id, forbidden_ids):
   round to the same score at the n-th place could be kept in logit rather than token order: no case seen.)
   """
   logits = logits.astype(jnp.float32)
-  values, tokens, row_max = _top_k_and_max(logits, min(n + len(forbidden_ids), logits.shape[-1]))
+  # Enough candidates that n remain allowed: the forbidden tokens, and EOS where min_length may forbid it.
+  held_back = len(forbidden_ids) + (1 if min_length > 0 else 0)
+  values, tokens, row_max = _top_k_and_max(logits, min(n + held_back, logits.shape[-1]))
   shift = jax.lax.stop_gradient(row_max[..., None])
   log_norm = jnp.log(jnp.exp(logits - shift).sum(axis=-1, keepdims=True))  # log_softmax's, to the last bit
   log_softmax = lambda x: (x - shift) - log_norm
   scores = base[..., None] + log_softmax(values)
   if forbidden_ids:
     scores = jnp.where(jnp.isin(tokens, jnp.asarray(forbidden_ids, jnp.int32)), NEG_INF, scores)
+  if min_length > 0:
+    scores = jnp.where((tokens == eos_id) & (index < min_length), NEG_INF, scores)
   # A row at its length limit has one extension: EOS, whatever its rank.
   at_limit = jnp.broadcast_to(index + 1 >= max_lengths, base.shape)[..., None]
   slot = jnp.arange(tokens.shape[-1])
@@ -111,13 +120,13 @@ def beam_unfinished(state):
   return (state.num_finished < state.alive_log_probs.shape[1]) & (state.index < state.max_lengths)
 
 
-def beam_step(step_fn, state, *, alpha, eos_id, forbidden_ids):
+def beam_step(step_fn, state, *, alpha, eos_id, forbidden_ids, min_length=0):
   """One step of every sentence's search (see the module docstring for the rule)."""
   index, sequences, alive_log_probs, finished_sequences, finished_scores, num_finished, max_lengths, cache = state
   B, K = alive_log_probs.shape
   logits, cache = step_fn(sequences[:, :, index].reshape(B * K), index, cache)
   scores, tokens = best_extensions(logits.reshape(B, K, -1), alive_log_probs, 2 * K, index, max_lengths[:, None],
-                                   eos_id, forbidden_ids)
+                                   eos_id, forbidden_ids, min_length)
   scores, beams, tokens = _top_candidates(scores, tokens, 2 * K)
   valid = scores > NEG_INF / 2  # extensions of dead beams and masked tokens are not hypotheses
   is_eos = tokens == eos_id
@@ -150,7 +159,7 @@ def beam_output(state):
 
 
 def beam_search(step_fn, cache, *, batch_size, beam_size, max_length, max_lengths, alpha, bos_id, eos_id,
-                forbidden_ids=(), cache_lengths=()):
+                forbidden_ids=(), cache_lengths=(), min_length=0):
   """Returns (sequences [B, K, max_length], scores [B, K]), best first; sequences end at EOS, then pad 0.
 
   cache: pytree whose leaves have a leading axis of B * K (sentence-major: row b * K + k).
@@ -162,7 +171,8 @@ def beam_search(step_fn, cache, *, batch_size, beam_size, max_length, max_length
   """
   state = beam_start(cache, batch_size=batch_size, beam_size=beam_size, max_length=max_length,
                      max_lengths=max_lengths, bos_id=bos_id)
-  step = functools.partial(beam_step, step_fn, alpha=alpha, eos_id=eos_id, forbidden_ids=forbidden_ids)
+  step = functools.partial(beam_step, step_fn, alpha=alpha, eos_id=eos_id, forbidden_ids=forbidden_ids,
+                           min_length=min_length)
   return beam_output(staged_search(beam_unfinished, step, state, cache_lengths))
 
 
@@ -296,17 +306,17 @@ def token_unfinished(state):
   return ~state.finished
 
 
-def token_step(step_fn, choose, state, *, eos_id, forbidden_ids):
+def token_step(step_fn, choose, state, *, eos_id, forbidden_ids, min_length=0):
   """One token per row, picked by `choose(log_probs [N, V], index) -> tokens [N]` (None: the most likely
   allowed token, greedy search)."""
   index, sequences, finished, scores, max_lengths, cache = state
   logits, cache = step_fn(sequences[:, index], index, cache)
   if choose is None:  # greedy: the best allowed token, without a [rows, V] array of log probabilities
     token_log_probs, tokens = (x[:, 0] for x in best_extensions(
-        logits, jnp.zeros(finished.shape, jnp.float32), 1, index, max_lengths, eos_id, forbidden_ids))
+        logits, jnp.zeros(finished.shape, jnp.float32), 1, index, max_lengths, eos_id, forbidden_ids, min_length))
   else:
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))
-    log_probs = _mask_logits(log_probs, index, max_lengths, eos_id, forbidden_ids)
+    log_probs = _mask_logits(log_probs, index, max_lengths, eos_id, forbidden_ids, min_length)
     tokens = choose(log_probs, index)
     token_log_probs = jnp.take_along_axis(log_probs, tokens[:, None], axis=1)[:, 0]
   scores = scores + jnp.where(finished, 0.0, token_log_probs)
@@ -322,23 +332,25 @@ def token_output(state):
 
 
 def _token_by_token(step_fn, cache, choose, *, batch_size, max_length, max_lengths, bos_id, eos_id,
-                    forbidden_ids, cache_lengths=()):
+                    forbidden_ids, cache_lengths=(), min_length=0):
   """One token per row and step (see token_step); returns token_output's (sequences, log probabilities)."""
   state = token_start(cache, batch_size=batch_size, max_length=max_length, max_lengths=max_lengths, bos_id=bos_id)
-  step = functools.partial(token_step, step_fn, choose, eos_id=eos_id, forbidden_ids=forbidden_ids)
+  step = functools.partial(token_step, step_fn, choose, eos_id=eos_id, forbidden_ids=forbidden_ids,
+                           min_length=min_length)
   return token_output(staged_search(token_unfinished, step, state, cache_lengths))
 
 
 def greedy_search(step_fn, cache, *, batch_size, max_length, max_lengths, bos_id, eos_id, forbidden_ids=(),
-                  cache_lengths=()):
+                  cache_lengths=(), min_length=0):
   """Returns (sequences [B, max_length], log probabilities [B]): the most likely token at every step."""
   return _token_by_token(step_fn, cache, None,
                          batch_size=batch_size, max_length=max_length, max_lengths=max_lengths, bos_id=bos_id,
-                         eos_id=eos_id, forbidden_ids=forbidden_ids, cache_lengths=cache_lengths)
+                         eos_id=eos_id, forbidden_ids=forbidden_ids, cache_lengths=cache_lengths,
+                         min_length=min_length)
 
 
 def sample_search(step_fn, cache, keys, *, temperature, top_k, batch_size, max_length, max_lengths, bos_id,
-                  eos_id, forbidden_ids=(), cache_lengths=()):
+                  eos_id, forbidden_ids=(), cache_lengths=(), min_length=0):
   """Returns (sequences [B, max_length], log probabilities [B]) sampled token by token.
 
   Each token is drawn from softmax(logits / temperature) restricted to the `top_k` most likely tokens
@@ -348,7 +360,7 @@ def sample_search(step_fn, cache, keys, *, temperature, top_k, batch_size, max_l
   """
   return _token_by_token(step_fn, cache, sampling_rule(keys, temperature, top_k), batch_size=batch_size,
                          max_length=max_length, max_lengths=max_lengths, bos_id=bos_id, eos_id=eos_id,
-                         forbidden_ids=forbidden_ids, cache_lengths=cache_lengths)
+                         forbidden_ids=forbidden_ids, cache_lengths=cache_lengths, min_length=min_length)
 
 
 def sampling_rule(keys, temperature, top_k):

@@ -13,6 +13,7 @@ programs are kept in JAX's persistent cache (cli.use_compilation_cache): a later
   --greedy | --beam_size=K | --sampling [--temperature=T --top_k=K --seed=S]
   --format=fairseq [--n_best=N]: S-i (source), H-i (score, sentencepiece pieces), D-i (score, text) lines
   --max_len_a=A --max_len_b=B: at most floor(A * source length + B) tokens before EOS (default 1, 50)
+  --min_len=N: at least N tokens before EOS (default 1, as fairseq and CTranslate2: no empty outputs)
   --checkpoint=1700,1800 or --workdir=A,B: an ensemble (per-step average of the members' probabilities)
   --dtype=float32|bfloat16: compute dtype of decoding
 
@@ -176,14 +177,14 @@ def start_search(model, params, src, sample_keys=None, *, beam_size, extra_lengt
 
 
 def _search_rule(model, params, inputs, *, beam_size, alpha, temperature=1.0, top_k=0, cache_cross_kv=True,
-                 **unused):
+                 min_len=1, **unused):
   """(step(state) -> state, unfinished(state) -> [sentences or rows] bool) of the search start_search began."""
   del unused
   models, member_params = _members(model, params)
   keys = inputs.sample_keys
   step_fns = [_member_step(m, p, i, cache_cross_kv) for m, p, i in zip(models, member_params, inputs.members)]
   step_fn = step_fns[0] if len(step_fns) == 1 else _ensemble_step(step_fns)
-  common = dict(eos_id=EOS_ID, forbidden_ids=FORBIDDEN_IDS)
+  common = dict(eos_id=EOS_ID, forbidden_ids=FORBIDDEN_IDS, min_length=min_len)
   if keys is not None:
     choose = beam_search.sampling_rule(keys, temperature, top_k)
     return functools.partial(beam_search.token_step, step_fn, choose, **common), beam_search.token_unfinished
@@ -221,13 +222,15 @@ def search_output(inputs, state):
 
 
 def search(model, params, src, sample_keys=None, *, beam_size, alpha, extra_length, max_len_a=1.0, temperature=1.0,
-           top_k=0, cache_cross_kv=True, grow_cache=True):
+           top_k=0, cache_cross_kv=True, grow_cache=True, min_len=1):
   """Translations of a padded source batch [B, S]: (tokens [B, K, L], scores [B, K]), best first, in one
   jit-able call (the whole batch steps until its last sentence ends; Translator drops finished sentences).
 
   beam_size=0 decodes greedily (K = 1). With `sample_keys` ([B, n] PRNG keys) it samples n translations per
   sentence instead (see beam_search.sample_search), sorted by their log probability. A sentence of n source
-  pieces gets at most floor(max_len_a * n + extra_length) tokens before EOS (see output_limits).
+  pieces gets at most floor(max_len_a * n + extra_length) tokens before EOS (see output_limits), and at least
+  min_len (EOS is forbidden before; 1, fairseq's --min-len and CTranslate2's min_decoding_length, means no
+  empty output for a non-empty source; 0 allows EOS first).
 
   An ensemble passes a tuple of models and a tuple of their parameters: each step averages the members'
   probabilities (average_probabilities); every member has its own caches.
@@ -240,7 +243,8 @@ def search(model, params, src, sample_keys=None, *, beam_size, alpha, extra_leng
   allocates all max_length positions at once (same results, slower).
   """
   options = dict(beam_size=beam_size, alpha=alpha, extra_length=extra_length, max_len_a=max_len_a,
-                 temperature=temperature, top_k=top_k, cache_cross_kv=cache_cross_kv, grow_cache=grow_cache)
+                 temperature=temperature, top_k=top_k, cache_cross_kv=cache_cross_kv, grow_cache=grow_cache,
+                 min_len=min_len)
   inputs, state = start_search(model, params, src, sample_keys, **options)
   step, unfinished = _search_rule(model, params, inputs, **options)
   _, cache_lengths = search_lengths(model, src.shape, **options)
@@ -430,7 +434,7 @@ class Translator:
     self.checkpoint = descriptions[0] if len(members) == 1 else f'an ensemble of {", ".join(descriptions)}'
     self._search_model = self.models if len(members) > 1 else self.model
     static = ('beam_size', 'alpha', 'extra_length', 'max_len_a', 'temperature', 'top_k', 'cache_cross_kv',
-              'grow_cache')
+              'grow_cache', 'min_len')
     self._start = jax.jit(functools.partial(start_search, self._search_model), static_argnames=static)
     self._continue = jax.jit(functools.partial(continue_search, self._search_model), static_argnames=static)
     self._grow = jax.jit(beam_search.grow_cache, static_argnames='length')
@@ -469,13 +473,15 @@ class Translator:
 
   def _prepare(self, token_lists, beam_size=None, alpha=None, n_best=1, tokens_per_batch=None, sampling=False,
                temperature=1.0, top_k=0, cache_cross_kv=True, grow_cache=True, sort_by_length=True, max_len_a=None,
-               max_len_b=None):
+               max_len_b=None, min_len=1):
     """(the static options of the jitted search, its batches) for search_tokens and warm_up."""
     max_len_a = 1.0 if max_len_a is None else float(max_len_a)
     max_len_b = self.config.max_decode_extra_length if max_len_b is None else max_len_b
     if max_len_a < 0 or max_len_b < 0 or int(max_len_b) != max_len_b or (max_len_a == 0 and max_len_b < 1):
       raise ValueError(f'max_len_a={max_len_a} and max_len_b={max_len_b} must leave room for a token: '
                        'max_len_a >= 0, max_len_b a whole number >= 0, not both 0')
+    if min_len < 0 or int(min_len) != min_len:
+      raise ValueError(f'min_len={min_len} must be a whole number >= 0')
     beam_size = self.config.beam_size if beam_size is None else beam_size
     alpha = self.config.length_penalty_alpha if alpha is None else alpha
     if n_best < 1 or (not sampling and n_best > max(beam_size, 1)):
@@ -483,7 +489,7 @@ class Translator:
     if sampling and (temperature <= 0 or top_k < 0):
       raise ValueError(f'sampling needs temperature > 0 and top_k >= 0, not {temperature} and {top_k}')
     options = dict(beam_size=beam_size, alpha=float(alpha), extra_length=int(max_len_b), max_len_a=max_len_a,
-                   cache_cross_kv=cache_cross_kv, grow_cache=grow_cache)
+                   cache_cross_kv=cache_cross_kv, grow_cache=grow_cache, min_len=int(min_len))
     if sampling:
       options.update(beam_size=0, alpha=0.0, temperature=float(temperature), top_k=int(top_k))
     tokens_per_batch = tokens_per_batch or self.config.decode_tokens_per_batch
@@ -500,7 +506,8 @@ class Translator:
 
     options: beam_size (0: greedy), alpha, tokens_per_batch, temperature, top_k, max_len_a and max_len_b (at
     most floor(max_len_a * source length + max_len_b) tokens before EOS; default 1 and the config's
-    max_decode_extra_length, 50: the paper's source length + 50). sampling draws n_best
+    max_decode_extra_length, 50: the paper's source length + 50), min_len (at least that many tokens before
+    EOS; default 1: no empty output for a non-empty source). sampling draws n_best
     samples per sentence (beam_size is then unused); sample j of sentence i depends only on (seed,
     first_line + i, j), so a stream read in chunks samples as the whole list would. cache_cross_kv=False,
     grow_cache=False and sort_by_length=False switch off three speed-ups, for measuring them.
@@ -648,6 +655,8 @@ def define_flags():
   flags.DEFINE_float('max_len_a', None, 'Output at most max_len_a * source length + max_len_b tokens before EOS '
                      '(default 1, as the paper).')
   flags.DEFINE_integer('max_len_b', None, 'See max_len_a (default: the config\'s max_decode_extra_length, 50).')
+  flags.DEFINE_integer('min_len', 1, 'At least this many tokens before EOS (fairseq\'s --min-len, CTranslate2\'s '
+                       'min_decoding_length): 1 means no empty translation of a non-empty line; 0 allows EOS first.')
   flags.DEFINE_enum('dtype', None, list(DTYPES), 'Compute dtype for decoding (default: the config\'s, auto = '
                     'bfloat16 on GPU/TPU, float32 on CPU).')
   flags.DEFINE_integer('beam_size', None, 'Beam width (default: the config\'s); 0 is greedy.')
@@ -684,7 +693,8 @@ def main(argv):
     method = 'greedy' if beam_size == 0 else f'beam {beam_size or translator.config.beam_size}'
   logging.info('Translating with %s of %s (%s)', translator.checkpoint, FLAGS.workdir, method)
   options = dict(beam_size=beam_size, alpha=FLAGS.alpha, n_best=FLAGS.n_best,
-                 tokens_per_batch=FLAGS.tokens_per_batch, max_len_a=FLAGS.max_len_a, max_len_b=FLAGS.max_len_b)
+                 tokens_per_batch=FLAGS.tokens_per_batch, max_len_a=FLAGS.max_len_a, max_len_b=FLAGS.max_len_b,
+                 min_len=FLAGS.min_len)
   if FLAGS.sampling:
     options.update(sampling=True, temperature=FLAGS.temperature, top_k=FLAGS.top_k, seed=FLAGS.seed)
   try:  # bad option values stop before the output file is opened

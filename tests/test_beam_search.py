@@ -143,12 +143,13 @@ def automaton_log_probs(next_state, log_probs, b):
   return log_probs_of
 
 
-def reference_beam_search(log_probs_of, beam_size, limit, alpha, stats=None):
+def reference_beam_search(log_probs_of, beam_size, limit, alpha, stats=None, min_length=0):
   """Beam search written plainly: [(tokens ending with EOS, score)], best first.
 
   Each step ranks the candidate extensions of the alive prefixes by float32 log P (ties: earlier prefix, then
   lower token) and keeps the 2K best; an EOS candidate ranked among the K best finishes (until K have), the
-  K best others are the next alive prefixes. At step limit - 1 only EOS is allowed. Stops once K finished.
+  K best others are the next alive prefixes. At step limit - 1 only EOS is allowed; before step min_length EOS
+  is not (the limit wins). Stops once K finished.
   """
   K = beam_size
   alive, finished = [((), np.float32(0.0))], []
@@ -158,6 +159,8 @@ def reference_beam_search(log_probs_of, beam_size, limit, alpha, stats=None):
       row = log_probs_of(prefix)
       for token in range(len(row)):
         if token in FORBIDDEN or (step == limit - 1 and token != EOS_ID):
+          continue
+        if token == EOS_ID and step < min_length and step != limit - 1:
           continue
         candidates.append((np.float32(log_p + row[token]), position, token))
     candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
@@ -184,13 +187,13 @@ def random_automata(rng, batch, num_states, vocab):
   return next_state, logits.astype(np.float32)
 
 
-def run_automaton_beam(next_state, logits, beam_size, max_length, max_lengths, alpha):
+def run_automaton_beam(next_state, logits, beam_size, max_length, max_lengths, alpha, min_length=0):
   batch = len(next_state)
   step_fn = automaton_step_fn(next_state, logits, beam_size)
   search = jax.jit(lambda max_lengths: beam_search.beam_search(
       step_fn, jnp.zeros(batch * beam_size, jnp.int32), batch_size=batch, beam_size=beam_size,
       max_length=max_length, max_lengths=max_lengths, alpha=alpha, bos_id=BOS_ID, eos_id=EOS_ID,
-      forbidden_ids=FORBIDDEN))
+      forbidden_ids=FORBIDDEN, min_length=min_length))
   return jax.device_get(search(jnp.asarray(max_lengths)))
 
 
@@ -227,6 +230,45 @@ def test_beam_search_equals_a_plain_reference_on_random_automata(top_k_chunk, mo
   stats['cases'] = len(REFERENCE_CASES) * batch
   # The cases exercise what the rule is about: ties, and EOS candidates outside the K best.
   assert stats['ties'] > 50 and stats['eos_not_top_k'] > 50, stats
+
+
+def test_min_length_keeps_eos_out_of_the_first_steps_as_the_plain_reference_does():
+  # fairseq's --min-len and CTranslate2's min_decoding_length (both 1 by default; decode.py's min_len): EOS may
+  # not end a hypothesis before min_length tokens, unless the sentence's limit comes first. EOS is biased up so
+  # that most sentences' best output without the rule is EOS alone (the empty translation).
+  rng = np.random.default_rng(3)
+  batch, max_length = 40, 6
+  for beam_size, vocab, alpha, min_length in ((4, 8, 0.6, 1), (3, 16, 0.0, 2), (1, 12, 1.0, 1)):
+    next_state, logits = random_automata(rng, batch, 6, vocab)
+    logits[:, :, EOS_ID] += 3.0
+    log_probs = np.asarray(jax.jit(jax.nn.log_softmax)(logits))
+    max_lengths = rng.integers(1, max_length + 1, size=batch)
+    sequences, scores = run_automaton_beam(next_state, logits, beam_size, max_length, max_lengths, alpha,
+                                           min_length)
+    empty_without_the_rule = 0
+    for b in range(batch):
+      log_probs_of = automaton_log_probs(next_state, log_probs, b)
+      expected = reference_beam_search(log_probs_of, beam_size, int(max_lengths[b]), alpha, min_length=min_length)
+      found = hypotheses(sequences[b], scores[b])
+      assert [tokens for tokens, _ in found] == [tokens for tokens, _ in expected], (beam_size, min_length, b)
+      np.testing.assert_allclose([s for _, s in found], [s for _, s in expected], rtol=1e-5, atol=1e-5)
+      shortest = min(min_length + 1, int(max_lengths[b]))  # EOS included
+      assert all(len(tokens) >= shortest for tokens, _ in found), (found, max_lengths[b])
+      without = reference_beam_search(log_probs_of, beam_size, int(max_lengths[b]), alpha)
+      empty_without_the_rule += without[0][0] == (EOS_ID,)
+    assert empty_without_the_rule > batch // 4, empty_without_the_rule
+    # Greedy and sampling (token_step) obey it too: beam 1 is greedy; the samples start with EOS only at limit 1.
+    step_fn = automaton_step_fn(next_state, logits, 1)
+    common = dict(batch_size=batch, max_length=max_length, max_lengths=jnp.asarray(max_lengths), bos_id=BOS_ID,
+                  eos_id=EOS_ID, forbidden_ids=FORBIDDEN, min_length=min_length)
+    if beam_size == 1:
+      greedy, _ = jax.device_get(beam_search.greedy_search(step_fn, jnp.zeros(batch, jnp.int32), **common))
+      np.testing.assert_array_equal(greedy, sequences[:, 0])
+    keys = jax.random.split(jax.random.PRNGKey(0), batch)
+    samples, _ = jax.device_get(beam_search.sample_search(step_fn, jnp.zeros(batch, jnp.int32), keys,
+                                                          temperature=1.0, top_k=0, **common))
+    lengths = [len(decode._through_eos(row)) for row in samples]
+    assert all(n >= min(min_length + 1, limit) for n, limit in zip(lengths, max_lengths)), lengths
 
 
 @pytest.mark.parametrize('inner_chunk', [0, 2])  # 2: slices of slices, several levels deep

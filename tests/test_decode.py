@@ -279,10 +279,21 @@ def test_cli_max_len_limits_the_output_and_rejects_bad_values(workdir, translato
   assert max(len(p.split()) for p in pieces) == 2  # the toy model does not stop by itself within 2 pieces
   api = translator.translate(mixed, beam_size=0, max_len_a=0, max_len_b=2)
   assert [line.split('\t')[2] for line in result.stdout.splitlines() if line.startswith('D-')] == api
-  for bad in (['--max_len_a=-1'], ['--max_len_a=0', '--max_len_b=0']):
+  for bad, name in ((['--max_len_a=-1'], 'max_len_a'), (['--max_len_a=0', '--max_len_b=0'], 'max_len_a'),
+                    (['--min_len=-1'], 'min_len')):
     result = run_cli(bad + [f'--output={tmp_path / "out.de"}'], workdir, stdin='a dog .\n')
-    assert result.returncode == 1 and 'max_len_a' in result.stderr
+    assert result.returncode == 1 and name in result.stderr
     assert not (tmp_path / 'out.de').exists()
+  # min_len (no EOS before that many tokens; its rule is tested in test_beam_search.py) reaches every search.
+  options, _ = translator._prepare([], beam_size=2, min_len=3)
+  assert options['min_len'] == 3 and translator._prepare([])[0]['min_len'] == 1  # fairseq's and CTranslate2's
+  src = jnp.asarray(translator.tokenizer.encode(['a dog .']))
+  for beam_size, keys in ((2, None), (0, None), (0, decode.sample_keys(0, jnp.arange(1), 2))):
+    inputs, _ = decode.start_search(translator.model, translator.params, src, keys, beam_size=beam_size,
+                                    extra_length=5)
+    step, _ = decode._search_rule(translator.model, translator.params, inputs, beam_size=beam_size, alpha=0.6,
+                                  min_len=3)
+    assert step.keywords['min_length'] == 3
 
 
 def test_bfloat16_decoding_computes_in_bfloat16(workdir, translator, mixed):
