@@ -61,10 +61,11 @@ def best_extensions(logits, base, n, index, max_lengths, eos_id, forbidden_ids, 
   logits [..., V]; base [...] (a row's log P so far, 0 for greedy); max_lengths broadcasts against base.
   A row's scores are base + log_softmax(logits)[token] for its allowed tokens (not `forbidden_ids`, nor EOS
   while index < min_length; EOS only once index + 1 reaches the row's limit), ranked by score, ties to the
-  lower token, padded with NEG_INF: top_k(base + mask(log_softmax(logits)), n), without [rows, V] arrays of log probabilities and masks. Those
-  cost the CPU more than the step's output projection (a write and two reads of rows x V floats, and a
-  select the slice maxima of `top_k` do not fuse); here the vocabulary is read for its normalizer and
-  maxima only, and the rest works on n + len(forbidden_ids) raw-logit candidates per row. (Two logits that
+  lower token, padded with NEG_INF: top_k(base + mask(log_softmax(logits)), n), without [rows, V] arrays of
+  log probabilities and masks. Those cost the CPU more than the step's output projection (a write and two
+  reads of rows x V floats, and a select the slice maxima of `top_k` do not fuse); here the vocabulary is read
+  for its normalizer and maxima only, and the rest works on n + len(forbidden_ids) (+ 1 for EOS under
+  min_length) raw-logit candidates per row. (Two logits that
   round to the same score at the n-th place could be kept in logit rather than token order: no case seen.)
   """
   logits = logits.astype(jnp.float32)
