@@ -65,8 +65,8 @@ def best_extensions(logits, base, n, index, max_lengths, eos_id, forbidden_ids, 
   log probabilities and masks. Those cost the CPU more than the step's output projection (a write and two
   reads of rows x V floats, and a select the slice maxima of `top_k` do not fuse); here the vocabulary is read
   for its normalizer and maxima only, and the rest works on n + len(forbidden_ids) (+ 1 for EOS under
-  min_length) raw-logit candidates per row. (Two logits that
-  round to the same score at the n-th place could be kept in logit rather than token order: no case seen.)
+  min_length) raw-logit candidates per row. (Two logits that round to the same score at the n-th place could
+  be kept in logit rather than token order: no case seen.)
   """
   logits = logits.astype(jnp.float32)
   # Enough candidates that n remain allowed: the forbidden tokens, and EOS where min_length may forbid it.
