@@ -122,6 +122,8 @@ def output_limits(src, max_len_a, max_len_b, max_position):
 
 
 FORBIDDEN_IDS = (PAD_ID, BOS_ID)  # never generated
+# Tokens before EOS may end an output: fairseq's --min-len and CTranslate2's min_decoding_length default.
+MIN_LEN = 1
 
 
 class SearchInputs(NamedTuple):
@@ -177,7 +179,7 @@ def start_search(model, params, src, sample_keys=None, *, beam_size, extra_lengt
 
 
 def _search_rule(model, params, inputs, *, beam_size, alpha, temperature=1.0, top_k=0, cache_cross_kv=True,
-                 min_len=1, **unused):
+                 min_len=MIN_LEN, **unused):
   """(step(state) -> state, unfinished(state) -> [sentences or rows] bool) of the search start_search began."""
   del unused
   models, member_params = _members(model, params)
@@ -222,7 +224,7 @@ def search_output(inputs, state):
 
 
 def search(model, params, src, sample_keys=None, *, beam_size, alpha, extra_length, max_len_a=1.0, temperature=1.0,
-           top_k=0, cache_cross_kv=True, grow_cache=True, min_len=1):
+           top_k=0, cache_cross_kv=True, grow_cache=True, min_len=MIN_LEN):
   """Translations of a padded source batch [B, S]: (tokens [B, K, L], scores [B, K]), best first, in one
   jit-able call (the whole batch steps until its last sentence ends; Translator drops finished sentences).
 
@@ -473,7 +475,7 @@ class Translator:
 
   def _prepare(self, token_lists, beam_size=None, alpha=None, n_best=1, tokens_per_batch=None, sampling=False,
                temperature=1.0, top_k=0, cache_cross_kv=True, grow_cache=True, sort_by_length=True, max_len_a=None,
-               max_len_b=None, min_len=1):
+               max_len_b=None, min_len=MIN_LEN):
     """(the static options of the jitted search, its batches) for search_tokens and warm_up."""
     max_len_a = 1.0 if max_len_a is None else float(max_len_a)
     max_len_b = self.config.max_decode_extra_length if max_len_b is None else max_len_b
@@ -655,7 +657,7 @@ def define_flags():
   flags.DEFINE_float('max_len_a', None, 'Output at most max_len_a * source length + max_len_b tokens before EOS '
                      '(default 1, as the paper).')
   flags.DEFINE_integer('max_len_b', None, 'See max_len_a (default: the config\'s max_decode_extra_length, 50).')
-  flags.DEFINE_integer('min_len', 1, 'At least this many tokens before EOS (fairseq\'s --min-len, CTranslate2\'s '
+  flags.DEFINE_integer('min_len', MIN_LEN, 'At least this many tokens before EOS (fairseq\'s --min-len, CTranslate2\'s '
                        'min_decoding_length): 1 means no empty translation of a non-empty line; 0 allows EOS first.')
   flags.DEFINE_enum('dtype', None, list(DTYPES), 'Compute dtype for decoding (default: the config\'s, auto = '
                     'bfloat16 on GPU/TPU, float32 on CPU).')
