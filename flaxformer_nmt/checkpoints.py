@@ -18,6 +18,7 @@ A restart tells three kinds of restore failure apart (restore_newest_good):
 Averaging (the paper averages the last 5 or 20 checkpoints) reads the parameters alone, one checkpoint at a
 time, into a float32 running sum, and writes `{workdir}/averaged/` with the steps it averaged.
 """
+import functools
 import json
 import logging as std_logging
 import re
@@ -270,7 +271,8 @@ class Checkpoints:
     for step in sorted(self.steps(), reverse=True):
       try:
         self.check_matches(step, abstract_state, vocab_sha256)
-        restored = self._retrying(lambda: self.restore(abstract_state, step), f'checkpoint {step}')  # pylint: disable=cell-var-from-loop
+        restore = functools.partial(self.restore, abstract_state, step)
+        restored = self._retrying(restore, f'checkpoint {step}')
       except (CheckpointMismatchError, CheckpointStorageError):
         raise
       except Exception as e:  # pylint: disable=broad-except  (tensorstore and orbax raise many kinds)

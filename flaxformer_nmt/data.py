@@ -75,7 +75,8 @@ def read_parallel(data_dir, split, source_lang, target_lang, max_line_chars=0, s
       continue
     problem = None
     if not s or not t:
-      problem = f'{src_path if not s else tgt_path}:{number}: empty line while {tgt_path if not s else src_path}:{number} has text'
+      empty, other = (src_path, tgt_path) if not s else (tgt_path, src_path)
+      problem = f'{empty}:{number}: empty line while {other}:{number} has text'
     elif max_line_chars and max(len(s), len(t)) > max_line_chars:
       problem = (f'{src_path if len(s) > max_line_chars else tgt_path}:{number}: line of '
                  f'{max(len(s), len(t)):,} characters (config.max_line_chars={max_line_chars:,})')

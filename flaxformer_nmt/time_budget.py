@@ -100,3 +100,15 @@ class ScheduleFit:
                     '%s)', seconds_per_step, seconds_left, end - step, self.config.num_train_steps - step, end,
                     checkpoint_every_steps(self.config, fitted), self.workdir / FILE)
     return fitted
+
+
+def warn_cooldown_cut(step, cooldown_end, fitted):
+  """The warning of a run the time limit stopped at `step`, before its cooldown ended at `cooldown_end`."""
+  if fitted:  # the fit measured the steps before it; later ones (or more frequent saves) ran slower
+    logging.warning('The time limit stopped the run at step %d, %d steps before the end fitted to it (step %d): '
+                    'the steps after the fit ran slower than those before it.', step, cooldown_end - step,
+                    cooldown_end)
+  else:
+    logging.warning('The time limit stopped the run at step %d, before its learning-rate cooldown ended at step '
+                    '%d: size config.num_train_steps to config.max_train_minutes, or set '
+                    'config.fit_schedule_to_time.', step, cooldown_end)

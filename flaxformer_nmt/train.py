@@ -217,9 +217,7 @@ def train_and_evaluate(config, workdir):
                      decision.reason)
         break
   if decision.reason == 'config.max_train_minutes' and config.cooldown_steps > 0:
-    logging.warning('The time limit stopped the run at step %d, before its learning-rate cooldown ended at step '
-                    '%d: size config.num_train_steps to config.max_train_minutes, or set '
-                    'config.fit_schedule_to_time.', step, run.num_train_steps)
+    time_budget.warn_cooldown_cut(step, run.num_train_steps, fitted=run.num_train_steps < config.num_train_steps)
   finish(run, signalled=decision.signalled)
   logging.info('Trained steps %d..%d in %s', first_step, step, metrics_lib.duration(time.time() - start_time))
   return last

@@ -38,12 +38,43 @@ def test_configs_load_with_the_paper_values(name):
     assert (c.model.d_model, c.model.d_ff, c.model.num_heads, c.model.dropout_rate) == (1024, 4096, 16, 0.3)
 
 
-def load_config_file(name):
+def load_config_file(name, *args):
   import importlib.util  # pylint: disable=g-import-not-at-top
   spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, 'configs', f'{name}.py'))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module.get_config()
+  return module.get_config(*args)
+
+
+def test_the_hour_halves_its_batch_where_matmuls_stay_float32(monkeypatch):
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import model as model_lib  # pylint: disable=g-import-not-at-top
+  fast, slow = load_config_file('multi30k', 'bfloat16'), load_config_file('multi30k', 'float32')
+  assert (fast.tokens_per_batch, fast.num_train_steps, fast.decode_checkpoint) == (4096, 2250, 'averaged')
+  assert (slow.tokens_per_batch, slow.decode_checkpoint) == (2048, 'latest')
+  # Twice the steps of half the tokens: the warmup, the whole run, and the spacing of evaluations and saves
+  # cover the same tokens; the cooldown still starts where the warmup ends.
+  for field in ('warmup_steps', 'num_train_steps', 'log_every_steps', 'eval_every_steps', 'eval_bleu_every_steps',
+                'checkpoint_every_steps'):
+    assert slow[field] * slow.tokens_per_batch == fast[field] * fast.tokens_per_batch, field
+  assert slow.cooldown_steps == slow.num_train_steps - slow.warmup_steps
+  # Everything else is the same recipe.
+  differ = {k for k in fast.keys() if k != 'model' and fast[k] != slow[k]}
+  assert differ == {'tokens_per_batch', 'warmup_steps', 'num_train_steps', 'cooldown_steps', 'log_every_steps',
+                    'eval_every_steps', 'eval_bleu_every_steps', 'checkpoint_every_steps', 'decode_checkpoint'}
+  assert fast.model == slow.model
+  # By default the CPU's instructions choose; configs/multi30k.py:float32 chooses from the command line.
+  for has_bf16, expected in ((True, 4096), (False, 2048)):
+    monkeypatch.setattr(model_lib, 'cpu_has_bfloat16_dot', lambda has=has_bf16: has)
+    assert load_config_file('multi30k').tokens_per_batch == expected
+  argv = ['prog', '--config', os.path.join(REPO, 'configs', 'multi30k.py') + ':float32']
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file('config', None, flag_values=values, lock_config=True, sys_argv=argv)
+  values(argv)
+  assert values.config.tokens_per_batch == 2048
+  with pytest.raises(ValueError, match='multi30k.py:fp16'):
+    load_config_file('multi30k', 'fp16')
 
 
 def test_multi30k_tiny_is_the_fairseq_tiny_recipe():
