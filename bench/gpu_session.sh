@@ -128,7 +128,8 @@ stage_decode() {
 stage_multi30k() {
   local workdir=/tmp/m30k_gpu
   local start=$SECONDS
-  timeout 240 $PY -m flaxformer_nmt.train --config configs/multi30k.py --workdir $workdir \
+  # :bfloat16, the variant of the earlier GPU rows, whatever the host CPU's instructions (configs/multi30k.py)
+  timeout 240 $PY -m flaxformer_nmt.train --config configs/multi30k.py:bfloat16 --workdir $workdir \
     --config.data_dir=gpu_carry/data/multi30k --config.eval_bleu_tok_ref_dir=gpu_carry/data/multi30k_tok \
     "${TRAIN_SIZES[@]}"
   echo "# training wall time: $((SECONDS - start)) s"
