@@ -5,6 +5,7 @@
 #   bash bench/gpu_session.sh diagnose multi30k               # its second call
 #   bash bench/gpu_session.sh env tests throughput memory     # the second lease (cut at 585 s, in memory)
 #   bash bench/gpu_session.sh decode                          # still owed: newstest (bench/RESULTS.md, GPU sections)
+#   bash bench/gpu_session.sh env sweep profile               # the third lease (2026-11-27)
 #
 # Stages:
 #   env         the GPU, driver and the Python stack that will run
@@ -18,6 +19,9 @@
 #   decode      sentences/s and target tokens/s, beam 4 and greedy, of the Multi30k model of gpu_carry/m30k
 #               on Multi30k test2016 and newstest2013 (bench/decode_throughput.py)
 #   multi30k    configs/multi30k.py trained on the GPU (wall time of its 2,400 steps), then test2016 BLEU
+#   sweep       16 short Multi30k runs at once (bench/sweep.py, bench/sweeps/hour_float32.flags): recipe choices
+#               for issue 14 scored on valid; SWEEP_SECONDS (420) bounds it
+#   profile     the big step traced (bench/op_profile.py): time per part of the model and the costliest ops
 #
 # What must travel with the working tree (the lent machine reaches no network and has no ../shared), made
 # here before the lease and named in the call's carry (gpu_carry and .whl are git-ignored):
@@ -141,6 +145,19 @@ stage_multi30k() {
       --input gpu_carry/data/multi30k/test2016.en --reference gpu_carry/data/multi30k/test2016.de \
       --output "$OUT/test2016.$dtype.de"
   done
+}
+
+stage_sweep() {
+  # Recipe choices for configs/multi30k.py's float32 hour, 16 runs sharing the GPU (bench/sweeps/*.flags)
+  local seconds=${SWEEP_SECONDS:-420}
+  timeout $((seconds + 30)) $PY bench/sweep.py --flagfile=bench/sweeps/hour_float32.flags --root /tmp/sweep \
+    --out "$OUT" --parallel 16 --timeout_s "$seconds"
+}
+
+stage_profile() {
+  # Where the big step's time goes, op by op (bench/op_profile.py): the share MFU does not account for
+  timeout 150 $PY bench/train_throughput.py --nocheck_xla_flops --configs big --lengths 64 --tokens_per_batch 16384 \
+    --steps 10 --profile_dir /tmp/big_profile --profile_top 30
 }
 
 setup

@@ -48,13 +48,39 @@ def trace(run_steps, steps, directory):
   return data['traceEvents'] if isinstance(data, dict) else data
 
 
+# Kernels a GPU step runs from libraries, not from XLA's own fusions: their names do not name an HLO
+# instruction (XLA wraps a step in CUDA graphs, so args.hlo_op only names the command buffer).
+LIBRARY_KERNELS = (
+    ('matmul: cuBLAS kernels', r'^nvjet|gemm|xmma|cutlass'),
+    ('attention: cuDNN kernels', r'cudnn'),
+)
+
+
+def instruction_of(event, sources):
+  """The HLO instruction an event ran, a library kernel's label, or None. A CPU names the event after the
+  instruction; a GPU after the kernel, which is the instruction's name with '_' for its last '.'."""
+  name = str(event.get('name', '')).lstrip('%')
+  if name in sources:
+    return name
+  dotted = re.sub(r'_(\d+)$', r'.\1', name)
+  if dotted in sources:
+    return dotted
+  if 'hlo_op' not in (event.get('args') or {}):  # not a device kernel (host events: Python, runtime)
+    return None
+  for label, pattern in LIBRARY_KERNELS:
+    if re.search(pattern, name):
+      return label
+  return None
+
+
 def rank_ops(events, sources, steps):
-  """[(ms per step, calls per step, name)] of the trace's complete events that name an HLO instruction,
-  largest first. A thunk nested in another (a while body's ops) counts in both."""
+  """[(ms per step, calls per step, name)] of the trace's complete events that ran an HLO instruction (or a
+  library kernel: LIBRARY_KERNELS), largest first. A thunk nested in another (a while body's ops) counts in
+  both."""
   total_us, calls = collections.Counter(), collections.Counter()
   for event in events:
-    name = str(event.get('name', '')).lstrip('%')
-    if event.get('ph') == 'X' and name in sources:
+    name = instruction_of(event, sources) if event.get('ph') == 'X' else None
+    if name is not None:
       total_us[name] += float(event.get('dur', 0.0))
       calls[name] += 1
   return [(us / 1e3 / steps, calls[name] / steps, name) for name, us in total_us.most_common()]
@@ -79,6 +105,8 @@ COMPONENTS = (
 
 
 def component_of(op_name, opcode):
+  if opcode == 'library':
+    return op_name
   if not op_name:
     return f'no op_name: {opcode}'  # copies XLA added, fusions of its own
   for label, pattern in COMPONENTS:
@@ -87,13 +115,31 @@ def component_of(op_name, opcode):
   return 'optimizer update, NaN guard, metrics'  # what is left outside the gradient
 
 
+def kind_of(name, opcode):
+  """On a GPU: 'matmuls' (XLA's GEMM fusions, cuBLAS), 'attention kernels' (cuDNN) or 'the rest' (elementwise
+  and reduction fusions, copies: memory-bound work that MFU does not count). A CPU's dots hide inside fusions
+  and oneDNN calls, so the split is printed for GPU traces only."""
+  if opcode == 'dot' or name.startswith('gemm_fusion') or name == LIBRARY_KERNELS[0][0]:
+    return 'matmuls'
+  return 'attention kernels' if name == LIBRARY_KERNELS[1][0] else 'the rest'
+
+
 def print_profile(hlo_text, run_steps, *, steps, directory, top, step_ms):
   """Traces run_steps(steps) and prints the time a step spends in each part of the model, then the `top`
   costliest operations of the step compiled as `hlo_text` (saved beside the trace as step.hlo.txt)."""
   pathlib.Path(directory).mkdir(parents=True, exist_ok=True)
   (pathlib.Path(directory) / 'step.hlo.txt').write_text(hlo_text)
   sources = op_sources(hlo_text)
-  ranked = rank_ops(trace(run_steps, steps, directory), sources, steps)
+  sources.update((label, ('library', label, '')) for label, _ in LIBRARY_KERNELS)
+  events = trace(run_steps, steps, directory)
+  ranked = rank_ops(events, sources, steps)
+  if sum(ms for ms, _, _ in ranked) < 0.5 * step_ms:  # events this parser does not read: say what they hold
+    names = collections.Counter(str(e.get('name', ''))[:60] for e in events if e.get('ph') == 'X')
+    keys = collections.Counter(k for e in events if e.get('ph') == 'X' for k in (e.get('args') or {}))
+    hlo_ops = sorted({str(e['args']['hlo_op']) for e in events if 'hlo_op' in (e.get('args') or {})})
+    print(f'# profile: most trace time is in events not named after an HLO instruction; commonest names '
+          f'{names.most_common(8)}; argument keys {keys.most_common(12)}; hlo_op values {hlo_ops[:8]} '
+          f'(of {len(hlo_ops)}); HLO instructions {sorted(sources)[:8]} (of {len(sources)})')
   if not ranked:
     print(f'# profile: no XLA operations found in the trace (in {directory})')
     return
@@ -105,6 +151,11 @@ def print_profile(hlo_text, run_steps, *, steps, directory, top, step_ms):
     opcode, op_name, _ = sources[name]
     by_component[component_of(op_name, opcode)] += ms
     ops[component_of(op_name, opcode)] += 1
+  by_kind = collections.Counter()
+  for ms, _, name in ranked:
+    by_kind[kind_of(name, sources[name][0])] += ms
+  if any(name in dict(LIBRARY_KERNELS) for _, _, name in ranked):  # a GPU: its fusions name their dots
+    print('# by kind: ' + ', '.join(f'{kind} {ms:.1f} ms ({ms / step_ms:.1%})' for kind, ms in by_kind.most_common()))
   print(f'# {"ms":>8} {"share":>6} {"ops":>5}  part of the step')
   for label, ms in by_component.most_common():
     print(f'# {ms:8.1f} {ms / step_ms:6.1%} {ops[label]:5d}  {label}')

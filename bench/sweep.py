@@ -1,0 +1,135 @@
+r"""Many short training runs of one config at once, each with its own overrides, and the validation numbers
+each run logged at its last step: a screen of recipe choices on one accelerator (a Multi30k model leaves an
+H100 idle most of a step, so a dozen runs share it), or a few at a time on a CPU.
+
+  python bench/sweep.py --config configs/multi30k.py:float32 --root /tmp/sweep --parallel 12 \
+      --common='--config.num_train_steps=1900 --config.eval_bleu_every_steps=100000 --config.eval_bleu_beam_size=4' \
+      --variant='base:' --variant='dropout_0.1: --config.model.dropout_rate=0.1' --seeds=0,1
+  python bench/sweep.py --flagfile=bench/sweeps/hour_float32.flags --root /tmp/sweep
+
+Each variant x seed trains in {root}/{variant}.s{seed} (log beside it) with the config, the --common overrides,
+then the variant's own, then --config.seed. Validation BLEU comes from the trainer's own evaluation at the last
+step (bleu_eval.py; give the beam size and an eval_bleu_every_steps past the end in --common, so that it runs
+once), so every run is scored by the same code as a real run. Prints a Markdown table (also {root}/sweep.md and
+sweep.json): steps done, validation NLL, cased sacreBLEU, lowercased tokenized BLEU, length ratio, wall time.
+Validation only: choices are made on it.
+"""
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+_CONFIG = flags.DEFINE_string('config', 'configs/multi30k.py', 'The config every run starts from.')
+_ROOT = flags.DEFINE_string('root', '/tmp/sweep', 'One workdir per run under it.')
+_COMMON = flags.DEFINE_string('common', '', 'Overrides (trainer flags) given to every run.')
+_VARIANTS = flags.DEFINE_multi_string('variant', [], "'name: --config.x=1 --config.y=2' (nothing after ':' = "
+                                      'the config and --common alone).')
+_SEEDS = flags.DEFINE_list('seeds', ['0'], 'config.seed of each variant\'s runs.')
+_PARALLEL = flags.DEFINE_integer('parallel', 1, 'Runs at once.')
+_TIMEOUT = flags.DEFINE_float('timeout_s', 0.0, 'Stop the runs still going after this many seconds (0: none) '
+                              'and report the rest.')
+_OUT = flags.DEFINE_string('out', '', 'Also copy sweep.md and sweep.json into this folder.')
+
+
+def parse_variant(text):
+  """'name: overrides' -> (name, [override, ...])."""
+  name, sep, overrides = text.partition(':')
+  if not sep or not name.strip():
+    raise app.UsageError(f"--variant={text!r}: write 'name: --config.field=value ...'")
+  return name.strip(), shlex.split(overrides)
+
+
+def last_metrics(workdir):
+  """The last value of each key in {workdir}/metrics.jsonl, with the step it was logged at."""
+  path = os.path.join(workdir, 'metrics.jsonl')
+  last = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      for line in f:
+        last.update(json.loads(line))
+  return last
+
+
+def summary_row(name, seed, workdir, status, seconds):
+  m = last_metrics(workdir)
+  number = lambda key, fmt: format(m[key], fmt) if key in m else '-'
+  return {'variant': name, 'seed': seed, 'status': status, 'steps': m.get('step', 0),
+          'valid_nll': number('eval/nll', '.3f'), 'sacrebleu': number('eval/bleu', '.2f'),
+          'lc_tok': number('eval/tok_bleu', '.2f'), 'length_ratio': number('eval/bleu_length_ratio', '.3f'),
+          'train_nll': number('train/nll', '.3f'), 'minutes': f'{seconds / 60:.1f}'}
+
+
+def run_all(runs):
+  """Runs (name, seed, command, workdir) _PARALLEL at a time; returns their summary rows."""
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE='false')  # a dozen processes share one GPU's memory
+  waiting, running, rows = list(runs), {}, []
+  start = time.time()
+  while waiting or running:
+    while waiting and len(running) < _PARALLEL.value:
+      name, seed, command, workdir = waiting.pop(0)
+      log = open(workdir + '.log', 'w')
+      running[subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)] = (
+          name, seed, workdir, time.time(), log)
+    time.sleep(2)
+    out_of_time = _TIMEOUT.value and time.time() - start > _TIMEOUT.value
+    for process, (name, seed, workdir, began, log) in list(running.items()):
+      if process.poll() is None and not out_of_time:
+        continue
+      if process.poll() is None:
+        process.kill()
+        process.wait()
+      status = {None: 'timeout', 0: 'ok'}.get(process.returncode, f'exit {process.returncode}')
+      status = 'timeout' if out_of_time and process.returncode != 0 else status
+      log.close()
+      rows.append(summary_row(name, seed, workdir, status, time.time() - began))
+      print(' '.join(f'{k}={v}' for k, v in rows[-1].items()), flush=True)
+      if status != 'ok':  # the error, not only that there was one
+        with open(workdir + '.log') as f:
+          print(''.join(f.readlines()[-4:]), end='', flush=True)
+      del running[process]
+    if out_of_time:
+      rows += [summary_row(name, seed, workdir, 'not started', 0) for name, seed, _, workdir in waiting]
+      waiting = []
+  return rows
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if not _VARIANTS.value:
+    raise app.UsageError('give at least one --variant')
+  variants = [parse_variant(text) for text in _VARIANTS.value]
+  names = [name for name, _ in variants]
+  if len(set(names)) != len(names):
+    raise app.UsageError(f'--variant names repeat: {sorted(n for n in set(names) if names.count(n) > 1)}')
+  os.makedirs(_ROOT.value, exist_ok=True)
+  runs = []
+  for name, overrides in variants:
+    for seed in _SEEDS.value:
+      workdir = os.path.join(_ROOT.value, f'{name}.s{seed}')
+      runs.append((name, seed, [sys.executable, '-m', 'flaxformer_nmt.train', '--config', _CONFIG.value,
+                                '--workdir', workdir, *shlex.split(_COMMON.value), *overrides,
+                                f'--config.seed={seed}'], workdir))
+  rows = run_all(runs)
+  order = {name: i for i, (name, *_) in enumerate(runs)}
+  rows.sort(key=lambda r: (order[r['variant']], r['seed']))
+  keys = list(rows[0])
+  table = ['| ' + ' | '.join(keys) + ' |', '|' + '---|' * len(keys)]
+  table += ['| ' + ' | '.join(str(r[k]) for k in keys) + ' |' for r in rows]
+  header = [f'config {_CONFIG.value}; common {_COMMON.value or "-"}', '']
+  header += [f'- {name}: {" ".join(o) or "-"}' for name, o in variants] + ['']
+  text = '\n'.join(header + table) + '\n'
+  print(text)
+  for folder in filter(None, (_ROOT.value, _OUT.value)):
+    with open(os.path.join(folder, 'sweep.md'), 'w') as f:
+      f.write(text)
+    with open(os.path.join(folder, 'sweep.json'), 'w') as f:
+      json.dump(rows, f, indent=1)
+
+
+if __name__ == '__main__':
+  app.run(main)
