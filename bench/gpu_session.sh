@@ -151,6 +151,7 @@ stage_sweep() {
   # Recipe choices for configs/multi30k.py's float32 hour, 16 runs sharing the GPU (bench/sweeps/*.flags)
   local seconds=${SWEEP_SECONDS:-420}
   timeout $((seconds + 30)) $PY bench/sweep.py --flagfile=bench/sweeps/hour_float32.flags --root /tmp/sweep \
+    --extra='--config.data_dir=gpu_carry/data/multi30k --config.eval_bleu_tok_ref_dir=gpu_carry/data/multi30k_tok' \
     --out "$OUT" --parallel 16 --timeout_s "$seconds"
 }
 

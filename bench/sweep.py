@@ -26,6 +26,8 @@ from absl import app, flags
 _CONFIG = flags.DEFINE_string('config', 'configs/multi30k.py', 'The config every run starts from.')
 _ROOT = flags.DEFINE_string('root', '/tmp/sweep', 'One workdir per run under it.')
 _COMMON = flags.DEFINE_string('common', '', 'Overrides (trainer flags) given to every run.')
+_EXTRA = flags.DEFINE_string('extra', '', 'More overrides for every run, after --common: what a flagfile '
+                             'cannot know, such as where this machine keeps the data.')
 _VARIANTS = flags.DEFINE_multi_string('variant', [], "'name: --config.x=1 --config.y=2' (nothing after ':' = "
                                       'the config and --common alone).')
 _SEEDS = flags.DEFINE_list('seeds', ['0'], 'config.seed of each variant\'s runs.')
@@ -112,7 +114,8 @@ def main(argv):
     for seed in _SEEDS.value:
       workdir = os.path.join(_ROOT.value, f'{name}.s{seed}')
       runs.append((name, seed, [sys.executable, '-m', 'flaxformer_nmt.train', '--config', _CONFIG.value,
-                                '--workdir', workdir, *shlex.split(_COMMON.value), *overrides,
+                                '--workdir', workdir, *shlex.split(_COMMON.value),
+                                *shlex.split(_EXTRA.value), *overrides,
                                 f'--config.seed={seed}'], workdir))
   rows = run_all(runs)
   order = {name: i for i, (name, *_) in enumerate(runs)}
@@ -120,7 +123,7 @@ def main(argv):
   keys = list(rows[0])
   table = ['| ' + ' | '.join(keys) + ' |', '|' + '---|' * len(keys)]
   table += ['| ' + ' | '.join(str(r[k]) for k in keys) + ' |' for r in rows]
-  header = [f'config {_CONFIG.value}; common {_COMMON.value or "-"}', '']
+  header = [f'config {_CONFIG.value}; common {_COMMON.value or "-"} {_EXTRA.value}', '']
   header += [f'- {name}: {" ".join(o) or "-"}' for name, o in variants] + ['']
   text = '\n'.join(header + table) + '\n'
   print(text)

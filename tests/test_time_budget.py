@@ -132,3 +132,17 @@ def test_the_trainer_fits_at_the_cooldown_start_follows_the_bent_schedule_and_st
   monkeypatch.setattr(time_budget, 'fitted_num_train_steps', None)  # a resume must not fit again
   train.train_and_evaluate(config, workdir)
   assert max(json.loads(line)['step'] for line in (workdir / 'metrics.jsonl').read_text().splitlines()) == 40
+
+
+def test_a_run_the_time_limit_cut_is_told_to_fit_its_schedule_only_where_it_was_not_fitted(caplog):
+  """A fitted run that still ran out of time must not be told to set fit_schedule_to_time (it is set); it is
+  told how far short of its fitted end it stopped. An unfitted one is told the two ways out."""
+  with caplog.at_level('WARNING'):
+    time_budget.warn_cooldown_cut(1884, 1900, fitted=True)
+  assert 'step 1884, 16 steps before the end fitted to it (step 1900)' in caplog.text
+  assert 'fit_schedule_to_time' not in caplog.text
+  caplog.clear()
+  with caplog.at_level('WARNING'):
+    time_budget.warn_cooldown_cut(949, 2250, fitted=False)
+  assert 'before its learning-rate cooldown ended at step 2250' in caplog.text
+  assert 'set config.fit_schedule_to_time' in caplog.text
