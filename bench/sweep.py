@@ -81,11 +81,11 @@ def run_all(runs):
     for process, (name, seed, workdir, began, log) in list(running.items()):
       if process.poll() is None and not out_of_time:
         continue
-      if process.poll() is None:
+      killed = process.poll() is None
+      if killed:
         process.kill()
         process.wait()
-      status = {None: 'timeout', 0: 'ok'}.get(process.returncode, f'exit {process.returncode}')
-      status = 'timeout' if out_of_time and process.returncode != 0 else status
+      status = 'timeout' if killed else 'ok' if process.returncode == 0 else f'exit {process.returncode}'
       log.close()
       rows.append(summary_row(name, seed, workdir, status, time.time() - began))
       print(' '.join(f'{k}={v}' for k, v in rows[-1].items()), flush=True)
