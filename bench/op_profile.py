@@ -136,10 +136,8 @@ def print_profile(hlo_text, run_steps, *, steps, directory, top, step_ms):
   if sum(ms for ms, _, _ in ranked) < 0.5 * step_ms:  # events this parser does not read: say what they hold
     names = collections.Counter(str(e.get('name', ''))[:60] for e in events if e.get('ph') == 'X')
     keys = collections.Counter(k for e in events if e.get('ph') == 'X' for k in (e.get('args') or {}))
-    hlo_ops = sorted({str(e['args']['hlo_op']) for e in events if 'hlo_op' in (e.get('args') or {})})
     print(f'# profile: most trace time is in events not named after an HLO instruction; commonest names '
-          f'{names.most_common(8)}; argument keys {keys.most_common(12)}; hlo_op values {hlo_ops[:8]} '
-          f'(of {len(hlo_ops)}); HLO instructions {sorted(sources)[:8]} (of {len(sources)})')
+          f'{names.most_common(8)}; argument keys {keys.most_common(12)}')
   if not ranked:
     print(f'# profile: no XLA operations found in the trace (in {directory})')
     return
@@ -151,10 +149,10 @@ def print_profile(hlo_text, run_steps, *, steps, directory, top, step_ms):
     opcode, op_name, _ = sources[name]
     by_component[component_of(op_name, opcode)] += ms
     ops[component_of(op_name, opcode)] += 1
-  by_kind = collections.Counter()
-  for ms, _, name in ranked:
-    by_kind[kind_of(name, sources[name][0])] += ms
   if any(name in dict(LIBRARY_KERNELS) for _, _, name in ranked):  # a GPU: its fusions name their dots
+    by_kind = collections.Counter()
+    for ms, _, name in ranked:
+      by_kind[kind_of(name, sources[name][0])] += ms
     print('# by kind: ' + ', '.join(f'{kind} {ms:.1f} ms ({ms / step_ms:.1%})' for kind, ms in by_kind.most_common()))
   print(f'# {"ms":>8} {"share":>6} {"ops":>5}  part of the step')
   for label, ms in by_component.most_common():

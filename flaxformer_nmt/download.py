@@ -152,7 +152,9 @@ def download_multi30k(data_dir, base_url=MULTI30K_URL, files=None, verify=True):
     got_lines = text.count(b'\n')
     if got_lines != lines:
       raise DownloadError(f'{url}: {got_lines} lines, expected {lines}')
-    tmp = data_dir / f'.{name}.tmp'
+    # This process's own temporary name: runs started together (bench/sweep.py, two commands sharing the
+    # cache) each write a whole file and rename it into place, never one another's half-written one.
+    tmp = data_dir / f'.{name}.{os.getpid()}.tmp'
     tmp.write_bytes(text)
     tmp.rename(path)
     logging.info('Wrote %s (%d lines) from %s', path, lines, url)
