@@ -6,6 +6,7 @@
 #   bash bench/gpu_session.sh env tests throughput memory     # the second lease (cut at 585 s, in memory)
 #   bash bench/gpu_session.sh decode                          # still owed: newstest (bench/RESULTS.md, GPU sections)
 #   bash bench/gpu_session.sh env sweep profile               # the third lease (2026-11-27)
+#   SWEEP_PARALLEL=12 bash bench/gpu_session.sh env sweep     # the fourth (2026-11-27): NLL came back, no BLEU
 #
 # Stages:
 #   env         the GPU, driver and the Python stack that will run
@@ -19,9 +20,10 @@
 #   decode      sentences/s and target tokens/s, beam 4 and greedy, of the Multi30k model of gpu_carry/m30k
 #               on Multi30k test2016 and newstest2013 (bench/decode_throughput.py)
 #   multi30k    configs/multi30k.py trained on the GPU (wall time of its 2,400 steps), then test2016 BLEU
-#   sweep       16 short Multi30k runs, SWEEP_PARALLEL (8) at a time (bench/sweep.py, bench/sweeps/
+#   sweep       24 short Multi30k runs, SWEEP_PARALLEL (8) at a time (bench/sweep.py, bench/sweeps/
 #               hour_float32.flags): recipe choices for issue 14 scored on valid; SWEEP_SECONDS (420) bounds it.
-#               16 at a time (the third lease) spent 5 of 6.4 minutes starting, 16 processes on 16 host cores
+#               16 at a time (the third lease) spent 5 of 6.4 minutes starting, 16 processes on 16 host cores;
+#               12 at a time (the fourth) 4 of 6 minutes compiling, and the last step's beam search did not end
 #   profile     the big step traced (bench/op_profile.py): time per part of the model and the costliest ops
 #
 # What must travel with the working tree (the lent machine reaches no network and has no ../shared), made
@@ -30,6 +32,9 @@
 #                      mkdir -p gpu_carry/m30k gpu_carry/data; cp runs/W/{config.json,vocab.model} gpu_carry/m30k
 #                      cp -r runs/W/averaged gpu_carry/m30k
 #   gpu_carry/data   cp -r ../shared/data/{multi30k,multi30k_tok} ../shared/data/wmt_ende/newstest2013.en gpu_carry/data
+#   gpu_carry/sweep_prepared   the sweep's vocabularies (seconds here; learnt on the GPU machine if absent):
+#                      python bench/sweep.py --flagfile=bench/sweeps/hour_float32.flags --prepare_only \
+#                        --prepared gpu_carry/sweep_prepared --extra='--config.data_dir=gpu_carry/data/multi30k'
 #   .whl             Python 3.12 wheels (pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl)
 #                    of ml-collections, sacremoses, tensorboardX, importlib_resources, orbax-checkpoint, flax
 #                    and optax: setup() installs those whose pyproject.toml range the image's version misses
@@ -151,9 +156,16 @@ stage_multi30k() {
 stage_sweep() {
   # Recipe choices for configs/multi30k.py's float32 hour, runs sharing the GPU (bench/sweeps/*.flags)
   local seconds=${SWEEP_SECONDS:-420}
+  # float32 activations and matmuls as on the CPU the recipe is for; the vocabularies prepared before the lease
+  # (bench/sweep.py --prepare_only --prepared gpu_carry/sweep_prepared, same --extra) where carried
   timeout $((seconds + 30)) $PY bench/sweep.py --flagfile=bench/sweeps/hour_float32.flags --root /tmp/sweep \
-    --extra='--config.data_dir=gpu_carry/data/multi30k --config.eval_bleu_tok_ref_dir=gpu_carry/data/multi30k_tok' \
+    --extra='--config.data_dir=gpu_carry/data/multi30k --config.eval_bleu_tok_ref_dir=gpu_carry/data/multi30k_tok
+             --config.model.dtype=float32' --prepared gpu_carry/sweep_prepared \
     --out "$OUT" --parallel "${SWEEP_PARALLEL:-8}" --timeout_s "$seconds"
+  mkdir -p "$OUT/sweep_logs"  # where each run's minutes went: the start of its log and its end
+  for log in /tmp/sweep/*.log; do
+    { head -n 60 "$log"; echo ...; tail -n 40 "$log"; } > "$OUT/sweep_logs/$(basename "$log")"
+  done
 }
 
 stage_profile() {

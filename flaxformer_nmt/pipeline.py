@@ -23,26 +23,8 @@ def input_pipeline(config, workdir, num_devices):
   rows at a time), then padded with empty rows to a multiple of `num_devices` (devices x microbatches);
   validation batches have rows in multiples of `num_devices`.
   """
-  if config.data_source == 'tfds':
-    # Process 0 downloads and prepares; the others find it prepared (shared storage) or prepare their own.
-    if distributed.is_leader():
-      corpora.prepare_tfds(config.tfds_name, config.tfds_data_dir)
-    distributed.barrier('prepare-tfds')
-    corpora.prepare_tfds(config.tfds_name, config.tfds_data_dir)
-  download.ensure_corpus(config, distributed.is_leader(), distributed.barrier)  # first use of Multi30k
-  train_pairs = corpora.open_split(config, config.train_split)
-  eval_pairs = corpora.open_split(config, config.eval_split)
-  tokenizer = tokenizer_lib.load_or_train(
-      workdir, lambda: tokenizer_lib.sample_sentences(train_pairs, config.sentencepiece_max_chars, config.seed),
-      vocab_size=config.vocab_size, model_type=config.sentencepiece_model_type,
-      character_coverage=config.sentencepiece_character_coverage, is_leader=distributed.is_leader(),
-      barrier=distributed.barrier,
-      user_defined_symbols=(tokenizer_lib.MASK_PIECE,) if lm.task_of(config) == 'mlm' else ())
+  tokenizer, train_pairs, train_corpus, eval_corpus = vocabulary_and_tokens(config, workdir)
   hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
-  tokenize = functools.partial(data_lib.tokenize_cached, tokenizer=tokenizer, barrier=distributed.barrier,
-                               num_threads=config.tokenize_threads, **hosts)
-  train_corpus = tokenize(train_pairs, cache_dir=epath.Path(workdir) / 'tokenized' / config.train_split)
-  eval_corpus = tokenize(eval_pairs, cache_dir=epath.Path(workdir) / 'tokenized' / config.eval_split)
   max_length = min(config.max_length, config.packed_length) if config.packed_length else config.max_length
   if lm.task_of(config) != 'translation':  # monolingual text: long lines are cut, not dropped
     train_corpus = data_lib.split_long(train_corpus, max_length)
@@ -76,3 +58,30 @@ def input_pipeline(config, workdir, num_devices):
   eval_batches = functools.partial(data_lib.eval_batches, eval_corpus, tokens_per_batch=config.tokens_per_batch,
                                    buckets=config.length_buckets, multiple_of=num_devices, **hosts)
   return train_batches, eval_batches, tokenizer
+
+
+def vocabulary_and_tokens(config, workdir):
+  """(tokenizer, training pairs, training token ids, validation token ids): the corpus fetched, the joint
+  vocabulary learnt (workdir/vocab.model) and both splits tokenized (workdir/tokenized/) on first use, and
+  reused from the workdir afterwards."""
+  if config.data_source == 'tfds':
+    # Process 0 downloads and prepares; the others find it prepared (shared storage) or prepare their own.
+    if distributed.is_leader():
+      corpora.prepare_tfds(config.tfds_name, config.tfds_data_dir)
+    distributed.barrier('prepare-tfds')
+    corpora.prepare_tfds(config.tfds_name, config.tfds_data_dir)
+  download.ensure_corpus(config, distributed.is_leader(), distributed.barrier)  # first use of Multi30k
+  train_pairs = corpora.open_split(config, config.train_split)
+  eval_pairs = corpora.open_split(config, config.eval_split)
+  tokenizer = tokenizer_lib.load_or_train(
+      workdir, lambda: tokenizer_lib.sample_sentences(train_pairs, config.sentencepiece_max_chars, config.seed),
+      vocab_size=config.vocab_size, model_type=config.sentencepiece_model_type,
+      character_coverage=config.sentencepiece_character_coverage, is_leader=distributed.is_leader(),
+      barrier=distributed.barrier,
+      user_defined_symbols=(tokenizer_lib.MASK_PIECE,) if lm.task_of(config) == 'mlm' else ())
+  hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
+  tokenize = functools.partial(data_lib.tokenize_cached, tokenizer=tokenizer, barrier=distributed.barrier,
+                               num_threads=config.tokenize_threads, **hosts)
+  train_corpus = tokenize(train_pairs, cache_dir=epath.Path(workdir) / 'tokenized' / config.train_split)
+  eval_corpus = tokenize(eval_pairs, cache_dir=epath.Path(workdir) / 'tokenized' / config.eval_split)
+  return tokenizer, train_pairs, train_corpus, eval_corpus

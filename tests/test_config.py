@@ -52,18 +52,22 @@ def test_the_hour_halves_its_batch_where_matmuls_stay_float32(monkeypatch):
   from flaxformer_nmt import model as model_lib  # pylint: disable=g-import-not-at-top
   fast, slow = load_config_file('multi30k', 'bfloat16'), load_config_file('multi30k', 'float32')
   assert (fast.tokens_per_batch, fast.num_train_steps, fast.decode_checkpoint) == (4096, 2250, 'averaged')
-  assert (slow.tokens_per_batch, slow.decode_checkpoint) == (2048, 'latest')
+  assert (slow.tokens_per_batch, slow.decode_checkpoint, slow.length_penalty_alpha) == (2048, 'averaged', 1.5)
   # Twice the steps of half the tokens: the warmup, the whole run, and the spacing of evaluations and saves
   # cover the same tokens; the cooldown still starts where the warmup ends.
   for field in ('warmup_steps', 'num_train_steps', 'log_every_steps', 'eval_every_steps', 'eval_bleu_every_steps',
                 'checkpoint_every_steps'):
     assert slow[field] * slow.tokens_per_batch == fast[field] * fast.tokens_per_batch, field
   assert slow.cooldown_steps == slow.num_train_steps - slow.warmup_steps
-  # Everything else is the same recipe.
+  # Everything else is the same recipe, but for the regularization and peak learning rate of the fewer tokens
+  # the half batch sees in the hour (chosen on valid), and the decoding chosen on its run's valid.
   differ = {k for k in fast.keys() if k != 'model' and fast[k] != slow[k]}
   assert differ == {'tokens_per_batch', 'warmup_steps', 'num_train_steps', 'cooldown_steps', 'log_every_steps',
-                    'eval_every_steps', 'eval_bleu_every_steps', 'checkpoint_every_steps', 'decode_checkpoint'}
-  assert fast.model == slow.model
+                    'eval_every_steps', 'eval_bleu_every_steps', 'checkpoint_every_steps', 'learning_rate_scale',
+                    'length_penalty_alpha'}
+  assert (fast.learning_rate_scale, slow.learning_rate_scale) == (1.0, 1.414)
+  assert (fast.model.dropout_rate, slow.model.dropout_rate) == (0.2, 0.1)
+  assert {k for k in fast.model.keys() if fast.model[k] != slow.model[k]} == {'dropout_rate'}
   # By default the CPU's instructions choose; configs/multi30k.py:float32 chooses from the command line.
   for has_bf16, expected in ((True, 4096), (False, 2048)):
     monkeypatch.setattr(model_lib, 'cpu_has_bfloat16_dot', lambda has=has_bf16: has)

@@ -1,0 +1,40 @@
+"""bench/sweep.py learns each distinct vocabulary once and hands it to exactly the runs that would have learnt it."""
+import hashlib
+import os
+import subprocess
+import sys
+
+from conftest import write_toy_corpus
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def sha256(path):
+  with open(path, 'rb') as f:
+    return hashlib.sha256(f.read()).hexdigest()
+
+
+def test_runs_share_a_vocabulary_exactly_where_their_configs_would_learn_the_same_one(tmp_path):
+  data = write_toy_corpus(tmp_path / 'data')
+  root = tmp_path / 'sweep'
+  # The runs are started and stopped at once (--timeout_s): what is checked is what they were handed.
+  subprocess.run(
+      [sys.executable, os.path.join(REPO, 'bench', 'sweep.py'), '--config', os.path.join(REPO, 'configs', 'base.py'),
+       '--root', str(root), '--seeds=0,1', '--parallel=8', '--timeout_s=0.1',
+       f'--extra=--config.data_dir={data} --config.vocab_size=64 --config.sentencepiece_max_chars=0',
+       '--variant=paper:',
+       '--variant=training_only: --config.model.dropout_rate=0.3 --config.learning_rate_scale=3',
+       '--variant=smaller_vocabulary: --config.vocab_size=60',
+       '--variant=sampled: --config.sentencepiece_max_chars=4000'],
+      check=True, capture_output=True, text=True, timeout=300, cwd=REPO)
+  prepared = {name: sha256(root / 'prepared' / name / 'vocab.model') for name in os.listdir(root / 'prepared')}
+  # paper and training_only share one; a vocabulary size is another; a seeded sample makes one per seed.
+  assert sorted(name.split('-')[0] for name in prepared) == ['v60', 'v64', 'v64', 'v64'], sorted(prepared)
+  runs = [f'{variant}.s{seed}' for variant in ('paper', 'training_only', 'smaller_vocabulary', 'sampled')
+          for seed in (0, 1)]
+  handed = {run: sha256(root / run / 'vocab.model') for run in runs}
+  assert handed['paper.s0'] == handed['paper.s1'] == handed['training_only.s0'] == handed['training_only.s1']
+  assert handed['smaller_vocabulary.s0'] == handed['smaller_vocabulary.s1'] != handed['paper.s0']
+  assert set(handed.values()) <= set(prepared.values())
+  for run in handed:  # the token ids come along, so no run tokenizes again
+    assert (root / run / 'tokenized' / 'train' / 'meta.json').exists()
