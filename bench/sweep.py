@@ -118,8 +118,10 @@ def prepare_vocabularies(runs, prepared):
   jax.config.update('jax_platforms', 'cpu')  # this process only tokenizes: leave the accelerator to the runs
   from flaxformer_nmt import pipeline  # pylint: disable=g-import-not-at-top
   done = set()
-  for name, seed, command, workdir in runs:
+  for _, _, command, workdir in runs:
     config = resolved_config(command)
+    if config.init_from:  # the trainer adopts the source run's vocabulary (warm_start.py)
+      continue
     folder = os.path.join(prepared, vocabulary_key(config))
     if folder not in done:
       began = time.time()
