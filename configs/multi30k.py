@@ -20,7 +20,7 @@ on the same Zen 4; 3.0-3.8 s on a 2-core AMD EPYC Zen 3), and the config halves 
 the steps), with dropout 0.1 and a 1.4x learning rate for the fewer tokens seen (halve_the_batch_for_float32_steps
 below); configs/multi30k.py:bfloat16 or :float32 picks a variant by hand. On the Zen 3 the half batch took
 test2016 from 37.00 to 38.35 lc-tok in the hour (valid 39.54 against 38.91), the dropout and learning rate to
-38.71 (valid 40.72).
+38.71 (valid 40.72; seed 1 in a slower hour: 37.99, valid 39.38).
 Even so, the slower machine cannot run all its steps in the hour, so the run fits its end to the time limit
 (fit_schedule_to_time): where the cooldown begins it measures its step time and, if the steps left do not fit
 the 58 minutes, ends the cooldown at the last step that does, so the learning rate still reaches zero before
