@@ -59,13 +59,25 @@ def train(config_path, workdir, overrides):
 
 
 def read_log(workdir):
-  """(step -> training seconds summed over resumed runs, [validation BLEU records]) from metrics.jsonl."""
+  """(step -> training seconds summed over resumed runs, [validation BLEU records]) from metrics.jsonl.
+
+  Each launch of the trainer logs where its clock starts ('run/trained_seconds_at_start'): the training time
+  saved with the checkpoint it resumed from, so its elapsed_seconds continue the run's minutes. A launch that
+  starts from 0 after earlier ones (a checkpoint written before the clock was saved, 2026-11-27), or logs no
+  start at all (older trainers), started its clock again: the earlier launches' last reading is added to it.
+  """
   elapsed, bleu = {}, []
-  offset, previous = 0.0, 0.0  # earlier processes' seconds; this process's last logged clock
+  offset, previous = 0.0, 0.0  # seconds not on this launch's clock; its last reading
+  marked = False  # this launch logged where its clock starts
   for line in (epath.Path(workdir) / 'metrics.jsonl').read_text().splitlines():
     record = json.loads(line)
+    if 'run/trained_seconds_at_start' in record:
+      start, marked = record['run/trained_seconds_at_start'], True
+      if start == 0 and previous > 0:
+        offset += previous
+      previous = start
     if 'elapsed_seconds' in record:
-      if record['elapsed_seconds'] < previous:  # a resumed run: its clock started again
+      if not marked and record['elapsed_seconds'] < previous:  # an older trainer's resume: its clock started again
         offset += previous
       previous = record['elapsed_seconds']
       elapsed[record['step']] = offset + previous

@@ -159,7 +159,10 @@ def base_config():
   # workdir or checkpoint directory; init_checkpoint picks latest, averaged, best or a step of a workdir.
   c.init_from = ''
   c.init_checkpoint = 'latest'
-  c.max_train_minutes = 0.0  # > 0: also stop (and checkpoint) after this much wall time.
+  # > 0: also stop (and checkpoint) after this much training time. It is counted across resumes (saved with each
+  # checkpoint, as fairseq's --stop-time-hours counts its cumulative training time); the time between a stop
+  # and its resume is not. A larger value on resume trains on.
+  c.max_train_minutes = 0.0
   # True (with max_train_minutes and cooldown_steps > 0): where the cooldown begins, measure the step time on
   # this machine and, if num_train_steps do not fit in the time left, end the cooldown at the last step that
   # does, so a slower machine still brings the learning rate to zero (time_budget.py). Never lengthens a run.

@@ -40,6 +40,10 @@ from flaxformer_nmt.profiler import Profiler
 from flaxformer_nmt.workdir import ConfigError, build_model, save_or_check_config, validate_config
 
 
+# The run's training time at a checkpoint, saved beside its data position.
+TRAINED_SECONDS = 'trained_seconds'
+
+
 @dataclasses.dataclass
 class Run:
   """What the loop works with: built by `set_up`, the state advanced by the loop."""
@@ -62,6 +66,9 @@ class Run:
   checkpoint_every_steps: int  # config.checkpoint_every_steps, or closer after a fit (time_budget.py)
   schedule_fit: time_budget.ScheduleFit
   refit_train_fn: Callable  # FittedEnd -> the train step compiled on the bent schedule
+  # Training time before this launch, saved with each checkpoint (0 for a new run): config.max_train_minutes and
+  # the logged elapsed_seconds count the run's training time across resumes, not the time between them.
+  trained_seconds: float = 0.0
 
 
 def set_up(config, workdir):
@@ -91,8 +98,10 @@ def set_up(config, workdir):
   logging.info('Model: %s parameters, %s', f'{model_lib.count_params(state.params):,}', model.config)
   checkpoints = checkpoints_lib.Checkpoints(workdir, keep=config.keep_checkpoints)
   restored = checkpoints.restore_newest_good(checkpoints_lib.abstract_like(state), tokenizer.sha256)
+  trained_seconds = 0.0
   if restored is not None:
     state, data_state = restored
+    trained_seconds = float(data_state.pop(TRAINED_SECONDS, 0.0))  # absent from checkpoints before 2026-11-27
     train_batches.restore(data_state, allow_batching_change=config.allow_batching_change)
     if config.init_from:
       logging.info('Resuming this workdir; config.init_from=%s is ignored (it only starts new runs)', config.init_from)
@@ -111,7 +120,7 @@ def set_up(config, workdir):
              best_lib.BestCheckpoint(workdir, config.best_checkpoint_metric) if config.best_checkpoint_metric else None,
              fitted.num_train_steps if fitted else config.num_train_steps,
              time_budget.checkpoint_every_steps(config, fitted),
-             time_budget.ScheduleFit(config, workdir, int(state.step), decided), refit_train_fn)
+             time_budget.ScheduleFit(config, workdir, int(state.step), decided), refit_train_fn, trained_seconds)
 
 
 def evaluate(eval_fn, params, batches, batch_sharding):
@@ -174,11 +183,15 @@ def fit_to_time(run, step, decision):
 def train_and_evaluate(config, workdir):
   """Trains to config.num_train_steps (or the end fitted to max_train_minutes, or until max_train_minutes or a
   stop signal); returns the last metrics."""
-  start_time = time.time()
+  launch_time = time.time()
   run = set_up(config, workdir)
+  start_time = launch_time - run.trained_seconds  # the clock of the run's training time, resumes included
   step = first_step = int(run.state.step)
-  logging.info('Starting at step %d of %d; %d batches per epoch', step, run.num_train_steps,
-               run.train_batches.batches_per_epoch())
+  logging.info('Starting at step %d of %d; %d batches per epoch%s', step, run.num_train_steps,
+               run.train_batches.batches_per_epoch(),
+               f'; {metrics_lib.duration(run.trained_seconds)} trained before' if run.trained_seconds else '')
+  # Where this launch's clock starts (bench/bleu_curve.py reads it to join the minutes of resumed launches).
+  run.log.write(step, {'run/trained_seconds_at_start': run.trained_seconds})
   interval = metrics_lib.TrainInterval(run.throughput, config.skip_nonfinite_updates)
   last = {}
   preemption_sync = preemption.preemption_sync_available(step)
@@ -186,7 +199,13 @@ def train_and_evaluate(config, workdir):
     decision = preemption.StopDecision(config, start_time, stop_signal, preemption_sync,
                                        num_steps=run.num_train_steps, every_steps=run.checkpoint_every_steps)
     in_flight = preemption.StepsInFlight()
-    while step < run.num_train_steps:
+    if step < run.num_train_steps and 0 < config.max_train_minutes * 60 <= run.trained_seconds:
+      # Resumed past the time limit (the checkpoint's clock: every host decides alike): nothing left to train.
+      logging.warning('The run has trained for %s, config.max_train_minutes=%g: no step taken. Pass a larger '
+                      '--config.max_train_minutes to train on.', metrics_lib.duration(run.trained_seconds),
+                      config.max_train_minutes)
+      decision.reason = 'config.max_train_minutes'
+    while step < run.num_train_steps and decision.reason is None:
       batch = interval.next_batch(run.train_batches)
       run.profiler.before_step(step)
       call_start = time.time()
@@ -203,7 +222,8 @@ def train_and_evaluate(config, workdir):
       if step % config.log_every_steps == 0 or done:
         last = log_train(run, interval, step, start_time, decision)
       if save:  # before evaluating: a kill during a long validation decode loses nothing; the write is async
-        run.checkpoints.save(step, run.state, run.train_batches.state(), force=True, vocab_sha256=run.vocab_sha256)
+        position = {**run.train_batches.state(), TRAINED_SECONDS: time.time() - start_time}
+        run.checkpoints.save(step, run.state, position, force=True, vocab_sha256=run.vocab_sha256)
         decision.saved()
       if not decision.signalled:  # a preempted run exits at once (its grace period is short); no evaluation
         evaluated = evaluate_step(run, step, start_time, done)
@@ -219,7 +239,8 @@ def train_and_evaluate(config, workdir):
   if decision.reason == 'config.max_train_minutes' and config.cooldown_steps > 0:
     time_budget.warn_cooldown_cut(step, run.num_train_steps, fitted=run.num_train_steps < config.num_train_steps)
   finish(run, signalled=decision.signalled)
-  logging.info('Trained steps %d..%d in %s', first_step, step, metrics_lib.duration(time.time() - start_time))
+  logging.info('Trained steps %d..%d in %s (%s of training in all)', first_step, step,
+               metrics_lib.duration(time.time() - launch_time), metrics_lib.duration(time.time() - start_time))
   return last
 
 

@@ -1,6 +1,10 @@
 """config.fit_schedule_to_time: the run's end fitted to its time limit (time_budget.py), measured once and kept
-on resume."""
+on resume; config.max_train_minutes counted across resumes, and bench/bleu_curve.py's minutes with it."""
+import functools
+import importlib.util
 import json
+import os
+import time
 import types
 
 import numpy as np
@@ -13,6 +17,8 @@ from flaxformer_nmt import time_budget
 from flaxformer_nmt import train
 from flaxformer_nmt import train_step as ts
 from flaxformer_nmt.workdir import ConfigError, validate_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_fitted_steps_are_the_time_left_less_the_recompile_at_the_measured_rate_never_more_than_configured():
@@ -146,3 +152,67 @@ def test_a_run_the_time_limit_cut_is_told_to_fit_its_schedule_only_where_it_was_
     time_budget.warn_cooldown_cut(949, 2250, fitted=False)
   assert 'before its learning-rate cooldown ended at step 2250' in caplog.text
   assert 'set config.fit_schedule_to_time' in caplog.text
+
+
+def test_max_train_minutes_counts_training_time_across_resumes(toy_corpus, tmp_path):
+  """Each checkpoint records the run's training time; a resume continues that clock (fairseq's cumulative
+  --stop-time-hours), so a run resumed past its limit takes no step, and later saves add to the earlier time."""
+  config = small_config(toy_corpus)
+  config.num_train_steps, config.checkpoint_every_steps, config.max_train_minutes = 4, 4, 60.0
+  config.log_every_steps, config.eval_every_steps = 1, 1000
+  config.length_buckets = (32,)
+  workdir = tmp_path / 'run'
+
+  def trained_seconds(step):
+    return json.loads((workdir / 'checkpoints' / str(step) / 'data' / 'metadata').read_text())['trained_seconds']
+
+  def set_trained_seconds(step, seconds):
+    path = workdir / 'checkpoints' / str(step) / 'data' / 'metadata'
+    path.write_text(json.dumps({**json.loads(path.read_text()), 'trained_seconds': seconds}))
+
+  started = time.time()
+  train.train_and_evaluate(config, workdir)
+  assert 0 < trained_seconds(4) <= time.time() - started
+  set_trained_seconds(4, 3600.0)  # as if the first 4 steps had taken the whole hour
+
+  config.num_train_steps = 6
+  train.train_and_evaluate(config, workdir)  # resumed past its 60 minutes: no step
+  assert checkpoints_lib.Checkpoints(workdir).steps() == [4]
+
+  config.max_train_minutes = 90.0  # a larger limit trains on, from the hour already spent
+  started = time.time()
+  train.train_and_evaluate(config, workdir)
+  assert checkpoints_lib.Checkpoints(workdir).steps() == [4, 6]
+  assert 3600 < trained_seconds(6) <= 3600 + time.time() - started
+  records = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+  assert [r['elapsed_seconds'] for r in records if 'elapsed_seconds' in r][-1] > 3600  # the logged minutes continue the same clock
+
+
+@functools.cache  # its absl flags are defined once per process
+def load_bleu_curve():
+  spec = importlib.util.spec_from_file_location('bleu_curve', os.path.join(REPO, 'bench', 'bleu_curve.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_the_bleu_curve_joins_resumed_launches_minutes_whichever_clock_they_logged(tmp_path):
+  def minutes(*records):
+    (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in records))
+    return load_bleu_curve().read_log(str(tmp_path))[0]
+
+  def start(step, seconds):
+    return {'step': step, 'run/trained_seconds_at_start': seconds}
+
+  def at(step, seconds):
+    return {'step': step, 'elapsed_seconds': seconds}
+
+  # This trainer: resumed from the checkpoint at step 20 (its clock read 20 s there); the 10 s after it that the
+  # kill lost are trained again, not added.
+  assert minutes(start(0, 0), at(10, 10), at(20, 20), at(30, 30), start(20, 20), at(25, 25), at(30, 30)) == {
+      10: 10, 20: 20, 25: 25, 30: 30}
+  # An older trainer's launches (no start logged): each resume started its clock again.
+  assert minutes(at(10, 10), at(20, 20), at(25, 5)) == {10: 10, 20: 20, 25: 25}
+  # Both: this trainer resuming an older checkpoint (no clock saved: starts at 0), then resumed again.
+  assert minutes(at(10, 10), at(20, 20), start(20, 0), at(25, 5), start(25, 5), at(28, 8)) == {
+      10: 10, 20: 20, 25: 25, 28: 28}
