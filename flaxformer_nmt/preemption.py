@@ -27,6 +27,8 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
+from flaxformer_nmt import metrics as metrics_lib
+
 
 class StepsInFlight:
   """Keeps the loop at most `max_steps` dispatched steps ahead of the device.
@@ -121,6 +123,17 @@ class StopDecision:
 
   def seconds_left(self):
     return max(self.time_limit - (time.time() - self.start_time), 0)
+
+  def spent_before_start(self, trained_seconds):
+    """Whether a resumed run's earlier training (`trained_seconds`, from its checkpoint: every host reads the
+    same value, so all decide alike) already used up config.max_train_minutes; if so it stops before any step."""
+    if trained_seconds < self.time_limit:
+      return False
+    logging.warning('The run has trained for %s, config.max_train_minutes=%g: no step taken. Pass a larger '
+                    '--config.max_train_minutes to train on.', metrics_lib.duration(trained_seconds),
+                    self.time_limit / 60)
+    self.reason = 'config.max_train_minutes'
+    return True
 
   def after_step(self, step):
     """(save, done) after `step` steps."""

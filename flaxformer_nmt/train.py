@@ -199,13 +199,8 @@ def train_and_evaluate(config, workdir):
     decision = preemption.StopDecision(config, start_time, stop_signal, preemption_sync,
                                        num_steps=run.num_train_steps, every_steps=run.checkpoint_every_steps)
     in_flight = preemption.StepsInFlight()
-    if step < run.num_train_steps and 0 < config.max_train_minutes * 60 <= run.trained_seconds:
-      # Resumed past the time limit (the checkpoint's clock: every host decides alike): nothing left to train.
-      logging.warning('The run has trained for %s, config.max_train_minutes=%g: no step taken. Pass a larger '
-                      '--config.max_train_minutes to train on.', metrics_lib.duration(run.trained_seconds),
-                      config.max_train_minutes)
-      decision.reason = 'config.max_train_minutes'
-    while step < run.num_train_steps and decision.reason is None:
+    spent = step < run.num_train_steps and decision.spent_before_start(run.trained_seconds)
+    while step < run.num_train_steps and not spent:
       batch = interval.next_batch(run.train_batches)
       run.profiler.before_step(step)
       call_start = time.time()

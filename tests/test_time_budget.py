@@ -185,7 +185,8 @@ def test_max_train_minutes_counts_training_time_across_resumes(toy_corpus, tmp_p
   assert checkpoints_lib.Checkpoints(workdir).steps() == [4, 6]
   assert 3600 < trained_seconds(6) <= 3600 + time.time() - started
   records = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
-  assert [r['elapsed_seconds'] for r in records if 'elapsed_seconds' in r][-1] > 3600  # the logged minutes continue the same clock
+  # The logged minutes continue the same clock.
+  assert [r['elapsed_seconds'] for r in records if 'elapsed_seconds' in r][-1] > 3600
 
 
 @functools.cache  # its absl flags are defined once per process
