@@ -7,6 +7,8 @@
 #   bash bench/gpu_session.sh decode                          # still owed: newstest (bench/RESULTS.md, GPU sections)
 #   bash bench/gpu_session.sh env sweep profile               # the third lease (2026-11-27)
 #   SWEEP_PARALLEL=12 bash bench/gpu_session.sh env sweep     # the fourth (2026-11-27): NLL came back, no BLEU
+#   SWEEP_SECONDS=500 bash bench/gpu_session.sh sweep         # the fifth (2026-11-27, evening): greedy BLEU of seed 0
+#                                                             # in 505 s; seeds 1-3 by hand, 1.5 min each (cache warm)
 #
 # Stages:
 #   env         the GPU, driver and the Python stack that will run
@@ -24,6 +26,8 @@
 #               hour_float32.flags): recipe choices for issue 14 scored on valid; SWEEP_SECONDS (420) bounds it.
 #               16 at a time (the third lease) spent 5 of 6.4 minutes starting, 16 processes on 16 host cores;
 #               12 at a time (the fourth) 4 of 6 minutes compiling, and the last step's beam search did not end
+#               8 at a time, greedy (the fifth): 7.4 min for the first wave, 1.5 min for each later one (a
+#               variant's other seeds load its programs from the runs' shared compilation cache)
 #   profile     the big step traced (bench/op_profile.py): time per part of the model and the costliest ops
 #
 # What must travel with the working tree (the lent machine reaches no network and has no ../shared), made
@@ -162,10 +166,12 @@ stage_sweep() {
     --extra='--config.data_dir=gpu_carry/data/multi30k --config.eval_bleu_tok_ref_dir=gpu_carry/data/multi30k_tok
              --config.model.dtype=float32' --prepared gpu_carry/sweep_prepared \
     --out "$OUT" --parallel "${SWEEP_PARALLEL:-8}" --timeout_s "$seconds"
-  mkdir -p "$OUT/sweep_logs"  # where each run's minutes went: the start of its log and its end
+  # where each run's minutes went: the start of its log and its end, one archive (a lease returns 8 files at most)
+  mkdir -p /tmp/sweep_logs
   for log in /tmp/sweep/*.log; do
-    { head -n 60 "$log"; echo ...; tail -n 40 "$log"; } > "$OUT/sweep_logs/$(basename "$log")"
+    { head -n 60 "$log"; echo ...; tail -n 40 "$log"; } > "/tmp/sweep_logs/$(basename "$log")"
   done
+  tar -czf "$OUT/sweep_logs.tar.gz" -C /tmp sweep_logs
 }
 
 stage_profile() {
