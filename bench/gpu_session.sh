@@ -162,7 +162,10 @@ stage_sweep() {
   local seconds=${SWEEP_SECONDS:-420}
   # float32 activations and matmuls as on the CPU the recipe is for; the vocabularies prepared before the lease
   # (bench/sweep.py --prepare_only --prepared gpu_carry/sweep_prepared, same --extra) where carried
-  timeout $((seconds + 30)) $PY bench/sweep.py --flagfile=bench/sweeps/hour_float32.flags --root /tmp/sweep \
+  # SWEEP_FLAGS: another screen (bench/sweeps/*.flags); SWEEP_SEEDS: other seeds than the flags' (a later call on
+  # the warm machine runs more seeds of the same variants in 1.5 minutes a wave: the cache in /tmp/sweep stays)
+  timeout $((seconds + 30)) $PY bench/sweep.py --flagfile="${SWEEP_FLAGS:-bench/sweeps/hour_float32.flags}" \
+    ${SWEEP_SEEDS:+--seeds="$SWEEP_SEEDS"} --root /tmp/sweep \
     --extra='--config.data_dir=gpu_carry/data/multi30k --config.eval_bleu_tok_ref_dir=gpu_carry/data/multi30k_tok
              --config.model.dtype=float32' --prepared gpu_carry/sweep_prepared \
     --out "$OUT" --parallel "${SWEEP_PARALLEL:-8}" --timeout_s "$seconds"
