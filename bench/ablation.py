@@ -65,7 +65,7 @@ def train(name, overrides):
 def scores(translator, data, beam_size, alpha):
   sources, references, tok_references = data
   hypotheses = translator.translate(sources, beam_size=beam_size, alpha=alpha)
-  bleu = sacrebleu.BLEU().corpus_score(hypotheses, [references])
+  bleu = sacrebleu.BLEU(lowercase=translator.lowercase).corpus_score(hypotheses, [references])
   tok = (f'{evaluate.tokenized_bleu(hypotheses, tok_references, translator.config.target_lang)[0]:.2f}'
          if tok_references is not None else '-')
   return f'{bleu.score:.2f} | {tok} | {bleu.sys_len / bleu.ref_len:.3f}'

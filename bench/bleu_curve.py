@@ -144,7 +144,7 @@ def main(_):
     cells, start = [], time.time()
     for split, (sources, references, tok_references) in data.items():
       hypotheses = translator.translate(sources, beam_size=beam, alpha=alpha)
-      metric = sacrebleu.BLEU()
+      metric = sacrebleu.BLEU(lowercase=translator.lowercase)  # case-insensitive for a model of config.lowercase
       bleu = metric.corpus_score(hypotheses, [references])
       tok = evaluate.tokenized_bleu(hypotheses, tok_references, config.target_lang)[0] if tok_references else None
       cells += [f'{bleu.score:.2f}', f'{tok:.2f}' if tok is not None else '-', f'{bleu.sys_len / bleu.ref_len:.3f}']

@@ -76,7 +76,7 @@ def main(argv):
   tok_references = evaluate.read_text(FLAGS.tok_reference)
   if FLAGS.max_sentences:
     sources, references, tok_references = (x[:FLAGS.max_sentences] for x in (sources, references, tok_references))
-  token_lists = translator.tokenizer.encode([' '.join(s.split()) for s in sources])
+  token_lists = translator.tokenizer.encode(translator.prepare(sources))
   pieces = [[sp.id_to_piece(t) for t in ids[:-1]] for ids in token_lists]
   max_lengths = [len(p) + c.max_decode_extra_length for p in pieces]
   rows = []
@@ -93,7 +93,7 @@ def main(argv):
         systems.append((f'CTranslate2 {quantization}', [[sp.piece_to_id(p) for p in h] for h in out], seconds))
       for name, ids, seconds in systems:
         text = [sp.decode(i) for i in ids]
-        bleu, _ = evaluate.sacrebleu_score(text, references)
+        bleu, _ = evaluate.sacrebleu_score(text, references, translator.lowercase)
         tok_bleu, _ = evaluate.tokenized_bleu(text, tok_references, c.target_lang)
         same = sum(a == b for a, b in zip(ids, reference_ids)) / len(ids)
         rows.append(f'| {mode} | {name} | {len(ids) / seconds:.1f} | {bleu:.2f} | {tok_bleu:.2f} | '

@@ -174,7 +174,7 @@ def main(argv):
       continue
     sources = data_lib.read_lines(path)
     sources = sources[:FLAGS.max_sentences] if FLAGS.max_sentences else sources
-    token_lists = translator.tokenizer.encode(sources)
+    token_lists = translator.tokenizer.encode(translator.prepare(sources))
     for mode in FLAGS.modes:
       options = {v: dict(beam_size=MODES[mode], tokens_per_batch=FLAGS.tokens_per_batch, **VARIANTS.get(v, {}))
                  for v in variants}

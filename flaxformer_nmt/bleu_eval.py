@@ -106,7 +106,9 @@ class ValidationBleu:
 
   def score(self, hypotheses):
     """({metric name: number}, sacreBLEU signature) of `hypotheses` against the validation references."""
-    bleu = sacrebleu.BLEU()
+    # The references were read as the model reads text: lowercased for a model of config.lowercase, whose
+    # sacreBLEU the signature then marks case-insensitive (case:lc).
+    bleu = sacrebleu.BLEU(lowercase=bool(self.config.get('lowercase', False)))
     result = bleu.corpus_score(hypotheses, [self.references])
     numbers = {'eval/bleu': result.score, 'eval/tok_bleu': float('nan'),
                'eval/bleu_length_ratio': result.sys_len / max(result.ref_len, 1),

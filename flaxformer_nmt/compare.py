@@ -11,7 +11,8 @@ checkpoints averaged in memory, nothing written), `latest`, or a step. By defaul
 workdir's validation split (`{data_dir}/{eval_split}.{lang}`), and the lowercased tokenized references come
 from config.eval_bleu_tok_ref_dir where present: choose between checkpoints on validation, and score the
 chosen one on test once. Prints a Markdown table: cased sacreBLEU (13a), lowercased Moses-tokenized BLEU,
-hypothesis/reference length ratio, brevity penalty, and decoding seconds.
+hypothesis/reference length ratio, brevity penalty, and decoding seconds. A model trained on lowercased text
+(config.lowercase) reads the sources lowercased, and its sacreBLEU is case-insensitive (`case:lc`).
 """
 import sys
 import time
@@ -67,7 +68,7 @@ def score_row(name, translator, sources, references, tok_references, beam_size, 
   start = time.time()
   hypotheses = translator.translate(sources, beam_size=beam_size, alpha=alpha)
   seconds = time.time() - start
-  metric = sacrebleu.BLEU()
+  metric = sacrebleu.BLEU(lowercase=translator.lowercase)  # case-insensitive for a model of config.lowercase
   bleu = metric.corpus_score(hypotheses, [references])
   tok = (f'{evaluate.tokenized_bleu(hypotheses, tok_references, translator.config.target_lang)[0]:.2f}'
          if tok_references is not None else '-')

@@ -51,6 +51,11 @@ def base_config():
   # (misaligned or broken files); with skip_bad_pairs it is dropped and counted instead.
   c.max_line_chars = 10_000
   c.skip_bad_pairs = False
+  # True: every line is lowercased as it is read (training and validation text, so the vocabulary too, and
+  # decode's inputs), as the Multi30k papers train (their corpus is the lowercased `lc.norm.tok` text). The
+  # translations are lowercase, and sacreBLEU and chrF then compare case-insensitively (signature `case:lc`).
+  # Off by default: the paper trains on cased text.
+  c.lowercase = False
   # Token budget per step, counted on the padded batch, per side: the paper's ~25k source + ~25k target.
   c.tokens_per_batch = 25_000
   # > 0: pack several examples into each row of this many tokens a side (segment ids keep them apart, positions

@@ -28,15 +28,20 @@ from flaxformer_nmt import tokenizer as tokenizer_lib
 
 
 class TextPairs:
-  """The checked, whitespace-normalized lines of `{data_dir}/{split}.{lang}` files, held in memory."""
+  """The checked, whitespace-normalized lines of `{data_dir}/{split}.{lang}` files, held in memory (lowercased
+  with `lowercase`)."""
 
-  def __init__(self, data_dir, split, source_lang, target_lang, max_line_chars=0, skip_bad_pairs=False):
+  def __init__(self, data_dir, split, source_lang, target_lang, max_line_chars=0, skip_bad_pairs=False,
+               lowercase=False):
     self.source_lines, self.target_lines = data_lib.read_parallel(
         data_dir, split, source_lang, target_lang, max_line_chars=max_line_chars, skip_bad_pairs=skip_bad_pairs)
+    if lowercase:
+      self.source_lines, self.target_lines = _lower(self.source_lines), _lower(self.target_lines)
     src_path, tgt_path = data_lib.split_paths(data_dir, split, source_lang, target_lang)
     # Identifies the text for the tokenization cache: a changed file gets tokenized again.
     self.fingerprint = {'kind': 'text', 'files': [_file_stamp(src_path), _file_stamp(tgt_path)],
-                        'max_line_chars': max_line_chars, 'skip_bad_pairs': skip_bad_pairs}
+                        'max_line_chars': max_line_chars, 'skip_bad_pairs': skip_bad_pairs,
+                        **_lowercase_stamp(lowercase)}
     self.description = f'{src_path} + {tgt_path}'
 
   def __len__(self):
@@ -48,6 +53,15 @@ class TextPairs:
   def read(self, indices):
     """(source lines, target lines) of the pairs at `indices`."""
     return [self.source_lines[i] for i in indices], [self.target_lines[i] for i in indices]
+
+
+def _lower(lines):
+  return [tokenizer_lib.prepare_text(line, lowercase=True) for line in lines]
+
+
+def _lowercase_stamp(lowercase):
+  # Only where set, so that caches of cased text written before the field existed stay valid.
+  return {'lowercase': True} if lowercase else {}
 
 
 def _file_stamp(path):
@@ -89,7 +103,7 @@ def prepare_tfds(name, data_dir=None):
 class TfdsPairs:
   """One split of a prepared TFDS translation builder, read as (source, target) by language name."""
 
-  def __init__(self, name, split, source_lang, target_lang, data_dir=None):
+  def __init__(self, name, split, source_lang, target_lang, data_dir=None, lowercase=False):
     builder = tfds_builder(name, data_dir)
     features = set(builder.info.features.keys())
     for field, lang in (('source_lang', source_lang), ('target_lang', target_lang)):
@@ -98,16 +112,18 @@ class TfdsPairs:
     if builder.info.splits and split not in builder.info.splits:  # (unknown before preparation)
       raise data_lib.DataError(f'split {split!r} not in {name}: it has {sorted(builder.info.splits)}')
     self.records = builder.as_data_source(split=split)
-    self.source_lang, self.target_lang = source_lang, target_lang
+    self.source_lang, self.target_lang, self.lowercase = source_lang, target_lang, lowercase
     self.fingerprint = {'kind': 'tfds', 'name': name, 'version': str(builder.info.version), 'split': split,
-                        'pairs': len(self.records), 'source_lang': source_lang, 'target_lang': target_lang}
+                        'pairs': len(self.records), 'source_lang': source_lang, 'target_lang': target_lang,
+                        **_lowercase_stamp(lowercase)}
     self.description = f'{name}:{split} ({builder.data_dir})'
 
   def __len__(self):
     return len(self.records)
 
   def _pair(self, example):
-    text = lambda x: tokenizer_lib.normalize_whitespace(x.decode('utf-8') if isinstance(x, bytes) else str(x))
+    text = lambda x: tokenizer_lib.prepare_text(x.decode('utf-8') if isinstance(x, bytes) else str(x),
+                                                self.lowercase)
     return text(example[self.source_lang]), text(example[self.target_lang])
 
   def __getitem__(self, index):
@@ -125,8 +141,9 @@ class TextLines:
   each a sentence or a document. Reads as (lines, None): there is no second side."""
   monolingual = True
 
-  def __init__(self, path, max_line_chars=0, skip_bad_pairs=False):
+  def __init__(self, path, max_line_chars=0, skip_bad_pairs=False, lowercase=False):
     lines = data_lib.read_lines(path)
+    lines = _lower(lines) if lowercase else lines
     keep, bad = [], 0
     for number, line in enumerate(lines, start=1):
       if max_line_chars and len(line) > max_line_chars:
@@ -142,7 +159,7 @@ class TextLines:
       logging.warning('Dropped %d overlong lines from %s (config.skip_bad_pairs)', bad, path)
     self.lines = keep
     self.fingerprint = {'kind': 'text_lines', 'file': _file_stamp(path), 'max_line_chars': max_line_chars,
-                        'skip_bad_pairs': skip_bad_pairs}
+                        'skip_bad_pairs': skip_bad_pairs, **_lowercase_stamp(lowercase)}
     self.description = str(path)
 
   def __len__(self):
@@ -159,7 +176,7 @@ class TfdsText:
   """The text feature `feature` of one split of a prepared TFDS builder (e.g. lm1b's 'text'), as TextLines."""
   monolingual = True
 
-  def __init__(self, name, split, feature='text', data_dir=None):
+  def __init__(self, name, split, feature='text', data_dir=None, lowercase=False):
     builder = tfds_builder(name, data_dir)
     features = set(builder.info.features.keys())
     if feature not in features:
@@ -167,9 +184,9 @@ class TfdsText:
     if builder.info.splits and split not in builder.info.splits:
       raise data_lib.DataError(f'split {split!r} not in {name}: it has {sorted(builder.info.splits)}')
     self.records = builder.as_data_source(split=split)
-    self.feature = feature
+    self.feature, self.lowercase = feature, lowercase
     self.fingerprint = {'kind': 'tfds_text', 'name': name, 'version': str(builder.info.version), 'split': split,
-                        'examples': len(self.records), 'feature': feature}
+                        'examples': len(self.records), 'feature': feature, **_lowercase_stamp(lowercase)}
     self.description = f'{name}:{split}[{feature}] ({builder.data_dir})'
 
   def __len__(self):
@@ -177,7 +194,7 @@ class TfdsText:
 
   def _text(self, example):
     x = example[self.feature]
-    return tokenizer_lib.normalize_whitespace(x.decode('utf-8') if isinstance(x, bytes) else str(x))
+    return tokenizer_lib.prepare_text(x.decode('utf-8') if isinstance(x, bytes) else str(x), self.lowercase)
 
   def __getitem__(self, index):
     return self._text(self.records[int(index)])
@@ -188,24 +205,28 @@ class TfdsText:
 
 def open_text(config, split):
   """The monolingual corpus of `split` for config.task lm/mlm (see config.py)."""
+  lowercase = config.get('lowercase', False)  # (workdirs saved before the field: cased)
   if config.data_source == 'tfds':
-    return TfdsText(config.tfds_name, split, config.tfds_text_feature, config.tfds_data_dir)
+    return TfdsText(config.tfds_name, split, config.tfds_text_feature, config.tfds_data_dir, lowercase)
   if config.data_source != 'text':
     raise data_lib.DataError(f"config.data_source={config.data_source!r}: use 'text' or 'tfds'")
   named = config.text_train_file if split == config.train_split else config.text_eval_file
   path = named or data_lib.split_paths(config.data_dir, split, config.source_lang, config.target_lang)[1]
-  return TextLines(path, max_line_chars=config.max_line_chars, skip_bad_pairs=config.skip_bad_pairs)
+  return TextLines(path, max_line_chars=config.max_line_chars, skip_bad_pairs=config.skip_bad_pairs,
+                   lowercase=lowercase)
 
 
 def open_split(config, split):
   """The corpus of `split` as the config describes it."""
   if config.get('task', 'translation') != 'translation':
     return open_text(config, split)
+  lowercase = config.get('lowercase', False)  # (workdirs saved before the field: cased)
   if config.data_source == 'text':
     return TextPairs(config.data_dir, split, config.source_lang, config.target_lang,
-                     max_line_chars=config.max_line_chars, skip_bad_pairs=config.skip_bad_pairs)
+                     max_line_chars=config.max_line_chars, skip_bad_pairs=config.skip_bad_pairs, lowercase=lowercase)
   if config.data_source == 'tfds':
-    return TfdsPairs(config.tfds_name, split, config.source_lang, config.target_lang, config.tfds_data_dir)
+    return TfdsPairs(config.tfds_name, split, config.source_lang, config.target_lang, config.tfds_data_dir,
+                     lowercase)
   raise data_lib.DataError(f"config.data_source={config.data_source!r}: use 'text' or 'tfds'")
 
 

@@ -430,6 +430,8 @@ class Translator:
       one_workdir = len({w for w, _ in members}) == 1
       descriptions.append(description if one_workdir else f'{description} of {member_workdir}')
     self.config = configs[members[0][0]]
+    # A model that learnt lowercased text (config.lowercase) reads its inputs lowercased too.
+    self.lowercase = bool(self.config.get('lowercase', False))
     self.models, self.member_params = tuple(models), tuple(params)
     # The first member, for single-model users (attention pictures teacher-force one model).
     self.model, self.params = self.models[0], self.member_params[0]
@@ -571,6 +573,11 @@ class Translator:
     (also the smaller batches that finished sentences leave): timings after it exclude compilation."""
     self.search_tokens(token_lists, n_best=n_best, sampling=sampling, **options)
 
+  def prepare(self, sentences):
+    """Input lines as the model learnt to read them: whitespace normalized, lowercased where it learnt
+    lowercased text."""
+    return [tokenizer_lib.prepare_text(s, self.lowercase) for s in sentences]
+
   def translate(self, sentences, beam_size=None, alpha=None, n_best=1, tokens_per_batch=None, return_scores=False,
                 **options):
     """Translations of `sentences` (list of str), in order. beam_size=0 decodes greedily.
@@ -579,7 +586,7 @@ class Translator:
     (translation, score) pairs: the length-normalized log probability (beam) or the log probability (greedy,
     sampling). `options`: sampling=True, temperature, top_k, seed, max_len_a, max_len_b (see search_tokens).
     """
-    token_lists = self.tokenizer.encode([tokenizer_lib.normalize_whitespace(s) for s in sentences])
+    token_lists = self.tokenizer.encode(self.prepare(sentences))
     results = self.search_tokens(token_lists, beam_size=beam_size, alpha=alpha, n_best=n_best,
                                  tokens_per_batch=tokens_per_batch, **options)
     results = [[(self.tokenizer.decode(ids), score) for ids, score in hyps] for hyps in results]
@@ -647,7 +654,8 @@ def define_flags():
                       'comma-separated, with one vocabulary, decode as an ensemble.')
   flags.DEFINE_string('input', '-', 'Source sentences, one per line; - reads stdin.')
   flags.DEFINE_string('output', '-', 'Where translations go; - writes stdout.')
-  flags.DEFINE_string('reference', None, 'Raw references: prints cased sacreBLEU (13a) and chrF.')
+  flags.DEFINE_string('reference', None, 'Raw references: prints cased sacreBLEU (13a) and chrF (case-insensitive '
+                      'for a model of config.lowercase).')
   flags.DEFINE_string('tok_reference', None,
                       'Lowercased Moses-tokenized references: prints the paper-comparable BLEU.')
   flags.DEFINE_string('checkpoint', None, 'latest, averaged (see flaxformer_nmt.average), best (the best '
@@ -707,7 +715,7 @@ def main(argv):
   hypotheses, done, target_tokens, start = [], 0, 0, time.time()
   try:
     for chunk in _read_chunks(FLAGS.input, FLAGS.buffer_lines):
-      chunk = [tokenizer_lib.normalize_whitespace(line) for line in chunk]
+      chunk = translator.prepare(chunk)
       results = translator.search_tokens(translator.tokenizer.encode(chunk), first_line=done, **options)
       best = [translator.tokenizer.decode(hyps[0][0]) for hyps in results]
       if FLAGS.format == 'fairseq':
@@ -734,7 +742,7 @@ def main(argv):
     try:
       lines, _ = evaluate.report(hypotheses, evaluate.read_text(FLAGS.reference),
                                  evaluate.read_text(FLAGS.tok_reference) if FLAGS.tok_reference else None,
-                                 translator.config.target_lang)
+                                 translator.config.target_lang, lowercase=translator.lowercase)
     except (OSError, ValueError) as e:
       sys.exit(f'error: {e}')
     print('\n'.join(lines), file=sys.stderr if out is sys.stdout else sys.stdout)

@@ -9,6 +9,9 @@ r"""BLEU of detokenized translations, two ways.
    then sacreBLEU with tokenize='none' against the tokenized references.
 
   python -m flaxformer_nmt.evaluate --hyp hyp.de --ref test2016.de [--tok_ref ../shared/data/multi30k_tok/test2016.de]
+
+A model trained on lowercased text (config.lowercase) writes lowercase translations: --lowercase makes 1.
+case-insensitive (sacreBLEU's own lowercase option; its signature says case:lc). 2. lowercases in any case.
 """
 import functools
 import sys
@@ -30,9 +33,10 @@ def moses_lowercase_tokenize(lines, lang):
   return [tokenizer.tokenize(normalizer.normalize(line.lower()), escape=True, return_str=True) for line in lines]
 
 
-def sacrebleu_score(hypotheses, references):
-  """(score, signature) of cased sacreBLEU with 13a tokenization."""
-  bleu = sacrebleu.BLEU()
+def sacrebleu_score(hypotheses, references, lowercase=False):
+  """(score, signature) of sacreBLEU with 13a tokenization: cased, or case-insensitive with `lowercase` (for
+  models of config.lowercase; the signature then says case:lc)."""
+  bleu = sacrebleu.BLEU(lowercase=lowercase)
   result = bleu.corpus_score(list(hypotheses), [list(references)])
   return result.score, str(bleu.get_signature())
 
@@ -44,8 +48,8 @@ def tokenized_bleu(hypotheses, tokenized_references, lang):
   return result.score, f'lowercased moses-tokenized ({lang}) | {bleu.get_signature()}'
 
 
-def chrf_score(hypotheses, references):
-  chrf = sacrebleu.CHRF()
+def chrf_score(hypotheses, references, lowercase=False):
+  chrf = sacrebleu.CHRF(lowercase=lowercase)
   return chrf.corpus_score(list(hypotheses), [list(references)]).score, str(chrf.get_signature())
 
 
@@ -54,12 +58,13 @@ def read_text(path):
   return lines[:-1] if lines and lines[-1] == '' else lines
 
 
-def report(hypotheses, references, tokenized_references=None, lang='de'):
-  """Score lines (text) for console output, plus a dict of the numbers."""
+def report(hypotheses, references, tokenized_references=None, lang='de', lowercase=False):
+  """Score lines (text) for console output, plus a dict of the numbers; `lowercase`: sacreBLEU and chrF
+  case-insensitive (a model of config.lowercase writes lowercase text)."""
   if len(hypotheses) != len(references):
     raise ValueError(f'{len(hypotheses)} hypotheses but {len(references)} references')
-  score, signature = sacrebleu_score(hypotheses, references)
-  chrf, chrf_signature = chrf_score(hypotheses, references)
+  score, signature = sacrebleu_score(hypotheses, references, lowercase)
+  chrf, chrf_signature = chrf_score(hypotheses, references, lowercase)
   lines = [f'BLEU = {score:.2f}  ({signature})', f'chrF = {chrf:.2f}  ({chrf_signature})']
   numbers = {'bleu': score, 'chrf': chrf}
   if tokenized_references is not None:
@@ -76,6 +81,8 @@ def define_flags():
   flags.DEFINE_string('ref', None, 'Raw references, one per line.')
   flags.DEFINE_string('tok_ref', None, 'Lowercased Moses-tokenized references (Multi30k lc.norm.tok).')
   flags.DEFINE_string('lang', 'de', 'Target language, for Moses normalization and tokenization.')
+  flags.DEFINE_bool('lowercase', False, 'Case-insensitive sacreBLEU and chrF (hypotheses of a model trained with '
+                    'config.lowercase).')
   flags.mark_flags_as_required(['hyp', 'ref'])
 
 
@@ -83,7 +90,8 @@ def main(argv):
   del argv
   f = flags.FLAGS
   try:
-    lines, _ = report(read_text(f.hyp), read_text(f.ref), read_text(f.tok_ref) if f.tok_ref else None, f.lang)
+    lines, _ = report(read_text(f.hyp), read_text(f.ref), read_text(f.tok_ref) if f.tok_ref else None, f.lang,
+                      lowercase=f.lowercase)
   except (OSError, ValueError) as e:
     sys.exit(f'error: {e}')
   print('\n'.join(lines))

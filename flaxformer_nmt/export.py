@@ -140,7 +140,7 @@ import sentencepiece as spm
 sp = spm.SentencePieceProcessor(model_file='{output_dir}/vocab.model')
 translator = ctranslate2.Translator('{output_dir}', device='cpu', inter_threads=1, intra_threads=2)
 sentences = ['A man is running.']
-pieces = sp.encode([' '.join(s.split()) for s in sentences], out_type=str)  # </s> is appended by the model
+pieces = sp.encode([{prepare} for s in sentences], out_type=str)  # </s> is appended by the model
 results = translator.translate_batch(pieces, beam_size={beam_size}, length_penalty={alpha},
                                      max_decoding_length=256, suppress_sequences=[['<pad>'], ['<s>']])
 print([sp.decode(r.hypotheses[0]) for r in results])
@@ -164,7 +164,9 @@ def write_readme(output_dir, *, workdir, checkpoint, config, quantization):
       layers=f'{c.num_encoder_layers}+{c.num_decoder_layers} layers, d_model {c.d_model}, {c.num_heads} heads, '
              f'{"pre" if c.pre_layer_norm else "post"}-LN',
       quantization=quantization or 'float32', output_dir=output_dir, beam_size=config.beam_size,
-      alpha=config.length_penalty_alpha, extra=config.max_decode_extra_length)
+      alpha=config.length_penalty_alpha, extra=config.max_decode_extra_length,
+      # A model of config.lowercase learnt lowercased text: its inputs are lowercased as decode.py does.
+      prepare="' '.join(s.split()).lower()" if config.get('lowercase', False) else "' '.join(s.split())")
   (epath.Path(output_dir) / 'README.md').write_text(text)
 
 

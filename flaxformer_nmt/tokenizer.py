@@ -35,6 +35,13 @@ def normalize_whitespace(line):
   return ' '.join(line.split())
 
 
+def prepare_text(line, lowercase=False):
+  """A line as the model reads it: whitespace normalized, and lowercased (str.lower: 'ß' stays, unlike case
+  folding) where the model learnt lowercased text (config.lowercase)."""
+  line = normalize_whitespace(line)
+  return line.lower() if lowercase else line
+
+
 def sample_sentences(pairs, max_chars=0, seed=0, read_size=10_000):
   """Both sides of the pairs of `pairs` (a corpora.* corpus), in a seeded random order, until `max_chars`
   characters are collected (0: all of them).

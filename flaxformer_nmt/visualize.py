@@ -71,7 +71,7 @@ def attention_maps(translator, sentences, beam_size=None):
   piece t. Every row is a softmax over the real (unpadded) keys, so it sums to one.
   """
   tokenizer = translator.tokenizer
-  sources = [tokenizer_lib.normalize_whitespace(s) for s in sentences]
+  sources = translator.prepare(sentences)  # lowercased for a model of config.lowercase
   for number, source in enumerate(sources, start=1):
     if not source:
       raise ValueError(f'sentence {number} is empty: nothing to draw')

@@ -193,6 +193,24 @@ def test_a_workdir_refuses_a_different_model(tmp_path):
     workdir_lib.save_or_check_config(config, tmp_path)
 
 
+def test_a_workdir_refuses_to_resume_with_the_other_case(tmp_path):
+  # Its vocabulary was learnt on text of one case: resuming on the other would feed it text it never saw.
+  import json  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  config = config_lib.base_config()
+  workdir_lib.save_or_check_config(config, tmp_path)
+  config.lowercase = True
+  with pytest.raises(workdir_lib.ConfigError, match='config.lowercase was False, now True'):
+    workdir_lib.save_or_check_config(config, tmp_path)
+  # A config.json written before the field existed describes cased text: resuming it cased is fine.
+  saved = json.loads((tmp_path / 'config.json').read_text())
+  del saved['lowercase']
+  (tmp_path / 'config.json').write_text(json.dumps(saved))
+  config.lowercase = False
+  workdir_lib.save_or_check_config(config, tmp_path)
+
+
 def test_cudnn_attention_where_cudnn_cannot_run_stops_before_any_work(tmp_path):
   # float32 is refused by cuDNN on every machine (and on this CPU there is no cuDNN at all): one line naming the
   # field, before the vocabulary or the data are touched.

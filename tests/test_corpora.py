@@ -142,6 +142,30 @@ def test_text_corpus_reads_by_index(toy_corpus):
   assert pairs.read([5, 1]) == ([source[5], source[1]], [target[5], target[1]])
 
 
+def test_lowercase_reads_every_split_lowercased_and_keys_its_own_token_cache(tmp_path):
+  # config.lowercase: the text the vocabulary and the model see is str.lower of the normalized line (German
+  # 'ß' stays 'ß': case folding would write 'ss', which no lowercased reference holds).
+  data = tmp_path / 'data'
+  data.mkdir()
+  (data / 'train.en').write_text('A  Man on the STREET\nTwo Dogs\n')
+  (data / 'train.de').write_text('Ein Mann auf der Straße\nZwei\tHunde\n')
+  config = config_lib.base_config()
+  config.data_dir = str(data)
+  cased = corpora.open_split(config, 'train')
+  config.lowercase = True
+  lowered = corpora.open_split(config, 'train')
+  assert cased.read([0, 1]) == (['A Man on the STREET', 'Two Dogs'], ['Ein Mann auf der Straße', 'Zwei Hunde'])
+  assert lowered.read([0, 1]) == (['a man on the street', 'two dogs'], ['ein mann auf der straße', 'zwei hunde'])
+  # The token cache of the cased text must not serve the lowercased one; a cased fingerprint keeps its old
+  # form, so caches written before the field existed stay valid.
+  assert cased.fingerprint != lowered.fingerprint and 'lowercase' not in cased.fingerprint
+  lines = corpora.TextLines(data / 'train.de', lowercase=True)
+  assert lines.read([0, 1])[0] == ['ein mann auf der straße', 'zwei hunde']
+  # A workdir's config saved before the field existed reads cased text.
+  del config['lowercase']
+  assert corpora.open_split(config, 'train').read([0])[0] == ['A Man on the STREET']
+
+
 def test_export_cli_writes_text_splits(toy_corpus, tmp_path):
   config = os.path.join(REPO, 'configs', 'multi30k.py')
   result = subprocess.run(

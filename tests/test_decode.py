@@ -240,6 +240,36 @@ def test_ensemble_with_another_vocabulary_names_both_workdirs(workdir, tmp_path)
     decode.ensemble_members(f'{workdir},{other},{other}', '10,20')
 
 
+def test_a_lowercased_model_lowercases_its_inputs_and_scores_case_insensitively(workdir, translator, tmp_path):
+  # The toy corpus is lowercase; the same workdir marked config.lowercase must read 'A BIG Dog' as 'a big dog'
+  # (the unmarked one meets capitals its vocabulary never saw), and decode's scores ignore case.
+  import json  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+  lowered = tmp_path / 'lowered'
+  shutil.copytree(workdir, lowered)
+  config = json.loads((lowered / 'config.json').read_text())
+  config['lowercase'] = True
+  (lowered / 'config.json').write_text(json.dumps(config))
+  shouting = ['A BIG Dog runs .', 'The Small RED cat sleeps .']
+  quiet = [s.lower() for s in shouting]
+  expected = translator.translate(quiet, beam_size=2)
+  assert translator.translate(shouting, beam_size=2) != expected  # capitals change what the cased model reads
+  assert decode.Translator(lowered).translate(shouting, beam_size=2) == expected
+  reference = tmp_path / 'ref.de'
+  reference.write_text(''.join(line.upper() + '\n' for line in expected))  # the right words, other case
+  result = run_cli(['--beam_size=2', f'--reference={reference}', f'--output={tmp_path / "out.de"}'], lowered,
+                   stdin=''.join(s + '\n' for s in shouting))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert (tmp_path / 'out.de').read_text().splitlines() == expected
+  # (chrF: the toy's translations are too short for 4-grams, so BLEU would be 0 whatever the case)
+  assert 'chrF = 100.00  (nrefs:1|case:lc' in result.stdout, result.stdout
+  from flaxformer_nmt import compare  # pylint: disable=g-import-not-at-top
+  sacrebleu_column = lambda refs: compare.score_row('latest', decode.Translator(lowered), shouting, refs, None, 2,
+                                                    None)
+  (upper, signature), (same, _) = sacrebleu_column([l.upper() for l in expected]), sacrebleu_column(expected)
+  assert upper.split('|')[3] == same.split('|')[3] and 'case:lc' in signature, (upper, same, signature)
+
+
 def test_decode_uses_the_checkpoint_the_config_chose_unless_told(workdir, mixed, tmp_path):
   import json  # pylint: disable=g-import-not-at-top
   import shutil  # pylint: disable=g-import-not-at-top

@@ -242,3 +242,14 @@ def test_decoding_and_export_do_not_import_the_trainer():
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'flaxformer_nmt.decode' in result.stdout and 'flaxformer_nmt.train' not in result.stdout
   assert 'flaxformer_nmt.train_step' not in result.stdout
+
+
+def test_the_readme_of_a_lowercased_model_lowercases_its_inputs(tmp_path):
+  # A model of config.lowercase never saw a capital: the README's snippet must lowercase as decode.py does.
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  config = config_lib.base_config()
+  for lowercase, line in ((False, "sp.encode([' '.join(s.split()) for s in sentences]"),
+                          (True, "sp.encode([' '.join(s.split()).lower() for s in sentences]")):
+    config.lowercase = lowercase
+    export.write_readme(tmp_path, workdir='w', checkpoint='checkpoint 1', config=config, quantization=None)
+    assert line in (tmp_path / 'README.md').read_text()
