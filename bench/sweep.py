@@ -39,7 +39,7 @@ _COMMON = flags.DEFINE_string('common', '', 'Overrides (trainer flags) given to 
 _EXTRA = flags.DEFINE_string('extra', '', 'More overrides for every run, after --common: what a flagfile '
                              'cannot know, such as where this machine keeps the data.')
 _VARIANTS = flags.DEFINE_multi_string('variant', [], "'name: --config.x=1 --config.y=2' (nothing after ':' = "
-                                      'the config and --common alone).')
+                                      "the config and --common alone; '@other' = an earlier variant's overrides).")
 _SEEDS = flags.DEFINE_list('seeds', ['0'], 'config.seed of each variant\'s runs.')
 _PARALLEL = flags.DEFINE_integer('parallel', 1, 'Runs at once.')
 _TIMEOUT = flags.DEFINE_float('timeout_s', 0.0, 'Stop the runs still going after this many seconds (0: none) '
@@ -69,6 +69,28 @@ def parse_variant(text):
   if not sep or not name.strip():
     raise app.UsageError(f"--variant={text!r}: write 'name: --config.field=value ...'")
   return name.strip(), shlex.split(overrides)
+
+
+def parse_variants(texts):
+  """[(name, [override, ...])] of --variant texts, where '@other' stands for the overrides of a variant given
+  before it: 'tiny_dropout_0.2: @tiny --config.model.dropout_rate=0.2' is tiny's overrides, then its own (the
+  later one wins)."""
+  variants = {}
+  for text in texts:
+    name, overrides = parse_variant(text)
+    if name in variants:
+      raise app.UsageError(f'--variant names repeat: {name!r}')
+    resolved = []
+    for override in overrides:
+      if override.startswith('@'):
+        if override[1:] not in variants:
+          raise app.UsageError(f'--variant={text!r}: {override} names no variant given before it '
+                               f'({sorted(variants) or "none"})')
+        resolved += variants[override[1:]]
+      else:
+        resolved.append(override)
+    variants[name] = resolved
+  return list(variants.items())
 
 
 def last_metrics(workdir):
@@ -178,10 +200,7 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   if not _VARIANTS.value:
     raise app.UsageError('give at least one --variant')
-  variants = [parse_variant(text) for text in _VARIANTS.value]
-  names = [name for name, _ in variants]
-  if len(set(names)) != len(names):
-    raise app.UsageError(f'--variant names repeat: {sorted(n for n in set(names) if names.count(n) > 1)}')
+  variants = parse_variants(_VARIANTS.value)
   os.makedirs(_ROOT.value, exist_ok=True)
   runs = []
   for seed in _SEEDS.value:  # every variant's first seed first: a sweep cut short still covers them all

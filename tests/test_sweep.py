@@ -1,4 +1,5 @@
 """bench/sweep.py learns each distinct vocabulary once and hands it to exactly the runs that would have learnt it."""
+import ast
 import hashlib
 import os
 import subprocess
@@ -38,3 +39,19 @@ def test_runs_share_a_vocabulary_exactly_where_their_configs_would_learn_the_sam
   assert set(handed.values()) <= set(prepared.values())
   for run in handed:  # the token ids come along, so no run tokenizes again
     assert (root / run / 'tokenized' / 'train' / 'meta.json').exists()
+
+
+def test_a_variant_builds_on_an_earlier_one_by_name():
+  # '@name' is the named variant's overrides, in place: its own come after, so they win where both set a field.
+  def parse(texts):
+    code = f'import sys; sys.path.insert(0, "bench"); import sweep; print(sweep.parse_variants({texts!r}))'
+    return subprocess.run([sys.executable, '-c', code], cwd=REPO, capture_output=True, text=True, timeout=120)
+  result = parse(['a: --config.x=1 --config.y=1', 'b: @a --config.y=2', 'c: --config.z=3 @b', 'd:'])
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert ast.literal_eval(result.stdout) == [
+      ('a', ['--config.x=1', '--config.y=1']), ('b', ['--config.x=1', '--config.y=1', '--config.y=2']),
+      ('c', ['--config.z=3', '--config.x=1', '--config.y=1', '--config.y=2']), ('d', [])]
+  for texts, message in ((['a: @b', 'b: --config.x=1'], '@b names no variant given before it'),
+                         (['a: --config.x=1', 'a: --config.x=2'], "--variant names repeat: 'a'")):
+    result = parse(texts)
+    assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
