@@ -9,6 +9,9 @@
 #   SWEEP_PARALLEL=12 bash bench/gpu_session.sh env sweep     # the fourth (2026-11-27): NLL came back, no BLEU
 #   SWEEP_SECONDS=500 bash bench/gpu_session.sh sweep         # the fifth (2026-11-27, evening): greedy BLEU of seed 0
 #                                                             # in 505 s; seeds 1-3 by hand, 1.5 min each (cache warm)
+#   SWEEP_FLAGS=bench/sweeps/hour_casing.flags SWEEP_PARALLEL=9 SWEEP_SECONDS=510 bash bench/gpu_session.sh env sweep
+#   bash bench/gpu_session.sh score                            # the sixth (2026-11-27, night): the sweep's greedy BLEU
+#                                                             # was cut while compiling; score took 46 s (beam 4)
 #
 # Stages:
 #   env         the GPU, driver and the Python stack that will run
@@ -28,6 +31,9 @@
 #               12 at a time (the fourth) 4 of 6 minutes compiling, and the last step's beam search did not end
 #               8 at a time, greedy (the fifth): 7.4 min for the first wave, 1.5 min for each later one (a
 #               variant's other seeds load its programs from the runs' shared compilation cache)
+#   score       beam-4 valid BLEU of every sweep run's last checkpoint in /tmp/sweep (flaxformer_nmt.compare),
+#               all at once on the warm machine: for a sweep whose own greedy BLEU the time limit cut (a cold
+#               screen's BLEU compiles for minutes); 46 s for nine runs in the sixth lease
 #   profile     the big step traced (bench/op_profile.py): time per part of the model and the costliest ops
 #
 # What must travel with the working tree (the lent machine reaches no network and has no ../shared), made
@@ -175,6 +181,18 @@ stage_sweep() {
     { head -n 60 "$log"; echo ...; tail -n 40 "$log"; } > "/tmp/sweep_logs/$(basename "$log")"
   done
   tar -czf "$OUT/sweep_logs.tar.gz" -C /tmp sweep_logs
+}
+
+stage_score() {
+  # One process per run, sharing the GPU: JAX must not take 75% of its memory in each (8 of 9 failed to start so)
+  local w
+  for w in /tmp/sweep/*.s[0-9]*; do
+    [ -d "$w/checkpoints" ] || continue
+    (XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 $PY -m flaxformer_nmt.compare --workdir "$w" \
+       --checkpoints latest > "/tmp/score.$(basename "$w").txt" 2>&1
+     echo "$(basename "$w") $(grep '^| latest' "/tmp/score.$(basename "$w").txt")") &
+  done
+  wait
 }
 
 stage_profile() {
