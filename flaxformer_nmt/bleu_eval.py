@@ -28,6 +28,7 @@ from flaxformer_nmt import decode
 from flaxformer_nmt import distributed
 from flaxformer_nmt import evaluate
 from flaxformer_nmt import sharding
+from flaxformer_nmt import tokenizer as tokenizer_lib
 from flaxformer_nmt import workdir as workdir_lib
 
 HYPOTHESES_DIR = 'eval'
@@ -108,7 +109,7 @@ class ValidationBleu:
     """({metric name: number}, sacreBLEU signature) of `hypotheses` against the validation references."""
     # The references were read as the model reads text: lowercased for a model of config.lowercase, whose
     # sacreBLEU the signature then marks case-insensitive (case:lc).
-    bleu = sacrebleu.BLEU(lowercase=bool(self.config.get('lowercase', False)))
+    bleu = sacrebleu.BLEU(lowercase=tokenizer_lib.lowercase_of(self.config))
     result = bleu.corpus_score(hypotheses, [self.references])
     numbers = {'eval/bleu': result.score, 'eval/tok_bleu': float('nan'),
                'eval/bleu_length_ratio': result.sys_len / max(result.ref_len, 1),

@@ -205,7 +205,7 @@ class TfdsText:
 
 def open_text(config, split):
   """The monolingual corpus of `split` for config.task lm/mlm (see config.py)."""
-  lowercase = config.get('lowercase', False)  # (workdirs saved before the field: cased)
+  lowercase = tokenizer_lib.lowercase_of(config)
   if config.data_source == 'tfds':
     return TfdsText(config.tfds_name, split, config.tfds_text_feature, config.tfds_data_dir, lowercase)
   if config.data_source != 'text':
@@ -220,7 +220,7 @@ def open_split(config, split):
   """The corpus of `split` as the config describes it."""
   if config.get('task', 'translation') != 'translation':
     return open_text(config, split)
-  lowercase = config.get('lowercase', False)  # (workdirs saved before the field: cased)
+  lowercase = tokenizer_lib.lowercase_of(config)
   if config.data_source == 'text':
     return TextPairs(config.data_dir, split, config.source_lang, config.target_lang,
                      max_line_chars=config.max_line_chars, skip_bad_pairs=config.skip_bad_pairs, lowercase=lowercase)

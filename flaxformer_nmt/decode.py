@@ -431,7 +431,7 @@ class Translator:
       descriptions.append(description if one_workdir else f'{description} of {member_workdir}')
     self.config = configs[members[0][0]]
     # A model that learnt lowercased text (config.lowercase) reads its inputs lowercased too.
-    self.lowercase = bool(self.config.get('lowercase', False))
+    self.lowercase = tokenizer_lib.lowercase_of(self.config)
     self.models, self.member_params = tuple(models), tuple(params)
     # The first member, for single-model users (attention pictures teacher-force one model).
     self.model, self.params = self.models[0], self.member_params[0]

@@ -10,8 +10,8 @@ r"""BLEU of detokenized translations, two ways.
 
   python -m flaxformer_nmt.evaluate --hyp hyp.de --ref test2016.de [--tok_ref ../shared/data/multi30k_tok/test2016.de]
 
-A model trained on lowercased text (config.lowercase) writes lowercase translations: --lowercase makes 1.
-case-insensitive (sacreBLEU's own lowercase option; its signature says case:lc). 2. lowercases in any case.
+A model trained on lowercased text (config.lowercase) writes lowercase translations: with --lowercase, 1. is
+case-insensitive (sacreBLEU's own option; its signature says case:lc); 2. lowercases anyway.
 """
 import functools
 import sys

@@ -166,7 +166,7 @@ def write_readme(output_dir, *, workdir, checkpoint, config, quantization):
       quantization=quantization or 'float32', output_dir=output_dir, beam_size=config.beam_size,
       alpha=config.length_penalty_alpha, extra=config.max_decode_extra_length,
       # A model of config.lowercase learnt lowercased text: its inputs are lowercased as decode.py does.
-      prepare="' '.join(s.split()).lower()" if config.get('lowercase', False) else "' '.join(s.split())")
+      prepare="' '.join(s.split()).lower()" if tokenizer_lib.lowercase_of(config) else "' '.join(s.split())")
   (epath.Path(output_dir) / 'README.md').write_text(text)
 
 

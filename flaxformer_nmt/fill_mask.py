@@ -62,7 +62,7 @@ class FillMask:
     """Token ids of a text with `<mask>`s (EOS appended). sentencepiece writes a lone word-start piece '▁'
     before a mask that follows a space; the mask stands for a whole piece, word start included, as the
     masked pieces in training did, so that lone piece is dropped."""
-    ids = self.tokenizer.encode([tokenizer_lib.prepare_text(text, self.config.get('lowercase', False))])[0]
+    ids = self.tokenizer.encode([tokenizer_lib.prepare_text(text, tokenizer_lib.lowercase_of(self.config))])[0]
     space = self.tokenizer.sp.piece_to_id('\u2581')
     return [t for i, t in enumerate(ids) if not (t == space and i + 1 < len(ids) and ids[i + 1] == self.mask_id)]
 

@@ -151,7 +151,7 @@ class Generator:
     return [out[i * num_samples:(i + 1) * num_samples] for i in range(len(prompt_ids))]
 
   def encode_prompt(self, texts):
-    lowercase = self.config.get('lowercase', False)  # a model of config.lowercase learnt lowercased text
+    lowercase = tokenizer_lib.lowercase_of(self.config)  # a model of config.lowercase learnt lowercased text
     return [ids[:-1] for ids in self.tokenizer.encode([tokenizer_lib.prepare_text(t, lowercase) for t in texts])]
 
   def generate(self, prompts, **options):

@@ -35,6 +35,12 @@ def normalize_whitespace(line):
   return ' '.join(line.split())
 
 
+def lowercase_of(config):
+  """config.lowercase: whether the model learns (and reads) lowercased text; False for workdirs written before
+  the field existed."""
+  return bool(config.get('lowercase', False))
+
+
 def prepare_text(line, lowercase=False):
   """A line as the model reads it: whitespace normalized, and lowercased (str.lower: 'ß' stays, unlike case
   folding) where the model learnt lowercased text (config.lowercase)."""

@@ -12,14 +12,14 @@ from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import distributed
 from flaxformer_nmt import lm
 from flaxformer_nmt import model as model_lib
+from flaxformer_nmt import tokenizer as tokenizer_lib
 from flaxformer_nmt.config import ConfigError  # callers catch it as workdir.ConfigError
 
 CONFIG_FILENAME = 'config.json'
 
 
-# Fields that change the model: a workdir trained with other values cannot be resumed or decoded with these.
-# Fields a resumed run must share with the saved config: they shape the parameters or what the vocabulary reads
-# (a vocabulary learnt on lowercased text would meet cased text).
+# Fields a resumed run must share with the saved config: they shape the parameters, or the text the vocabulary
+# was learnt on (lowercase: a vocabulary of lowercased text would meet cased text).
 _MODEL_FIELDS = ('task', 'model', 'vocab_size', 'sentencepiece_model_type', 'source_lang', 'target_lang',
                  'lowercase')
 # Fields of config.model that change how the model computes, not its parameters: free to differ on resume.
@@ -30,8 +30,8 @@ def _model_identity(config_dict, field):
   value = config_dict.get(field)
   if field == 'task' and value is None:
     value = 'translation'  # written before the task switch
-  if field == 'lowercase' and value is None:
-    value = False  # written before the field: cased text
+  if field == 'lowercase':
+    value = tokenizer_lib.lowercase_of(config_dict)
   if field == 'model' and isinstance(value, dict):
     value = {k: v for k, v in value.items() if k not in _RUNTIME_MODEL_FIELDS}
   return value
