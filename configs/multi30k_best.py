@@ -7,13 +7,12 @@ packed 64-token rows, label smoothing 0.2, a 500-step warmup and a linear decay 
 2.4 times its steps, with the dropout of the Multi30k literature (0.3) for the longer run. Reads
 ../shared/data/multi30k when present, else downloads Multi30k on first use.
 
-Its run (2026-11-26, AMD EPYC Zen 4, 2 cores, bench/RESULTS.md): 5,800 steps in 2h14m of training. Greedy
+Its cased run (2026-11-26, AMD EPYC Zen 4, 2 cores, bench/RESULTS.md): 5,800 steps in 2h14m. Greedy
 valid lc-tok BLEU 25.30 / 34.09 / 37.78 / 38.80 / 39.82 / 39.59 at steps 500 / 1,000 / 2,000 / 2,500 / 4,500 /
-5,800. Decode chosen on valid only: beam 5, the average of the last 5 checkpoints (decode_checkpoint, what
-decode and export use without --checkpoint), alpha 1.5: 41.33 lc-tok (alpha 2.0 tied; 41.08 with the last
-checkpoint). test2016, scored once for that choice: 40.26 lc-tok, 39.89 sacreBLEU, length ratio 1.004. Issue
-14's 42.0 is not reached. BPE-dropout 0.1 (config.bpe_dropout) set the run back 16 greedy BLEU at step 500 and
-was left off.
+5,800. Decode chosen on valid only: beam 5, the average of the last 5 checkpoints, alpha 1.5: 41.33 lc-tok
+(alpha 2.0 tied; 41.08 with the last checkpoint). test2016, scored once for that choice: 40.26 lc-tok, 39.89
+sacreBLEU, length ratio 1.004. Issue 14's 42.0 is not reached. BPE-dropout 0.1 (config.bpe_dropout) set the run
+back 16 greedy BLEU at step 500 and was left off.
 Since 2026-11-28 it trains on lowercased text (config.lowercase, as the hour does; bench/RESULTS.md): the same
 Zen 4, 5,800 steps in 2h13m, greedy valid 41.04 at step 4,500 against the cased run's 39.82. Decode chosen on
 valid by a rule set before the run: beam 5, the last checkpoint, alpha 2.0, 42.03 lc-tok (the average of the
