@@ -33,10 +33,10 @@ def get_config():
   c.packed_length = 64  # as configs/multi30k.py
   c.vocab_size = 8000
   c.sentencepiece_max_chars = 0
-  c.lowercase = True  # +0.7 beam valid BLEU in this recipe, +1.06 in the hour's GPU screen
+  c.lowercase = True  # +0.7 beam valid BLEU in the d_model-256 recipe, +1.06 in the hour's GPU screen
 
   # The anchor's Transformer-tiny (2.3M parameters): on lowercased text and 12,000 steps it beat the d_model-256
-  # model (7.6M, 5,800 steps in the same minutes) on valid, 42.55 against 42.03 (bench/RESULTS.md, 2026-11-28).
+  # model (7.6M, 5,800 steps in 133 minutes) on valid, 42.55 against 42.03 (bench/RESULTS.md, 2026-11-28).
   c.model.num_encoder_layers = 4
   c.model.num_decoder_layers = 4
   c.model.d_model = 128
@@ -48,7 +48,7 @@ def get_config():
 
   # The anchor's schedule (fairseq inverse_sqrt, peak 0.005 after 2,000 warmup steps), then a linear cooldown to
   # zero over the second half. 12,000 steps at 650-750 ms per 4096-token step with bf16 operands (AMD EPYC Zen 4,
-  # 2 cores, 2026-11-28): the 140-minute limit stopped that run at step 11,908, 1.5% of the peak still left.
+  # 2 cores, 2026-11-28): the 140-minute limit stopped that run at step 11,908, at 0.7% of the peak.
   c.learning_rate_schedule = 'inverse_sqrt'
   c.learning_rate = 0.005
   c.warmup_steps = 2000
