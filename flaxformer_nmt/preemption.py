@@ -16,8 +16,11 @@ a host sync at every step:
 
 Every decision is taken for a step the device has (nearly) reached: StepsInFlight bounds how far the loop's
 asynchronous dispatch runs ahead of the computation.
+An error that escapes the loop (a failed evaluation, a device out of memory, a refused resume) goes through
+closed_on_error: the save in flight finishes and the input thread stops before the error goes on.
 """
 import collections
+import contextlib
 import signal
 import threading
 import time
@@ -77,6 +80,19 @@ class StopSignal:
   def __exit__(self, *exc):
     for signum, handler in self._previous.items():
       signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def closed_on_error(*resources):
+  """Closes `resources` in order when the block raises, then lets the error go on. Checkpoints.close waits for
+  the save in flight, so an error right after a save keeps that save; and a process that carries on after the
+  error (a notebook, a sweep driver) is left with no orbax or input thread still writing or reading."""
+  try:
+    yield
+  except BaseException:
+    for resource in resources:
+      resource.close()
+    raise
 
 
 def preemption_sync_available(step):

@@ -97,16 +97,8 @@ def set_up(config, workdir):
   state, state_sharding = train_step_lib.create_state(model, optimizer, config, mesh)
   logging.info('Model: %s parameters, %s', f'{model_lib.count_params(state.params):,}', model.config)
   checkpoints = checkpoints_lib.Checkpoints(workdir, keep=config.keep_checkpoints)
-  restored = checkpoints.restore_newest_good(checkpoints_lib.abstract_like(state), tokenizer.sha256)
-  trained_seconds = 0.0
-  if restored is not None:
-    state, data_state = restored
-    trained_seconds = float(data_state.pop(TRAINED_SECONDS, 0.0))  # absent from checkpoints before 2026-11-27
-    train_batches.restore(data_state, allow_batching_change=config.allow_batching_change)
-    if config.init_from:
-      logging.info('Resuming this workdir; config.init_from=%s is ignored (it only starts new runs)', config.init_from)
-  elif config.init_from:
-    state = warm_start.load_params(state, state_sharding, config, tokenizer)
+  with preemption.closed_on_error(train_batches, checkpoints):  # a refused resume leaves no thread behind
+    state, trained_seconds = restore_or_start(config, state, state_sharding, checkpoints, train_batches, tokenizer)
   train_fn, eval_fn = train_step_lib.jit_steps(model, optimizer, schedule, config, mesh, state_sharding)
 
   def refit_train_fn(new_end):
@@ -121,6 +113,22 @@ def set_up(config, workdir):
              fitted.num_train_steps if fitted else config.num_train_steps,
              time_budget.checkpoint_every_steps(config, fitted),
              time_budget.ScheduleFit(config, workdir, int(state.step), decided), refit_train_fn, trained_seconds)
+
+
+def restore_or_start(config, state, state_sharding, checkpoints, train_batches, tokenizer):
+  """(state, training seconds before this launch): the newest good checkpoint with its data position, else
+  config.init_from's parameters (a warm start), else the fresh `state`."""
+  restored = checkpoints.restore_newest_good(checkpoints_lib.abstract_like(state), tokenizer.sha256)
+  if restored is None:
+    if config.init_from:
+      state = warm_start.load_params(state, state_sharding, config, tokenizer)
+    return state, 0.0
+  state, data_state = restored
+  trained_seconds = float(data_state.pop(TRAINED_SECONDS, 0.0))  # absent from checkpoints before 2026-11-27
+  train_batches.restore(data_state, allow_batching_change=config.allow_batching_change)
+  if config.init_from:
+    logging.info('Resuming this workdir; config.init_from=%s is ignored (it only starts new runs)', config.init_from)
+  return state, trained_seconds
 
 
 def evaluate(eval_fn, params, batches, batch_sharding):
@@ -195,7 +203,10 @@ def train_and_evaluate(config, workdir):
   interval = metrics_lib.TrainInterval(run.throughput, config.skip_nonfinite_updates)
   last = {}
   preemption_sync = preemption.preemption_sync_available(step)
-  with preemption.StopSignal(handle_sigterm=not preemption_sync) as stop_signal:
+  # An error that escapes the loop (a failed evaluation, a device out of memory) first lets the save in flight
+  # finish: rerunning the command resumes from it.
+  with (preemption.closed_on_error(run.train_batches, run.checkpoints, run.log),
+        preemption.StopSignal(handle_sigterm=not preemption_sync) as stop_signal):
     decision = preemption.StopDecision(config, start_time, stop_signal, preemption_sync,
                                        num_steps=run.num_train_steps, every_steps=run.checkpoint_every_steps)
     in_flight = preemption.StepsInFlight()

@@ -1,8 +1,10 @@
 """Preemption, crashes, NaNs and damaged checkpoints: a run is never lost and resumes exactly."""
 import os
 import signal
+import json
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -177,6 +179,39 @@ def test_a_workdir_of_another_model_is_refused_without_losing_it(toy_corpus, tmp
   assert result.returncode == 1
   assert 'holds a different model: config.model was' in result.stderr and 'Traceback' not in result.stderr
   assert sorted(p.name for p in (tmp_path / 'w' / 'checkpoints').iterdir()) == before
+
+
+def input_threads():
+  return sum(t.name == 'TrainBatches' for t in threading.enumerate())
+
+
+def test_an_error_after_a_save_keeps_the_save_and_closes_the_run(toy_corpus, tmp_path, monkeypatch):
+  """An error that escapes the loop right after a save (here the evaluation after step 10's save fails) waits
+  for that save and stops the input thread before it goes on; rerunning resumes from step 10."""
+  config = small_config(toy_corpus)
+  closed = []
+  close = checkpoints_lib.Checkpoints.close
+  monkeypatch.setattr(checkpoints_lib.Checkpoints, 'close', lambda self: (closed.append(self.directory), close(self)))
+  evaluate_step = train.evaluate_step
+
+  def failing_evaluation(run, step, *args):
+    if step == 10:
+      raise RuntimeError('the evaluation failed')
+    return evaluate_step(run, step, *args)
+  monkeypatch.setattr(train, 'evaluate_step', failing_evaluation)
+  threads_before = input_threads()
+  with pytest.raises(RuntimeError, match='the evaluation failed'):
+    train.train_and_evaluate(config, tmp_path / 'w')
+  assert len(closed) == 1 and input_threads() <= threads_before
+  store = checkpoints_lib.Checkpoints(tmp_path / 'w', keep=0)
+  assert store.steps() == [10]  # finished before the error went on, not later in a background thread
+  store.close()
+
+  monkeypatch.undo()
+  train.train_and_evaluate(config, tmp_path / 'w')
+  with open(tmp_path / 'w' / 'metrics.jsonl') as f:
+    starts = [r['step'] for r in map(json.loads, f) if 'run/trained_seconds_at_start' in r]
+  assert starts == [0, 10]
 
 
 def test_checkpoints_by_elapsed_minutes(toy_corpus, tmp_path):
