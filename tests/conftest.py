@@ -97,6 +97,16 @@ def small_config(data_dir):
   return c
 
 
+@pytest.fixture
+def checkpoint_closes(monkeypatch):
+  """The directories of the Checkpoints closed while the test runs, in order (Checkpoints.close still runs)."""
+  from flaxformer_nmt import checkpoints as checkpoints_lib  # pylint: disable=g-import-not-at-top
+  closed = []
+  close = checkpoints_lib.Checkpoints.close
+  monkeypatch.setattr(checkpoints_lib.Checkpoints, 'close', lambda self: (closed.append(self.directory), close(self)))
+  return closed
+
+
 def pytest_unconfigure(config):  # pylint: disable=unused-argument
   if _COMPILATION_CACHE:
     shutil.rmtree(_COMPILATION_CACHE, ignore_errors=True)

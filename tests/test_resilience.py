@@ -185,13 +185,11 @@ def input_threads():
   return sum(t.name == 'TrainBatches' for t in threading.enumerate())
 
 
-def test_an_error_after_a_save_keeps_the_save_and_closes_the_run(toy_corpus, tmp_path, monkeypatch):
+def test_an_error_after_a_save_keeps_the_save_and_closes_the_run(toy_corpus, tmp_path, monkeypatch,
+                                                                 checkpoint_closes):
   """An error that escapes the loop right after a save (here the evaluation after step 10's save fails) waits
   for that save and stops the input thread before it goes on; rerunning resumes from step 10."""
   config = small_config(toy_corpus)
-  closed = []
-  close = checkpoints_lib.Checkpoints.close
-  monkeypatch.setattr(checkpoints_lib.Checkpoints, 'close', lambda self: (closed.append(self.directory), close(self)))
   evaluate_step = train.evaluate_step
 
   def failing_evaluation(run, step, *args):
@@ -202,7 +200,7 @@ def test_an_error_after_a_save_keeps_the_save_and_closes_the_run(toy_corpus, tmp
   threads_before = input_threads()
   with pytest.raises(RuntimeError, match='the evaluation failed'):
     train.train_and_evaluate(config, tmp_path / 'w')
-  assert len(closed) == 1 and input_threads() <= threads_before
+  assert len(checkpoint_closes) == 1 and input_threads() <= threads_before
   store = checkpoints_lib.Checkpoints(tmp_path / 'w', keep=0)
   assert store.steps() == [10]  # finished before the error went on, not later in a background thread
   store.close()

@@ -151,7 +151,7 @@ def test_resuming_on_three_devices_continues_the_one_device_run(toy_corpus, tmp_
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_a_changed_token_budget_stops_the_resume_unless_allowed(toy_corpus, tmp_path, caplog, monkeypatch):
+def test_a_changed_token_budget_stops_the_resume_unless_allowed(toy_corpus, tmp_path, caplog, checkpoint_closes):
   config = resume_config(toy_corpus)
   config.num_train_steps = 3
   config.checkpoint_every_steps = 3
@@ -159,13 +159,10 @@ def test_a_changed_token_budget_stops_the_resume_unless_allowed(toy_corpus, tmp_
   train.train_and_evaluate(config, workdir)
   config.num_train_steps = 5
   config.tokens_per_batch = 1024
-  closed = []
-  close = checkpoints_lib.Checkpoints.close
-  monkeypatch.setattr(checkpoints_lib.Checkpoints, 'close', lambda self: (closed.append(self.directory), close(self)))
+  closes_before = len(checkpoint_closes)
   with pytest.raises(data_lib.BatchingError, match='config.tokens_per_batch was 512, now 1024'):
     train.train_and_evaluate(config, workdir)
-  assert len(closed) == 1  # the refusal closed the checkpoint manager it had opened
-  monkeypatch.undo()
+  assert len(checkpoint_closes) == closes_before + 1  # the refusal closed the checkpoint manager it had opened
   assert checkpoints_lib.Checkpoints(workdir, keep=0).steps() == [3]  # nothing trained, nothing lost
   config.allow_batching_change = True
   with caplog.at_level(logging.WARNING):
