@@ -24,6 +24,20 @@ class Profiler:
     """`step`: the number of steps done. The trace ends once the traced steps have run on the device."""
     if self.active and step >= self.stop:
       jax.block_until_ready(state)
-      jax.profiler.stop_trace()
-      self.active = False
-      logging.info('Profiled steps %d..%d into %s', self.start, step, self.directory)
+      self._stop(f'{self.start}..{step}')
+
+  def close(self, state=None):
+    """Ends a trace still open because the run stopped inside the window (the time limit, a stop signal:
+    `state` is the last one; an error: no state, nothing waited for). The steps traced so far are written;
+    without this the trace was lost, and in a process that carries on (a notebook, a sweep driver) the next
+    start_trace failed on the trace still running."""
+    if not self.active:
+      return
+    if state is not None:
+      jax.block_until_ready(state)
+    self._stop(f'{self.start}..{int(state.step)}' if state is not None else f'from {self.start}, cut by an error')
+
+  def _stop(self, steps):
+    jax.profiler.stop_trace()
+    self.active = False
+    logging.info('Profiled steps %s into %s', steps, self.directory)

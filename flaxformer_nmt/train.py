@@ -205,7 +205,7 @@ def train_and_evaluate(config, workdir):
   preemption_sync = preemption.preemption_sync_available(step)
   # An error that escapes the loop (a failed evaluation, a device out of memory) first lets the save in flight
   # finish: rerunning the command resumes from it.
-  with (preemption.closed_on_error(run.train_batches, run.checkpoints, run.log),
+  with (preemption.closed_on_error(run.train_batches, run.checkpoints, run.log, run.profiler),
         preemption.StopSignal(handle_sigterm=not preemption_sync) as stop_signal):
     decision = preemption.StopDecision(config, start_time, stop_signal, preemption_sync,
                                        num_steps=run.num_train_steps, every_steps=run.checkpoint_every_steps)
@@ -253,6 +253,7 @@ def train_and_evaluate(config, workdir):
 def finish(run, signalled):
   """Waits for the last save and closes everything; a run that ended (by steps or time), not one paused by a
   stop signal, averages its last checkpoints for decoding."""
+  run.profiler.close(run.state)  # a window the run ended inside
   run.train_batches.close()
   run.checkpoints.wait()
   run.checkpoints.close()

@@ -1,6 +1,7 @@
 """What the training loop logs about speed (tokens/s, FLOP/s, MFU, step time) and the profiler option."""
 import json
 
+import jax
 import pytest
 
 from conftest import small_config
@@ -49,3 +50,28 @@ def test_a_workdir_with_pre_fused_checkpoints_is_refused_not_moved_aside(toy_cor
   with pytest.raises(workdir_lib.ConfigError, match='cannot resume'):
     train.train_and_evaluate(config, workdir)
   assert (workdir / 'checkpoints' / '100').exists()
+
+
+@pytest.mark.parametrize('ending', ['end', 'error'])
+def test_a_profile_window_the_run_stops_inside_is_written_and_closed(toy_corpus, tmp_path, monkeypatch, ending):
+  """A run that stops inside its profile window (its end or time limit comes first, or an error escapes the
+  loop) writes the steps it traced and leaves no trace running: the process can profile again."""
+  config = small_config(toy_corpus)
+  config.num_train_steps = 5
+  config.eval_every_steps = config.checkpoint_every_steps = 5
+  config.profile_start_step, config.profile_steps = 2, 100
+  if ending == 'error':
+    evaluate_step = train.evaluate_step
+
+    def failing_evaluation(run, step, *args):
+      if step == 3:  # inside the window, which opened before step 2
+        raise RuntimeError('the evaluation failed')
+      return evaluate_step(run, step, *args)
+    monkeypatch.setattr(train, 'evaluate_step', failing_evaluation)
+    with pytest.raises(RuntimeError, match='the evaluation failed'):
+      train.train_and_evaluate(config, tmp_path / 'run')
+  else:
+    train.train_and_evaluate(config, tmp_path / 'run')
+  assert list((tmp_path / 'run' / 'profile').rglob('*.xplane.pb')), 'the traced steps were not written'
+  jax.profiler.start_trace(str(tmp_path / 'again'))  # raises while another trace is running
+  jax.profiler.stop_trace()
