@@ -311,6 +311,12 @@ class Checkpoints:
   def close(self):
     self.manager.close()
 
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc_info):
+    self.close()
+
 
 def abstract_like(tree):
   """ShapeDtypeStructs (with shardings) of `tree`: the layout a restore should produce."""

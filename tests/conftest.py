@@ -107,6 +107,20 @@ def checkpoint_closes(monkeypatch):
   return closed
 
 
+def saved_steps(workdir):
+  """The checkpoint steps saved in `workdir`, listed by a manager that is closed again."""
+  from flaxformer_nmt import checkpoints as checkpoints_lib  # pylint: disable=g-import-not-at-top
+  with checkpoints_lib.Checkpoints(workdir, keep=0) as store:
+    return store.steps()
+
+
+def saved_params(workdir, step):
+  """The parameters of checkpoint `step` in `workdir` as host arrays."""
+  from flaxformer_nmt import checkpoints as checkpoints_lib  # pylint: disable=g-import-not-at-top
+  with checkpoints_lib.Checkpoints(workdir, keep=0) as store:
+    return store.restore_params(step)
+
+
 def pytest_unconfigure(config):  # pylint: disable=unused-argument
   if _COMPILATION_CACHE:
     shutil.rmtree(_COMPILATION_CACHE, ignore_errors=True)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import small_config, tiny_model
+from conftest import saved_params, saved_steps, small_config, tiny_model
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import config as config_lib
 from flaxformer_nmt import metrics as metrics_lib
@@ -64,7 +64,7 @@ def test_sigterm_then_sigkill_then_resume_equals_an_uninterrupted_run(toy_corpus
   _, stderr = process.communicate(timeout=60)
   assert process.returncode == 0, stderr[-3000:]
   assert 'Received SIGTERM' in stderr and 'a stop signal' in stderr
-  stopped_at = max(checkpoints_lib.Checkpoints(workdir).steps())
+  stopped_at = max(saved_steps(workdir))
   assert 0 < stopped_at < config.num_train_steps
   assert 'validation' not in stderr.split('Received SIGTERM')[1]  # no evaluation inside the grace period
 
@@ -85,7 +85,7 @@ def test_sigterm_then_sigkill_then_resume_equals_an_uninterrupted_run(toy_corpus
 
   reference = tmp_path / 'uninterrupted'
   train.train_and_evaluate(config, reference)
-  load = lambda w: checkpoints_lib.Checkpoints(w, keep=0).restore_params(config.num_train_steps)
+  load = lambda w: saved_params(w, config.num_train_steps)
   for a, b in zip(jax.tree_util.tree_leaves(load(workdir)), jax.tree_util.tree_leaves(load(reference))):
     np.testing.assert_array_equal(a, b)
 
@@ -219,4 +219,4 @@ def test_checkpoints_by_elapsed_minutes(toy_corpus, tmp_path):
   config.checkpoint_every_minutes = 1e-6
   config.keep_checkpoints = 0
   train.train_and_evaluate(config, tmp_path / 'w')
-  assert checkpoints_lib.Checkpoints(tmp_path / 'w', keep=0).steps() == [1, 2, 3, 4]
+  assert saved_steps(tmp_path / 'w') == [1, 2, 3, 4]

@@ -11,9 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import small_config
+from conftest import saved_params, saved_steps, small_config
 from test_resilience import cli_args
-from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import train
 from flaxformer_nmt.tokenizer import EOS_ID, PAD_ID
@@ -146,7 +145,7 @@ def test_resuming_on_three_devices_continues_the_one_device_run(toy_corpus, tmp_
   want, got = logged_losses(straight), logged_losses(moved)
   assert sorted(got) == sorted(want) == list(range(1, 13))
   np.testing.assert_allclose([got[s] for s in range(7, 13)], [want[s] for s in range(7, 13)], rtol=2e-5)
-  load = lambda w: checkpoints_lib.Checkpoints(w, keep=0).restore_params(12)
+  load = lambda w: saved_params(w, 12)
   for a, b in zip(jax.tree_util.tree_leaves(load(moved)), jax.tree_util.tree_leaves(load(straight))):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
@@ -163,9 +162,9 @@ def test_a_changed_token_budget_stops_the_resume_unless_allowed(toy_corpus, tmp_
   with pytest.raises(data_lib.BatchingError, match='config.tokens_per_batch was 512, now 1024'):
     train.train_and_evaluate(config, workdir)
   assert len(checkpoint_closes) == closes_before + 1  # the refusal closed the checkpoint manager it had opened
-  assert checkpoints_lib.Checkpoints(workdir, keep=0).steps() == [3]  # nothing trained, nothing lost
+  assert saved_steps(workdir) == [3]  # nothing trained, nothing lost
   config.allow_batching_change = True
   with caplog.at_level(logging.WARNING):
     train.train_and_evaluate(config, workdir)
   assert any('Batching changed (config.tokens_per_batch was 512, now 1024' in r.getMessage() for r in caplog.records)
-  assert checkpoints_lib.Checkpoints(workdir, keep=0).steps()[-1] == 5
+  assert saved_steps(workdir)[-1] == 5

@@ -6,7 +6,7 @@ import logging
 import numpy as np
 import pytest
 
-from conftest import small_config
+from conftest import saved_params, saved_steps, small_config
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import tokenizer as tokenizer_lib
 from flaxformer_nmt import train
@@ -47,7 +47,7 @@ def test_the_first_step_loss_of_a_warm_start_is_the_source_models_loss_on_that_b
   assert first['step'] == 1
 
   # Independently: checkpoint 5's parameters, read from disk, on the new run's first batch, by the eval step.
-  params = checkpoints_lib.Checkpoints(source_dir, keep=0).restore_params(5)
+  params = saved_params(source_dir, 5)
   train_batches, _, tokenizer = train.input_pipeline(config, workdir, num_devices=1)
   batch = next(train_batches)
   train_batches.close()
@@ -61,7 +61,7 @@ def test_the_first_step_loss_of_a_warm_start_is_the_source_models_loss_on_that_b
   np.testing.assert_allclose(first['train/learning_rate'], float(schedule(0)), rtol=1e-6)
   # The vocabulary is the source's (copied in), and the run counts its own steps from 0.
   assert (workdir / 'vocab.model').read_bytes() == (source_dir / 'vocab.model').read_bytes()
-  assert checkpoints_lib.Checkpoints(workdir).steps() == [1]
+  assert saved_steps(workdir) == [1]
 
 
 @pytest.mark.slow
