@@ -107,6 +107,22 @@ def checkpoint_closes(monkeypatch):
   return closed
 
 
+@pytest.fixture
+def evaluation_fails_at(monkeypatch):
+  """evaluation_fails_at(step): the loop's evaluation after `step` raises RuntimeError('the evaluation failed'),
+  the others run as usual (monkeypatch.undo() restores it)."""
+  from flaxformer_nmt import train  # pylint: disable=g-import-not-at-top
+  evaluate_step = train.evaluate_step
+
+  def fail_at(failing_step):
+    def failing_evaluation(run, step, *args):
+      if step == failing_step:
+        raise RuntimeError('the evaluation failed')
+      return evaluate_step(run, step, *args)
+    monkeypatch.setattr(train, 'evaluate_step', failing_evaluation)
+  return fail_at
+
+
 def saved_steps(workdir):
   """The checkpoint steps saved in `workdir`, listed by a manager that is closed again."""
   from flaxformer_nmt import checkpoints as checkpoints_lib  # pylint: disable=g-import-not-at-top

@@ -186,24 +186,16 @@ def input_threads():
 
 
 def test_an_error_after_a_save_keeps_the_save_and_closes_the_run(toy_corpus, tmp_path, monkeypatch,
-                                                                 checkpoint_closes):
+                                                                 checkpoint_closes, evaluation_fails_at):
   """An error that escapes the loop right after a save (here the evaluation after step 10's save fails) waits
   for that save and stops the input thread before it goes on; rerunning resumes from step 10."""
   config = small_config(toy_corpus)
-  evaluate_step = train.evaluate_step
-
-  def failing_evaluation(run, step, *args):
-    if step == 10:
-      raise RuntimeError('the evaluation failed')
-    return evaluate_step(run, step, *args)
-  monkeypatch.setattr(train, 'evaluate_step', failing_evaluation)
+  evaluation_fails_at(10)
   threads_before = input_threads()
   with pytest.raises(RuntimeError, match='the evaluation failed'):
     train.train_and_evaluate(config, tmp_path / 'w')
   assert len(checkpoint_closes) == 1 and input_threads() <= threads_before
-  store = checkpoints_lib.Checkpoints(tmp_path / 'w', keep=0)
-  assert store.steps() == [10]  # finished before the error went on, not later in a background thread
-  store.close()
+  assert saved_steps(tmp_path / 'w') == [10]  # finished before the error went on, not later in a background thread
 
   monkeypatch.undo()
   train.train_and_evaluate(config, tmp_path / 'w')

@@ -53,7 +53,8 @@ def test_a_workdir_with_pre_fused_checkpoints_is_refused_not_moved_aside(toy_cor
 
 
 @pytest.mark.parametrize('ending', ['end', 'error'])
-def test_a_profile_window_the_run_stops_inside_is_written_and_closed(toy_corpus, tmp_path, monkeypatch, ending):
+def test_a_profile_window_the_run_stops_inside_is_written_and_closed(toy_corpus, tmp_path, evaluation_fails_at,
+                                                                      ending):
   """A run that stops inside its profile window (its end or time limit comes first, or an error escapes the
   loop) writes the steps it traced and leaves no trace running: the process can profile again."""
   config = small_config(toy_corpus)
@@ -61,13 +62,7 @@ def test_a_profile_window_the_run_stops_inside_is_written_and_closed(toy_corpus,
   config.eval_every_steps = config.checkpoint_every_steps = 5
   config.profile_start_step, config.profile_steps = 2, 100
   if ending == 'error':
-    evaluate_step = train.evaluate_step
-
-    def failing_evaluation(run, step, *args):
-      if step == 3:  # inside the window, which opened before step 2
-        raise RuntimeError('the evaluation failed')
-      return evaluate_step(run, step, *args)
-    monkeypatch.setattr(train, 'evaluate_step', failing_evaluation)
+    evaluation_fails_at(3)  # the window opened before the third step
     with pytest.raises(RuntimeError, match='the evaluation failed'):
       train.train_and_evaluate(config, tmp_path / 'run')
   else:
