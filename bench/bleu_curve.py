@@ -108,7 +108,7 @@ def split_data(config, split, tok_dir):
 def checkpoint_names(workdir):
   if _STEPS.value:
     return _STEPS.value
-  steps = checkpoints_lib.Checkpoints(workdir, keep=0, async_save=False).steps()
+  steps = checkpoints_lib.saved_steps(workdir)
   names = [str(s) for s in steps if not _EVERY.value or s % _EVERY.value == 0 or s == steps[-1]]
   if (epath.Path(workdir) / checkpoints_lib.AVERAGED_DIR / 'averaged.json').exists():
     names.append('averaged')

@@ -318,6 +318,12 @@ class Checkpoints:
     self.close()
 
 
+def saved_steps(workdir):
+  """The steps of the checkpoints saved in `workdir`, oldest first, listed by a manager that is closed again."""
+  with Checkpoints(workdir, keep=0, async_save=False) as store:
+    return sorted(store.steps())
+
+
 def abstract_like(tree):
   """ShapeDtypeStructs (with shardings) of `tree`: the layout a restore should produce."""
   return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
@@ -353,21 +359,20 @@ class AveragingError(ValueError):
 
 def average_params(workdir, steps):
   """Mean of the parameters of checkpoints `steps`, in float32, holding at most two copies in memory."""
-  store = Checkpoints(workdir, keep=0, async_save=False)
-  available = store.steps()
-  missing = [s for s in steps if s not in available]
-  if missing or not steps:
-    raise AveragingError(f'checkpoints {missing or steps} not found in {store.directory}; there are {available}')
-  total, reference_step = None, None
-  for step in steps:
-    params = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), store.restore_params(step))
-    if total is None:
-      total, reference_step = params, step
-      continue
-    _check_same_shapes(total, params, reference_step, step)
-    total = jax.tree_util.tree_map(np.add, total, params)
-    del params
-  store.close()
+  with Checkpoints(workdir, keep=0, async_save=False) as store:
+    available = store.steps()
+    missing = [s for s in steps if s not in available]
+    if missing or not steps:
+      raise AveragingError(f'checkpoints {missing or steps} not found in {store.directory}; there are {available}')
+    total, reference_step = None, None
+    for step in steps:
+      params = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), store.restore_params(step))
+      if total is None:
+        total, reference_step = params, step
+        continue
+      _check_same_shapes(total, params, reference_step, step)
+      total = jax.tree_util.tree_map(np.add, total, params)
+      del params
   return jax.tree_util.tree_map(lambda x: x / len(steps), total)
 
 
@@ -409,7 +414,7 @@ def regular_save_interval(workdir):
 def average_last(workdir, last=None, steps=None, every_steps=None):
   """Averages `steps` (or the newest `last` regular checkpoints, see averaging_window) into
   {workdir}/averaged; returns the steps used. every_steps defaults to the workdir's (regular_save_interval)."""
-  available = Checkpoints(workdir, keep=0, async_save=False).steps()
+  available = saved_steps(workdir)
   if steps:
     steps = sorted(int(s) for s in steps)
   else:

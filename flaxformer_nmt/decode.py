@@ -358,15 +358,14 @@ def load_params(workdir, checkpoint=None):
     params, info = best_checkpoint.load_best(workdir)
     return jax.device_put(params), f'the best checkpoint (step {info["step"]}, {info["metric"]} {info["value"]:.4g})'
   if checkpoint.startswith('last:'):
-    steps = sorted(checkpoints_lib.Checkpoints(workdir, keep=0, async_save=False).steps())[-int(checkpoint[5:]):]
+    steps = checkpoints_lib.saved_steps(workdir)[-int(checkpoint[5:]):]
     return jax.device_put(checkpoints_lib.average_params(workdir, steps)), f'the average of checkpoints {steps}'
-  store = checkpoints_lib.Checkpoints(workdir, keep=0, async_save=False)
-  steps = store.steps()
-  store.close()
-  step = (steps[-1] if steps else None) if checkpoint == 'latest' else int(checkpoint)
-  if step not in steps:
-    raise FileNotFoundError(f'no checkpoint {checkpoint} in {store.directory}; there are {steps}')
-  return jax.device_put(store.restore_params(step)), f'checkpoint {step}'
+  with checkpoints_lib.Checkpoints(workdir, keep=0, async_save=False) as store:
+    steps = store.steps()
+    step = (steps[-1] if steps else None) if checkpoint == 'latest' else int(checkpoint)
+    if step not in steps:
+      raise FileNotFoundError(f'no checkpoint {checkpoint} in {store.directory}; there are {steps}')
+    return jax.device_put(store.restore_params(step)), f'checkpoint {step}'
 
 
 def _split_list(value):

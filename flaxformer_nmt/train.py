@@ -70,6 +70,16 @@ class Run:
   # the logged elapsed_seconds count the run's training time across resumes, not the time between them.
   trained_seconds: float = 0.0
 
+  def close(self, last_state=None):
+    """Closes what the run holds: a profile window still open (after `last_state` has run on the device; none
+    after an error, whose state may be the failure's), the input thread, the checkpoint manager once the save in
+    flight is written, the metrics writers."""
+    self.profiler.close(last_state)
+    self.train_batches.close()
+    self.checkpoints.wait()
+    self.checkpoints.close()
+    self.log.close()
+
 
 def set_up(config, workdir):
   """Checks the config against the workdir, then builds the input, the model, the train state (fresh or
@@ -205,7 +215,7 @@ def train_and_evaluate(config, workdir):
   preemption_sync = preemption.preemption_sync_available(step)
   # An error that escapes the loop (a failed evaluation, a device out of memory) first lets the save in flight
   # finish: rerunning the command resumes from it.
-  with (preemption.closed_on_error(run.train_batches, run.checkpoints, run.log, run.profiler),
+  with (preemption.closed_on_error(run),
         preemption.StopSignal(handle_sigterm=not preemption_sync) as stop_signal):
     decision = preemption.StopDecision(config, start_time, stop_signal, preemption_sync,
                                        num_steps=run.num_train_steps, every_steps=run.checkpoint_every_steps)
@@ -253,11 +263,7 @@ def train_and_evaluate(config, workdir):
 def finish(run, signalled):
   """Waits for the last save and closes everything; a run that ended (by steps or time), not one paused by a
   stop signal, averages its last checkpoints for decoding."""
-  run.profiler.close(run.state)  # a window the run ended inside
-  run.train_batches.close()
-  run.checkpoints.wait()
-  run.checkpoints.close()
-  run.log.close()
+  run.close(last_state=run.state)
   if run.config.average_last_checkpoints > 0 and not signalled:
     checkpoints_lib.average_last(run.workdir, last=run.config.average_last_checkpoints,
                                  every_steps=run.checkpoint_every_steps)

@@ -65,7 +65,7 @@ def resolve(init_from, init_checkpoint='latest'):
       raise WarmStartError(f'config.init_checkpoint={which}: {path / which} not found')
     directory, subtree = _params_dir(path / which)
     return directory, subtree, path, f'{which} of {path}'
-  steps = checkpoints_lib.Checkpoints(path, keep=0, async_save=False).steps()
+  steps = checkpoints_lib.saved_steps(path)
   if which == 'latest':
     if not steps:
       raise WarmStartError(f'config.init_from={init_from}: no checkpoint in {path / checkpoints_lib.CHECKPOINT_DIR}')

@@ -123,13 +123,6 @@ def evaluation_fails_at(monkeypatch):
   return fail_at
 
 
-def saved_steps(workdir):
-  """The checkpoint steps saved in `workdir`, listed by a manager that is closed again."""
-  from flaxformer_nmt import checkpoints as checkpoints_lib  # pylint: disable=g-import-not-at-top
-  with checkpoints_lib.Checkpoints(workdir, keep=0) as store:
-    return store.steps()
-
-
 def saved_params(workdir, step):
   """The parameters of checkpoint `step` in `workdir` as host arrays."""
   from flaxformer_nmt import checkpoints as checkpoints_lib  # pylint: disable=g-import-not-at-top

@@ -12,7 +12,6 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import saved_steps
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import distributed
 
@@ -64,10 +63,10 @@ def test_two_processes_train_checkpoint_restart_and_resume(toy_corpus, tmp_path)
   workdir, straight = tmp_path / 'run', tmp_path / 'straight'
   first = run_processes(toy_corpus, workdir, 10)
   assert all('devices=2' in line for line in first), first  # one global mesh over both processes
-  assert saved_steps(workdir) == [10]
+  assert checkpoints_lib.saved_steps(workdir) == [10]
 
   resumed = run_processes(toy_corpus, workdir, 20)
-  assert saved_steps(workdir) == [10, 20]
+  assert checkpoints_lib.saved_steps(workdir) == [10, 20]
   # Both processes averaged together at the end (process 0 wrote the index).
   assert json.loads((workdir / 'averaged' / 'averaged.json').read_text()) == {'steps': [10, 20]}
   logged = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
@@ -97,7 +96,7 @@ def test_sigterm_to_one_process_makes_both_save_the_same_step_and_the_resume_is_
     time.sleep(0.1)
   procs[1].send_signal(signal.SIGTERM)
   stopped = run_processes(toy_corpus, workdir, 100000, procs=procs)  # both exited 0
-  steps = saved_steps(workdir)
+  steps = checkpoints_lib.saved_steps(workdir)
   assert len(steps) == 1 and 5 <= steps[0] < 100000  # one checkpoint, the preemption's, by both processes
   assert {line.split('step=')[1].split()[0] for line in stopped} == {str(steps[0])}
   assert not (workdir / 'averaged').exists()  # a paused run is resumed, not averaged

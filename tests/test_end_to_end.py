@@ -7,7 +7,7 @@ import sys
 import jax
 import numpy as np
 
-from conftest import saved_steps, small_config
+from conftest import small_config
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import decode
 from flaxformer_nmt import train
@@ -28,14 +28,14 @@ def test_train_checkpoint_resume_decode(toy_corpus, tmp_path, monkeypatch, caplo
   assert np.isfinite(metrics['train/loss']) and np.isfinite(metrics['eval/perplexity'])
   for name in ('vocab.model', 'config.json', 'metrics.jsonl', 'tensorboard'):
     assert (workdir / name).exists(), name
-  assert saved_steps(workdir) == [10, 20]
+  assert checkpoints_lib.saved_steps(workdir) == [10, 20]
   assert json.loads((workdir / 'averaged' / 'averaged.json').read_text()) == {'steps': [10, 20]}  # at the end
 
   # Rerunning with more steps resumes at 20 and reuses the vocabulary.
   vocab_bytes = (workdir / 'vocab.model').read_bytes()
   config.num_train_steps = 30
   train.train_and_evaluate(config, 'run')
-  assert saved_steps(workdir) == [10, 20, 30]
+  assert checkpoints_lib.saved_steps(workdir) == [10, 20, 30]
   assert (workdir / 'vocab.model').read_bytes() == vocab_bytes
 
   # The resumed run equals an uninterrupted one: state and data position were restored exactly.

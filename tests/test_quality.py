@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import sacrebleu
 
-from conftest import saved_steps, small_config
+from conftest import small_config
 from flaxformer_nmt import best_checkpoint
 from flaxformer_nmt import bleu_eval
 from flaxformer_nmt import checkpoints as checkpoints_lib
@@ -78,7 +78,7 @@ def test_training_logs_validation_bleu_and_keeps_the_best_checkpoint(toy_corpus,
   assert info['step'] == best_step and info['value'] == pytest.approx(values[best_step])
   assert info['metric'] == 'bleu' and info['metrics']['eval/tok_bleu'] == pytest.approx(
       next(r['eval/tok_bleu'] for r in records if r['step'] == best_step))
-  assert saved_steps(workdir) == [20, 30]
+  assert checkpoints_lib.saved_steps(workdir) == [20, 30]
   assert [p.name for p in (workdir / 'best').iterdir() if p.name.startswith('params')] == [f'params_{best_step}']
   best = decode.Translator(workdir, checkpoint='best')
   assert best.checkpoint.startswith(f'the best checkpoint (step {best_step}, bleu ')

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import saved_params, saved_steps, small_config, tiny_model
+from conftest import saved_params, small_config, tiny_model
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import config as config_lib
 from flaxformer_nmt import metrics as metrics_lib
@@ -64,7 +64,7 @@ def test_sigterm_then_sigkill_then_resume_equals_an_uninterrupted_run(toy_corpus
   _, stderr = process.communicate(timeout=60)
   assert process.returncode == 0, stderr[-3000:]
   assert 'Received SIGTERM' in stderr and 'a stop signal' in stderr
-  stopped_at = max(saved_steps(workdir))
+  stopped_at = max(checkpoints_lib.saved_steps(workdir))
   assert 0 < stopped_at < config.num_train_steps
   assert 'validation' not in stderr.split('Received SIGTERM')[1]  # no evaluation inside the grace period
 
@@ -195,7 +195,8 @@ def test_an_error_after_a_save_keeps_the_save_and_closes_the_run(toy_corpus, tmp
   with pytest.raises(RuntimeError, match='the evaluation failed'):
     train.train_and_evaluate(config, tmp_path / 'w')
   assert len(checkpoint_closes) == 1 and input_threads() <= threads_before
-  assert saved_steps(tmp_path / 'w') == [10]  # finished before the error went on, not later in a background thread
+  # Step 10's save finished before the error went on, not later in a background thread.
+  assert checkpoints_lib.saved_steps(tmp_path / 'w') == [10]
 
   monkeypatch.undo()
   train.train_and_evaluate(config, tmp_path / 'w')
@@ -211,4 +212,4 @@ def test_checkpoints_by_elapsed_minutes(toy_corpus, tmp_path):
   config.checkpoint_every_minutes = 1e-6
   config.keep_checkpoints = 0
   train.train_and_evaluate(config, tmp_path / 'w')
-  assert saved_steps(tmp_path / 'w') == [1, 2, 3, 4]
+  assert checkpoints_lib.saved_steps(tmp_path / 'w') == [1, 2, 3, 4]

@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import saved_steps, small_config
+from conftest import small_config
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import config as config_lib
 from flaxformer_nmt import model as model_lib
@@ -204,7 +204,7 @@ def test_grad_clipping_can_be_switched_on_when_resuming(toy_corpus, tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'Starting at step 6 of 8' in result.stderr
   assert not (tmp_path / 'w' / 'corrupt_checkpoints').exists()
-  assert saved_steps(tmp_path / 'w') == [4, 6, 8]
+  assert checkpoints_lib.saved_steps(tmp_path / 'w') == [4, 6, 8]
 
 
 @pytest.mark.slow

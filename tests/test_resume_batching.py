@@ -11,8 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import saved_params, saved_steps, small_config
+from conftest import saved_params, small_config
 from test_resilience import cli_args
+from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import train
 from flaxformer_nmt.tokenizer import EOS_ID, PAD_ID
@@ -162,9 +163,9 @@ def test_a_changed_token_budget_stops_the_resume_unless_allowed(toy_corpus, tmp_
   with pytest.raises(data_lib.BatchingError, match='config.tokens_per_batch was 512, now 1024'):
     train.train_and_evaluate(config, workdir)
   assert len(checkpoint_closes) == closes_before + 1  # the refusal closed the checkpoint manager it had opened
-  assert saved_steps(workdir) == [3]  # nothing trained, nothing lost
+  assert checkpoints_lib.saved_steps(workdir) == [3]  # nothing trained, nothing lost
   config.allow_batching_change = True
   with caplog.at_level(logging.WARNING):
     train.train_and_evaluate(config, workdir)
   assert any('Batching changed (config.tokens_per_batch was 512, now 1024' in r.getMessage() for r in caplog.records)
-  assert saved_steps(workdir)[-1] == 5
+  assert checkpoints_lib.saved_steps(workdir)[-1] == 5

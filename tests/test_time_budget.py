@@ -10,7 +10,7 @@ import types
 import numpy as np
 import pytest
 
-from conftest import saved_steps, small_config
+from conftest import small_config
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import config as config_lib
 from flaxformer_nmt import time_budget
@@ -131,7 +131,7 @@ def test_the_trainer_fits_at_the_cooldown_start_follows_the_bent_schedule_and_st
   assert time_budget.load(workdir) == ts.FittedEnd(40, 20, 1.0)
   # Saves every 5 steps from the fit on (the cooldown halved, 40 - 20 of 60 - 20), so the last 3 averaged span
   # the same share of it as the configured 10-step grid would have (not 20, 30, 40: back to the peak).
-  assert saved_steps(workdir) == [30, 35, 40]
+  assert checkpoints_lib.saved_steps(workdir) == [30, 35, 40]
   assert json.loads((workdir / 'averaged' / 'averaged.json').read_text())['steps'] == [30, 35, 40]
   assert checkpoints_lib.regular_save_interval(workdir) == 5  # what `python -m flaxformer_nmt.average` uses
 
@@ -177,12 +177,12 @@ def test_max_train_minutes_counts_training_time_across_resumes(toy_corpus, tmp_p
 
   config.num_train_steps = 6
   train.train_and_evaluate(config, workdir)  # resumed past its 60 minutes: no step
-  assert saved_steps(workdir) == [4]
+  assert checkpoints_lib.saved_steps(workdir) == [4]
 
   config.max_train_minutes = 90.0  # a larger limit trains on, from the hour already spent
   started = time.time()
   train.train_and_evaluate(config, workdir)
-  assert saved_steps(workdir) == [4, 6]
+  assert checkpoints_lib.saved_steps(workdir) == [4, 6]
   assert 3600 < trained_seconds(6) <= 3600 + time.time() - started
   records = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
   # The logged minutes continue the same clock.

@@ -6,7 +6,7 @@ import logging
 import numpy as np
 import pytest
 
-from conftest import saved_params, saved_steps, small_config
+from conftest import saved_params, small_config
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import tokenizer as tokenizer_lib
 from flaxformer_nmt import train
@@ -61,7 +61,7 @@ def test_the_first_step_loss_of_a_warm_start_is_the_source_models_loss_on_that_b
   np.testing.assert_allclose(first['train/learning_rate'], float(schedule(0)), rtol=1e-6)
   # The vocabulary is the source's (copied in), and the run counts its own steps from 0.
   assert (workdir / 'vocab.model').read_bytes() == (source_dir / 'vocab.model').read_bytes()
-  assert saved_steps(workdir) == [1]
+  assert checkpoints_lib.saved_steps(workdir) == [1]
 
 
 @pytest.mark.slow
