@@ -61,7 +61,7 @@ def run(args, timeout=900):
 def final_params(workdir, step):
   from flaxformer_nmt import checkpoints as checkpoints_lib  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
-  return jax.tree_util.tree_leaves(checkpoints_lib.Checkpoints(workdir, keep=0).restore_params(step))
+  return jax.tree_util.tree_leaves(checkpoints_lib.saved_params(workdir, step))
 
 
 def listing(path):

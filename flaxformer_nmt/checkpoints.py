@@ -176,7 +176,7 @@ class Checkpoints:
   storage_retry_seconds = 2.0
 
   def __init__(self, workdir, keep=5, async_save=True):
-    self.directory = absolute(workdir) / CHECKPOINT_DIR
+    self.directory = checkpoint_directory(workdir)
     options = ocp.CheckpointManagerOptions(
         preservation_policy=ocp.checkpoint_managers.LatestN(keep) if keep else None,
         create=True,
@@ -300,11 +300,6 @@ class Checkpoints:
         multihost_utils.sync_global_devices('damaged checkpoints set aside')
       self.manager.reload()
 
-  def restore_params(self, step):
-    """The parameters of checkpoint `step` as host arrays, reading nothing else from disk (checkpoints from
-    before the fused attention projections are converted to today's layout)."""
-    return model_lib.upgrade_legacy_params(read_params(self.directory / str(int(step)) / 'state', subtree='params'))
-
   def wait(self):
     self.manager.wait_until_finished()
 
@@ -324,6 +319,19 @@ def saved_steps(workdir):
     return sorted(store.steps())
 
 
+def checkpoint_directory(workdir):
+  """Where `workdir`'s checkpoints are saved (one folder per step)."""
+  return absolute(workdir) / CHECKPOINT_DIR
+
+
+def saved_params(workdir, step):
+  """The parameters of checkpoint `step` in `workdir` as host arrays, read from its files alone: no manager is
+  opened and nothing but the parameters is read (checkpoints from before the fused attention projections are
+  converted to today's layout)."""
+  path = checkpoint_directory(workdir) / str(int(step)) / 'state'
+  return model_lib.upgrade_legacy_params(read_params(path, subtree='params'))
+
+
 def abstract_like(tree):
   """ShapeDtypeStructs (with shardings) of `tree`: the layout a restore should produce."""
   return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
@@ -341,13 +349,13 @@ def read_params(path, subtree=None):
   absl_logger = std_logging.getLogger('absl')
   absl_logger.addFilter(_not_step_metadata_notice)
   try:
-    checkpointer = ocp.PyTreeCheckpointer()
-    metadata = checkpointer.metadata(path).item_metadata.tree
-    if subtree is not None:
-      metadata = {subtree: metadata[subtree]}
-    restore_args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), metadata)
-    restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
-        item=metadata, restore_args=restore_args, partial_restore=subtree is not None))
+    with ocp.PyTreeCheckpointer() as checkpointer:
+      metadata = checkpointer.metadata(path).item_metadata.tree
+      if subtree is not None:
+        metadata = {subtree: metadata[subtree]}
+      restore_args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), metadata)
+      restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+          item=metadata, restore_args=restore_args, partial_restore=subtree is not None))
   finally:
     absl_logger.removeFilter(_not_step_metadata_notice)
   return restored[subtree] if subtree is not None else restored
@@ -359,20 +367,20 @@ class AveragingError(ValueError):
 
 def average_params(workdir, steps):
   """Mean of the parameters of checkpoints `steps`, in float32, holding at most two copies in memory."""
-  with Checkpoints(workdir, keep=0, async_save=False) as store:
-    available = store.steps()
-    missing = [s for s in steps if s not in available]
-    if missing or not steps:
-      raise AveragingError(f'checkpoints {missing or steps} not found in {store.directory}; there are {available}')
-    total, reference_step = None, None
-    for step in steps:
-      params = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), store.restore_params(step))
-      if total is None:
-        total, reference_step = params, step
-        continue
-      _check_same_shapes(total, params, reference_step, step)
-      total = jax.tree_util.tree_map(np.add, total, params)
-      del params
+  available = saved_steps(workdir)
+  missing = [s for s in steps if s not in available]
+  if missing or not steps:
+    raise AveragingError(f'checkpoints {missing or steps} not found in {checkpoint_directory(workdir)}; '
+                         f'there are {available}')
+  total, reference_step = None, None
+  for step in steps:
+    params = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), saved_params(workdir, step))
+    if total is None:
+      total, reference_step = params, step
+      continue
+    _check_same_shapes(total, params, reference_step, step)
+    total = jax.tree_util.tree_map(np.add, total, params)
+    del params
   return jax.tree_util.tree_map(lambda x: x / len(steps), total)
 
 

@@ -360,12 +360,12 @@ def load_params(workdir, checkpoint=None):
   if checkpoint.startswith('last:'):
     steps = checkpoints_lib.saved_steps(workdir)[-int(checkpoint[5:]):]
     return jax.device_put(checkpoints_lib.average_params(workdir, steps)), f'the average of checkpoints {steps}'
-  with checkpoints_lib.Checkpoints(workdir, keep=0, async_save=False) as store:
-    steps = store.steps()
-    step = (steps[-1] if steps else None) if checkpoint == 'latest' else int(checkpoint)
-    if step not in steps:
-      raise FileNotFoundError(f'no checkpoint {checkpoint} in {store.directory}; there are {steps}')
-    return jax.device_put(store.restore_params(step)), f'checkpoint {step}'
+  steps = checkpoints_lib.saved_steps(workdir)
+  step = (steps[-1] if steps else None) if checkpoint == 'latest' else int(checkpoint)
+  if step not in steps:
+    raise FileNotFoundError(f'no checkpoint {checkpoint} in {checkpoints_lib.checkpoint_directory(workdir)}; '
+                            f'there are {steps}')
+  return jax.device_put(checkpoints_lib.saved_params(workdir, step)), f'checkpoint {step}'
 
 
 def _split_list(value):

@@ -123,13 +123,6 @@ def evaluation_fails_at(monkeypatch):
   return fail_at
 
 
-def saved_params(workdir, step):
-  """The parameters of checkpoint `step` in `workdir` as host arrays."""
-  from flaxformer_nmt import checkpoints as checkpoints_lib  # pylint: disable=g-import-not-at-top
-  with checkpoints_lib.Checkpoints(workdir, keep=0) as store:
-    return store.restore_params(step)
-
-
 def pytest_unconfigure(config):  # pylint: disable=unused-argument
   if _COMPILATION_CACHE:
     shutil.rmtree(_COMPILATION_CACHE, ignore_errors=True)

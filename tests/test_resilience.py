@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import saved_params, small_config, tiny_model
+from conftest import small_config, tiny_model
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import config as config_lib
 from flaxformer_nmt import metrics as metrics_lib
@@ -85,7 +85,7 @@ def test_sigterm_then_sigkill_then_resume_equals_an_uninterrupted_run(toy_corpus
 
   reference = tmp_path / 'uninterrupted'
   train.train_and_evaluate(config, reference)
-  load = lambda w: saved_params(w, config.num_train_steps)
+  load = lambda w: checkpoints_lib.saved_params(w, config.num_train_steps)
   for a, b in zip(jax.tree_util.tree_leaves(load(workdir)), jax.tree_util.tree_leaves(load(reference))):
     np.testing.assert_array_equal(a, b)
 

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import saved_params, small_config
+from conftest import small_config
 from test_resilience import cli_args
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import data as data_lib
@@ -146,7 +146,7 @@ def test_resuming_on_three_devices_continues_the_one_device_run(toy_corpus, tmp_
   want, got = logged_losses(straight), logged_losses(moved)
   assert sorted(got) == sorted(want) == list(range(1, 13))
   np.testing.assert_allclose([got[s] for s in range(7, 13)], [want[s] for s in range(7, 13)], rtol=2e-5)
-  load = lambda w: saved_params(w, 12)
+  load = lambda w: checkpoints_lib.saved_params(w, 12)
   for a, b in zip(jax.tree_util.tree_leaves(load(moved)), jax.tree_util.tree_leaves(load(straight))):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 

@@ -6,7 +6,7 @@ import logging
 import numpy as np
 import pytest
 
-from conftest import saved_params, small_config
+from conftest import small_config
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import tokenizer as tokenizer_lib
 from flaxformer_nmt import train
@@ -47,7 +47,7 @@ def test_the_first_step_loss_of_a_warm_start_is_the_source_models_loss_on_that_b
   assert first['step'] == 1
 
   # Independently: checkpoint 5's parameters, read from disk, on the new run's first batch, by the eval step.
-  params = saved_params(source_dir, 5)
+  params = checkpoints_lib.saved_params(source_dir, 5)
   train_batches, _, tokenizer = train.input_pipeline(config, workdir, num_devices=1)
   batch = next(train_batches)
   train_batches.close()
