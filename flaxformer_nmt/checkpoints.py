@@ -321,15 +321,19 @@ def saved_steps(workdir):
 
 def checkpoint_directory(workdir):
   """Where `workdir`'s checkpoints are saved (one folder per step)."""
-  return absolute(workdir) / CHECKPOINT_DIR
+  return absolute(workdir) / CHECKPOINT_DIR  # the one place this path is built
+
+
+def state_directory(workdir, step):
+  """The orbax directory of checkpoint `step`'s train state (its parameters are the `params` subtree)."""
+  return checkpoint_directory(workdir) / str(int(step)) / 'state'
 
 
 def saved_params(workdir, step):
   """The parameters of checkpoint `step` in `workdir` as host arrays, read from its files alone: no manager is
   opened and nothing but the parameters is read (checkpoints from before the fused attention projections are
   converted to today's layout)."""
-  path = checkpoint_directory(workdir) / str(int(step)) / 'state'
-  return model_lib.upgrade_legacy_params(read_params(path, subtree='params'))
+  return model_lib.upgrade_legacy_params(read_params(state_directory(workdir, step), subtree='params'))
 
 
 def abstract_like(tree):
@@ -432,9 +436,9 @@ def average_last(workdir, last=None, steps=None, every_steps=None):
     if 0 < len(steps) < last:
       logging.warning('Averaging %d checkpoints %s, fewer than the %d asked: %s holds no more at the regular '
                       'interval (keep_checkpoints above average_last_checkpoints leaves room for the final '
-                      'save).', len(steps), steps, last, absolute(workdir) / CHECKPOINT_DIR)
+                      'save).', len(steps), steps, last, checkpoint_directory(workdir))
   if not steps:
-    raise AveragingError(f'no checkpoints in {absolute(workdir) / CHECKPOINT_DIR}')
+    raise AveragingError(f'no checkpoints in {checkpoint_directory(workdir)}')
   directory = save_averaged(workdir, average_params(workdir, steps), steps)
   logging.info('Averaged checkpoints %s into %s', steps, directory)
   return steps

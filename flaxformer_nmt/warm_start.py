@@ -29,7 +29,7 @@ class WarmStartError(ValueError):
 
 
 def _is_workdir(path):
-  return (path / 'config.json').exists() or (path / checkpoints_lib.CHECKPOINT_DIR).is_dir()
+  return (path / 'config.json').exists() or checkpoints_lib.checkpoint_directory(path).is_dir()
 
 
 def _params_dir(path):
@@ -68,14 +68,15 @@ def resolve(init_from, init_checkpoint='latest'):
   steps = checkpoints_lib.saved_steps(path)
   if which == 'latest':
     if not steps:
-      raise WarmStartError(f'config.init_from={init_from}: no checkpoint in {path / checkpoints_lib.CHECKPOINT_DIR}')
+      raise WarmStartError(f'config.init_from={init_from}: no checkpoint in '
+                           f'{checkpoints_lib.checkpoint_directory(path)}')
     step = max(steps)
   elif which.isdigit() and int(which) in steps:
     step = int(which)
   else:
     raise WarmStartError(f'config.init_checkpoint={which}: use latest, averaged, best or one of the steps '
                          f'{sorted(steps)} of {path}')
-  return path / checkpoints_lib.CHECKPOINT_DIR / str(step) / 'state', 'params', path, f'checkpoint {step} of {path}'
+  return checkpoints_lib.state_directory(path, step), 'params', path, f'checkpoint {step} of {path}'
 
 
 def adopt_vocabulary(config, workdir):
