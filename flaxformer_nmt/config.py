@@ -111,6 +111,9 @@ def base_config():
   c.model.dropout_rate = 0.1  # P_drop: sublayer outputs and embedding sums.
   c.model.attention_dropout_rate = 0.0  # on attention weights (not in the paper).
   c.model.relu_dropout_rate = 0.0  # inside the feed-forward block (not in the paper).
+  # Source word dropout (Sennrich and Zhang 2019; not in the paper): in training each source token's embedding
+  # is zeroed with this probability, its position kept. 0 = off.
+  c.model.source_word_dropout = 0.0
   c.model.pre_layer_norm = False  # the paper is post-LN: LayerNorm(x + Sublayer(x)).
   c.model.max_position = 1024  # rows of the sinusoidal table.
   # 'auto': bfloat16 on GPU/TPU, float32 on CPU (where bf16 matmuls are slower). Params stay float32.

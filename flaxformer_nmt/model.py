@@ -55,6 +55,9 @@ class ModelConfig:
   dropout_rate: float = 0.1
   attention_dropout_rate: float = 0.0
   relu_dropout_rate: float = 0.0
+  # Source word dropout (Sennrich and Zhang 2019, for low-resource translation; not in the paper): in training,
+  # each source token's embedding is zeroed with this probability; its position encoding stays.
+  source_word_dropout: float = 0.0
   pre_layer_norm: bool = False
   max_position: int = 1024
   dtype: str = 'auto'
@@ -615,8 +618,13 @@ class TransformerStacks(nn.Module):
     if c.pre_layer_norm:
       self.decoder_norm = nn.LayerNorm(epsilon=1e-5, dtype=jnp.float32)
 
-  def embed(self, tokens, positions, deterministic):
+  def embed(self, tokens, positions, deterministic, word_dropout=0.0):
+    """Token embeddings x sqrt(d_model) + positions, then dropout. word_dropout > 0 (training only): each
+    token's embedding is zeroed with that probability (unscaled, as a blank word), its position kept."""
     x = self.embedding(tokens) * jnp.sqrt(self.config.d_model).astype(jnp.float32)
+    if word_dropout > 0 and not deterministic:
+      keep = jax.random.bernoulli(self.make_rng('dropout'), 1.0 - word_dropout, tokens.shape)
+      x = jnp.where(keep[..., None], x, jnp.zeros((), x.dtype))
     x = x + jnp.asarray(self.positions)[positions]
     return self.embedding_dropout(x, deterministic=deterministic).astype(self.dtype)
 
@@ -628,7 +636,7 @@ class TransformerStacks(nn.Module):
     else:
       mask = AttentionMask(padding_mask(src, src) & _same_segment(src_segments, src_segments))
     positions = jnp.arange(src.shape[1])[None] if src_positions is None else src_positions
-    x = self.embed(src, positions, deterministic)
+    x = self.embed(src, positions, deterministic, self.config.source_word_dropout)
     for layer in self.encoder_layers:
       x = layer(x, mask, deterministic)
     return self.encoder_norm(x).astype(self.dtype) if self.config.pre_layer_norm else x

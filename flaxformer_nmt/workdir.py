@@ -59,10 +59,11 @@ def _validate_rdrop(config):
   if lm.task_of(config) == 'mlm':
     raise ConfigError(f'config.rdrop_alpha={alpha} is not for the MLM: its two copies of an example would be '
                       'masked differently')
-  rates = (config.model.dropout_rate, config.model.attention_dropout_rate, config.model.relu_dropout_rate)
+  rates = (config.model.dropout_rate, config.model.attention_dropout_rate, config.model.relu_dropout_rate,
+           config.model.get('source_word_dropout', 0.0))
   if not any(rates):
-    raise ConfigError(f'config.rdrop_alpha={alpha} needs dropout (config.model.dropout_rate, '
-                      'attention_dropout_rate or relu_dropout_rate > 0): without it both predictions are the same')
+    raise ConfigError(f'config.rdrop_alpha={alpha} needs dropout (config.model.dropout_rate, attention_dropout_rate, '
+                      'relu_dropout_rate or source_word_dropout > 0): without it both predictions are the same')
 
 
 def _validate_schedule_fit(config):
@@ -98,6 +99,12 @@ def validate_config(config):
     raise ConfigError(f'config.bpe_dropout={bpe_dropout} needs a translation task with a BPE vocabulary '
                       f"(config.sentencepiece_model_type='bpe'; now {config.sentencepiece_model_type!r}, task "
                       f'{lm.task_of(config)!r})')
+  word_dropout = config.model.get('source_word_dropout', 0.0)
+  if not 0.0 <= word_dropout < 1.0:
+    raise ConfigError(f'config.model.source_word_dropout={word_dropout} is a probability: use 0 (off) to below 1')
+  if word_dropout and lm.task_of(config) != 'translation':
+    raise ConfigError(f'config.model.source_word_dropout={word_dropout} needs a source: it is for the translation '
+                      f'task, not {lm.task_of(config)!r}')
   _validate_rdrop(config)
   _validate_schedule_fit(config)
   for field in ('tokens_per_batch', 'log_every_steps', 'eval_every_steps', 'checkpoint_every_steps',

@@ -235,6 +235,9 @@ def test_rdrop_is_refused_where_it_cannot_work():
   c.model.dropout_rate = 0.0
   with pytest.raises(workdir_lib.ConfigError, match='config.rdrop_alpha=5.0 needs dropout'):
     workdir_lib.validate_config(c)
+  c.model.source_word_dropout = 0.1  # source words dropped: the two predictions differ
+  workdir_lib.validate_config(c)
+  c.model.source_word_dropout = 0.0
   c.model.relu_dropout_rate = 0.1
   workdir_lib.validate_config(c)
   c.task = 'mlm'

@@ -111,6 +111,36 @@ def test_embedding_is_shared_and_scaled():
   np.testing.assert_allclose(x[0], expected, atol=1e-5)
 
 
+@pytest.mark.parametrize('rate', [0.1, 0.3])
+def test_source_word_dropout_blanks_whole_source_tokens_at_its_rate_and_keeps_their_positions(rate):
+  """Sennrich and Zhang's word dropout: a dropped source token enters as its position encoding alone (no
+  rescaling), a kept one as embedding x sqrt(d) + position; never at evaluation, never on the target side."""
+  model, params = tiny_model(dropout_rate=0.0)
+  model = _variant(model, source_word_dropout=rate)
+  embedding = np.asarray(params['shared_embedding']['embedding'])
+  src = jax.random.randint(jax.random.PRNGKey(3), (100, 40), 3, embedding.shape[0])
+  positions = model_lib.sinusoidal_positions(40, 32)
+  full = embedding[np.asarray(src)] * np.sqrt(32) + positions
+  # The encoder's input, as encode builds it (captured before the first layer).
+  def encoder_input(module, src, deterministic):
+    return module.embed(src, jnp.arange(40)[None], deterministic, module.config.source_word_dropout)
+  x = np.asarray(model.apply({'params': params}, src, False, method=encoder_input,
+                             rngs={'dropout': jax.random.PRNGKey(0)}))
+  blank = np.all(np.abs(x - positions) < 1e-5, axis=-1)
+  kept = np.all(np.abs(x - full) < 1e-4, axis=-1)
+  assert np.all(blank ^ kept)  # every token is either whole or blank: one draw per token, not per feature
+  # 4,000 draws: the standard error of the fraction is below 0.008.
+  assert abs(blank.mean() - rate) < 0.03
+  evaluation = model.apply({'params': params}, src, True, method=encoder_input)
+  np.testing.assert_allclose(evaluation, full, atol=1e-4)
+  # Training-mode logits differ from evaluation's only through the source: with the rate at 0 they are equal.
+  tgt = src[:, :10]
+  train = lambda m: m.apply({'params': params}, src, tgt, False, rngs={'dropout': jax.random.PRNGKey(0)})
+  assert not np.allclose(train(model), model.apply({'params': params}, src, tgt))
+  np.testing.assert_allclose(train(_variant(model, source_word_dropout=0.0)),
+                             model.apply({'params': params}, src, tgt), atol=1e-5)
+
+
 def test_pre_layer_norm_variant_runs_and_differs():
   post, params = tiny_model(pre_layer_norm=False)
   pre, pre_params = tiny_model(pre_layer_norm=True)
