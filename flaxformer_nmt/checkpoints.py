@@ -314,7 +314,10 @@ class Checkpoints:
 
 
 def saved_steps(workdir):
-  """The steps of the checkpoints saved in `workdir`, oldest first, listed by a manager that is closed again."""
+  """The steps of the checkpoints saved in `workdir`, oldest first, listed by a manager that is closed again.
+  None saved: []. Looking never writes: the manager (which creates its directory) opens only where one exists."""
+  if not checkpoint_directory(workdir).is_dir():
+    return []
   with Checkpoints(workdir, keep=0, async_save=False) as store:
     return sorted(store.steps())
 

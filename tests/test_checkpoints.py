@@ -43,3 +43,14 @@ def test_mismatched_shapes_are_refused_by_name(tmp_path):
 
 def jax_tree(tree):
   return {k: jax_tree(v) if isinstance(v, dict) else jnp.asarray(v) for k, v in tree.items()}
+
+
+def test_listing_the_steps_of_a_workdir_without_checkpoints_writes_nothing(tmp_path):
+  """decode --checkpoint latest, warm starts and averaging list a workdir's steps before anything else; a
+  mistyped or empty workdir must get its error without gaining a `checkpoints/` folder (orbax's manager makes
+  the directory it opens)."""
+  assert checkpoints_lib.saved_steps(tmp_path / 'typo') == []
+  assert not (tmp_path / 'typo').exists()
+  (tmp_path / 'empty').mkdir()
+  assert checkpoints_lib.saved_steps(tmp_path / 'empty') == []
+  assert list((tmp_path / 'empty').iterdir()) == []
