@@ -20,7 +20,6 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from flaxformer_nmt import checkpoints as checkpoints_lib
-from flaxformer_nmt import model as model_lib
 
 BEST_DIR = 'best'
 INFO_FILENAME = 'best.json'
@@ -45,8 +44,7 @@ def load_best(workdir):
   if info is None:
     raise FileNotFoundError(f'{directory(workdir) / INFO_FILENAME} not found: train with '
                             '--config.best_checkpoint_metric=bleu (or tok_bleu, loss, nll) to keep a best checkpoint')
-  params = checkpoints_lib.read_params(directory(workdir) / info['params'])
-  return model_lib.upgrade_legacy_params(params), info
+  return checkpoints_lib.read_model_params(directory(workdir) / info['params']), info
 
 
 class BestCheckpoint:

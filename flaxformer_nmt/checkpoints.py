@@ -336,7 +336,7 @@ def saved_params(workdir, step):
   """The parameters of checkpoint `step` in `workdir` as host arrays, read from its files alone: no manager is
   opened and nothing but the parameters is read (checkpoints from before the fused attention projections are
   converted to today's layout)."""
-  return model_lib.upgrade_legacy_params(read_params(state_directory(workdir, step), subtree='params'))
+  return read_model_params(state_directory(workdir, step), subtree='params')
 
 
 def abstract_like(tree):
@@ -366,6 +366,12 @@ def read_params(path, subtree=None):
   finally:
     absl_logger.removeFilter(_not_step_metadata_notice)
   return restored[subtree] if subtree is not None else restored
+
+
+def read_model_params(path, subtree=None):
+  """Model parameters saved at `path` (or its `subtree` item) by any version of this project, in today's layout
+  (checkpoints from before the fused attention projections are converted)."""
+  return model_lib.upgrade_legacy_params(read_params(path, subtree))
 
 
 class AveragingError(ValueError):
@@ -479,5 +485,4 @@ def load_averaged(workdir):
   directory = absolute(workdir) / AVERAGED_DIR
   if not (directory / 'averaged.json').exists():
     raise FileNotFoundError(f'{directory} not found: run `python -m flaxformer_nmt.average --workdir {workdir}` first')
-  params = model_lib.upgrade_legacy_params(read_params(directory / 'params'))
-  return params, json.loads((directory / 'averaged.json').read_text())
+  return read_model_params(directory / 'params'), json.loads((directory / 'averaged.json').read_text())
