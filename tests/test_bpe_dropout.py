@@ -215,16 +215,6 @@ def test_bad_bpe_dropout_settings_are_named(tmp_path, override, message):
     workdir_lib.validate_config(config)
 
 
-@pytest.mark.parametrize('rate, task, message', [(1.0, 'translation', 'is a probability'),
-                                                 (-0.1, 'translation', 'is a probability'),
-                                                 (0.1, 'lm', "not 'lm'")])
-def test_bad_source_word_dropout_settings_are_named(tmp_path, rate, task, message):
-  config = small_config(tmp_path)
-  config.model.source_word_dropout, config.task = rate, task
-  with pytest.raises(workdir_lib.ConfigError, match=f'config.model.source_word_dropout=.*{message}'):
-    workdir_lib.validate_config(config)
-
-
 def test_training_with_bpe_dropout_resegments_every_epoch(toy_corpus, tmp_path, caplog):
   config = small_config(toy_corpus)
   config.bpe_dropout, config.num_train_steps, config.eval_every_steps = 0.1, 8, 8

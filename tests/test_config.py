@@ -223,6 +223,19 @@ def test_cudnn_attention_where_cudnn_cannot_run_stops_before_any_work(tmp_path):
   assert "config.model.attention_impl='cudnn' needs" in result.stderr and 'Traceback' not in result.stderr
   assert not (tmp_path / 'w' / 'vocab.model').exists()
 
+@pytest.mark.parametrize('rate, task, message', [(1.0, 'translation', 'is a probability'),
+                                                 (-0.1, 'translation', 'is a probability'),
+                                                 (0.1, 'lm', "not 'lm'")])
+def test_bad_source_word_dropout_settings_are_named(rate, task, message):
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  c = config_lib.base_config()
+  c.data_dir = '/data'
+  c.model.source_word_dropout, c.task = rate, task
+  with pytest.raises(workdir_lib.ConfigError, match=f'config.model.source_word_dropout=.*{message}'):
+    workdir_lib.validate_config(c)
+
+
 def test_rdrop_is_refused_where_it_cannot_work():
   """R-Drop without any dropout compares two equal predictions (a regularizer that does nothing); on the MLM
   the two copies would be masked differently. Both stop at validation, naming the field."""

@@ -114,7 +114,8 @@ def test_embedding_is_shared_and_scaled():
 @pytest.mark.parametrize('rate', [0.1, 0.3])
 def test_source_word_dropout_blanks_whole_source_tokens_at_its_rate_and_keeps_their_positions(rate):
   """Sennrich and Zhang's word dropout: a dropped source token enters as its position encoding alone (no
-  rescaling), a kept one as embedding x sqrt(d) + position; never at evaluation, never on the target side."""
+  rescaling), a kept one as embedding x sqrt(d) + position; never at evaluation. (The target side takes `embed`'s
+  default rate of 0: only `encode` passes the config's.)"""
   model, params = tiny_model(dropout_rate=0.0)
   model = _variant(model, source_word_dropout=rate)
   embedding = np.asarray(params['shared_embedding']['embedding'])
