@@ -18,7 +18,9 @@ Runs that would learn the same vocabulary share one: before any run starts, each
 and the corpus tokenized once (pipeline.vocabulary_and_tokens, in --prepared/<key>/), then copied into the
 workdirs it serves, where the trainer finds and reuses it. Sixteen runs each learning a 12k vocabulary on one
 GPU machine's 16 host cores spent most of a 6.4-minute screen starting (bench/RESULTS.md, the third GPU lease).
---prepare_only builds --prepared and stops: a machine lent for minutes can be handed it ready.
+--prepare_only builds --prepared and stops: a machine lent for minutes can be handed it ready. --check_only
+resolves every run's config and checks it as the trainer does (an unknown field, a refused combination), in
+seconds: tests/test_sweep.py runs it on every screen in bench/sweeps.
 """
 import hashlib
 import json
@@ -50,6 +52,8 @@ _SHARE = flags.DEFINE_bool('share_vocabulary', True, 'Learn each distinct vocabu
 _PREPARED = flags.DEFINE_string('prepared', '', 'Where the shared vocabularies and token ids are kept, one folder '
                                 'per vocabulary ("": {root}/prepared).')
 _PREPARE_ONLY = flags.DEFINE_bool('prepare_only', False, 'Prepare the shared vocabularies in --prepared and stop.')
+_CHECK_ONLY = flags.DEFINE_bool('check_only', False, 'Resolve each run\'s config and check it as the trainer does '
+                                'before any work, list the runs, and stop: seconds on any machine, before a lease.')
 
 # Config fields that shape only the model, training, evaluation and saving, never the vocabulary or the token
 # ids that pipeline.vocabulary_and_tokens writes: runs that differ in nothing else share one preparation. The
@@ -157,6 +161,21 @@ def prepare_vocabularies(runs, prepared):
     shutil.copytree(os.path.join(folder, 'tokenized'), os.path.join(workdir, 'tokenized'), dirs_exist_ok=True)
 
 
+def check_runs(runs):
+  """Each run's config, resolved from its overrides and checked by the trainer's own checks (train.check_config);
+  the first that fails stops the screen with its run named, before anything is prepared or started."""
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update('jax_platforms', 'cpu')  # nothing runs: leave any accelerator alone
+  from flaxformer_nmt import train  # pylint: disable=g-import-not-at-top
+  for name, seed, command, _ in runs:
+    try:
+      train.check_config(resolved_config(command))
+    except Exception as error:  # pylint: disable=broad-except  (an unknown field, a bad value: named with its run)
+      message = error.args[0] if len(error.args) == 1 else error
+      sys.exit(f'run {name}.s{seed}: {type(error).__name__}: {message}')
+    print(f'{name}.s{seed}: ok', flush=True)
+
+
 def run_all(runs):
   """Runs (name, seed, command, workdir) _PARALLEL at a time; returns their summary rows."""
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE='false')  # a dozen processes share one GPU's memory
@@ -210,6 +229,9 @@ def main(argv):
                                 '--workdir', workdir, *shlex.split(_COMMON.value),
                                 *shlex.split(_EXTRA.value), *overrides,
                                 f'--config.seed={seed}'], workdir))
+  if _CHECK_ONLY.value:
+    check_runs(runs)
+    return
   if _SHARE.value or _PREPARE_ONLY.value:
     prepare_vocabularies(runs, _PREPARED.value or os.path.join(_ROOT.value, 'prepared'))
   if _PREPARE_ONLY.value:

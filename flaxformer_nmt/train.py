@@ -81,11 +81,17 @@ class Run:
     self.log.close()
 
 
+def check_config(config):
+  """Every check of the config alone that the trainer makes before it reads or writes anything (bench/sweep.py
+  --check_only runs it on each run of a screen before a lease)."""
+  validate_config(config)
+  bleu_eval.validate_config(config)
+
+
 def set_up(config, workdir):
   """Checks the config against the workdir, then builds the input, the model, the train state (fresh or
   restored from the newest good checkpoint, with the data position) and the compiled steps."""
-  validate_config(config)
-  bleu_eval.validate_config(config)
+  check_config(config)
   workdir = epath.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   save_or_check_config(config, workdir)

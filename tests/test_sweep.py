@@ -1,7 +1,10 @@
-"""bench/sweep.py learns each distinct vocabulary once and hands it to exactly the runs that would have learnt it."""
+"""bench/sweep.py learns each distinct vocabulary once and hands it to exactly the runs that would have learnt it,
+and its --check_only refuses a screen whose runs the trainer would refuse."""
 import ast
+import glob
 import hashlib
 import os
+import re
 import subprocess
 import sys
 
@@ -55,3 +58,30 @@ def test_a_variant_builds_on_an_earlier_one_by_name():
                          (['a: --config.x=1', 'a: --config.x=2'], "--variant names repeat: 'a'")):
     result = parse(texts)
     assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
+
+
+def check_screen(*args):
+  return subprocess.run([sys.executable, os.path.join(REPO, 'bench', 'sweep.py'), '--check_only', *args],
+                        capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def test_every_shipped_screen_resolves_to_configs_the_trainer_accepts():
+  # The screens in bench/sweeps run on a GPU lent for minutes: a config field renamed since a screen was written,
+  # or a combination the trainer refuses, must show here rather than cost a lease.
+  screens = [path for path in sorted(glob.glob(os.path.join(REPO, 'bench', 'sweeps', '*.flags')))
+             if '--variant=' in open(path).read()]
+  assert len(screens) >= 5, screens
+  for path in screens:
+    result = check_screen(f'--flagfile={path}')
+    assert result.returncode == 0, (path, result.stderr[-2000:])
+    assert re.search(r'^\S+\.s\d+: ok$', result.stdout, re.M), (path, result.stdout)
+
+
+def test_the_check_names_the_run_whose_config_the_trainer_would_refuse():
+  for variant, message in (('typo: --config.label_smothing=0.1', 'run typo.s0: AttributeError'),
+                           ('no_bleu: --config.eval_bleu_every_steps=0',  # the recipe keeps its best by BLEU
+                            "run no_bleu.s0: ConfigError: config.best_checkpoint_metric='bleu' needs validation BLEU")):
+    result = check_screen('--config', os.path.join(REPO, 'configs', 'multi30k_best.py'), '--variant=fine:',
+                          f'--variant={variant}')
+    assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
+    assert 'fine.s0: ok' in result.stdout  # checked in order, up to the bad one
