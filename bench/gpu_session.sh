@@ -12,6 +12,9 @@
 #   SWEEP_FLAGS=bench/sweeps/hour_casing.flags SWEEP_PARALLEL=9 SWEEP_SECONDS=510 bash bench/gpu_session.sh env sweep
 #   bash bench/gpu_session.sh score                            # the sixth (2026-11-27, night): the sweep's greedy BLEU
 #                                                             # was cut while compiling; score took 46 s (beam 4)
+#   SWEEP_SECONDS=420 SCORE_SECONDS=100 bash bench/gpu_session.sh env recipe
+#                                                             # next: issue 14's recipe, three seeds and a lever
+#                                                             # (SMOKE=1 on a CPU in 6 min; 2026-11-28's lease refused)
 #
 # Stages:
 #   env         the GPU, driver and the Python stack that will run
@@ -34,6 +37,9 @@
 #   score       beam-4 valid BLEU of every sweep run's last checkpoint in /tmp/sweep (flaxformer_nmt.compare),
 #               all at once on the warm machine: for a sweep whose own greedy BLEU the time limit cut (a cold
 #               screen's BLEU compiles for minutes); 46 s for nine runs in the sixth lease
+#   recipe      issue 14 item 3's recipe on valid: three seeds (bench/sweeps/recipe_seeds.flags) and levers not yet
+#               measured on it (recipe_levers.flags), trained side by side, then each last checkpoint scored with
+#               the recipe's beam 5 by the score stage's code; SWEEP_SECONDS (450) bounds the training
 #   profile     the big step traced (bench/op_profile.py): time per part of the model and the costliest ops
 #
 # What must travel with the working tree (the lent machine reaches no network and has no ../shared), made
@@ -45,6 +51,10 @@
 #   gpu_carry/sweep_prepared   the sweep's vocabularies (seconds here; learnt on the GPU machine if absent):
 #                      python bench/sweep.py --flagfile=bench/sweeps/hour_float32.flags --prepare_only \
 #                        --prepared gpu_carry/sweep_prepared --extra='--config.data_dir=gpu_carry/data/multi30k'
+#   gpu_carry/recipe_prepared  the recipe screens' one vocabulary, likewise (the recipe stage's --extra):
+#                      python bench/sweep.py --flagfile=bench/sweeps/recipe_seeds.flags --prepare_only \
+#                        --prepared gpu_carry/recipe_prepared --extra='--config.data_dir=gpu_carry/data/multi30k
+#                        --config.eval_bleu_tok_ref_dir=gpu_carry/data/multi30k_tok --config.model.dtype=float32'
 #   .whl             Python 3.12 wheels (pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl)
 #                    of ml-collections, sacremoses, tensorboardX, importlib_resources, orbax-checkpoint, flax
 #                    and optax: setup() installs those whose pyproject.toml range the image's version misses
@@ -186,13 +196,34 @@ stage_sweep() {
 stage_score() {
   # One process per run, sharing the GPU: JAX must not take 75% of its memory in each (8 of 9 failed to start so)
   local w
-  for w in /tmp/sweep/*.s[0-9]*; do
+  for w in ${SCORE_RUNS:-/tmp/sweep/*.s[0-9]*}; do
     [ -d "$w/checkpoints" ] || continue
-    (XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 $PY -m flaxformer_nmt.compare --workdir "$w" \
+    (XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${SCORE_SECONDS:-200} $PY -m flaxformer_nmt.compare --workdir "$w" \
        --checkpoints latest > "/tmp/score.$(basename "$w").txt" 2>&1
-     echo "$(basename "$w") $(grep '^| latest' "/tmp/score.$(basename "$w").txt")") &
+     echo "$(basename "$w") $(grep '^| latest' "/tmp/score.$(basename "$w").txt" || tail -n 3 "/tmp/score.$(basename "$w").txt")") &
   done
   wait
+}
+
+stage_recipe() {
+  # The two screens at once (8 runs at most share the GPU; sweep.py gives each run its share of GPU memory), from
+  # one vocabulary learnt before the lease (gpu_carry/recipe_prepared; learnt here first if it was not carried)
+  local seconds=${SWEEP_SECONDS:-450} screen
+  local extra='--config.data_dir=gpu_carry/data/multi30k --config.eval_bleu_tok_ref_dir=gpu_carry/data/multi30k_tok
+               --config.model.dtype=float32'
+  [ "${SMOKE:-0}" = 1 ] && extra+=' --config.num_train_steps=20 --config.warmup_steps=10 --config.cooldown_steps=10
+                                    --config.checkpoint_every_steps=20'
+  $PY bench/sweep.py --flagfile=bench/sweeps/recipe_seeds.flags --extra="$extra" --prepared gpu_carry/recipe_prepared \
+    --prepare_only
+  for screen in seeds levers; do
+    mkdir -p "$OUT/$screen"
+    timeout $((seconds + 30)) $PY bench/sweep.py --flagfile=bench/sweeps/recipe_$screen.flags --extra="$extra" \
+      --prepared gpu_carry/recipe_prepared --root /tmp/recipe_$screen --out "$OUT/$screen" --parallel 8 \
+      --timeout_s "$seconds" > /tmp/recipe_$screen.txt 2>&1 &
+  done
+  wait
+  cat /tmp/recipe_seeds.txt /tmp/recipe_levers.txt
+  SCORE_RUNS='/tmp/recipe_*/*.s[0-9]*' SCORE_SECONDS=${SCORE_SECONDS:-110} stage_score
 }
 
 stage_profile() {
