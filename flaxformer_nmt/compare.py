@@ -5,6 +5,7 @@ the average of the last k, the latest, or given steps.
   python -m flaxformer_nmt.compare --workdir runs/m30k --checkpoints best,averaged --split test2016
   python -m flaxformer_nmt.compare --workdir runs/m30k --checkpoints best,2000 --input test.en --ref test.de \
       [--tok_ref test.tok.de]
+  python -m flaxformer_nmt.compare --workdir runs/m30k --checkpoints last:10 --beam_size 8 --mbr bleu
 
 Checkpoints: `best` (config.best_checkpoint_metric), `averaged` ({workdir}/averaged), `last:K` (the newest K
 checkpoints averaged in memory, nothing written), `latest`, or a step. By default the sentences are the
@@ -26,6 +27,7 @@ from flaxformer_nmt import cli
 from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import decode
 from flaxformer_nmt import evaluate
+from flaxformer_nmt import mbr
 from flaxformer_nmt import workdir as workdir_lib
 
 
@@ -39,6 +41,9 @@ def define_flags():
                       '{config.eval_bleu_tok_ref_dir}/{split}.{lang} where it exists).')
   flags.DEFINE_integer('beam_size', None, 'Beam width (default: the config\'s); 0 is greedy.')
   flags.DEFINE_float('alpha', None, 'Length penalty exponent (default: the config\'s).')
+  flags.DEFINE_enum('mbr', None, list(mbr.UTILITIES), 'Minimum Bayes risk among the beam\'s --n_best candidates '
+                    '(mbr.py) instead of its best-scored translation.')
+  flags.DEFINE_integer('n_best', None, 'Candidates for --mbr (default: the beam size).')
   flags.mark_flags_as_required(['workdir'])
 
 
@@ -63,10 +68,11 @@ def sentences(config, split=None, input_path=None, ref_path=None, tok_ref_path=N
   return description, sources, references, tok_references
 
 
-def score_row(name, translator, sources, references, tok_references, beam_size, alpha):
+def score_row(name, translator, sources, references, tok_references, beam_size, alpha, mbr_utility=None,
+              n_best=1):
   """One table row: the checkpoint's scores on the sentences."""
   start = time.time()
-  hypotheses = translator.translate(sources, beam_size=beam_size, alpha=alpha)
+  hypotheses = translator.translate(sources, beam_size=beam_size, alpha=alpha, mbr=mbr_utility, n_best=n_best)
   seconds = time.time() - start
   metric = sacrebleu.BLEU(lowercase=translator.lowercase)  # case-insensitive for a model of config.lowercase
   bleu = metric.corpus_score(hypotheses, [references])
@@ -80,6 +86,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   f = flags.FLAGS
+  if f.n_best and not f.mbr:
+    raise app.UsageError('--n_best gives --mbr its candidates: give --mbr too')
   checkpoints_lib.quiet_orbax_logs()
   cli.use_compilation_cache()  # every checkpoint decodes the same shapes
   try:
@@ -87,14 +95,16 @@ def main(argv):
     description, sources, references, tok_references = sentences(config, f.split, f.input, f.ref, f.tok_ref)
     beam_size = config.beam_size if f.beam_size is None else f.beam_size
     alpha = config.length_penalty_alpha if f.alpha is None else f.alpha
+    n_best = (f.n_best or beam_size) if f.mbr else 1
     print(f'{description}: {len(sources)} sentences, {"greedy" if beam_size == 0 else f"beam {beam_size}"}, '
-          f'alpha {alpha}')
+          f'alpha {alpha}' + (f', MBR by sentence {f.mbr} among {n_best} candidates' if f.mbr else ''))
     print('| checkpoint | parameters | sacreBLEU | lc-tok BLEU | length ratio | BP | decode s |')
     print('|---|---|---:|---:|---:|---:|---:|')
     signature = ''
     for name in f.checkpoints:
       translator = decode.Translator(f.workdir, checkpoint=name)
-      row, signature = score_row(name, translator, sources, references, tok_references, beam_size, alpha)
+      row, signature = score_row(name, translator, sources, references, tok_references, beam_size, alpha,
+                                 f.mbr, n_best)
       print(row, flush=True)
     print(f'\nsacreBLEU {signature}')
   except (OSError, ValueError) as e:

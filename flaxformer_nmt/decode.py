@@ -12,6 +12,7 @@ programs are kept in JAX's persistent cache (cli.use_compilation_cache): a later
 
   --greedy | --beam_size=K | --sampling [--temperature=T --top_k=K --seed=S]
   --format=fairseq [--n_best=N]: S-i (source), H-i (score, sentencepiece pieces), D-i (score, text) lines
+  --n_best=N --mbr=bleu|chrf: of N candidates (beams, or samples), the one that agrees most with the others
   --max_len_a=A --max_len_b=B: at most floor(A * source length + B) tokens before EOS (default 1, 50)
   --min_len=N: at least N tokens before EOS (default 1, as fairseq and CTranslate2: no empty outputs)
   --checkpoint=1700,1800 or --workdir=A,B: an ensemble (per-step average of the members' probabilities)
@@ -41,6 +42,7 @@ from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import cli
 from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import evaluate
+from flaxformer_nmt import mbr as mbr_lib
 from flaxformer_nmt import tokenizer as tokenizer_lib
 from flaxformer_nmt import workdir as workdir_lib
 from flaxformer_nmt.model import Transformer
@@ -578,17 +580,25 @@ class Translator:
     return [tokenizer_lib.prepare_text(s, self.lowercase) for s in sentences]
 
   def translate(self, sentences, beam_size=None, alpha=None, n_best=1, tokens_per_batch=None, return_scores=False,
-                **options):
+                mbr=None, **options):
     """Translations of `sentences` (list of str), in order. beam_size=0 decodes greedily.
 
-    With n_best > 1 each item is a list of the n best translations. With return_scores, items are
+    With n_best > 1 each item is a list of the n best translations; with mbr ('bleu' or 'chrf', mbr.py) and
+    n_best > 1 it is the minimum-Bayes-risk choice among those n candidates. With return_scores, items are
     (translation, score) pairs: the length-normalized log probability (beam) or the log probability (greedy,
     sampling). `options`: sampling=True, temperature, top_k, seed, max_len_a, max_len_b (see search_tokens).
     """
+    if mbr:  # before the search: its options are checked there
+      mbr_lib.metric(mbr)
+      if n_best < 2:
+        raise ValueError(f'MBR chooses among candidates: n_best={n_best} must be at least 2')
     token_lists = self.tokenizer.encode(self.prepare(sentences))
     results = self.search_tokens(token_lists, beam_size=beam_size, alpha=alpha, n_best=n_best,
                                  tokens_per_batch=tokens_per_batch, **options)
     results = [[(self.tokenizer.decode(ids), score) for ids, score in hyps] for hyps in results]
+    if mbr:
+      results = [[hyps[mbr_lib.select([text for text, _ in hyps], mbr)]] for hyps in results]
+      n_best = 1
     if not return_scores:
       results = [[text for text, _ in hyps] for hyps in results]
     return [hyps if n_best > 1 else hyps[0] for hyps in results]
@@ -675,7 +685,11 @@ def define_flags():
   flags.DEFINE_float('temperature', 1.0, 'Sampling: draw from softmax(logits / temperature).')
   flags.DEFINE_integer('top_k', 0, 'Sampling: only from the k most likely tokens (0: all).')
   flags.DEFINE_integer('seed', 0, 'Sampling: random seed (a line\'s samples depend only on it and the line).')
-  flags.DEFINE_integer('n_best', 1, 'Hypotheses per input (beams, or samples); more than 1 needs --format=fairseq.')
+  flags.DEFINE_integer('n_best', 1, 'Hypotheses per input (beams, or samples); more than 1 needs --format=fairseq '
+                       'or --mbr.')
+  flags.DEFINE_enum('mbr', None, list(mbr_lib.UTILITIES), 'Minimum Bayes risk (mbr.py): write the one of the '
+                    '--n_best candidates (beams, or samples) that agrees most with the others by this sentence '
+                    'metric, instead of the best-scored.')
   flags.DEFINE_enum('format', 'plain', ['plain', 'fairseq'],
                     'plain: one translation per input line. fairseq: S-i, H-i (score, pieces), D-i (score, text).')
   flags.DEFINE_integer('tokens_per_batch', None, 'Source tokens per batch.')
@@ -687,8 +701,11 @@ def main(argv):
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  if FLAGS.n_best > 1 and FLAGS.format == 'plain':
-    raise app.UsageError('--n_best > 1 gives several lines per input: use --format=fairseq')
+  if FLAGS.mbr and (FLAGS.n_best < 2 or FLAGS.format != 'plain'):
+    raise app.UsageError('--mbr writes one chosen translation per line of --n_best >= 2 candidates: give --n_best '
+                         'and --format=plain')
+  if FLAGS.n_best > 1 and FLAGS.format == 'plain' and not FLAGS.mbr:
+    raise app.UsageError('--n_best > 1 gives several lines per input: use --format=fairseq (or choose one: --mbr)')
   checkpoints_lib.quiet_orbax_logs()
   cli.use_compilation_cache()
   try:
@@ -700,6 +717,8 @@ def main(argv):
     method = f'sampling (temperature {FLAGS.temperature}, top-k {FLAGS.top_k or "off"}, seed {FLAGS.seed})'
   else:
     method = 'greedy' if beam_size == 0 else f'beam {beam_size or translator.config.beam_size}'
+  if FLAGS.mbr:
+    method += f', MBR by sentence {FLAGS.mbr} among {FLAGS.n_best} candidates'
   logging.info('Translating with %s of %s (%s)', translator.checkpoint, FLAGS.workdir, method)
   options = dict(beam_size=beam_size, alpha=FLAGS.alpha, n_best=FLAGS.n_best,
                  tokens_per_batch=FLAGS.tokens_per_batch, max_len_a=FLAGS.max_len_a, max_len_b=FLAGS.max_len_b,
@@ -716,7 +735,8 @@ def main(argv):
     for chunk in _read_chunks(FLAGS.input, FLAGS.buffer_lines):
       chunk = translator.prepare(chunk)
       results = translator.search_tokens(translator.tokenizer.encode(chunk), first_line=done, **options)
-      best = [translator.tokenizer.decode(hyps[0][0]) for hyps in results]
+      texts = [[translator.tokenizer.decode(ids) for ids, _ in hyps] for hyps in results]
+      best = [t[mbr_lib.select(t, FLAGS.mbr)] if FLAGS.mbr else t[0] for t in texts]
       if FLAGS.format == 'fairseq':
         lines = [line for i, (source, hyps) in enumerate(zip(chunk, results))
                  for line in fairseq_lines(done + i, source, hyps, translator.tokenizer)]

@@ -398,3 +398,25 @@ def test_commands_keep_compiled_programs_in_the_user_cache(tmp_path):
   # A directory the user gives JAX is left to JAX.
   env['JAX_COMPILATION_CACHE_DIR'] = str(tmp_path / 'chosen')
   assert run(env) == str(tmp_path / 'chosen')
+
+
+def test_mbr_chooses_among_the_n_best_in_the_api_the_cli_and_compare(workdir, translator, mixed, monkeypatch):
+  from flaxformer_nmt import compare, mbr  # pylint: disable=g-import-not-at-top
+  candidates = translator.translate(mixed, beam_size=3, n_best=3)
+  chosen = translator.translate(mixed, beam_size=3, n_best=3, mbr='chrf')
+  assert chosen == [c[mbr.select(c, 'chrf')] for c in candidates]
+  assert chosen != [c[0] for c in candidates]  # the toy's beams disagree: some choice is not the best-scored
+  with pytest.raises(ValueError, match='n_best=1 must be at least 2'):
+    translator.translate(mixed, beam_size=3, mbr='chrf')
+  result = run_cli(['--beam_size=3', '--n_best=3', '--mbr=chrf'], workdir, stdin=''.join(s + '\n' for s in mixed))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.split('\n')[:-1] == chosen and 'MBR by sentence chrf among 3 candidates' in result.stderr
+  result = run_cli(['--beam_size=3', '--mbr=chrf'], workdir, stdin='a dog .\n')
+  assert result.returncode != 0 and '--mbr writes one chosen translation per line' in result.stderr
+  # compare scores the choices (the toy's outputs are too short for BLEU's 4-grams to tell, so its translations
+  # are read on their way to the scorer)
+  scored = []
+  monkeypatch.setattr(translator, 'translate', lambda *a, **k: scored.append(decode.Translator.translate(
+      translator, *a, **k)) or scored[-1])
+  compare.score_row('latest', translator, mixed, mixed, None, 3, None, 'chrf', 3)
+  assert scored == [chosen]
