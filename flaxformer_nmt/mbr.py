@@ -44,12 +44,5 @@ def select(candidates, utility='bleu'):
   """The index of the candidate with the highest mean utility against all the candidates (the first on a tie)."""
   if not candidates:
     raise ValueError('MBR needs at least one candidate')
-  if len(candidates) == 1:
-    return 0
   return int(np.argmax(utility_matrix(candidates, utility).mean(axis=1)))
 
-
-def choose(candidate_lists, utility='bleu'):
-  """For each sentence's candidates (strings), the MBR choice."""
-  metric(utility)  # an unknown utility fails before any work
-  return [candidates[select(candidates, utility)] if candidates else '' for candidates in candidate_lists]
