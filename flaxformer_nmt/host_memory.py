@@ -1,0 +1,44 @@
+"""How the process holds host memory: a compiled program's freed buffer is kept for its next run, not handed
+back to the operating system and faulted in again.
+
+XLA:CPU runs a compiled program with one buffer for all its intermediates, allocated with malloc when the
+program starts and freed when it ends: 997 MB for the recipe's train step (64 rows of 64 tokens; the logits
+over 8,000 pieces and their gradients dominate). glibc serves an allocation that large with mmap (above its
+mmap threshold, at most 32 MB; and from a thread's own arena, which cannot hold it, whatever the threshold)
+and returns it with munmap when it is freed. So every step touched ~244,000 fresh pages, each a page fault
+and a page zeroed by the kernel: on a 2-core Intel Xeon, ~290,000 faults a second, a quarter of the CPU time
+in the kernel, and the recipe's step took 810 ms against 572 ms with the buffer kept (bench/RESULTS.md,
+2026-11-28).
+
+`keep_freed_memory()` asks glibc (mallopt) to serve every thread from the main heap (M_ARENA_MAX 1), never
+with mmap (M_MMAP_MAX 0), and to give the heap's top back only beyond 2 GiB free (M_TRIM_THRESHOLD): the
+buffer is then reused where it lies. The price is that the process keeps its peak heap until it exits, which
+a training or decoding loop reaches again at its next step anyway. glibc fixes the number of arenas when a
+second thread first allocates, so this runs when the package is imported, before jax, numpy or anything else
+has started threads. FLAXFORMER_NMT_KEEP_FREED_MEMORY=0 leaves malloc as it is; other C libraries are left
+alone.
+"""
+import ctypes
+import os
+import platform
+
+# mallopt's parameters (glibc's malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+_M_ARENA_MAX = -8
+TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int
+
+ENV = 'FLAXFORMER_NMT_KEEP_FREED_MEMORY'
+
+
+def keep_freed_memory():
+  """Sets glibc's malloc to keep freed memory for reuse (see above); True where it did."""
+  if os.environ.get(ENV, '1') == '0' or platform.system() != 'Linux' or platform.libc_ver()[0] != 'glibc':
+    return False
+  try:
+    mallopt = ctypes.CDLL(None).mallopt
+  except (OSError, AttributeError):
+    return False
+  mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+  settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+  return all([mallopt(parameter, value) == 1 for parameter, value in settings])

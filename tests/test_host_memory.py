@@ -1,0 +1,53 @@
+"""Importing flaxformer_nmt makes glibc keep a freed large buffer for reuse (host_memory.py): a second buffer of
+the same size, taken in another thread as XLA:CPU's threads take theirs, faults no pages in again."""
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+PROBE = r'''
+import ctypes, resource, sys, threading
+if sys.argv[1] == 'import':
+  import flaxformer_nmt  # noqa: F401
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+libc.free.argtypes = (ctypes.c_void_p,)
+SIZE = 256 * 2**20  # far above glibc's largest mmap threshold (32 MiB): served by mmap unless told otherwise
+
+def touch_in_a_thread():  # malloc, write every page, free, as one run of a compiled program does
+  faults = []
+  def run():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    buffer = libc.malloc(SIZE)
+    ctypes.memset(buffer, 1, SIZE)
+    libc.free(buffer)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+  thread = threading.Thread(target=run)
+  thread.start()
+  thread.join()
+  return faults[0]
+
+first = touch_in_a_thread()
+print(first, touch_in_a_thread())
+'''
+
+
+def faults(mode, **env):
+  result = subprocess.run([sys.executable, '-c', PROBE, mode], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, **env))
+  assert result.returncode == 0, result.stderr[-2000:]
+  return [int(n) for n in result.stdout.split()]
+
+
+@pytest.mark.skipif(platform.system() != 'Linux' or platform.libc_ver()[0] != 'glibc', reason='glibc only')
+def test_a_freed_buffer_is_reused_without_faulting_its_pages_in_again():
+  pages = 256 * 2**20 // os.sysconf('SC_PAGE_SIZE')
+  first, second = faults('import')
+  assert first >= pages // 2  # the first touch faults (the kernel hands out zeroed pages)
+  assert second < 100, (first, second)  # the same memory again: nothing to fault
+  # Without the package, or with it turned off, glibc unmaps the buffer at free and the next one faults again
+  for mode, env in (('no_import', {}), ('import', {'FLAXFORMER_NMT_KEEP_FREED_MEMORY': '0'})):
+    first, second = faults(mode, **env)
+    assert second >= pages // 2, (mode, env, first, second)
