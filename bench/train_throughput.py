@@ -42,6 +42,7 @@ from absl import app, flags
 import op_profile  # bench/op_profile.py, beside this script
 
 from flaxformer_nmt import flops as flops_lib
+from flaxformer_nmt import host_memory
 from flaxformer_nmt import lm
 from flaxformer_nmt import model as model_lib
 from flaxformer_nmt import sharding
@@ -247,6 +248,7 @@ def time_steps(train_fn, state, rng, shape, vocab, mesh, analytic, profile_dir='
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  host_memory.keep_freed_memory()  # as the trainer does, before the first computation
   backend = jax.default_backend()
   peak = flops_lib.peak_flops_per_device(override=_PEAK.value)
   matmul = matmul_rate() if backend == 'cpu' else None

@@ -26,6 +26,7 @@ from flaxformer_nmt import cli
 from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import distributed
 from flaxformer_nmt import flops as flops_lib
+from flaxformer_nmt import host_memory
 from flaxformer_nmt import metrics as metrics_lib
 from flaxformer_nmt import model as model_lib
 from flaxformer_nmt import preemption
@@ -289,6 +290,8 @@ def define_flags():
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if host_memory.keep_freed_memory():  # before the first computation starts XLA's threads (host_memory.py)
+    logging.info('Host memory: freed buffers kept for reuse (%s=0 turns it off)', host_memory.ENV)
   checkpoints_lib.quiet_orbax_logs()
   distributed.initialize(flags.FLAGS.distributed, flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
                          flags.FLAGS.process_id)

@@ -222,6 +222,7 @@ def test_cudnn_attention_where_cudnn_cannot_run_stops_before_any_work(tmp_path):
   assert result.returncode == 1
   assert "config.model.attention_impl='cudnn' needs" in result.stderr and 'Traceback' not in result.stderr
   assert not (tmp_path / 'w' / 'vocab.model').exists()
+  assert 'Host memory: freed buffers kept for reuse' in result.stderr  # train.main set it first (host_memory.py)
 
 @pytest.mark.parametrize('rate, task, message', [(1.0, 'translation', 'is a probability'),
                                                  (-0.1, 'translation', 'is a probability'),

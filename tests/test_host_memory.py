@@ -1,5 +1,5 @@
-"""Importing flaxformer_nmt makes glibc keep a freed large buffer for reuse (host_memory.py): a second buffer of
-the same size, taken in another thread as XLA:CPU's threads take theirs, faults no pages in again."""
+"""The trainer makes glibc keep a freed large buffer for reuse (host_memory.py): a second buffer of the same size,
+taken in another thread as XLA:CPU's threads take theirs, faults no pages in again."""
 import os
 import platform
 import subprocess
@@ -8,9 +8,11 @@ import sys
 import pytest
 
 PROBE = r'''
-import ctypes, resource, sys, threading
-if sys.argv[1] == 'import':
-  import flaxformer_nmt  # noqa: F401
+import ctypes, os, resource, sys, threading
+if sys.argv[1] == 'keep':  # as train.main does: after all the trainer's imports, before any computation
+  from flaxformer_nmt import train  # noqa: F401
+  from flaxformer_nmt import host_memory
+  assert host_memory.keep_freed_memory() == (os.environ.get(host_memory.ENV) != '0')
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
 libc.free.argtypes = (ctypes.c_void_p,)
@@ -44,10 +46,10 @@ def faults(mode, **env):
 @pytest.mark.skipif(platform.system() != 'Linux' or platform.libc_ver()[0] != 'glibc', reason='glibc only')
 def test_a_freed_buffer_is_reused_without_faulting_its_pages_in_again():
   pages = 256 * 2**20 // os.sysconf('SC_PAGE_SIZE')
-  first, second = faults('import')
+  first, second = faults('keep')
   assert first >= pages // 2  # the first touch faults (the kernel hands out zeroed pages)
   assert second < 100, (first, second)  # the same memory again: nothing to fault
-  # Without the package, or with it turned off, glibc unmaps the buffer at free and the next one faults again
-  for mode, env in (('no_import', {}), ('import', {'FLAXFORMER_NMT_KEEP_FREED_MEMORY': '0'})):
+  # Without the setting, or with it turned off, glibc unmaps the buffer at free and the next one faults again
+  for mode, env in (('leave', {}), ('keep', {'FLAXFORMER_NMT_KEEP_FREED_MEMORY': '0'})):
     first, second = faults(mode, **env)
     assert second >= pages // 2, (mode, env, first, second)
