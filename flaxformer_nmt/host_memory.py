@@ -17,10 +17,12 @@ loop reaches it again at its next step anyway), and threads that allocate much a
 compiling is slower (decoding Multi30k's valid without a compilation cache took 62 s against 48 s). So the
 trainer sets it (train.main) and the train-step bench, not decoding. glibc fixes the number of arenas when a
 thread other than the main one first allocates, which XLA's threads do when the backend starts: it must run
-before the first computation. FLAXFORMER_NMT_KEEP_FREED_MEMORY=0 leaves malloc as it is; other C libraries
-are left alone.
+before the first computation. Where a GPU or TPU plugin of jax is installed (and JAX_PLATFORMS does not say
+cpu) the step's buffers live on the device, so malloc is left as it is there; likewise with
+FLAXFORMER_NMT_KEEP_FREED_MEMORY=0, and under C libraries other than glibc.
 """
 import ctypes
+import importlib.metadata
 import os
 import platform
 
@@ -33,9 +35,17 @@ TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int
 ENV = 'FLAXFORMER_NMT_KEEP_FREED_MEMORY'
 
 
+def _accelerator_plugins():
+  """The installed distributions that give jax a GPU or TPU backend."""
+  names = {(d.metadata['Name'] or '').lower() for d in importlib.metadata.distributions()}
+  return sorted(n for n in names if n.startswith(('jax-cuda', 'jax-rocm', 'libtpu')))
+
+
 def keep_freed_memory():
   """Sets glibc's malloc to keep freed memory for reuse (see above); True where it did."""
   if os.environ.get(ENV, '1') == '0' or platform.system() != 'Linux' or platform.libc_ver()[0] != 'glibc':
+    return False
+  if os.environ.get('JAX_PLATFORMS', '').lower() != 'cpu' and _accelerator_plugins():
     return False
   try:
     mallopt = ctypes.CDLL(None).mallopt

@@ -9,10 +9,12 @@ import pytest
 
 PROBE = r'''
 import ctypes, os, resource, sys, threading
-if sys.argv[1] == 'keep':  # as train.main does: after all the trainer's imports, before any computation
+if sys.argv[1] in ('keep', 'gpu'):  # as train.main does: after all the trainer's imports, before any computation
   from flaxformer_nmt import train  # noqa: F401
   from flaxformer_nmt import host_memory
-  assert host_memory.keep_freed_memory() == (os.environ.get(host_memory.ENV) != '0')
+  if sys.argv[1] == 'gpu':  # a GPU plugin installed: the step's buffers are on the device, malloc is left alone
+    host_memory._accelerator_plugins = lambda: ['jax-cuda13-plugin']
+  assert host_memory.keep_freed_memory() == (os.environ.get(host_memory.ENV) != '0' and sys.argv[1] == 'keep')
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
 libc.free.argtypes = (ctypes.c_void_p,)
@@ -37,8 +39,10 @@ print(first, touch_in_a_thread())
 
 
 def faults(mode, **env):
+  env = dict(os.environ, **env)
+  env.pop('JAX_PLATFORMS', None)  # (=cpu would override the GPU plugin of the 'gpu' probe)
   result = subprocess.run([sys.executable, '-c', PROBE, mode], capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, **env))
+                          env=env)
   assert result.returncode == 0, result.stderr[-2000:]
   return [int(n) for n in result.stdout.split()]
 
@@ -50,6 +54,6 @@ def test_a_freed_buffer_is_reused_without_faulting_its_pages_in_again():
   assert first >= pages // 2  # the first touch faults (the kernel hands out zeroed pages)
   assert second < 100, (first, second)  # the same memory again: nothing to fault
   # Without the setting, or with it turned off, glibc unmaps the buffer at free and the next one faults again
-  for mode, env in (('leave', {}), ('keep', {'FLAXFORMER_NMT_KEEP_FREED_MEMORY': '0'})):
+  for mode, env in (('leave', {}), ('keep', {'FLAXFORMER_NMT_KEEP_FREED_MEMORY': '0'}), ('gpu', {})):
     first, second = faults(mode, **env)
     assert second >= pages // 2, (mode, env, first, second)
