@@ -9,8 +9,8 @@ With samples, that mean estimates the expected utility under the model's distrib
 sampled twice counts twice. Itself included, every candidate gets the same utility(h, h), taken as 100, so it
 changes no choice. Ties go to the earlier candidate: the search's better-scored one.
 
-Utilities are sacreBLEU's sentence-level metrics: 'bleu' (13a tokenization, effective n-gram order, as a
-sentence with no 4-gram match still scores) and 'chrf' (character 6-grams, beta 2). The utility is the metric
+Utilities are sacreBLEU's sentence-level metrics: 'bleu' (13a tokenization; effective n-gram order, so that a
+short sentence with no 4-gram match still scores above 0) and 'chrf' (character 6-grams, beta 2). The utility is the metric
 being reported in 'bleu''s case, so part of its gain can be the metric's own taste; 'chrf' is the check.
 """
 import numpy as np
@@ -45,4 +45,3 @@ def select(candidates, utility='bleu'):
   if not candidates:
     raise ValueError('MBR needs at least one candidate')
   return int(np.argmax(utility_matrix(candidates, utility).mean(axis=1)))
-
