@@ -736,7 +736,8 @@ def main(argv):
       chunk = translator.prepare(chunk)
       results = translator.search_tokens(translator.tokenizer.encode(chunk), first_line=done, **options)
       texts = [[translator.tokenizer.decode(ids) for ids, _ in hyps] for hyps in results]
-      best = [t[mbr_lib.select(t, FLAGS.mbr)] if FLAGS.mbr else t[0] for t in texts]
+      chosen = [mbr_lib.select(t, FLAGS.mbr) if FLAGS.mbr else 0 for t in texts]
+      best = [t[i] for t, i in zip(texts, chosen)]
       if FLAGS.format == 'fairseq':
         lines = [line for i, (source, hyps) in enumerate(zip(chunk, results))
                  for line in fairseq_lines(done + i, source, hyps, translator.tokenizer)]
@@ -746,7 +747,7 @@ def main(argv):
       out.flush()
       hypotheses += best if FLAGS.reference else []
       done += len(chunk)
-      target_tokens += sum(len(hyps[0][0]) for hyps in results)
+      target_tokens += sum(len(hyps[i][0]) for hyps, i in zip(results, chosen))  # the written translations
       seconds = time.time() - start
       logging.info('%d sentences, %.1f sentences/s, %.0f target tokens/s', done, done / seconds,
                    target_tokens / seconds)
