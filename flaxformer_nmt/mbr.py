@@ -10,8 +10,9 @@ sampled twice counts twice. Itself included, every candidate gets the same utili
 changes no choice. Ties go to the earlier candidate: the search's better-scored one.
 
 Utilities are sacreBLEU's sentence-level metrics: 'bleu' (13a tokenization; effective n-gram order, so that a
-short sentence with no 4-gram match still scores above 0) and 'chrf' (character 6-grams, beta 2). The utility is the metric
-being reported in 'bleu''s case, so part of its gain can be the metric's own taste; 'chrf' is the check.
+short sentence with no 4-gram match still scores above 0) and 'chrf' (character 6-grams, beta 2). The utility
+is the metric being reported in 'bleu''s case, so part of its gain can be the metric's own taste; 'chrf' is
+the check.
 """
 import numpy as np
 import sacrebleu
