@@ -74,9 +74,9 @@ def base_config():
   # which a multiple of the device count here avoids.
   c.batch_rows_multiple = 1
   # A checkpoint's data position belongs to the batching it was planned with (tokens_per_batch, length_buckets,
-  # max_length, packed_length, packing_open_rows, batch_rows_multiple, bpe_dropout, the training data): resuming
-  # with another is an error, unless this is True, which continues in the same epoch with the new batches (and a
-  # warning).
+  # max_length, packed_length, packing_open_rows, batch_rows_multiple, bpe_dropout, bidirectional_epochs, the
+  # training data): resuming with another is an error, unless this is True, which continues in the same epoch
+  # with the new batches (and a warning).
   c.allow_batching_change = False
   # Threads sentencepiece tokenizes with (0 = all cores); the ids are cached in {workdir}/tokenized/.
   c.tokenize_threads = 0
@@ -100,6 +100,11 @@ def base_config():
   # included: +19% pieces at 0.05, +38% at 0.1; 3 and 9 pairs past 64 keep their pieces), so fewer pairs per
   # token budget.
   c.bpe_dropout = 0.0
+  # Bidirectional training (Ding et al. 2021, "BiT"; not in the paper): the first this many epochs hold every
+  # training pair twice, as it is and reversed (target -> source, no tag: the joint vocabulary and tied embeddings
+  # let one model learn both directions), twice the batches an epoch; later epochs the given direction only.
+  # The paper pretrains so for the first third of the steps. 0 = off. Part of the batching.
+  c.bidirectional_epochs = 0
 
   # --- Model.
   c.model = ml_collections.ConfigDict()

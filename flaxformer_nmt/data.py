@@ -155,6 +155,12 @@ def _concatenate(corpora):
   return TokenizedCorpus(join([c.source for c in corpora]), join([c.target for c in corpora]))
 
 
+def both_directions(corpus, examples):
+  """(corpus, examples) with every pair also reversed: pair len(corpus) + i is (target[i], source[i])."""
+  reverse = TokenizedCorpus(corpus.target, corpus.source)
+  return _concatenate([corpus, reverse]), np.concatenate([examples, examples + len(corpus)])
+
+
 def _encode(tokenizer, lines, num_threads):
   ids = tokenizer.encode(lines, num_threads=num_threads)
   # An empty line stays empty (no EOS), so that `usable` can leave it out.
@@ -462,7 +468,7 @@ class BatchingError(DataError):
 
 # What the saved data position depends on, by config field (besides the seed): a change moves every batch.
 BATCHING_FIELDS = ('tokens_per_batch', 'length_buckets', 'max_length', 'packed_length', 'packing_open_rows',
-                   'batch_rows_multiple', 'bpe_dropout', 'training_examples')
+                   'batch_rows_multiple', 'bpe_dropout', 'bidirectional_epochs', 'training_examples')
 
 
 class TrainBatches:
@@ -483,16 +489,20 @@ class TrainBatches:
   With `resegment` (BPE-dropout: epoch -> the corpus segmented for that epoch, a SavedSegmentations) each
   epoch is planned and built from its own segmentation, saved with the workdir, so a resumed run plans the
   epoch it resumes in from the same pieces.
+
+  With `bidirectional_epochs` (bidirectional training, Ding et al. 2021) the first that many epochs hold every
+  example twice, as it is and reversed (target -> source), shuffled together: twice the batches an epoch.
   """
 
   def __init__(self, corpus, *, tokens_per_batch, buckets, seed, multiple_of=1, pad_rows_to=1, examples=None,
                process_index=0, process_count=1, prefetch=2, packed_length=0, max_length=None,
-               packing_open_rows=packing.OPEN_ROWS, bpe_dropout=0.0, resegment=None):
+               packing_open_rows=packing.OPEN_ROWS, bpe_dropout=0.0, resegment=None, bidirectional_epochs=0):
     if bool(bpe_dropout) != (resegment is not None):
       raise ValueError('bpe_dropout and resegment go together')
     self.corpus = corpus
     self.resegment = resegment
     self.examples = np.arange(len(corpus)) if examples is None else np.asarray(examples)
+    self.bidirectional_epochs = int(bidirectional_epochs)
     self.tokens_per_batch = tokens_per_batch
     self.buckets = tuple(buckets)
     self.seed = seed
@@ -504,7 +514,7 @@ class TrainBatches:
                      'max_length': max_length, 'packed_length': int(packed_length),
                      'packing_open_rows': int(packing_open_rows) if packed_length else 0,
                      'batch_rows_multiple': int(multiple_of), 'bpe_dropout': float(bpe_dropout),
-                     'training_examples': int(self.examples.size)}
+                     'bidirectional_epochs': self.bidirectional_epochs, 'training_examples': int(self.examples.size)}
     self.prefetch = prefetch
     self.lengths = corpus.lengths()
     # > 0: several examples per row of this many tokens (packing.py), every batch one shape.
@@ -536,6 +546,8 @@ class TrainBatches:
       saved = {**saved, 'packing_open_rows': 1 if saved.get('packed_length') else 0}
     if saved is not None and 'bpe_dropout' not in saved:  # saved before the field: deterministic pieces
       saved = {**saved, 'bpe_dropout': 0.0}
+    if saved is not None and 'bidirectional_epochs' not in saved:  # saved before the field: one direction
+      saved = {**saved, 'bidirectional_epochs': 0}
     if saved is None:
       logging.warning('The checkpoint\'s data position (epoch %d, batch %d) was saved without its batching '
                       'settings (an older checkpoint): assuming they are unchanged.', epoch, batch)
@@ -559,7 +571,8 @@ class TrainBatches:
     return self._epoch(epoch)[1]
 
   def corpus_of(self, epoch):
-    """The token ids `epoch` is built from: the corpus, or with BPE-dropout that epoch's segmentation."""
+    """The token ids `epoch` is built from: the corpus, or with BPE-dropout that epoch's segmentation (in a
+    bidirectional epoch, followed by its pairs reversed)."""
     return self._epoch(epoch)[0]
 
   def _epoch(self, epoch):
@@ -567,8 +580,11 @@ class TrainBatches:
     with self._plan_lock:
       if epoch not in self._plans:
         corpus = self.resegment(epoch) if self.resegment else self.corpus
+        examples = self.examples
+        if epoch < self.bidirectional_epochs:
+          corpus, examples = both_directions(corpus, examples)
         rng = np.random.default_rng((self.seed, epoch))
-        order = rng.permutation(self.examples)
+        order = rng.permutation(examples)
         if self.packed_length:
           plan = self._plan_packed(corpus, order)
         else:

@@ -99,6 +99,12 @@ def validate_config(config):
     raise ConfigError(f'config.bpe_dropout={bpe_dropout} needs a translation task with a BPE vocabulary '
                       f"(config.sentencepiece_model_type='bpe'; now {config.sentencepiece_model_type!r}, task "
                       f'{lm.task_of(config)!r})')
+  bidirectional = config.get('bidirectional_epochs', 0)
+  if not isinstance(bidirectional, int) or bidirectional < 0:
+    raise ConfigError(f'config.bidirectional_epochs={bidirectional!r} counts epochs: use 0 (off) or more')
+  if bidirectional and lm.task_of(config) != 'translation':
+    raise ConfigError(f'config.bidirectional_epochs={bidirectional} reverses translation pairs: it is for the '
+                      f'translation task, not {lm.task_of(config)!r}')
   word_dropout = config.model.get('source_word_dropout', 0.0)
   if not 0.0 <= word_dropout < 1.0:
     raise ConfigError(f'config.model.source_word_dropout={word_dropout} is a probability: use 0 (off) to below 1')

@@ -237,6 +237,17 @@ def test_bad_source_word_dropout_settings_are_named(rate, task, message):
     workdir_lib.validate_config(c)
 
 
+@pytest.mark.parametrize('epochs, task, message', [(-1, 'translation', 'counts epochs'), (3, 'lm', "not 'lm'")])
+def test_bad_bidirectional_epochs_are_named(epochs, task, message):
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  c = config_lib.base_config()
+  c.data_dir = '/data'
+  c.bidirectional_epochs, c.task = epochs, task
+  with pytest.raises(workdir_lib.ConfigError, match=f'config.bidirectional_epochs=.*{message}'):
+    workdir_lib.validate_config(c)
+
+
 def test_rdrop_is_refused_where_it_cannot_work():
   """R-Drop without any dropout compares two equal predictions (a regularizer that does nothing); on the MLM
   the two copies would be masked differently. Both stop at validation, naming the field."""

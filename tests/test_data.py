@@ -307,3 +307,38 @@ def test_packed_batches_hold_every_example_once_per_epoch_split_over_hosts():
     h.close()
   with pytest.raises(ValueError, match='longer than packed_length=16'):
     data_lib.TrainBatches(corpus, tokens_per_batch=256, buckets=(8,), seed=4, packed_length=16)
+
+
+def _pairs_of(batch):
+  """The (source, target) token tuples of an unpacked batch's real rows."""
+  real = batch['tgt_out'] != PAD_ID
+  return [(tuple(s[s != PAD_ID].tolist()), tuple(t[t != PAD_ID].tolist()))
+          for s, t, r in zip(batch['src'], batch['tgt_out'], real) if r.any()]
+
+
+def test_bidirectional_epochs_hold_every_pair_both_ways_then_one_way():
+  lengths = np.random.default_rng(5).integers(2, 30, size=120)
+  # Pair i: source tokens 10 + i, target tokens 500 + i, so a row names its pair and its direction.
+  source = [[10 + i] * (n - 1) + [EOS_ID] for i, n in enumerate(lengths)]
+  target = [[500 + i] * (n // 2) + [EOS_ID] for i, n in enumerate(lengths)]
+  corpus = data_lib.TokenizedCorpus.from_lists(source, target)
+  examples = np.arange(1, 120)  # pair 0 left out, as `usable` would
+  batches = data_lib.TrainBatches(corpus, examples=examples, tokens_per_batch=256, buckets=(8, 16, 32, 48),
+                                  seed=3, prefetch=0, bidirectional_epochs=2)
+  forward = sorted((tuple(source[i]), tuple(target[i])) for i in examples)
+  reverse = sorted((t, s) for s, t in forward)
+  seen = {0: [], 1: [], 2: []}
+  while not (batches.epoch == 2 and batches.batch == batches.batches_per_epoch()):
+    batch = next(batches)
+    seen[batches.epoch] += _pairs_of(batch)  # the position after a batch is in the batch's epoch
+  assert sorted(seen[0]) == sorted(seen[1]) == sorted(forward + reverse)  # each pair once each way
+  assert sorted(seen[2]) == forward
+  assert len(batches.plan(0)) > 1.5 * len(batches.plan(2))
+  assert batches.state()['batching']['bidirectional_epochs'] == 2
+  # A position saved before the field was one-directional; one saved with another value belongs to other batches.
+  old = batches.state()
+  old['batching'] = {k: v for k, v in old['batching'].items() if k != 'bidirectional_epochs'}
+  one_way = data_lib.TrainBatches(corpus, examples=examples, tokens_per_batch=256, buckets=(8, 16, 32, 48), seed=3)
+  one_way.restore(old)
+  with pytest.raises(data_lib.BatchingError, match='config.bidirectional_epochs was 2, now 0'):
+    one_way.restore(batches.state())
