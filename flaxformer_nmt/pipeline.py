@@ -50,6 +50,9 @@ def input_pipeline(config, workdir, num_devices):
       pad_rows_to=num_devices, prefetch=config.prefetch_batches, packed_length=config.packed_length,
       packing_open_rows=config.packing_open_rows, max_length=max_length, bpe_dropout=config.bpe_dropout,
       resegment=resegment, bidirectional_epochs=config.bidirectional_epochs, **hosts)
+  if config.bidirectional_epochs:
+    logging.info('Bidirectional training: epochs 0-%d hold every pair both ways (twice the batches), later '
+                 'epochs the given direction only', config.bidirectional_epochs - 1)
   if config.batch_rows_multiple % num_devices:
     logging.info('Training batches are planned in multiples of %d rows (config.batch_rows_multiple) and padded '
                  'with empty rows to a multiple of %d (devices x microbatches); a batch_rows_multiple that '

@@ -342,3 +342,23 @@ def test_bidirectional_epochs_hold_every_pair_both_ways_then_one_way():
   one_way.restore(old)
   with pytest.raises(data_lib.BatchingError, match='config.bidirectional_epochs was 2, now 0'):
     one_way.restore(batches.state())
+
+
+def test_the_pipeline_trains_both_ways_for_the_configured_epochs(toy_corpus, tmp_path):
+  from conftest import WORDS, small_config  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import pipeline  # pylint: disable=g-import-not-at-top
+  config = small_config(toy_corpus)
+  config.bidirectional_epochs = 1
+  config.prefetch_batches = 0
+  train_batches, _, tokenizer = pipeline.input_pipeline(config, tmp_path / 'work', num_devices=1)
+  english, german = set(WORDS) | {'.'}, set(WORDS.values()) | {'.'}
+  directions = {0: set(), 1: set()}
+  while train_batches.epoch < 2:
+    batch = next(train_batches)
+    if train_batches.epoch == 2:
+      break
+    for s, t in _pairs_of(batch):
+      source, target = tokenizer.decode(np.array(s)).split(), tokenizer.decode(np.array(t)).split()
+      assert set(source) <= english and set(target) <= german or set(source) <= german and set(target) <= english
+      directions[train_batches.epoch].add('en-de' if set(source) <= english else 'de-en')
+  assert directions == {0: {'en-de', 'de-en'}, 1: {'en-de'}}
