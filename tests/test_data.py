@@ -362,3 +362,21 @@ def test_the_pipeline_trains_both_ways_for_the_configured_epochs(toy_corpus, tmp
       assert set(source) <= english and set(target) <= german or set(source) <= german and set(target) <= english
       directions[train_batches.epoch].add('en-de' if set(source) <= english else 'de-en')
   assert directions == {0: {'en-de', 'de-en'}, 1: {'en-de'}}
+
+
+def test_bidirectional_epochs_reverse_each_epochs_own_pieces_under_bpe_dropout():
+  corpus = corpus_of_lengths([3, 5, 7, 9])
+  def resegment(epoch):  # a stand-in for SavedSegmentations: epoch e's pieces are the ids plus 10 * (e + 1)
+    return data_lib.TokenizedCorpus(
+        data_lib.Ragged(np.where(corpus.source.tokens == EOS_ID, EOS_ID, corpus.source.tokens + 10 * (epoch + 1)),
+                        corpus.source.offsets), corpus.target)
+  batches = data_lib.TrainBatches(corpus, tokens_per_batch=64, buckets=(16,), seed=0, prefetch=0, bpe_dropout=0.1,
+                                  resegment=resegment, bidirectional_epochs=1)
+  seen = {0: [], 1: []}
+  while not (batches.epoch == 1 and batches.batch == batches.batches_per_epoch()):
+    batch = next(batches)
+    seen[batches.epoch] += _pairs_of(batch)
+  for epoch, piece in ((0, 15), (1, 25)):
+    forward = [((piece,) * (n - 1) + (EOS_ID,), (6,) * (n - 1) + (EOS_ID,)) for n in (3, 5, 7, 9)]
+    expected = forward + [(t, s) for s, t in forward] if epoch == 0 else forward
+    assert sorted(seen[epoch]) == sorted(expected), epoch
