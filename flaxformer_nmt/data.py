@@ -466,11 +466,6 @@ class BatchingError(DataError):
   """A checkpoint's data position that belongs to other batches than the config now plans."""
 
 
-# What the saved data position depends on, by config field (besides the seed): a change moves every batch.
-BATCHING_FIELDS = ('tokens_per_batch', 'length_buckets', 'max_length', 'packed_length', 'packing_open_rows',
-                   'batch_rows_multiple', 'bpe_dropout', 'bidirectional_epochs', 'training_examples')
-
-
 class TrainBatches:
   """Endless shuffled token-budget batches with a saveable position, built ahead in a background thread.
 
@@ -510,6 +505,7 @@ class TrainBatches:
     # Every host must get the same number of rows: the layout is a multiple of the host count too.
     self.pad_rows_to = int(np.lcm(pad_rows_to, process_count))
     self.process_index, self.process_count = process_index, process_count
+    # What the saved position depends on besides the seed, by config field: a change moves every batch.
     self.batching = {'tokens_per_batch': int(tokens_per_batch), 'length_buckets': [int(b) for b in self.buckets],
                      'max_length': max_length, 'packed_length': int(packed_length),
                      'packing_open_rows': int(packing_open_rows) if packed_length else 0,
