@@ -344,6 +344,35 @@ def test_bidirectional_epochs_hold_every_pair_both_ways_then_one_way():
     one_way.restore(batches.state())
 
 
+def _packed_pairs_of(batch):
+  """The (source, target) token tuples of a packed batch: one per segment of each row."""
+  pairs = []
+  for r in range(batch['src'].shape[0]):
+    for s in sorted(set(batch['tgt_segments'][r][batch['tgt_segments'][r] > 0].tolist())):
+      pairs.append((tuple(batch['src'][r][batch['src_segments'][r] == s].tolist()),
+                    tuple(batch['tgt_out'][r][batch['tgt_segments'][r] == s].tolist())))
+  return pairs
+
+
+def test_bidirectional_epochs_pack_reversed_pairs_as_their_own_examples():
+  # As above, in packed rows (the recipe's batches): a reversed pair is one segment whose source is the
+  # pair's target, never a forward source cut or joined to another example's target.
+  lengths = np.random.default_rng(6).integers(2, 30, size=90)
+  source = [[10 + i] * (n - 1) + [EOS_ID] for i, n in enumerate(lengths)]
+  target = [[500 + i] * (n // 2) + [EOS_ID] for i, n in enumerate(lengths)]
+  corpus = data_lib.TokenizedCorpus.from_lists(source, target)
+  batches = data_lib.TrainBatches(corpus, tokens_per_batch=256, buckets=(8,), seed=2, prefetch=0,
+                                  packed_length=32, bidirectional_epochs=1)
+  forward = sorted((tuple(s), tuple(t)) for s, t in zip(source, target))
+  seen = {0: [], 1: []}
+  while not (batches.epoch == 1 and batches.batch == batches.batches_per_epoch()):
+    batch = next(batches)
+    assert batch['src'].shape == (8, 32)
+    seen[batches.epoch] += _packed_pairs_of(batch)
+  assert sorted(seen[0]) == sorted(forward + [(t, s) for s, t in forward])
+  assert sorted(seen[1]) == forward
+
+
 def test_the_pipeline_trains_both_ways_for_the_configured_epochs(toy_corpus, tmp_path):
   from conftest import WORDS, small_config  # pylint: disable=g-import-not-at-top
   from flaxformer_nmt import pipeline  # pylint: disable=g-import-not-at-top
