@@ -316,12 +316,15 @@ def _pairs_of(batch):
           for s, t, r in zip(batch['src'], batch['tgt_out'], real) if r.any()]
 
 
-def test_bidirectional_epochs_hold_every_pair_both_ways_then_one_way():
-  lengths = np.random.default_rng(5).integers(2, 30, size=120)
-  # Pair i: source tokens 10 + i, target tokens 500 + i, so a row names its pair and its direction.
+def _named_pairs(lengths):
+  """Pair i: source tokens 10 + i, target tokens 500 + i, so a row names its pair and its direction."""
   source = [[10 + i] * (n - 1) + [EOS_ID] for i, n in enumerate(lengths)]
   target = [[500 + i] * (n // 2) + [EOS_ID] for i, n in enumerate(lengths)]
-  corpus = data_lib.TokenizedCorpus.from_lists(source, target)
+  return source, target, data_lib.TokenizedCorpus.from_lists(source, target)
+
+
+def test_bidirectional_epochs_hold_every_pair_both_ways_then_one_way():
+  source, target, corpus = _named_pairs(np.random.default_rng(5).integers(2, 30, size=120))
   examples = np.arange(1, 120)  # pair 0 left out, as `usable` would
   batches = data_lib.TrainBatches(corpus, examples=examples, tokens_per_batch=256, buckets=(8, 16, 32, 48),
                                   seed=3, prefetch=0, bidirectional_epochs=2)
@@ -357,10 +360,7 @@ def _packed_pairs_of(batch):
 def test_bidirectional_epochs_pack_reversed_pairs_as_their_own_examples():
   # As above, in packed rows (the recipe's batches): a reversed pair is one segment whose source is the
   # pair's target, never a forward source cut or joined to another example's target.
-  lengths = np.random.default_rng(6).integers(2, 30, size=90)
-  source = [[10 + i] * (n - 1) + [EOS_ID] for i, n in enumerate(lengths)]
-  target = [[500 + i] * (n // 2) + [EOS_ID] for i, n in enumerate(lengths)]
-  corpus = data_lib.TokenizedCorpus.from_lists(source, target)
+  source, target, corpus = _named_pairs(np.random.default_rng(6).integers(2, 30, size=90))
   batches = data_lib.TrainBatches(corpus, tokens_per_batch=256, buckets=(8,), seed=2, prefetch=0,
                                   packed_length=32, bidirectional_epochs=1)
   forward = sorted((tuple(s), tuple(t)) for s, t in zip(source, target))
