@@ -62,9 +62,9 @@ _NOT_VOCABULARY = re.compile(
     r'(model|adam_.*|learning_rate.*|warmup_steps|cooldown_steps|num_train_steps|label_smoothing|rdrop_alpha|'
     r'weight_decay|grad_.*|skip_nonfinite_updates|tokens_per_batch|packed_length|packing_open_rows|length_buckets|'
     r'batch_rows_multiple|allow_batching_change|prefetch_batches|bpe_dropout|bidirectional_epochs|max_length|'
-    r'max_train_minutes|fit_schedule_to_time|.*_parallelism|eval_every_steps|eval_bleu_.*|log_every_steps|'
-    r'checkpoint_every_.*|keep_checkpoints|average_last_checkpoints|best_checkpoint_metric|decode_.*|beam_size|'
-    r'length_penalty_alpha|max_decode_extra_length|profile_.*|peak_flops_per_device)')
+    r'max_train_minutes|fit_schedule_to_time|ensemble_members|.*_parallelism|eval_every_steps|eval_bleu_.*|'
+    r'log_every_steps|checkpoint_every_.*|keep_checkpoints|average_last_checkpoints|best_checkpoint_metric|'
+    r'decode_.*|beam_size|length_penalty_alpha|max_decode_extra_length|profile_.*|peak_flops_per_device)')
 
 
 def parse_variant(text):

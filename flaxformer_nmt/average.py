@@ -4,13 +4,15 @@ r"""Averages the parameters of the last K checkpoints (or of chosen steps) of a 
   python -m flaxformer_nmt.average --workdir runs/m30k --steps 1500,1750
   python -m flaxformer_nmt.decode --workdir runs/m30k --checkpoint averaged ...
 
-The result goes to `{workdir}/averaged/`; decode loads it with `--checkpoint averaged`.
+The result goes to `{workdir}/averaged/`; decode loads it with `--checkpoint averaged`. The workdir of an
+ensemble (config.ensemble_members) averages each member's checkpoints into its own averaged/.
 """
 import sys
 
 from absl import app, flags
 
 from flaxformer_nmt import checkpoints as checkpoints_lib
+from flaxformer_nmt import workdir as workdir_lib
 
 
 def define_flags():
@@ -25,10 +27,12 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   checkpoints_lib.quiet_orbax_logs()
   try:
-    steps = checkpoints_lib.average_last(flags.FLAGS.workdir, flags.FLAGS.last, flags.FLAGS.steps)
+    # An ensemble's workdir (config.ensemble_members): each member averages its own checkpoints.
+    for workdir in workdir_lib.member_workdirs(flags.FLAGS.workdir):
+      steps = checkpoints_lib.average_last(workdir, flags.FLAGS.last, flags.FLAGS.steps)
+      print(f'averaged checkpoints {steps} -> {workdir}/{checkpoints_lib.AVERAGED_DIR}')
   except (checkpoints_lib.AveragingError, FileNotFoundError, ValueError) as e:
     sys.exit(f'error: {e}')
-  print(f'averaged checkpoints {steps} -> {flags.FLAGS.workdir}/{checkpoints_lib.AVERAGED_DIR}')
 
 
 if __name__ == '__main__':

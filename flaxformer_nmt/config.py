@@ -181,6 +181,11 @@ def base_config():
   # does, so a slower machine still brings the learning rate to zero (time_budget.py). Never lengthens a run.
   # False (the default): the time limit only stops the run.
   c.fit_schedule_to_time = False
+  # > 1: train this many independent runs in turn, one command, into {workdir}/member0, member1, ... (seeds
+  # seed, seed+1, ...; one vocabulary, member0's; each member gets max_train_minutes / ensemble_members), and
+  # decode {workdir} as their ensemble (the members' probabilities averaged at every step: ensemble.py). Rerunning
+  # the command resumes the member in progress. 1 (the default): one model, as the paper trains.
+  c.ensemble_members = 1
 
   # --- Devices: a ('data', 'fsdp') mesh over every device of every host; -1 = whatever the other axis
   # leaves. Default: data parallel everywhere. fsdp_parallelism > 1 splits parameters and optimizer state

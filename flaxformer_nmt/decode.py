@@ -344,6 +344,7 @@ def load_params(workdir, checkpoint=None):
 
   Only the parameters are read: decoding needs neither the optimizer state nor the data position.
   """
+  workdir_lib.single_run(workdir)
   if checkpoint is None:
     checkpoint = default_checkpoint(workdir)
     try:
@@ -379,12 +380,16 @@ def _split_list(value):
 def ensemble_members(workdirs, checkpoints):
   """[(workdir, checkpoint)] of an ensemble: one workdir with several checkpoints ('1700,1800'), several
   workdirs with one checkpoint each ('latest' or 'averaged' of all), or as many checkpoints as workdirs
-  (paired in order). checkpoints None: each workdir's config.decode_checkpoint (resolved by load_params)."""
+  (paired in order). checkpoints None: each workdir's config.decode_checkpoint (resolved by load_params). The
+  workdir of an ensemble trained in one (config.ensemble_members, ensemble.py) stands for its members."""
+  workdirs = _split_list(workdirs)
+  checkpoints = None if checkpoints is None else _split_list(checkpoints)
+  if '' in workdirs or '' in (checkpoints or []):
+    raise ValueError(f'empty entry in --workdir {",".join(workdirs)!r} or --checkpoint '
+                     f'{",".join(checkpoints or [])!r}')
+  workdirs = [str(member) for w in workdirs for member in workdir_lib.member_workdirs(w)]
   if checkpoints is None:
-    return [(w, None) for w in _split_list(workdirs)]
-  workdirs, checkpoints = _split_list(workdirs), _split_list(checkpoints)
-  if '' in workdirs or '' in checkpoints:
-    raise ValueError(f'empty entry in --workdir {",".join(workdirs)!r} or --checkpoint {",".join(checkpoints)!r}')
+    return [(w, None) for w in workdirs]
   if len(workdirs) == 1:
     return [(workdirs[0], c) for c in checkpoints]
   if len(checkpoints) == 1:

@@ -3,7 +3,8 @@ r"""Trains a Transformer: `python -m flaxformer_nmt.train --config configs/multi
 Fields of the config are overridden with `--config.field=value` (e.g. `--config.num_train_steps=500`). The
 workdir receives the vocabulary (vocab.model), the config (config.json), checkpoints, TensorBoard event files
 (tensorboard/) and the logged metrics (metrics.jsonl). Rerunning the same command resumes from the newest
-checkpoint.
+checkpoint. With config.ensemble_members > 1 the command trains that many runs in turn, in
+{workdir}/member0, member1, ... (ensemble.py).
 
 This module is the training loop; what it reports (metrics.py), when it saves and stops (preemption.py), its
 input (pipeline.py), the step itself (train_step.py) and checkpoints (checkpoints.py) live beside it.
@@ -25,6 +26,7 @@ from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import cli
 from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import distributed
+from flaxformer_nmt import ensemble
 from flaxformer_nmt import flops as flops_lib
 from flaxformer_nmt import host_memory
 from flaxformer_nmt import metrics as metrics_lib
@@ -261,19 +263,22 @@ def train_and_evaluate(config, workdir):
         break
   if decision.reason == 'config.max_train_minutes' and config.cooldown_steps > 0:
     time_budget.warn_cooldown_cut(step, run.num_train_steps, fitted=run.num_train_steps < config.num_train_steps)
-  finish(run, signalled=decision.signalled)
+  finish(run, step, decision)
   logging.info('Trained steps %d..%d in %s (%s of training in all)', first_step, step,
                metrics_lib.duration(time.time() - launch_time), metrics_lib.duration(time.time() - start_time))
   return last
 
 
-def finish(run, signalled):
+def finish(run, step, decision):
   """Waits for the last save and closes everything; a run that ended (by steps or time), not one paused by a
-  stop signal, averages its last checkpoints for decoding."""
+  stop signal, averages its last checkpoints for decoding and is marked finished (ensemble.py)."""
   run.close(last_state=run.state)
-  if run.config.average_last_checkpoints > 0 and not signalled:
+  if decision.signalled:
+    return
+  if run.config.average_last_checkpoints > 0:
     checkpoints_lib.average_last(run.workdir, last=run.config.average_last_checkpoints,
                                  every_steps=run.checkpoint_every_steps)
+  ensemble.mark_finished(run.workdir, run.config, step, decision.reason or 'its end, reached before this launch')
 
 
 def define_flags():
@@ -296,7 +301,10 @@ def main(argv):
   distributed.initialize(flags.FLAGS.distributed, flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
                          flags.FLAGS.process_id)
   try:
-    train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
+    if flags.FLAGS.config.get('ensemble_members', 1) > 1:  # several runs in turn, in member directories
+      ensemble.train_members(flags.FLAGS.config, flags.FLAGS.workdir, train_and_evaluate)
+    else:
+      train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
   except (data_lib.DataError, ConfigError, tokenizer_lib.TokenizerError, NonFiniteError,
           checkpoints_lib.AveragingError, checkpoints_lib.CheckpointMismatchError,
           checkpoints_lib.CheckpointStorageError, checkpoints_lib.CheckpointsDamagedError,

@@ -16,6 +16,7 @@ from flaxformer_nmt import tokenizer as tokenizer_lib
 from flaxformer_nmt.config import ConfigError  # callers catch it as workdir.ConfigError
 
 CONFIG_FILENAME = 'config.json'
+MEMBER_PREFIX = 'member'  # {workdir}/member0, member1, ...: the runs of an ensemble (config.ensemble_members)
 
 
 # Fields a resumed run must share with the saved config: they shape the parameters, or the text the vocabulary
@@ -73,6 +74,16 @@ def _validate_schedule_fit(config):
                       f'(now {config.cooldown_steps})')
 
 
+def _validate_ensemble(config):
+  members = config.get('ensemble_members', 1)
+  if not isinstance(members, int) or members < 1:
+    raise ConfigError(f'config.ensemble_members={members!r} counts the runs trained and decoded together: use 1 '
+                      '(one model) or more')
+  if members > 1 and lm.task_of(config) != 'translation':
+    raise ConfigError(f'config.ensemble_members={members} is for the translation task, not '
+                      f'{lm.task_of(config)!r}: its decoders (generate.py, fill_mask.py) take one model')
+
+
 def validate_config(config):
   """Raises ConfigError for a config that cannot be trained, before anything is read or written."""
   if config.get('task', 'translation') not in lm.TASKS:
@@ -113,6 +124,7 @@ def validate_config(config):
                       f'task, not {lm.task_of(config)!r}')
   _validate_rdrop(config)
   _validate_schedule_fit(config)
+  _validate_ensemble(config)
   for field in ('tokens_per_batch', 'log_every_steps', 'eval_every_steps', 'checkpoint_every_steps',
                 'grad_accumulation_steps', 'batch_rows_multiple'):
     if config[field] <= 0:
@@ -133,6 +145,10 @@ def save_or_check_config(config, workdir):
       raise ConfigError(f'{workdir} holds checkpoints with separate query/key/value projections (before the '
                         'fused projections): decode and average convert them on load, but training cannot '
                         'resume from them. Use a new --workdir.')
+    if (saved.get('ensemble_members', 1) > 1) != (current.get('ensemble_members', 1) > 1):
+      raise ConfigError(f'{path} was trained with config.ensemble_members={saved.get("ensemble_members", 1)}, now '
+                        f'{current.get("ensemble_members", 1)}: an ensemble\'s runs live in its member '
+                        'directories, one run in the workdir itself. Use a new --workdir or the original value.')
     for field in _MODEL_FIELDS:
       if _model_identity(saved, field) != _model_identity(current, field):
         raise ConfigError(f'{path} holds a different model: config.{field} was {saved.get(field)!r}, '
@@ -150,6 +166,41 @@ def load_config(workdir):
   if not path.exists():
     raise ConfigError(f'{path} not found: is {workdir} a training workdir?')
   return ml_collections.ConfigDict(json.loads(path.read_text()))
+
+
+def member_workdir(workdir, k):
+  """Where member k of an ensemble trains (ensemble.py)."""
+  return epath.Path(workdir) / f'{MEMBER_PREFIX}{k}'
+
+
+def _ensemble_size(workdir):
+  """config.ensemble_members of the run in `workdir` (1 where it has no config.json: checked by its reader)."""
+  path = epath.Path(workdir) / CONFIG_FILENAME
+  return json.loads(path.read_text()).get('ensemble_members', 1) if path.exists() else 1
+
+
+def member_workdirs(workdir):
+  """The training workdirs `workdir` stands for: its members if it was trained as an ensemble
+  (config.ensemble_members > 1), else [workdir] itself."""
+  members = _ensemble_size(workdir)
+  if members == 1:
+    return [workdir]
+  paths = [member_workdir(workdir, k) for k in range(members)]
+  untrained = [str(p) for p in paths if not (p / CONFIG_FILENAME).exists()]
+  if untrained:
+    raise ConfigError(f'{workdir} is an ensemble of {members} runs (config.ensemble_members) and '
+                      f'{", ".join(untrained)} has not started training: rerun its training command to train it, or '
+                      f'decode a member alone (--workdir {paths[0]})')
+  return paths
+
+
+def single_run(workdir):
+  """Raises ConfigError where `workdir` is an ensemble's: for readers of one run's parameters (export)."""
+  members = _ensemble_size(workdir)
+  if members > 1:
+    raise ConfigError(f'{workdir} is an ensemble of {members} runs (config.ensemble_members): this reads one run\'s '
+                      f'parameters; give a member, e.g. --workdir {member_workdir(workdir, 0)} (decode and compare '
+                      'take the ensemble\'s workdir)')
 
 
 def build_model(config, tokenizer, platform='auto'):

@@ -1,0 +1,125 @@
+"""config.ensemble_members: independent runs trained in turn in one workdir (ensemble.py), decoded together."""
+import json
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import test_resilience as resilience
+from conftest import small_config
+from flaxformer_nmt import checkpoints as checkpoints_lib
+from flaxformer_nmt import decode
+from flaxformer_nmt import ensemble
+from flaxformer_nmt import tokenizer as tokenizer_lib
+from flaxformer_nmt.workdir import ConfigError, member_workdir, save_or_check_config, validate_config
+
+
+def fake_trainer(calls, pause=None):
+  """A train_one that records (member directory, seed, minutes) and finishes each member but `pause`, as the
+  trainer does after a stop signal; member0 learns a vocabulary."""
+  def train_one(member, member_dir):
+    calls.append((member_dir.name, member.seed, member.max_train_minutes))
+    member_dir.mkdir(parents=True, exist_ok=True)
+    if not (member_dir / 'vocab.model').exists():
+      (member_dir / 'vocab.model').write_bytes(f'learnt by {member_dir.name}'.encode())
+    if member_dir.name != pause:
+      ensemble.mark_finished(member_dir, member, member.num_train_steps, 'config.num_train_steps')
+    return {}
+  return train_one
+
+
+def test_members_train_in_turn_and_a_rerun_resumes_the_paused_one(tmp_path):
+  config = small_config(tmp_path / 'data')
+  config.ensemble_members, config.seed, config.max_train_minutes = 3, 7, 90.0
+  workdir, calls = tmp_path / 'ens', []
+  ensemble.train_members(config, workdir, fake_trainer(calls, pause='member1'))
+  # Seeds seed+k, a third of the time each; a paused member stops the chain before member2 starts.
+  assert calls == [('member0', 7, 30.0), ('member1', 8, 30.0)]
+  calls.clear()
+  ensemble.train_members(config, workdir, fake_trainer(calls))
+  assert calls == [('member1', 8, 30.0), ('member2', 9, 30.0)]  # member0 finished: not trained again
+  for k in (1, 2):  # every member reads member0's vocabulary, not one of its own
+    assert (member_workdir(workdir, k) / 'vocab.model').read_bytes() == b'learnt by member0'
+  calls.clear()
+  ensemble.train_members(config, workdir, fake_trainer(calls))
+  assert not calls
+  config.num_train_steps += 10  # a longer schedule: every member trains on
+  ensemble.train_members(config, workdir, fake_trainer(calls))
+  assert [name for name, _, _ in calls] == ['member0', 'member1', 'member2']
+
+
+def test_an_ensemble_workdir_is_not_resumed_as_one_run_nor_the_reverse(tmp_path):
+  config = small_config(tmp_path / 'data')
+  config.ensemble_members = 2
+  save_or_check_config(config, tmp_path / 'ens')
+  config.ensemble_members = 1
+  with pytest.raises(ConfigError, match='ensemble_members=2, now 1'):
+    save_or_check_config(config, tmp_path / 'ens')
+  save_or_check_config(config, tmp_path / 'one')
+  config.ensemble_members = 3
+  with pytest.raises(ConfigError, match='ensemble_members=1, now 3'):
+    save_or_check_config(config, tmp_path / 'one')
+  config.ensemble_members = 0
+  with pytest.raises(ConfigError, match='config.ensemble_members=0'):
+    validate_config(config)
+
+
+def test_the_command_stops_resumes_and_decodes_the_members_together(toy_corpus, tmp_path):
+  config = small_config(toy_corpus)
+  config.ensemble_members, config.seed, config.max_train_minutes = 2, 3, 60.0
+  config.num_train_steps, config.checkpoint_every_steps, config.eval_every_steps = 100, 10, 1000
+  config.average_last_checkpoints = 0
+  workdir = tmp_path / 'ens'
+  # A vocabulary chosen beforehand (learnt from the German side only, unlike the trainer's joint one) is the one
+  # both members must read.
+  workdir.mkdir()
+  tokenizer_lib.train_sentencepiece((toy_corpus / 'train.de').read_text().splitlines(), workdir / 'vocab.model',
+                                    vocab_size=config.vocab_size)
+  planted = (workdir / 'vocab.model').read_bytes()
+  args = resilience.cli_args(config, workdir)
+  members = [member_workdir(workdir, k) for k in range(2)]
+
+  # A stop signal during member0: the command saves, exits 0 and does not start member1.
+  process = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  resilience.wait_for_checkpoint(members[0], 0, process)
+  process.send_signal(signal.SIGTERM)
+  _, stderr = process.communicate(timeout=60)
+  assert process.returncode == 0, stderr[-3000:]
+  assert 0 < max(checkpoints_lib.saved_steps(members[0])) < 100
+  assert not members[1].exists() and not (members[0] / ensemble.FINISHED_FILE).exists()
+  with pytest.raises(ConfigError, match='member1 has not started'):
+    decode.Translator(workdir)
+
+  # The same command again finishes member0, then trains member1.
+  result = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  configs = [json.loads((m / 'config.json').read_text()) for m in members]
+  assert [(c['seed'], c['max_train_minutes'], c['ensemble_members']) for c in configs] == [(3, 30.0, 1), (4, 30.0, 1)]
+  for member in members:
+    assert checkpoints_lib.saved_steps(member)[-1] == 100
+    assert json.loads((member / ensemble.FINISHED_FILE).read_text())['step'] == 100
+    assert (member / 'vocab.model').read_bytes() == planted
+  first, second = (decode.Translator(m, checkpoint='latest').params for m in members)
+  assert not all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(first),
+                                                      jax.tree_util.tree_leaves(second)))  # two seeds
+
+  # Decoding the ensemble's workdir is decoding its members together (the config's checkpoint, then another).
+  sentences = ['a big dog runs .', 'the small cat sees a red ball .']
+  for checkpoint in (None, '90'):
+    together = decode.Translator(workdir, checkpoint=checkpoint)
+    assert len(together.models) == 2 and str(members[1]) in together.checkpoint
+    explicit = decode.Translator([str(m) for m in members], checkpoint=checkpoint or 'latest')
+    np.testing.assert_allclose([s for _, s in together.translate(sentences, beam_size=2, return_scores=True)],
+                               [s for _, s in explicit.translate(sentences, beam_size=2, return_scores=True)])
+  with pytest.raises(ConfigError, match='member0'):
+    decode.load_params(workdir)  # one checkpoint's users (export, visualize) are sent to a member
+
+  # Averaging the ensemble's workdir averages each member's own checkpoints.
+  result = subprocess.run([sys.executable, '-m', 'flaxformer_nmt.average', f'--workdir={workdir}', '--last=2'],
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  for member in members:
+    assert json.loads((member / 'averaged' / 'averaged.json').read_text()) == {'steps': [90, 100]}
