@@ -6,6 +6,7 @@ the average of the last k, the latest, or given steps.
   python -m flaxformer_nmt.compare --workdir runs/m30k --checkpoints best,2000 --input test.en --ref test.de \
       [--tok_ref test.tok.de]
   python -m flaxformer_nmt.compare --workdir runs/m30k --checkpoints last:10 --beam_size 8 --mbr bleu
+  python -m flaxformer_nmt.compare --workdir runs/a,runs/b --checkpoints latest,last:10   # ensembles
 
 Checkpoints: `best` (config.best_checkpoint_metric), `averaged` ({workdir}/averaged), `last:K` (the newest K
 checkpoints averaged in memory, nothing written), `latest`, or a step. By default the sentences are the
@@ -32,7 +33,8 @@ from flaxformer_nmt import workdir as workdir_lib
 
 
 def define_flags():
-  flags.DEFINE_string('workdir', None, 'Training workdir.')
+  flags.DEFINE_string('workdir', None, 'Training workdir; several (A,B), or an ensemble\'s workdir, compare as '
+                      'one ensemble.')
   flags.DEFINE_list('checkpoints', ['best', 'averaged', 'latest'], 'best, averaged, last:K, latest or steps.')
   flags.DEFINE_string('split', None, 'A split of the workdir\'s data_dir (default: its eval_split).')
   flags.DEFINE_string('input', None, 'Source sentences instead of --split (needs --ref).')
@@ -91,7 +93,9 @@ def main(argv):
   checkpoints_lib.quiet_orbax_logs()
   cli.use_compilation_cache()  # every checkpoint decodes the same shapes
   try:
-    config = workdir_lib.load_config(f.workdir)
+    # Several workdirs ('A,B') or an ensemble's (config.ensemble_members) compare as one ensemble; the first
+    # member's config names the split and the decoding defaults.
+    config = workdir_lib.load_config(decode.ensemble_members(f.workdir, None)[0][0])
     description, sources, references, tok_references = sentences(config, f.split, f.input, f.ref, f.tok_ref)
     beam_size = config.beam_size if f.beam_size is None else f.beam_size
     alpha = config.length_penalty_alpha if f.alpha is None else f.alpha

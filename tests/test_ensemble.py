@@ -115,7 +115,16 @@ def test_the_command_stops_resumes_and_decodes_the_members_together(toy_corpus, 
     np.testing.assert_allclose([s for _, s in together.translate(sentences, beam_size=2, return_scores=True)],
                                [s for _, s in explicit.translate(sentences, beam_size=2, return_scores=True)])
   with pytest.raises(ConfigError, match='member0'):
-    decode.load_params(workdir)  # one checkpoint's users (export, visualize) are sent to a member
+    decode.load_params(workdir)  # one set of parameters (export) is taken from a member
+  # compare scores the ensemble's workdir, and a list of workdirs, as one ensemble.
+  rows = []
+  for workdirs in (str(workdir), f'{members[0]},{members[1]}'):
+    result = subprocess.run([sys.executable, '-m', 'flaxformer_nmt.compare', f'--workdir={workdirs}',
+                             '--checkpoints=90', '--beam_size=2'], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows += [line for line in result.stdout.splitlines() if line.startswith('| 90 |')]
+  assert len(rows) == 2 and 'an ensemble of checkpoint 90 of' in rows[0]
+  assert rows[0].split('|')[3:6] == rows[1].split('|')[3:6]  # the same BLEU, length ratio
 
   # Averaging the ensemble's workdir averages each member's own checkpoints.
   result = subprocess.run([sys.executable, '-m', 'flaxformer_nmt.average', f'--workdir={workdir}', '--last=2'],
