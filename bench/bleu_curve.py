@@ -16,6 +16,9 @@ config.eval_bleu_tok_ref_dir (else ../shared/data/multi30k_tok); prints Markdown
 Training minutes add up over resumed runs: each process's clock starts again at 0, so when the logged clock
 goes back, the previous process's last logged time is added to what follows (time spent on steps lost to a
 hard kill counts, as the wall-clock cost it was).
+An ensemble's workdir (config.ensemble_members > 1) gets these tables for each member, then rows for the members
+decoded together (latest, the config's decode_checkpoint, averaged and best; or --steps) at the minutes of the
+whole command.
 Choose on the validation columns only; test2016 is reported, never used to choose.
 """
 import json
@@ -117,6 +120,60 @@ def checkpoint_names(workdir):
   return names
 
 
+def ensemble_checkpoint_names(members, config):
+  """What an ensemble's rows decode, each the same name in every member: --steps, else latest, the config's
+  decode_checkpoint, and averaged and best where every member has them (the members' steps differ where each
+  fitted its schedule to its time)."""
+  if _STEPS.value:
+    return _STEPS.value
+  names = ['latest'] + ([config.decode_checkpoint] if config.get('decode_checkpoint') else [])
+  names += [name for name in ('averaged', 'best') if all(name in checkpoint_names(m) for m in members)]
+  return list(dict.fromkeys(names))
+
+
+def score_row(workdir, name, data, beam, alpha, seconds):
+  """One Markdown row: checkpoint `name` of `workdir` (an ensemble's: its members together) decoded and scored on
+  each split, after `seconds` of training."""
+  translator = decode.Translator(workdir, checkpoint=name)
+  cells, start = [], time.time()
+  for sources, references, tok_references in data.values():
+    hypotheses = translator.translate(sources, beam_size=beam, alpha=alpha)
+    metric = sacrebleu.BLEU(lowercase=translator.lowercase)  # case-insensitive for a model of config.lowercase
+    bleu = metric.corpus_score(hypotheses, [references])
+    tok = (evaluate.tokenized_bleu(hypotheses, tok_references, translator.config.target_lang)[0]
+           if tok_references else None)
+    cells += [f'{bleu.score:.2f}', f'{tok:.2f}' if tok is not None else '-', f'{bleu.sys_len / bleu.ref_len:.3f}']
+  row = (f'| {translator.checkpoint} | {f"{seconds / 60:.1f}" if seconds else "-"} | ' + ' | '.join(cells)
+         + f' | {time.time() - start:.0f} |')
+  print(row, flush=True)
+  return row, metric.get_signature()
+
+
+def table_header(title, beam, alpha, splits):
+  lines = ['', f'{title}: {"greedy" if beam == 0 else f"beam {beam}"}, alpha {alpha}', '',
+           '| checkpoint | training min | ' + ' | '.join(f'{s} sacreBLEU | {s} lc-tok | {s} len ratio' for s in splits)
+           + ' | decode s |', '|---|---:|' + '---:|' * (3 * len(splits) + 1)]
+  print('\n'.join(lines), flush=True)
+  return lines
+
+
+def run_tables(workdir, data, beam, alpha):
+  """One run's tables: its logged validation BLEU, then a row per checkpoint. Returns (lines, its training
+  seconds, the sacreBLEU signature)."""
+  elapsed, logged = read_log(workdir)
+  out = logged_bleu_table(logged, elapsed) if logged else []
+  if logged:
+    print('\n'.join(out), flush=True)
+  out += table_header(os.path.basename(os.path.normpath(workdir)), beam, alpha, list(data))
+  names, signature = checkpoint_names(workdir), None
+  if not names:
+    sys.exit(f'error: no checkpoints in {workdir}')
+  for name in names:
+    row, signature = score_row(workdir, name, data, beam, alpha, elapsed.get(int(name)) if name.isdigit() else None)
+    out.append(row)
+  return out, max(elapsed.values(), default=0.0), signature
+
+
 def main(_):
   workdir = _WORKDIR.value
   if _CONFIG.value and train(_CONFIG.value, workdir, _OVERRIDES.value) != 0:
@@ -129,31 +186,19 @@ def main(_):
   alpha = config.length_penalty_alpha if _ALPHA.value is None else _ALPHA.value
   splits = [_SPLIT.value] if _SPLIT.value else _SPLITS.value
   data = {split: split_data(config, split, tok_dir) for split in splits}
-  elapsed, logged = read_log(workdir)
-  out = logged_bleu_table(logged, elapsed) if logged else []
-  out += ['', f'{os.path.basename(os.path.normpath(workdir))}: {"greedy" if beam == 0 else f"beam {beam}"}, '
-          f'alpha {alpha}', '',
-          '| checkpoint | training min | ' + ' | '.join(f'{s} sacreBLEU | {s} lc-tok | {s} len ratio' for s in splits)
-          + ' | decode s |', '|---|---:|' + '---:|' * (3 * len(splits) + 1)]
-  print('\n'.join(out), flush=True)
-  metric, names = sacrebleu.BLEU(), checkpoint_names(workdir)
-  if not names:
-    sys.exit(f'error: no checkpoints in {workdir}')
-  for name in names:
-    translator = decode.Translator(workdir, checkpoint=name)
-    cells, start = [], time.time()
-    for split, (sources, references, tok_references) in data.items():
-      hypotheses = translator.translate(sources, beam_size=beam, alpha=alpha)
-      metric = sacrebleu.BLEU(lowercase=translator.lowercase)  # case-insensitive for a model of config.lowercase
-      bleu = metric.corpus_score(hypotheses, [references])
-      tok = evaluate.tokenized_bleu(hypotheses, tok_references, config.target_lang)[0] if tok_references else None
-      cells += [f'{bleu.score:.2f}', f'{tok:.2f}' if tok is not None else '-', f'{bleu.sys_len / bleu.ref_len:.3f}']
-    minutes = elapsed.get(int(name)) if name.isdigit() else None
-    row = (f'| {translator.checkpoint} | {f"{minutes / 60:.1f}" if minutes else "-"} | ' + ' | '.join(cells)
-           + f' | {time.time() - start:.0f} |')
-    print(row, flush=True)
-    out.append(row)
-  out += ['', f'sacreBLEU {metric.get_signature()}']
+  # An ensemble's workdir (config.ensemble_members): each member's curve on its own clock, then the members
+  # decoded together, at the minutes of the whole command (the members train in turn).
+  members = workdir_lib.member_workdirs(workdir)
+  out, seconds = [], 0.0
+  for member in members:
+    lines, member_seconds, signature = run_tables(member, data, beam, alpha)
+    out, seconds = out + lines, seconds + member_seconds
+  if len(members) > 1:
+    out += table_header(f'the ensemble of {len(members)} members of {workdir} ({seconds / 60:.1f} training minutes)',
+                        beam, alpha, splits)
+    out += [score_row(workdir, name, data, beam, alpha, seconds)[0]
+            for name in ensemble_checkpoint_names(members, config)]
+  out += ['', f'sacreBLEU {signature}']
   print(out[-1])
   (epath.Path(workdir) / 'bleu_curve.md').write_text('\n'.join(out) + '\n')
 

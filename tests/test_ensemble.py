@@ -1,5 +1,6 @@
 """config.ensemble_members: independent runs trained in turn in one workdir (ensemble.py), decoded together."""
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -15,6 +16,8 @@ from flaxformer_nmt import decode
 from flaxformer_nmt import ensemble
 from flaxformer_nmt import tokenizer as tokenizer_lib
 from flaxformer_nmt.workdir import ConfigError, member_workdir, save_or_check_config, validate_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def fake_trainer(calls, pause=None):
@@ -125,6 +128,16 @@ def test_the_command_stops_resumes_and_decodes_the_members_together(toy_corpus, 
     rows += [line for line in result.stdout.splitlines() if line.startswith('| 90 |')]
   assert len(rows) == 2 and 'an ensemble of checkpoint 90 of' in rows[0]
   assert rows[0].split('|')[3:6] == rows[1].split('|')[3:6]  # the same BLEU, length ratio
+  # bench/bleu_curve.py: each member's rows, then the ensemble's, at the minutes of both members' training.
+  result = subprocess.run([sys.executable, os.path.join(REPO, 'bench', 'bleu_curve.py'), f'--workdir={workdir}',
+                           '--steps=90', '--splits=valid', '--beam_size=2'], capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  curve = [line.split('|') for line in result.stdout.splitlines() if line.startswith('| ') and '90' in line]
+  assert len(curve) == 3 and 'ensemble' not in curve[0][1] + curve[1][1] and 'an ensemble of' in curve[2][1]
+  assert curve[2][3] == rows[0].split('|')[3]  # the members together, as compare decodes them
+  last_seconds = [[json.loads(line) for line in (m / 'metrics.jsonl').read_text().splitlines()
+                   if 'elapsed_seconds' in line][-1]['elapsed_seconds'] for m in members]
+  assert float(curve[2][2]) == pytest.approx(sum(last_seconds) / 60, abs=0.051)
 
   # Averaging the ensemble's workdir averages each member's own checkpoints.
   result = subprocess.run([sys.executable, '-m', 'flaxformer_nmt.average', f'--workdir={workdir}', '--last=2'],
