@@ -4,7 +4,8 @@ decoding choice (beam, length penalty, averaging window, best vs averaged) on th
   python bench/ablation.py --config configs/multi30k_best.py --root runs/ablation [--minutes 150] \
       [--variants dropout_0.1,no_cooldown] [--split valid]
 
-Training variants (each a run in {root}/{name}, resumable; same seed; steps sized to the recipe's time):
+Training variants (each a run in {root}/{name}, resumable; same seed; steps sized to the recipe's time; a recipe
+of config.ensemble_members trains that many members per variant, each scored as the members' ensemble):
   recipe           the config as written
   dropout_0.1      model.dropout_rate 0.1 instead of the recipe's 0.3
   no_smoothing     label_smoothing 0
