@@ -21,15 +21,23 @@ run barely do (+0.06).
 """
 import json
 import shutil
+import time
 
+import jax
+import sacrebleu
 from absl import logging
 from etils import epath
 
+from flaxformer_nmt import compare
+from flaxformer_nmt import decode
 from flaxformer_nmt import distributed
+from flaxformer_nmt import evaluate
 from flaxformer_nmt import workdir as workdir_lib
+from flaxformer_nmt.bleu_eval import HYPOTHESES_DIR
 from flaxformer_nmt.tokenizer import VOCAB_FILENAME
 
 FINISHED_FILE = 'finished.json'
+VALIDATION_FILE = 'ensemble_bleu.json'  # the members' validation BLEU together, after the last one
 # The fields that say how far a run trains: a member finished under other values is not finished now.
 _EXTENT_FIELDS = ('num_train_steps', 'max_train_minutes')
 
@@ -102,3 +110,45 @@ def train_members(config, workdir, train_one):
                'their ensemble; `python -m flaxformer_nmt.compare --workdir %s --checkpoints %s` scores it on '
                'validation', config.ensemble_members, workdir, workdir, workdir, config.decode_checkpoint)
   return last
+
+
+def score_on_validation(config, workdir):
+  """Once every member has finished: their ensemble's validation BLEU, as `decode --workdir {workdir}` gives it
+  (each member's decode_checkpoint, the config's beam and length penalty), logged and written to
+  {workdir}/ensemble_bleu.json, its translations to {workdir}/eval/hyp_ensemble.txt; returns the record, or None
+  where a member has not finished, validation BLEU is off (eval_bleu_every_steps = 0) or the job has several
+  processes (then `compare --workdir {workdir}` scores it). No member's own validation shows this number.
+  eval_bleu_max_sentences caps the sentences, as for the members' evaluations."""
+  members = [(member_config(config, k), workdir_lib.member_workdir(workdir, k)) for k in range(config.ensemble_members)]
+  if not config.eval_bleu_every_steps or not all(finished(d, c) for c, d in members):
+    return None
+  if jax.process_count() > 1:
+    logging.info('Score the ensemble with `python -m flaxformer_nmt.compare --workdir %s` (one process)', workdir)
+    return None
+  try:
+    _, sources, references, tok_references = compare.sentences(config)
+  except (OSError, ValueError) as e:  # the members trained: say why there is no score, lose nothing
+    logging.warning('The ensemble was not scored on %s: %s', config.eval_split, e)
+    return None
+  count = config.eval_bleu_max_sentences or len(sources)
+  sources, references = sources[:count], references[:count]
+  start, translator = time.time(), decode.Translator(str(workdir))
+  hypotheses = translator.translate(sources, beam_size=config.beam_size, alpha=config.length_penalty_alpha)
+  metric = sacrebleu.BLEU(lowercase=translator.lowercase)
+  bleu = metric.corpus_score(hypotheses, [references])
+  record = dict(split=config.eval_split, sentences=count, checkpoints=translator.checkpoint,
+                beam_size=config.beam_size, alpha=config.length_penalty_alpha, bleu=bleu.score,
+                tok_bleu=(evaluate.tokenized_bleu(hypotheses, tok_references[:count], config.target_lang)[0]
+                          if tok_references else None),
+                length_ratio=bleu.sys_len / bleu.ref_len, seconds=time.time() - start,
+                signature=str(metric.get_signature()))
+  workdir = epath.Path(workdir)
+  (workdir / HYPOTHESES_DIR).mkdir(parents=True, exist_ok=True)
+  (workdir / HYPOTHESES_DIR / 'hyp_ensemble.txt').write_text(''.join(h + '\n' for h in hypotheses))
+  (workdir / VALIDATION_FILE).write_text(json.dumps(record, indent=1) + '\n')
+  tok = f', lowercased tokenized BLEU {record["tok_bleu"]:.2f}' if record['tok_bleu'] is not None else ''
+  logging.info('The ensemble of %d members on %s (%d sentences, beam %d, alpha %g): sacreBLEU %.2f%s, length '
+               'ratio %.3f, in %.0f s (%s)', config.ensemble_members, config.eval_split, count, config.beam_size,
+               config.length_penalty_alpha, bleu.score, tok, record['length_ratio'], record['seconds'],
+               record['signature'])
+  return record

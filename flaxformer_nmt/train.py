@@ -303,6 +303,7 @@ def main(argv):
   try:
     if flags.FLAGS.config.get('ensemble_members', 1) > 1:  # several runs in turn, in member directories
       ensemble.train_members(flags.FLAGS.config, flags.FLAGS.workdir, train_and_evaluate)
+      ensemble.score_on_validation(flags.FLAGS.config, flags.FLAGS.workdir)  # once all members have finished
     else:
       train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
   except (data_lib.DataError, ConfigError, tokenizer_lib.TokenizerError, NonFiniteError,

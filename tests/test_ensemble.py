@@ -8,6 +8,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+import sacrebleu
 
 import test_resilience as resilience
 from conftest import small_config
@@ -74,7 +75,7 @@ def test_the_command_stops_resumes_and_decodes_the_members_together(toy_corpus, 
   config = small_config(toy_corpus)
   config.ensemble_members, config.seed, config.max_train_minutes = 2, 3, 60.0
   config.num_train_steps, config.checkpoint_every_steps, config.eval_every_steps = 100, 10, 1000
-  config.average_last_checkpoints = 0
+  config.average_last_checkpoints, config.eval_bleu_every_steps = 0, 100  # each member's BLEU at its end
   workdir = tmp_path / 'ens'
   # A vocabulary chosen beforehand (learnt from the German side only, unlike the trainer's joint one) is the one
   # both members must read.
@@ -93,6 +94,7 @@ def test_the_command_stops_resumes_and_decodes_the_members_together(toy_corpus, 
   assert process.returncode == 0, stderr[-3000:]
   assert 0 < max(checkpoints_lib.saved_steps(members[0])) < 100
   assert not members[1].exists() and not (members[0] / ensemble.FINISHED_FILE).exists()
+  assert not (workdir / ensemble.VALIDATION_FILE).exists()  # scored only once every member has finished
   with pytest.raises(ConfigError, match='member1 has not started'):
     decode.Translator(workdir)
 
@@ -105,6 +107,18 @@ def test_the_command_stops_resumes_and_decodes_the_members_together(toy_corpus, 
     assert checkpoints_lib.saved_steps(member)[-1] == 100
     assert json.loads((member / ensemble.FINISHED_FILE).read_text())['step'] == 100
     assert (member / 'vocab.model').read_bytes() == planted
+  # The command ends by scoring the members together on valid with the config's decode: the sacreBLEU of
+  # decoding both members' latest checkpoints at the config's beam and alpha, scored here by hand.
+  record = json.loads((workdir / ensemble.VALIDATION_FILE).read_text())
+  sources, references = ((toy_corpus / f'valid.{lang}').read_text().splitlines() for lang in ('en', 'de'))
+  both = decode.Translator([str(m) for m in members], checkpoint='latest')
+  hypotheses = both.translate(sources, beam_size=config.beam_size, alpha=config.length_penalty_alpha)
+  assert (workdir / 'eval' / 'hyp_ensemble.txt').read_text().splitlines() == hypotheses
+  by_hand = sacrebleu.corpus_bleu(hypotheses, [references])
+  assert (record['bleu'], record['length_ratio']) == pytest.approx((by_hand.score, by_hand.sys_len / by_hand.ref_len))
+  assert (record['sentences'], record['beam_size'], record['alpha']) == (20, config.beam_size,
+                                                                          config.length_penalty_alpha)
+  assert all(f'checkpoint 100 of {m}' in record['checkpoints'] for m in members)
   first, second = (decode.Translator(m, checkpoint='latest').params for m in members)
   assert not all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(first),
                                                       jax.tree_util.tree_leaves(second)))  # two seeds
