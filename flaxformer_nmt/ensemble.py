@@ -13,7 +13,9 @@ A vocab.model placed in {workdir} beforehand becomes member0's.
 
 A member that ended (by its steps or its time) writes {member}/finished.json; rerunning the command skips those
 and resumes the first one without it, so a stop signal or a crash loses only what the member in progress had
-not saved, as for one run. A finished member whose step or time limit was changed since trains on.
+not saved, as for one run. A finished member whose step or time limit was changed since trains on. Once all
+have finished, the command scores them together on the validation split with the config's decode
+(score_on_validation: {workdir}/ensemble_bleu.json).
 
 Why: two independently trained Transformer-tiny runs decoded together gain 1.0-1.6 valid BLEU on Multi30k
 over each of them alone, more than one run's seed spread (bench/RESULTS.md, 2026-11-29); checkpoints of one
