@@ -144,7 +144,8 @@ def test_the_command_stops_resumes_and_decodes_the_members_together(toy_corpus, 
   assert rows[0].split('|')[3:6] == rows[1].split('|')[3:6]  # the same BLEU, length ratio
   # bench/bleu_curve.py: each member's rows, then the ensemble's, at the minutes of both members' training.
   result = subprocess.run([sys.executable, os.path.join(REPO, 'bench', 'bleu_curve.py'), f'--workdir={workdir}',
-                           '--steps=90', '--splits=valid', '--beam_size=2'], capture_output=True, text=True, timeout=300)
+                           '--steps=90', '--splits=valid', '--beam_size=2'],
+                          capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   curve = [line.split('|') for line in result.stdout.splitlines() if line.startswith('| ') and '90' in line]
   assert len(curve) == 3 and 'ensemble' not in curve[0][1] + curve[1][1] and 'an ensemble of' in curve[2][1]
