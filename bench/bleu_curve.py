@@ -27,13 +27,13 @@ import subprocess
 import sys
 import time
 
-import sacrebleu
 from absl import app, flags
 from etils import epath
 
 from flaxformer_nmt import best_checkpoint
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import cli
+from flaxformer_nmt import compare
 from flaxformer_nmt import config as config_lib
 from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import decode
@@ -137,16 +137,12 @@ def score_row(workdir, name, data, beam, alpha, seconds):
   translator = decode.Translator(workdir, checkpoint=name)
   cells, start = [], time.time()
   for sources, references, tok_references in data.values():
-    hypotheses = translator.translate(sources, beam_size=beam, alpha=alpha)
-    metric = sacrebleu.BLEU(lowercase=translator.lowercase)  # case-insensitive for a model of config.lowercase
-    bleu = metric.corpus_score(hypotheses, [references])
-    tok = (evaluate.tokenized_bleu(hypotheses, tok_references, translator.config.target_lang)[0]
-           if tok_references else None)
+    _, bleu, tok, _, signature = compare.scores(translator, sources, references, tok_references, beam, alpha)
     cells += [f'{bleu.score:.2f}', f'{tok:.2f}' if tok is not None else '-', f'{bleu.sys_len / bleu.ref_len:.3f}']
   row = (f'| {translator.checkpoint} | {f"{seconds / 60:.1f}" if seconds else "-"} | ' + ' | '.join(cells)
          + f' | {time.time() - start:.0f} |')
   print(row, flush=True)
-  return row, metric.get_signature()
+  return row, signature
 
 
 def table_header(title, beam, alpha, splits):

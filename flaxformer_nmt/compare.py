@@ -70,18 +70,27 @@ def sentences(config, split=None, input_path=None, ref_path=None, tok_ref_path=N
   return description, sources, references, tok_references
 
 
-def score_row(name, translator, sources, references, tok_references, beam_size, alpha, mbr_utility=None,
-              n_best=1):
-  """One table row: the checkpoint's scores on the sentences."""
+def scores(translator, sources, references, tok_references, beam_size, alpha, mbr_utility=None, n_best=1):
+  """(hypotheses, sacrebleu BLEU, lowercased tokenized BLEU or None, decoding seconds, signature) of the
+  translator on the sentences."""
   start = time.time()
   hypotheses = translator.translate(sources, beam_size=beam_size, alpha=alpha, mbr=mbr_utility, n_best=n_best)
   seconds = time.time() - start
   metric = sacrebleu.BLEU(lowercase=translator.lowercase)  # case-insensitive for a model of config.lowercase
   bleu = metric.corpus_score(hypotheses, [references])
-  tok = (f'{evaluate.tokenized_bleu(hypotheses, tok_references, translator.config.target_lang)[0]:.2f}'
-         if tok_references is not None else '-')
+  tok = (evaluate.tokenized_bleu(hypotheses, tok_references, translator.config.target_lang)[0]
+         if tok_references is not None else None)
+  return hypotheses, bleu, tok, seconds, str(metric.get_signature())
+
+
+def score_row(name, translator, sources, references, tok_references, beam_size, alpha, mbr_utility=None,
+              n_best=1):
+  """One table row: the checkpoint's scores on the sentences."""
+  _, bleu, tok, seconds, signature = scores(translator, sources, references, tok_references, beam_size, alpha,
+                                            mbr_utility, n_best)
+  tok = f'{tok:.2f}' if tok is not None else '-'
   return (f'| {name} | {translator.checkpoint} | {bleu.score:.2f} | {tok} | {bleu.sys_len / bleu.ref_len:.3f} | '
-          f'{bleu.bp:.3f} | {seconds:.0f} |'), str(metric.get_signature())
+          f'{bleu.bp:.3f} | {seconds:.0f} |'), signature
 
 
 def main(argv):

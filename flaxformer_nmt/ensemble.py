@@ -23,17 +23,13 @@ run barely do (+0.06).
 """
 import json
 import shutil
-import time
-
 import jax
-import sacrebleu
 from absl import logging
 from etils import epath
 
 from flaxformer_nmt import compare
 from flaxformer_nmt import decode
 from flaxformer_nmt import distributed
-from flaxformer_nmt import evaluate
 from flaxformer_nmt import workdir as workdir_lib
 from flaxformer_nmt.bleu_eval import HYPOTHESES_DIR
 from flaxformer_nmt.tokenizer import VOCAB_FILENAME
@@ -133,17 +129,13 @@ def score_on_validation(config, workdir):
     logging.warning('The ensemble was not scored on %s: %s', config.eval_split, e)
     return None
   count = config.eval_bleu_max_sentences or len(sources)
-  sources, references = sources[:count], references[:count]
-  start, translator = time.time(), decode.Translator(str(workdir))
-  hypotheses = translator.translate(sources, beam_size=config.beam_size, alpha=config.length_penalty_alpha)
-  metric = sacrebleu.BLEU(lowercase=translator.lowercase)
-  bleu = metric.corpus_score(hypotheses, [references])
+  translator = decode.Translator(str(workdir))
+  hypotheses, bleu, tok_bleu, seconds, signature = compare.scores(
+      translator, sources[:count], references[:count], tok_references[:count] if tok_references else None,
+      config.beam_size, config.length_penalty_alpha)
   record = dict(split=config.eval_split, sentences=count, checkpoints=translator.checkpoint,
-                beam_size=config.beam_size, alpha=config.length_penalty_alpha, bleu=bleu.score,
-                tok_bleu=(evaluate.tokenized_bleu(hypotheses, tok_references[:count], config.target_lang)[0]
-                          if tok_references else None),
-                length_ratio=bleu.sys_len / bleu.ref_len, seconds=time.time() - start,
-                signature=str(metric.get_signature()))
+                beam_size=config.beam_size, alpha=config.length_penalty_alpha, bleu=bleu.score, tok_bleu=tok_bleu,
+                length_ratio=bleu.sys_len / bleu.ref_len, seconds=seconds, signature=signature)
   workdir = epath.Path(workdir)
   (workdir / HYPOTHESES_DIR).mkdir(parents=True, exist_ok=True)
   (workdir / HYPOTHESES_DIR / 'hyp_ensemble.txt').write_text(''.join(h + '\n' for h in hypotheses))
