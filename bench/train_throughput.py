@@ -6,15 +6,17 @@ CPU also the achieved FLOP rate over a large float32 matmul's rate measured in t
   python bench/train_throughput.py --configs multi30k,lm_multi30k,mlm_multi30k --lengths 64   # the three tasks
   python bench/train_throughput.py --configs multi30k_best --matmul_precision bfloat16   # bf16 operands on CPU
   python bench/train_throughput.py --configs multi30k_best --dropout_rate 0   # what the dropout masks cost
+  python bench/train_throughput.py --configs multi30k_best --lengths 64 --packed_segments 4 --steps 30 \
+      --prng_impl threefry2x32,rbg --alternate   # the dropout masks' keys: threefry against XLA's generator
   python bench/train_throughput.py --configs multi30k --lengths 64 --packed_segments 4 \
       --profile_dir /tmp/step_profile   # where the one-hour config's packed step goes, op by op
   python bench/train_throughput.py --configs big --lengths 64 --tokens_per_batch 65536,131072,262144 \
       --remat none,dots,full   # on a GPU: each remat policy's largest budget that fits
 
---tokens_per_batch, --attention_impl and --remat take lists: every combination is timed, one compiled step
-each, in one process, one after the other. The step keeps getting faster for the first minutes of a process,
-so to compare variants pass --alternate: single steps of each in turn, medians reported (first column: the
-variant, attention/remat):
+--tokens_per_batch, --attention_impl, --remat and --prng_impl take lists: every combination is timed, one
+compiled step each, in one process, one after the other. The step keeps getting faster for the first minutes of
+a process, so to compare variants pass --alternate: single steps of each in turn, medians reported (first
+column: the variant, attention/remat, then /prng_impl where given):
 
   python bench/train_throughput.py --configs multi30k --lengths 64 --packed_segments 4 --steps 30 \
       --attention_impl xla,einsum --alternate
@@ -60,6 +62,8 @@ _ATTENTION = flags.DEFINE_list('attention_impl', [''], 'Override config.model.at
 _REMAT = flags.DEFINE_list('remat', [''], 'Override config.model.remat; several are timed in turn.')
 _MATMUL = flags.DEFINE_string('matmul_precision', '', "Override config.model.matmul_precision ('bfloat16').")
 _DROPOUT = flags.DEFINE_float('dropout_rate', -1.0, "Override config.model.dropout_rate (-1: the config's).")
+_PRNG = flags.DEFINE_list('prng_impl', [''], "Override config.prng_impl ('rbg': the dropout masks' keys from XLA's "
+                          'RngBitGenerator instead of threefry); several are timed in turn.')
 _ACCUMULATE = flags.DEFINE_integer('grad_accumulation_steps', 1, 'Microbatches per step.')
 _FSDP = flags.DEFINE_integer('fsdp', 1, 'fsdp_parallelism of the mesh.')
 _CHECK_XLA = flags.DEFINE_bool('check_xla_flops', True, "Compare XLA's FLOP count of the first compiled step with "
@@ -70,8 +74,8 @@ _SEGMENTS = flags.DEFINE_integer('packed_segments', 0, 'Split every row into thi
 _PROFILE = flags.DEFINE_string('profile_dir', '', 'Trace 3 steps of each timed case with jax.profiler into '
                                'DIR/CONFIG_LENGTH_ROWS and print its costliest XLA operations with the model code '
                                'they come from (bench/op_profile.py).')
-_ALTERNATE = flags.DEFINE_bool('alternate', False, 'Compare the --attention_impl x --remat variants of each '
-                               'config by single steps in turn (medians), not one variant after the other.')
+_ALTERNATE = flags.DEFINE_bool('alternate', False, 'Compare the --attention_impl x --remat x --prng_impl variants of '
+                               'each config by single steps in turn (medians), not one variant after the other.')
 _PROFILE_TOP = flags.DEFINE_integer('profile_top', 25, 'Operations printed per profile.')
 _PEAK = flags.DEFINE_float('peak', 0.0, 'Per-device peak FLOP/s for MFU (default: flops.py table; none on CPU).')
 
@@ -102,7 +106,7 @@ def xla_flops(compiled):
   return float(analysis.get('flops', 0.0)) if analysis else 0.0
 
 
-def load_config(name, attention_impl, remat):
+def load_config(name, attention_impl, remat, prng_impl=''):
   # By file path, so the script runs from any directory (configs/ is not a package on sys.path).
   path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs', f'{name}.py')
   spec = importlib.util.spec_from_file_location(name, path)
@@ -115,6 +119,8 @@ def load_config(name, attention_impl, remat):
       config.model[field] = value
   if _DROPOUT.value >= 0:
     config.model.dropout_rate = _DROPOUT.value
+  if prng_impl:
+    config.prng_impl = prng_impl
   config.grad_accumulation_steps = _ACCUMULATE.value
   config.fsdp_parallelism = _FSDP.value
   return config
@@ -124,9 +130,9 @@ def out_of_memory(error):
   return 'RESOURCE_EXHAUSTED' in str(error) or 'out of memory' in str(error).lower()
 
 
-def build(name, attention_impl, remat):
+def build(name, attention_impl, remat, prng_impl=''):
   """(model, train state, compiled train step, mesh, vocabulary size, config) of a config, its line printed."""
-  config = load_config(name, attention_impl, remat)
+  config = load_config(name, attention_impl, remat, prng_impl)
   vocab = _VOCAB.value or config.vocab_size
   task = lm.task_of(config)
   model_config = model_lib.ModelConfig.from_config(config, vocab, architecture=lm.ARCHITECTURES[task])
@@ -137,7 +143,8 @@ def build(name, attention_impl, remat):
   train_fn, _ = train_step_lib.jit_steps(model, optimizer, schedule, config, mesh, state_sharding)
   dtype, attention = model.config.dtype, model.config.attention_impl  # as settled for this machine
   print(f'# {name} ({task}): {model_lib.count_params(state.params):,} parameters, vocab {vocab}, {dtype}, attention '
-        f'{attention}, matmul {config.model.matmul_precision}, remat {config.model.remat}, mesh {dict(mesh.shape)}')
+        f'{attention}, matmul {config.model.matmul_precision}, remat {config.model.remat}, keys {config.prng_impl}, '
+        f'mesh {dict(mesh.shape)}')
   return model, state, train_fn, mesh, vocab, config
 
 
@@ -158,10 +165,11 @@ def print_row(label, rows, length, seconds, analytic, peak, matmul):
 
 
 def alternate_variants(name, peak, matmul):
-  """Every --attention_impl x --remat variant of one config, timed by single steps in turn (the order reversed
-  every round) and reported as medians: in one process the step keeps getting faster for minutes, so variants
-  timed one after the other favour the later ones (bench/RESULTS.md, 2026-11-26)."""
-  variants = [(f'{a or "-"}/{r or "-"}', *build(name, a, r)) for a in _ATTENTION.value for r in _REMAT.value]
+  """Every --attention_impl x --remat x --prng_impl variant of one config, timed by single steps in turn (the
+  order reversed every round) and reported as medians: in one process the step keeps getting faster for minutes,
+  so variants timed one after the other favour the later ones (bench/RESULTS.md, 2026-11-26)."""
+  variants = [(f'{a or "-"}/{r or "-"}' + (f'/{p}' if p else ''), *build(name, a, r, p))
+              for a in _ATTENTION.value for r in _REMAT.value for p in _PRNG.value]
   rng = np.random.default_rng(0)
   *_, mesh, _, config = variants[0]
   for rows, length in batch_shapes(mesh, config):
@@ -184,8 +192,8 @@ def alternate_variants(name, peak, matmul):
       print_row(run['label'], rows, length, float(np.median(run['seconds'])), run['analytic'], peak, matmul)
 
 
-def bench_config(name, attention_impl, remat, peak, matmul, check_xla):
-  model, state, train_fn, mesh, vocab, config = build(name, attention_impl, remat)
+def bench_config(name, attention_impl, remat, prng_impl, peak, matmul, check_xla):
+  model, state, train_fn, mesh, vocab, config = build(name, attention_impl, remat, prng_impl)
   rng = np.random.default_rng(0)
   for rows, length in batch_shapes(mesh, config):
     analytic = flops_lib.train_flops(model.config, vocab, rows * length, rows * length, length, length)
@@ -266,8 +274,9 @@ def main(argv):
       continue
     for attention_impl in _ATTENTION.value:
       for remat in _REMAT.value:
-        bench_config(name, attention_impl, remat, peak, matmul, check_xla=first)
-        first = False
+        for prng_impl in _PRNG.value:
+          bench_config(name, attention_impl, remat, prng_impl, peak, matmul, check_xla=first)
+          first = False
 
 
 if __name__ == '__main__':

@@ -69,6 +69,11 @@ def base_config():
   # Padded lengths are rounded up to one of these, so the train step compiles once per bucket.
   c.length_buckets = (8, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
   c.seed = 0
+  # The generator of the dropout keys (and of the initial parameters): JAX's default 'threefry2x32' (the same
+  # bits on every backend and sharding), or 'rbg' / 'unsafe_rbg' (XLA's RngBitGenerator, cheaper to draw):
+  # configs/multi30k_best.py's CPU step 601 ms with threefry, 569 ms with 'rbg' (an Intel Xeon with AMX,
+  # 2026-11-29, bench/RESULTS.md). A run keeps its generator: resuming with another is refused.
+  c.prng_impl = 'threefry2x32'
   # Rows of every planned training batch are a multiple of this. The plan (and so an exact resume) depends on
   # it, never on the machine: batches are padded with empty rows to a multiple of devices x microbatches,
   # which a multiple of the device count here avoids.

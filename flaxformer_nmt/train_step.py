@@ -19,7 +19,8 @@ class TrainState:
   step: jax.Array
   params: dict
   opt_state: optax.OptState
-  # Base dropout key; step s uses fold_in(rng, s), so the key stream needs no state of its own.
+  # Base dropout key, as raw key data (uint32 words, 2 for threefry, 4 for rbg) of config.prng_impl's
+  # generator; step s uses fold_in(rng, s), so the key stream needs no state of its own.
   rng: jax.Array
 
 
@@ -204,7 +205,7 @@ _MASKING_STREAM = 0x6D61736B
 
 
 def train_step(state, batch, *, model, optimizer, schedule, label_smoothing, grad_accumulation_steps=1,
-               task='translation', rdrop_alpha=0.0):
+               task='translation', rdrop_alpha=0.0, prng_impl='threefry2x32'):
   """One update on the batch loss: smoothed cross entropy summed over all target tokens (for the MLM the
   positions bert_mask selected), divided by their count over the whole (global) batch.
 
@@ -218,7 +219,7 @@ def train_step(state, batch, *, model, optimizer, schedule, label_smoothing, gra
   the gradients of the summed loss; dividing by the total target count afterwards makes the update equal
   to the one-batch update, at 1/k of the activation memory.
   """
-  dropout_rng = jax.random.fold_in(state.rng, state.step)
+  dropout_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng, impl=prng_impl), state.step)
 
   def loss_sums(params, microbatch, rng):
     if rdrop_alpha > 0:
@@ -283,27 +284,30 @@ def eval_step(params, batch, *, model, label_smoothing, task='translation'):
   return sums
 
 
-def init_state(model, optimizer, seed, batch_shape=(1, 8)):
-  """Fresh parameters (xavier-uniform dense layers) and optimizer state."""
-  params_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(seed))
+def init_state(model, optimizer, seed, batch_shape=(1, 8), prng_impl='threefry2x32'):
+  """Fresh parameters (xavier-uniform dense layers) and optimizer state, both keys from `seed` by the
+  `prng_impl` generator (for threefry the keys of jax.random.PRNGKey(seed), as before the choice existed)."""
+  params_rng, dropout_rng = jax.random.split(jax.random.key(seed, impl=prng_impl))
   dummy = jnp.ones(batch_shape, jnp.int32)
   inputs = (dummy, dummy) if isinstance(model, lm.model_lib.Transformer) else (dummy,)  # LM, MLM: one text
   params = model.init(params_rng, *inputs)['params']
   return TrainState(step=jnp.asarray(0, jnp.int32), params=params, opt_state=optimizer.init(params),
-                    rng=dropout_rng)
+                    rng=jax.random.key_data(dropout_rng))
 
 
 def state_shardings(model, optimizer, config, mesh):
   """The sharding of every leaf of the train state (parameters replicated, or FSDP-sharded over 'fsdp';
   optimizer moments laid out like their parameters), from its shapes alone (jax.eval_shape, no FLOPs)."""
-  abstract = jax.eval_shape(functools.partial(init_state, model, optimizer, config.seed))
+  abstract = jax.eval_shape(functools.partial(init_state, model, optimizer, config.seed,
+                                              prng_impl=config.prng_impl))
   return sharding.state_shardings(abstract, mesh)
 
 
 def create_state(model, optimizer, config, mesh):
   """(fresh train state created directly in its sharded layout, its shardings)."""
   shardings = state_shardings(model, optimizer, config, mesh)
-  init = jax.jit(functools.partial(init_state, model, optimizer, config.seed), out_shardings=shardings)
+  init = jax.jit(functools.partial(init_state, model, optimizer, config.seed, prng_impl=config.prng_impl),
+                 out_shardings=shardings)
   return init(), shardings
 
 
@@ -316,7 +320,7 @@ def jit_steps(model, optimizer, schedule, config, mesh, state_sharding=None):
   train = functools.partial(train_step, model=model, optimizer=optimizer, schedule=schedule,
                             label_smoothing=config.label_smoothing,
                             grad_accumulation_steps=config.grad_accumulation_steps, task=lm.task_of(config),
-                            rdrop_alpha=config.rdrop_alpha)
+                            rdrop_alpha=config.rdrop_alpha, prng_impl=config.prng_impl)
   evaluate = functools.partial(eval_step, model=model, label_smoothing=config.label_smoothing,
                                task=lm.task_of(config))
   batch_sharding, replicated = sharding.batch_sharded(mesh), sharding.replicated(mesh)

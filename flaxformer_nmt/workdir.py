@@ -23,6 +23,9 @@ MEMBER_PREFIX = 'member'  # {workdir}/member0, member1, ...: the runs of an ense
 # was learnt on (lowercase: a vocabulary of lowercased text would meet cased text).
 _MODEL_FIELDS = ('task', 'model', 'vocab_size', 'sentencepiece_model_type', 'source_lang', 'target_lang',
                  'lowercase')
+# JAX's key generators (config.prng_impl); the default is JAX's own, and that of every run before the field.
+PRNG_IMPLS = ('threefry2x32', 'rbg', 'unsafe_rbg')
+DEFAULT_PRNG_IMPL = 'threefry2x32'
 # Fields of config.model that change how the model computes, not its parameters: free to differ on resume.
 _RUNTIME_MODEL_FIELDS = ('dtype', 'attention_impl', 'remat')
 
@@ -122,6 +125,8 @@ def validate_config(config):
   if word_dropout and lm.task_of(config) != 'translation':
     raise ConfigError(f'config.model.source_word_dropout={word_dropout} needs a source: it is for the translation '
                       f'task, not {lm.task_of(config)!r}')
+  if config.get('prng_impl', DEFAULT_PRNG_IMPL) not in PRNG_IMPLS:
+    raise ConfigError(f'config.prng_impl={config.prng_impl!r}: use one of {PRNG_IMPLS}')
   _validate_rdrop(config)
   _validate_schedule_fit(config)
   _validate_ensemble(config)
@@ -149,6 +154,10 @@ def save_or_check_config(config, workdir):
       raise ConfigError(f'{path} was trained with config.ensemble_members={saved.get("ensemble_members", 1)}, now '
                         f'{current.get("ensemble_members", 1)}: an ensemble\'s runs live in its member '
                         'directories, one run in the workdir itself. Use a new --workdir or the original value.')
+    saved_impl, impl = (c.get('prng_impl', DEFAULT_PRNG_IMPL) for c in (saved, current))
+    if saved_impl != impl:  # its checkpoints hold the other generator's key data (2 or 4 words)
+      raise ConfigError(f'{path} was trained with config.prng_impl={saved_impl!r}, now {impl!r}: a run keeps '
+                        'the generator of its dropout keys. Use a new --workdir or the original value.')
     for field in _MODEL_FIELDS:
       if _model_identity(saved, field) != _model_identity(current, field):
         raise ConfigError(f'{path} holds a different model: config.{field} was {saved.get(field)!r}, '

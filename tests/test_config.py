@@ -272,3 +272,23 @@ def test_rdrop_is_refused_where_it_cannot_work():
   c.task, c.rdrop_alpha = 'translation', -1.0
   with pytest.raises(workdir_lib.ConfigError, match='is a weight'):
     workdir_lib.validate_config(c)
+
+
+def test_prng_impl_is_checked_and_a_workdir_from_before_the_field_resumes_only_on_threefry(tmp_path):
+  import json  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  config = config_lib.base_config()
+  config.data_dir = '/data'
+  config.prng_impl = 'philox'
+  with pytest.raises(workdir_lib.ConfigError, match=r"config.prng_impl='philox': use one of"):
+    workdir_lib.validate_config(config)
+  config.prng_impl = 'threefry2x32'
+  workdir_lib.save_or_check_config(config, tmp_path)
+  saved = json.loads((tmp_path / 'config.json').read_text())
+  del saved['prng_impl']  # as every config.json written before the field: those runs drew threefry keys
+  (tmp_path / 'config.json').write_text(json.dumps(saved))
+  workdir_lib.save_or_check_config(config, tmp_path)
+  config.prng_impl = 'rbg'
+  with pytest.raises(workdir_lib.ConfigError, match=r"config.prng_impl='threefry2x32', now 'rbg'"):
+    workdir_lib.save_or_check_config(config, tmp_path)

@@ -18,6 +18,7 @@ from flaxformer_nmt import model as model_lib
 from flaxformer_nmt import tokenizer as tokenizer_lib
 from flaxformer_nmt import train
 from flaxformer_nmt import train_step as ts
+from flaxformer_nmt import workdir as workdir_lib
 from test_resilience import cli_args
 
 
@@ -244,3 +245,21 @@ def test_storage_full_during_a_save_leaves_the_previous_checkpoint_listed_and_re
   restored, _ = store.restore_newest_good(checkpoints_lib.abstract_like(state))
   assert int(restored.step) == 1 and not (tmp_path / 'corrupt_checkpoints').exists()
   store.close()
+
+
+def test_a_run_on_rbg_keys_resumes_exactly_and_keeps_its_generator(toy_corpus, tmp_path):
+  # Its checkpoints hold 4-word key data: the restore must expect that shape and go on with the same stream.
+  config = small_config(toy_corpus)
+  config.prng_impl, config.model.dropout_rate = 'rbg', 0.3
+  config.num_train_steps, config.checkpoint_every_steps, config.eval_every_steps = 8, 4, 100
+  train.train_and_evaluate(config, tmp_path / 'straight')
+  first_half = config.copy_and_resolve_references()
+  first_half.num_train_steps = 4
+  train.train_and_evaluate(first_half, tmp_path / 'resumed')
+  train.train_and_evaluate(config, tmp_path / 'resumed')
+  for a, b in zip(jax.tree_util.tree_leaves(checkpoints_lib.saved_params(tmp_path / 'straight', 8)),
+                  jax.tree_util.tree_leaves(checkpoints_lib.saved_params(tmp_path / 'resumed', 8))):
+    np.testing.assert_array_equal(a, b)
+  config.prng_impl = 'threefry2x32'
+  with pytest.raises(workdir_lib.ConfigError, match=r"config.prng_impl='rbg', now 'threefry2x32'"):
+    train.train_and_evaluate(config, tmp_path / 'resumed')

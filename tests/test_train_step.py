@@ -8,6 +8,7 @@ import pytest
 
 from conftest import tiny_model
 from flaxformer_nmt import config as config_lib
+from flaxformer_nmt import lm
 from flaxformer_nmt import train_step as ts
 
 
@@ -278,3 +279,53 @@ def test_rdrop_train_step_loss_is_both_copies_cross_entropy_plus_alpha_times_the
   assert float(metrics['source_tokens']) == 14
   np.testing.assert_allclose(metrics['rdrop_divergence_sum'], divergence, rtol=1e-4)
   np.testing.assert_allclose(metrics['loss_sum'], cross_entropy + alpha * divergence, rtol=1e-4)
+
+
+def _one_step_loss(state, batch, model, c, prng_impl=None):
+  tx, schedule = ts.make_optimizer(c)
+  kwargs = {'prng_impl': prng_impl} if prng_impl else {}
+  _, metrics = jax.jit(lambda s, b: ts.train_step(s, b, model=model, optimizer=tx, schedule=schedule,
+                                                  label_smoothing=0.1, **kwargs))(state, batch)
+  return float(metrics['loss_sum'])
+
+
+def _loss_with_dropout_key(state, batch, model, key):
+  logits, targets, _ = lm.forward('translation', model, state.params, batch, False, rngs={'dropout': key})
+  return float(ts.label_smoothed_cross_entropy(logits, targets, 0.1)[0])
+
+
+_DROPOUT_BATCH = {'src': jnp.array([[4, 5, 6, 3], [7, 8, 3, 0]]), 'tgt_in': jnp.array([[2, 9, 10, 11], [2, 12, 0, 0]]),
+                  'tgt_out': jnp.array([[9, 10, 11, 3], [12, 3, 0, 0]])}
+
+
+def test_the_default_generator_keeps_the_keys_and_masks_of_runs_saved_before_the_choice():
+  # Checkpoints written before config.prng_impl hold threefry's 2-word key split from PRNGKey(seed), and step s
+  # drew its masks from fold_in(that key, s): a resumed run must go on drawing the same ones.
+  model, _ = tiny_model(dropout_rate=0.3)
+  c = config_lib.base_config()
+  state = ts.init_state(model, ts.make_optimizer(c)[0], seed=3)
+  params_key, dropout_key = jax.random.split(jax.random.PRNGKey(3))
+  np.testing.assert_array_equal(state.rng, dropout_key)
+  dummy = jnp.ones((1, 8), jnp.int32)
+  for got, want in zip(jax.tree_util.tree_leaves(state.params),
+                       jax.tree_util.tree_leaves(model.init(params_key, dummy, dummy)['params'])):
+    np.testing.assert_array_equal(got, want)
+  state = state.replace(step=jnp.asarray(7, jnp.int32))
+  want = _loss_with_dropout_key(state, _DROPOUT_BATCH, model, jax.random.fold_in(dropout_key, 7))
+  np.testing.assert_allclose(_one_step_loss(state, _DROPOUT_BATCH, model, c), want, rtol=1e-6)
+
+
+def test_rbg_keys_are_four_words_of_xlas_generator_and_draw_the_masks():
+  model, _ = tiny_model(dropout_rate=0.3)
+  c = config_lib.base_config()
+  state = ts.init_state(model, ts.make_optimizer(c)[0], seed=3, prng_impl='rbg')
+  _, dropout_key = jax.random.split(jax.random.key(3, impl='rbg'))
+  assert state.rng.shape == (4,) and state.rng.dtype == jnp.uint32
+  np.testing.assert_array_equal(state.rng, jax.random.key_data(dropout_key))
+  state = state.replace(step=jnp.asarray(7, jnp.int32))
+  rbg = _one_step_loss(state, _DROPOUT_BATCH, model, c, prng_impl='rbg')
+  np.testing.assert_allclose(rbg, _loss_with_dropout_key(state, _DROPOUT_BATCH, model,
+                                                         jax.random.fold_in(dropout_key, 7)), rtol=1e-6)
+  # Other keys give other masks, so the equality above could not hold by the masks not mattering.
+  threefry_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng[:2]), 7)
+  assert abs(rbg - _loss_with_dropout_key(state, _DROPOUT_BATCH, model, threefry_key)) > 1e-3
