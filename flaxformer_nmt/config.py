@@ -20,6 +20,11 @@ def shared_data_dir(name):
   return str(_SHARED_DATA / name)
 
 
+# JAX's key generators (config.prng_impl); the default is JAX's own, and that of every run before the field.
+PRNG_IMPLS = ('threefry2x32', 'rbg', 'unsafe_rbg')
+DEFAULT_PRNG_IMPL = 'threefry2x32'
+
+
 def base_config():
   c = ml_collections.ConfigDict()
 
@@ -73,7 +78,7 @@ def base_config():
   # bits on every backend and sharding), or 'rbg' / 'unsafe_rbg' (XLA's RngBitGenerator, cheaper to draw):
   # configs/multi30k_best.py's CPU step 601 ms with threefry, 569 ms with 'rbg' (an Intel Xeon with AMX,
   # 2026-11-29, bench/RESULTS.md). A run keeps its generator: resuming with another is refused.
-  c.prng_impl = 'threefry2x32'
+  c.prng_impl = DEFAULT_PRNG_IMPL
   # Rows of every planned training batch are a multiple of this. The plan (and so an exact resume) depends on
   # it, never on the machine: batches are padded with empty rows to a multiple of devices x microbatches,
   # which a multiple of the device count here avoids.

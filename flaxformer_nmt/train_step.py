@@ -9,6 +9,7 @@ from flax import struct
 
 from flaxformer_nmt import lm
 from flaxformer_nmt import sharding
+from flaxformer_nmt.config import DEFAULT_PRNG_IMPL
 
 from flaxformer_nmt.tokenizer import PAD_ID
 
@@ -205,7 +206,7 @@ _MASKING_STREAM = 0x6D61736B
 
 
 def train_step(state, batch, *, model, optimizer, schedule, label_smoothing, grad_accumulation_steps=1,
-               task='translation', rdrop_alpha=0.0, prng_impl='threefry2x32'):
+               task='translation', rdrop_alpha=0.0, prng_impl=DEFAULT_PRNG_IMPL):
   """One update on the batch loss: smoothed cross entropy summed over all target tokens (for the MLM the
   positions bert_mask selected), divided by their count over the whole (global) batch.
 
@@ -284,7 +285,7 @@ def eval_step(params, batch, *, model, label_smoothing, task='translation'):
   return sums
 
 
-def init_state(model, optimizer, seed, batch_shape=(1, 8), prng_impl='threefry2x32'):
+def init_state(model, optimizer, seed, batch_shape=(1, 8), prng_impl=DEFAULT_PRNG_IMPL):
   """Fresh parameters (xavier-uniform dense layers) and optimizer state, both keys from `seed` by the
   `prng_impl` generator (for threefry the keys of jax.random.PRNGKey(seed), as before the choice existed)."""
   params_rng, dropout_rng = jax.random.split(jax.random.key(seed, impl=prng_impl))

@@ -13,6 +13,7 @@ from flaxformer_nmt import distributed
 from flaxformer_nmt import lm
 from flaxformer_nmt import model as model_lib
 from flaxformer_nmt import tokenizer as tokenizer_lib
+from flaxformer_nmt.config import DEFAULT_PRNG_IMPL, PRNG_IMPLS
 from flaxformer_nmt.config import ConfigError  # callers catch it as workdir.ConfigError
 
 CONFIG_FILENAME = 'config.json'
@@ -23,9 +24,6 @@ MEMBER_PREFIX = 'member'  # {workdir}/member0, member1, ...: the runs of an ense
 # was learnt on (lowercase: a vocabulary of lowercased text would meet cased text).
 _MODEL_FIELDS = ('task', 'model', 'vocab_size', 'sentencepiece_model_type', 'source_lang', 'target_lang',
                  'lowercase')
-# JAX's key generators (config.prng_impl); the default is JAX's own, and that of every run before the field.
-PRNG_IMPLS = ('threefry2x32', 'rbg', 'unsafe_rbg')
-DEFAULT_PRNG_IMPL = 'threefry2x32'
 # Fields of config.model that change how the model computes, not its parameters: free to differ on resume.
 _RUNTIME_MODEL_FIELDS = ('dtype', 'attention_impl', 'remat')
 
