@@ -3,15 +3,23 @@
 A recipe such as configs/multi30k.py sizes num_train_steps to one machine; on a slower one
 config.max_train_minutes stops the run before the cooldown has brought the learning rate down, and the last
 checkpoints (those averaged) are taken at a high learning rate. With fit_schedule_to_time the trainer measures
-once, at the update where the cooldown begins (at least MIN_MEASURED_STEPS after the run's first step), how
-long a step takes on this machine, the evaluations and saves since the first step included. If the configured
-steps do not fit in the time left, the cooldown is bent to end at the last step that does (FittedEnd): the
-learning rate still reaches zero when the time is up. A run is never lengthened: on a faster machine the
-recipe stays as written. The regular saves then come closer together in the same proportion, so the last
-average_last_checkpoints still span the configured share of the cooldown (averaging the last 5 of a
-100-step grid over a 450-step cooldown would reach back to the peak learning rate: valid 36.93 against 38.91
-for the last checkpoint, bench/RESULTS.md). The decision is written to {workdir}/fitted_schedule.json and a
-resumed run follows it instead of measuring again, so every update of a run has one schedule.
+how long a step takes on this machine (from the run's first step, the evaluations and saves included; at least
+MIN_MEASURED_STEPS) and, if the configured steps do not fit in the time left, bends the cooldown to end at the
+last step that does (FittedEnd): the learning rate still reaches zero when the time is up.
+
+The bent cooldown keeps its configured share of the run (half of it in configs/multi30k_best.py), beginning no
+earlier than the warmup's end and no later than the configured cooldown start: a machine twice as slow trains
+half the steps on the same shape of schedule. Where the configured cooldown start itself lies past the time
+limit (a float32 CPU at 1.55 s a step reaches multi30k_best's step 6,000 after 155 of its 140 minutes), only
+this keeps the run from stopping at a high learning rate with no cooldown at all. So the trainer projects the
+fit at every logging step and decides when the fitted cooldown's start arrives; on a machine where the steps
+fit that is the configured start, where it measures once more and changes nothing. A run is never
+lengthened: on a faster machine the recipe stays as written. The regular saves then come closer together in
+the proportion the cooldown shrank, so the last average_last_checkpoints still span the configured share of
+it (averaging the last 5 of a 100-step grid over a 450-step cooldown would reach back to the peak learning
+rate: valid 36.93 against 38.91 for the last checkpoint, bench/RESULTS.md). The decision is written to
+{workdir}/fitted_schedule.json and a resumed run follows it instead of measuring again, so every update of a
+run has one schedule.
 """
 import json
 import time
@@ -36,11 +44,26 @@ def fitted_num_train_steps(step, seconds_left, seconds_per_step, reserve_seconds
   return max(step + 1, min(configured, fit))
 
 
+def configured_knot(config):
+  """The update where the configured cooldown begins."""
+  return config.num_train_steps - config.cooldown_steps
+
+
+def fitted_knot(config, fitted_end):
+  """Where the cooldown of a run fitted to end after `fitted_end` updates begins: it keeps its configured share
+  of the run, never starting before the warmup has ended nor after the configured start."""
+  share = config.cooldown_steps / config.num_train_steps
+  proportional = int(round(fitted_end * (1.0 - share)))
+  return min(configured_knot(config), max(config.warmup_steps, proportional))
+
+
 def checkpoint_every_steps(config, fitted):
-  """The regular save interval from the fit on: config.checkpoint_every_steps shrunk as the cooldown was."""
+  """The regular save interval from the fit on: config.checkpoint_every_steps shrunk as the cooldown was (the
+  fitted cooldown's length over the configured one's, or over what was left of it for a fit decided inside it)."""
   if fitted is None:
     return config.checkpoint_every_steps
-  share = (fitted.num_train_steps - fitted.knot_step) / (config.num_train_steps - fitted.knot_step)
+  configured_span = config.num_train_steps - max(fitted.knot_step, configured_knot(config))
+  share = min(1.0, (fitted.num_train_steps - fitted.knot_step) / configured_span)
   return max(1, int(config.checkpoint_every_steps * share + 0.5))
 
 
@@ -60,7 +83,9 @@ class ScheduleFit:
   def __init__(self, config, workdir, first_step, decided):
     self.config, self.workdir = config, epath.Path(workdir)
     self.enabled = bool(config.get('fit_schedule_to_time', False)) and decided is None
-    self.fit_step = max(config.num_train_steps - config.cooldown_steps, first_step + MIN_MEASURED_STEPS)
+    # The last update at which to decide: the configured cooldown start, or later for a run resumed past it.
+    self.fit_step = max(configured_knot(config), first_step + MIN_MEASURED_STEPS)
+    self.check_every = max(1, config.log_every_steps)  # projections at logging steps, where the loop syncs anyway
     self.reference = None  # (step, time) after the first step
     self.compile_seconds = 0.0
 
@@ -69,13 +94,28 @@ class ScheduleFit:
     fitted schedule compiles a new step, so that much is held back from the time left."""
     self.reference, self.compile_seconds = (step, time.time()), call_seconds
 
-  def due(self, step):
-    return self.enabled and self.reference is not None and step == self.fit_step
+  def due(self, step, seconds_left):
+    """Whether to decide after `step` updates: at the configured cooldown start, or earlier at a logging step
+    where the rate so far projects a fitted end whose cooldown has already begun (fitted_knot)."""
+    if not self.enabled or self.reference is None:
+      return False
+    if step == self.fit_step:
+      return True
+    measured = step - self.reference[0]
+    if step > self.fit_step or measured < MIN_MEASURED_STEPS or step % self.check_every:
+      return False
+    end = fitted_num_train_steps(step, seconds_left, (time.time() - self.reference[1]) / measured,
+                                 self.compile_seconds, self.config.num_train_steps)
+    early = end < self.config.num_train_steps and fitted_knot(self.config, end) <= step
+    if jax.process_count() > 1:  # every host decides at the same update: process 0's projection
+      early = bool(multihost_utils.broadcast_one_to_all(np.int32(early)))
+    return early
 
   def fit(self, step, seconds_left, state):
     """Decides the run's end after `step` updates; returns the FittedEnd, or None where the configured steps
-    fit. `state` is waited for, so the time measured is the device's, not the dispatch's."""
-    self.enabled = False
+    fit or (before the configured cooldown start) where the device's rate puts the fitted cooldown's start
+    later than the projection did. `state` is waited for, so the time measured is the device's, not the
+    dispatch's."""
     jax.block_until_ready(state)
     now = time.time()
     seconds_per_step = (now - self.reference[1]) / (step - self.reference[0])
@@ -83,6 +123,9 @@ class ScheduleFit:
                                  self.config.num_train_steps)
     if jax.process_count() > 1:  # one schedule for every host: process 0's measurement decides
       end = int(multihost_utils.broadcast_one_to_all(np.int64(end)))
+    if step < self.fit_step and (end >= self.config.num_train_steps or fitted_knot(self.config, end) > step):
+      return None  # not yet: asked again at a later logging step, or at the configured cooldown start
+    self.enabled = False
     knot_ramp = float(cooldown_ramp(step, self.config.num_train_steps, self.config.cooldown_steps))
     fitted = FittedEnd(end, step, knot_ramp)
     if jax.process_index() == 0:
@@ -96,8 +139,9 @@ class ScheduleFit:
                    end, seconds_per_step, seconds_left, step)
       return None
     logging.warning('At %.2f s a step (evaluations and saves included), %.0f s left hold %d more steps, not %d: '
-                    'the cooldown now ends at step %d, with a save every %d steps (config.fit_schedule_to_time; '
-                    '%s)', seconds_per_step, seconds_left, end - step, self.config.num_train_steps - step, end,
+                    'the cooldown now runs from step %d (configured: %d) to step %d, with a save every %d steps '
+                    '(config.fit_schedule_to_time; %s)', seconds_per_step, seconds_left, end - step,
+                    self.config.num_train_steps - step, step, configured_knot(self.config), end,
                     checkpoint_every_steps(self.config, fitted), self.workdir / FILE)
     return fitted
 

@@ -198,8 +198,9 @@ def evaluate_step(run, step, start_time, done):
 
 
 def fit_to_time(run, step, decision):
-  """config.fit_schedule_to_time: once, where the cooldown begins, moves the run's end to what the time left
-  holds (time_budget.py), saves at the interval shrunk with it, and recompiles the step on the bent schedule."""
+  """config.fit_schedule_to_time: once, where the (fitted) cooldown begins, moves the run's end to what the time
+  left holds (time_budget.py), saves at the interval shrunk with it, and recompiles the step on the bent
+  schedule."""
   fitted = run.schedule_fit.fit(step, decision.seconds_left(), run.state)
   if fitted is not None:
     run.num_train_steps = decision.num_steps = fitted.num_train_steps
@@ -255,7 +256,7 @@ def train_and_evaluate(config, workdir):
         if evaluated:
           last.update(evaluated)
           interval.restart()  # keep evaluation out of the next interval's tokens/s
-      if run.schedule_fit.due(step) and not done:
+      if run.schedule_fit.due(step, decision.seconds_left()) and not done:
         fit_to_time(run, step, decision)
       if done:
         logging.info('Stopping at step %d after %s (%s)', step, metrics_lib.duration(time.time() - start_time),

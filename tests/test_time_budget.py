@@ -37,6 +37,29 @@ def test_a_fitted_run_saves_closer_together_in_the_proportion_its_cooldown_shran
   assert time_budget.checkpoint_every_steps(config, ts.FittedEnd(2250, 500, 1.0)) == 100  # it fit
   assert time_budget.checkpoint_every_steps(config, None) == 100
   assert time_budget.checkpoint_every_steps(config, ts.FittedEnd(501, 500, 1.0)) == 1
+  # multi30k_best on a float32 Zen 3: a 6,000-step cooldown fitted to run from step 2,700 to 5,400 keeps the
+  # proportion too (2,700 of 6,000: every 90 steps, not 200), measured against the configured cooldown's length
+  # and not against the 9,300 steps from the early knot to the configured end.
+  recipe = recipe_schedule()
+  assert time_budget.checkpoint_every_steps(recipe, ts.FittedEnd(5400, 2700, 1.0)) == 90
+
+
+def recipe_schedule():
+  """multi30k_best's schedule: warmup 2,000, cooldown over the second half of 12,000 steps, a save every 200."""
+  c = config_lib.base_config()
+  c.num_train_steps, c.cooldown_steps, c.warmup_steps, c.max_train_minutes = 12000, 6000, 2000, 140.0
+  c.checkpoint_every_steps, c.log_every_steps, c.fit_schedule_to_time = 200, 50, True
+  return c
+
+
+def test_a_fitted_cooldown_keeps_its_share_of_the_run_from_the_warmup_end_to_the_configured_start():
+  recipe = recipe_schedule()
+  assert time_budget.fitted_knot(recipe, 5400) == 2700  # half of what fits, as half of 12,000
+  assert time_budget.fitted_knot(recipe, 11908) == 5954
+  assert time_budget.fitted_knot(recipe, 12000) == 6000  # it fits: as configured
+  assert time_budget.fitted_knot(recipe, 3000) == 2000  # not inside the warmup
+  hour = fit_config()  # the cooldown begins where the warmup ends: it stays there
+  assert [time_budget.fitted_knot(hour, end) for end in (600, 949, 2250)] == [500, 500, 500]
 
 
 class FakeClock:
@@ -61,16 +84,58 @@ def test_the_fit_measures_from_the_first_step_to_the_cooldown_start_and_is_writt
   assert fit.fit_step == 500  # where the cooldown begins
   monkeypatch.setattr(time_budget, 'time', types.SimpleNamespace(time=FakeClock(100.0, 1098.0).time))
   fit.first_step_done(1, call_seconds=12.0)
-  assert not fit.due(499) and fit.due(500)
+  assert not fit.due(499, 1014.0) and fit.due(500, 1012.0)
   # 499 steps in 998 s: 2 s a step; 1,012 s left less 12 s of compiling hold 500 steps.
   fitted = fit.fit(500, 1012.0, state=np.zeros(1))
   assert fitted == ts.FittedEnd(num_train_steps=1000, knot_step=500, knot_ramp=1.0)
-  assert not fit.due(500)  # decided once
+  assert not fit.due(500, 1012.0)  # decided once
   assert time_budget.load(tmp_path) == fitted
   record = json.loads((tmp_path / time_budget.FILE).read_text())
   assert record['seconds_per_step'] == pytest.approx(2.0) and record['configured_num_train_steps'] == 2250
   # A resumed run follows the decision instead of measuring again.
   assert not time_budget.ScheduleFit(config, tmp_path, first_step=600, decided=fitted).enabled
+
+
+def test_where_the_configured_cooldown_start_comes_too_late_the_fit_is_decided_when_its_own_start_arrives(
+    tmp_path, monkeypatch):
+  """A float32 CPU at 2 s a step with 9,998 s: 5,000 steps fit, so the cooldown must begin at 2,500, long
+  before the configured 6,000 (which comes after 12,000 s, past the limit: no cooldown at all)."""
+  recipe = recipe_schedule()
+  fit = time_budget.ScheduleFit(recipe, tmp_path, first_step=0, decided=None)
+  clock = FakeClock(0.0, *[2.0 * (s - 1) for s in (2450, 2500, 2500)])
+  monkeypatch.setattr(time_budget, 'time', types.SimpleNamespace(time=clock.time))
+  fit.first_step_done(1, call_seconds=0.0)
+  left = lambda s: 9998.0 - 2.0 * (s - 1)  # pylint: disable=unnecessary-lambda-assignment
+  assert not fit.due(2449, left(2449))  # not a logging step: no projection (the clock is not read)
+  assert not fit.due(2450, left(2450))  # 5,000 fit: their cooldown begins at 2,500
+  assert fit.due(2500, left(2500))
+  assert fit.fit(2500, left(2500), state=np.zeros(1)) == ts.FittedEnd(5000, 2500, 1.0)
+  assert not fit.due(2550, left(2550)) and time_budget.load(tmp_path) == ts.FittedEnd(5000, 2500, 1.0)
+
+
+def test_an_early_projection_the_devices_rate_does_not_confirm_waits(tmp_path, monkeypatch):
+  """The projection reads the dispatch clock; the fit waits for the device. Where the device's rate puts the
+  fitted cooldown's start later, nothing is decided or written and the fit is asked again later."""
+  recipe = recipe_schedule()
+  fit = time_budget.ScheduleFit(recipe, tmp_path, first_step=0, decided=None)
+  # The projection at 2,500 sees 2 s a step; the device, waited for, 1.9 s: 5,262 fit, a cooldown from 2,631.
+  monkeypatch.setattr(time_budget, 'time', types.SimpleNamespace(time=FakeClock(0.0, 4998.0, 1.9 * 2499).time))
+  fit.first_step_done(1, call_seconds=0.0)
+  assert fit.due(2500, 9998.0 - 4998.0)
+  assert fit.fit(2500, 9998.0 - 1.9 * 2499, state=np.zeros(1)) is None
+  assert fit.enabled and not (tmp_path / time_budget.FILE).exists()
+
+
+def test_a_machine_whose_steps_fit_is_decided_at_the_configured_cooldown_start_only(tmp_path, monkeypatch):
+  recipe = recipe_schedule()
+  fit = time_budget.ScheduleFit(recipe, tmp_path, first_step=0, decided=None)
+  monkeypatch.setattr(time_budget, 'time', types.SimpleNamespace(time=lambda: 0.5 * fit.now))
+  fit.now = 1
+  fit.first_step_done(1, call_seconds=0.0)
+  for step in range(150, 6000, 50):  # 0.5 s a step: 12,000 steps take 100 of the 140 minutes
+    fit.now = step - 1
+    assert not fit.due(step, 8400.0 - 0.5 * (step - 1))
+  assert fit.due(6000, 8400.0 - 0.5 * 5999)
 
 
 def test_a_run_that_fits_keeps_its_steps_and_a_late_resume_measures_its_own_steps_first(tmp_path, monkeypatch):
@@ -93,9 +158,10 @@ def test_fitting_without_a_time_limit_or_a_cooldown_is_a_config_error(toy_corpus
     validate_config(config)
 
 
-def test_the_trainer_fits_at_the_cooldown_start_follows_the_bent_schedule_and_stops_at_the_fitted_end(
+def test_the_trainer_fits_where_the_fitted_cooldown_begins_follows_the_bent_schedule_and_stops_at_its_end(
     toy_corpus, tmp_path, monkeypatch):
-  """The loop's side: the fit is asked for at the cooldown's start with this run's measurements, the step is
+  """The loop's side: the fit is projected at logging steps with this run's measurements and decided where the
+  fitted cooldown (its configured two thirds of the run) begins, before the configured start; the step is
   recompiled on the bent schedule (the learning rate logged at every step follows it), the run stops at the
   fitted end, and the same command afterwards trains nothing more. The arithmetic is pinned to 40 steps."""
   config = small_config(toy_corpus)
@@ -114,9 +180,11 @@ def test_the_trainer_fits_at_the_cooldown_start_follows_the_bent_schedule_and_st
   workdir = tmp_path / 'run'
   train.train_and_evaluate(config, workdir)
 
-  [(step, seconds_left, seconds_per_step, reserve_seconds, configured)] = asked
-  assert (step, configured) == (20, 60)  # the cooldown starts after update 20
-  assert 0 < seconds_per_step < 60 and 0 < reserve_seconds < 600 and 5000 < seconds_left <= 6000
+  # Projected from 10 measured steps on; 40 steps fit, so the cooldown keeps 40/60 of them: it begins after
+  # update round(40 / 3) = 13, where the fit is decided (the configured start is 20).
+  assert [a[0] for a in asked] == [11, 12, 13, 13] and {a[4] for a in asked} == {60}
+  for _, seconds_left, seconds_per_step, reserve_seconds, _ in asked:
+    assert 0 < seconds_per_step < 60 and 0 < reserve_seconds < 600 and 5000 < seconds_left <= 6000
   logged = {}
   for line in (workdir / 'metrics.jsonl').read_text().splitlines():
     record = json.loads(line)
@@ -126,14 +194,15 @@ def test_the_trainer_fits_at_the_cooldown_start_follows_the_bent_schedule_and_st
   base = ts.paper_schedule(config.model.d_model, 10, config.learning_rate_scale)
   for s, lr in logged.items():  # the update after s - 1 updates
     count = s - 1
-    factor = 1.0 if count <= 20 else (40 - count) / 20  # from 1 at the knot (the cooldown's start) to 0 at 40
+    factor = 1.0 if count <= 13 else (40 - count) / 27  # from 1 at the fitted knot to 0 at 40
     np.testing.assert_allclose(lr, float(base(count)) * factor, rtol=1e-5)
-  assert time_budget.load(workdir) == ts.FittedEnd(40, 20, 1.0)
-  # Saves every 5 steps from the fit on (the cooldown halved, 40 - 20 of 60 - 20), so the last 3 averaged span
-  # the same share of it as the configured 10-step grid would have (not 20, 30, 40: back to the peak).
-  assert checkpoints_lib.saved_steps(workdir) == [30, 35, 40]
-  assert json.loads((workdir / 'averaged' / 'averaged.json').read_text())['steps'] == [30, 35, 40]
-  assert checkpoints_lib.regular_save_interval(workdir) == 5  # what `python -m flaxformer_nmt.average` uses
+  assert time_budget.load(workdir) == ts.FittedEnd(40, 13, 1.0)
+  # Saves every 7 steps from the fit on (the cooldown of 27 steps against the configured 40: 10 x 27/40), so
+  # the last 3 averaged span the same share of it as the configured 10-step grid would have.
+  assert checkpoints_lib.saved_steps(workdir) == [28, 35, 40]
+  # The end, off that grid, is left out of the average (checkpoints.averaging_window), as a time-limited end is.
+  assert json.loads((workdir / 'averaged' / 'averaged.json').read_text())['steps'] == [28, 35]
+  assert checkpoints_lib.regular_save_interval(workdir) == 7  # what `python -m flaxformer_nmt.average` uses
 
   monkeypatch.setattr(time_budget, 'fitted_num_train_steps', None)  # a resume must not fit again
   train.train_and_evaluate(config, workdir)
