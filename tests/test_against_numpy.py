@@ -16,6 +16,8 @@ from flaxformer_nmt import model as model_lib
 from flaxformer_nmt import train_step as ts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# Every comparison here is with float64 NumPy or an exact search: float32 matmuls at full precision on a GPU too.
+pytestmark = pytest.mark.usefixtures('full_float32_matmuls')
 
 
 # --- A plain NumPy Transformer forward (float64) -------------------------------------------------------------
@@ -190,7 +192,7 @@ def numpy_smoothed_loss_sum(logits, targets, eps):
 def test_the_loss_is_normalized_by_the_global_target_count_on_two_devices():
   """Two devices whose rows hold 1 and 11 target tokens: per-device means averaged (the Flax example's pmean)
   would weight them equally; the step must divide the global sum by the global count of 12."""
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE, os.environ.get('PYTHONPATH', '')]))
   out = subprocess.run([sys.executable, os.path.join(HERE, 'two_device_loss.py')], env=env, capture_output=True,
                        text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]

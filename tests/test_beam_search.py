@@ -15,6 +15,8 @@ from flaxformer_nmt.model import Transformer
 from flaxformer_nmt.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 SRC = jnp.array([[4, 5, 6, 7, 3], [6, 4, 3, 0, 0]])  # ids < 8, the smallest vocabulary used here
+# Every comparison here is with float64 NumPy or an exact search: float32 matmuls at full precision on a GPU too.
+pytestmark = pytest.mark.usefixtures('full_float32_matmuls')
 
 
 def cached_step_fn(model, params, src):

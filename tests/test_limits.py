@@ -22,7 +22,7 @@ def test_an_unknown_config_field_is_one_line_with_the_nearest_names(tmp_path):
   result = subprocess.run(
       [sys.executable, '-m', 'flaxformer_nmt.train', f'--config={REPO}/configs/multi30k.py',
        f'--workdir={tmp_path / "w"}', '--config.num_train_steps=5', '--config.model.d_modle=64'],
-      cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, 'PYTHONPATH': REPO})
+      cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, 'PYTHONPATH': os.pathsep.join([REPO, os.environ.get('PYTHONPATH', '')])})
   assert result.returncode == 1
   lines = [line for line in result.stderr.splitlines() if line.strip()]
   assert len(lines) == 1, result.stderr

@@ -6,6 +6,8 @@ import os
 import sys
 
 os.environ['XLA_FLAGS'] = os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=2'
+# The forced devices are host (CPU) devices: on a GPU machine jax would otherwise pick its one GPU.
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
