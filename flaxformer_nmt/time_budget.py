@@ -106,10 +106,15 @@ class ScheduleFit:
       return False
     end = fitted_num_train_steps(step, seconds_left, (time.time() - self.reference[1]) / measured,
                                  self.compile_seconds, self.config.num_train_steps)
-    early = end < self.config.num_train_steps and fitted_knot(self.config, end) <= step
+    early = self._cooldown_begun(step, end)
     if jax.process_count() > 1:  # every host decides at the same update: process 0's projection
       early = bool(multihost_utils.broadcast_one_to_all(np.int32(early)))
     return early
+
+  def _cooldown_begun(self, step, end):
+    """Whether a run fitted to end at `end` would have begun its cooldown by `step`: the early decision's rule,
+    for the projection (`due`) and for the device's measured rate (`fit`)."""
+    return end < self.config.num_train_steps and fitted_knot(self.config, end) <= step
 
   def fit(self, step, seconds_left, state):
     """Decides the run's end after `step` updates; returns the FittedEnd, or None where the configured steps
@@ -123,7 +128,7 @@ class ScheduleFit:
                                  self.config.num_train_steps)
     if jax.process_count() > 1:  # one schedule for every host: process 0's measurement decides
       end = int(multihost_utils.broadcast_one_to_all(np.int64(end)))
-    if step < self.fit_step and (end >= self.config.num_train_steps or fitted_knot(self.config, end) > step):
+    if step < self.fit_step and not self._cooldown_begun(step, end):
       return None  # not yet: asked again at a later logging step, or at the configured cooldown start
     self.enabled = False
     knot_ramp = float(cooldown_ramp(step, self.config.num_train_steps, self.config.cooldown_steps))
