@@ -13,13 +13,16 @@
 #   bash bench/gpu_session.sh score                            # the sixth (2026-11-27, night): the sweep's greedy BLEU
 #                                                             # was cut while compiling; score took 46 s (beam 4)
 #   SWEEP_SECONDS=420 SCORE_SECONDS=100 bash bench/gpu_session.sh env recipe
-#                                                             # next: issue 14's recipe, three seeds and a lever
-#                                                             # (SMOKE=1 on a CPU in 6 min; 2026-11-28's lease refused)
+#                                                             # the seventh (H200, 2026-11-29): the recipe and R-Drop,
+#                                                             # two seeds each, 6.9 min; the scoring, cut beside a test
+#                                                             # run, took 59 s alone (SCORE_SECONDS=230 ... score)
 #
 # Stages:
 #   env         the GPU, driver and the Python stack that will run
 #   tests       tests/test_model.py on the GPU: the cuDNN flash-attention cases (the attention call against a
 #               float64 reference, values and gradients; the bf16 model against float32) run only there
+#   suite       the whole test suite (or SUITE_FILES) on the GPU, SUITE_WORKERS (8) pytest-xdist workers, bounded
+#               by SUITE_SECONDS (540): still owed there (bench/RESULTS.md, the seventh lease)
 #   diagnose    each attention path's error against a float32 reference (bench/gpu_attention_check.py), and
 #               the padding test with float32 matmuls at full precision
 #   throughput  transformer base and big train steps in bf16 (dtype 'auto'): tokens/s and MFU; cuDNN
@@ -37,9 +40,10 @@
 #   score       beam-4 valid BLEU of every sweep run's last checkpoint in /tmp/sweep (flaxformer_nmt.compare),
 #               all at once on the warm machine: for a sweep whose own greedy BLEU the time limit cut (a cold
 #               screen's BLEU compiles for minutes); 46 s for nine runs in the sixth lease
-#   recipe      issue 14 item 3's recipe on valid: three seeds (bench/sweeps/recipe_seeds.flags) and levers not yet
-#               measured on it (recipe_levers.flags), trained side by side, then each last checkpoint scored with
-#               the recipe's beam 5 by the score stage's code; SWEEP_SECONDS (450) bounds the training
+#   recipe      issue 14 item 3's recipe on valid: its seeds (bench/sweeps/recipe_seeds.flags) and levers not yet
+#               measured on it (recipe_levers.flags), trained side by side, then each run scored with the recipe's
+#               decode (beam 5, alpha 1.5, its last 10 checkpoints averaged) by the score stage's code;
+#               SWEEP_SECONDS (450) bounds the training
 #   profile     the big step traced (bench/op_profile.py): time per part of the model and the costliest ops
 #
 # What must travel with the working tree (the lent machine reaches no network and has no ../shared), made
@@ -125,6 +129,14 @@ stage_tests() {
   timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_model.py -rs
 }
 
+stage_suite() {
+  # The test suite on the GPU (SUITE_FILES: a part of it), pytest-xdist workers sharing the GPU's memory. -v names
+  # each test as it ends, so a run cut by the call's limit still says which passed and failed (2026-11-29, an
+  # H200: test_train_step, test_against_numpy and test_beam_search, 51 tests, took 91 s with 8 workers)
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${SUITE_SECONDS:-540}" $PY -m pytest -v -p no:cacheprovider \
+    -n "${SUITE_WORKERS:-8}" -rfs --durations=20 ${SUITE_FILES:-tests}
+}
+
 stage_diagnose() {
   # Each attention path's error against a float32 'highest' reference, and the padding test under full
   # float32 matmuls (a GPU's default runs float32 matmuls as TF32)
@@ -194,13 +206,14 @@ stage_sweep() {
 }
 
 stage_score() {
-  # One process per run, sharing the GPU: JAX must not take 75% of its memory in each (8 of 9 failed to start so)
-  local w
+  # One process per run, sharing the GPU: JAX must not take 75% of its memory in each (8 of 9 failed to start so).
+  # SCORE_CHECKPOINTS: what compare decodes of each run (latest; the recipe stage: the recipe's last:10)
+  local w checkpoints=${SCORE_CHECKPOINTS:-latest}
   for w in ${SCORE_RUNS:-/tmp/sweep/*.s[0-9]*}; do
     [ -d "$w/checkpoints" ] || continue
     (XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${SCORE_SECONDS:-200} $PY -m flaxformer_nmt.compare --workdir "$w" \
-       --checkpoints latest > "/tmp/score.$(basename "$w").txt" 2>&1
-     echo "$(basename "$w") $(grep '^| latest' "/tmp/score.$(basename "$w").txt" || tail -n 3 "/tmp/score.$(basename "$w").txt")") &
+       --checkpoints "$checkpoints" > "/tmp/score.$(basename "$w").txt" 2>&1
+     echo "$(basename "$w") $(grep -F "| $checkpoints" "/tmp/score.$(basename "$w").txt" || tail -n 3 "/tmp/score.$(basename "$w").txt")") &
   done
   wait
 }
@@ -212,7 +225,7 @@ stage_recipe() {
   local extra='--config.data_dir=gpu_carry/data/multi30k --config.eval_bleu_tok_ref_dir=gpu_carry/data/multi30k_tok
                --config.model.dtype=float32'
   [ "${SMOKE:-0}" = 1 ] && extra+=' --config.num_train_steps=20 --config.warmup_steps=10 --config.cooldown_steps=10
-                                    --config.checkpoint_every_steps=20'
+                                    --config.checkpoint_every_steps=2'
   for screen in seeds levers; do  # a refused config stops here, in seconds, not after the others have trained
     $PY bench/sweep.py --flagfile=bench/sweeps/recipe_$screen.flags --extra="$extra" --check_only || return 1
   done
@@ -226,7 +239,7 @@ stage_recipe() {
   done
   wait
   cat /tmp/recipe_seeds.txt /tmp/recipe_levers.txt
-  SCORE_RUNS='/tmp/recipe_*/*.s[0-9]*' SCORE_SECONDS=${SCORE_SECONDS:-110} stage_score
+  SCORE_RUNS='/tmp/recipe_*/*.s[0-9]*' SCORE_SECONDS=${SCORE_SECONDS:-110} SCORE_CHECKPOINTS=last:10 stage_score
 }
 
 stage_profile() {

@@ -26,7 +26,10 @@ steps in 133 minutes on the same machine, lowercased): valid 42.03, test2016 39.
 BPE-dropout 0.1 (config.bpe_dropout) set that model back 16 greedy BLEU at step 500 and was left off.
 Where the CPU lacks bf16 dot instructions the matmuls stay float32 and the steps do not fit (1.55 s a step on an
 AMD EPYC Zen 3, 2026-11-29): fit_schedule_to_time then trains the steps that fit in the 140 minutes, the
-cooldown over the second half of them (time_budget.py).
+cooldown over the second half of them (time_budget.py). This command on that Zen 3 (2026-11-29 night): the fit
+at step 3,250 ran the cooldown to step 6,490 in 139 minutes; the config's decode gave valid 41.56, test2016
+40.05 lc-tok. R-Drop (rdrop_alpha 5 at the same compute a step) fell 2.4 behind on valid in a GPU screen of two
+seeds (2026-11-29) and stays off.
 """
 from flaxformer_nmt import config
 from flaxformer_nmt import download
