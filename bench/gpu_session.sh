@@ -16,6 +16,9 @@
 #                                                             # the seventh (H200, 2026-11-29): the recipe and R-Drop,
 #                                                             # two seeds each, 6.9 min; the scoring, cut beside a test
 #                                                             # run, took 59 s alone (SCORE_SECONDS=230 ... score)
+#   RECIPE_SCREENS="seeds short" SWEEP_SECONDS=420 SCORE_SECONDS=150 bash bench/gpu_session.sh env recipe
+#                                                             # next: the warmup of a slow CPU's 6,500 fitted steps
+#   SUITE_SECONDS=540 bash bench/gpu_session.sh env suite     # and the whole test suite (owed)
 #
 # Stages:
 #   env         the GPU, driver and the Python stack that will run
@@ -219,26 +222,27 @@ stage_score() {
 }
 
 stage_recipe() {
-  # The two screens at once (8 runs at most share the GPU; sweep.py gives each run its share of GPU memory), from
-  # one vocabulary learnt before the lease (gpu_carry/recipe_prepared; learnt here first if it was not carried)
+  # The screens at once (RECIPE_SCREENS: bench/sweeps/recipe_NAME.flags, 'seeds levers' unless given; 8 runs at most
+  # share the GPU; sweep.py gives each run its share of GPU memory), from one vocabulary learnt before the lease
+  # (gpu_carry/recipe_prepared; learnt here first if it was not carried)
   local seconds=${SWEEP_SECONDS:-450} screen
   local extra='--config.data_dir=gpu_carry/data/multi30k --config.eval_bleu_tok_ref_dir=gpu_carry/data/multi30k_tok
                --config.model.dtype=float32'
   [ "${SMOKE:-0}" = 1 ] && extra+=' --config.num_train_steps=20 --config.warmup_steps=10 --config.cooldown_steps=10
                                     --config.checkpoint_every_steps=2'
-  for screen in seeds levers; do  # a refused config stops here, in seconds, not after the others have trained
+  for screen in ${RECIPE_SCREENS:-seeds levers}; do  # a refused config stops here, in seconds, not after the others have trained
     $PY bench/sweep.py --flagfile=bench/sweeps/recipe_$screen.flags --extra="$extra" --check_only || return 1
   done
   $PY bench/sweep.py --flagfile=bench/sweeps/recipe_seeds.flags --extra="$extra" --prepared gpu_carry/recipe_prepared \
     --prepare_only
-  for screen in seeds levers; do
+  for screen in ${RECIPE_SCREENS:-seeds levers}; do
     mkdir -p "$OUT/$screen"
     timeout $((seconds + 30)) $PY bench/sweep.py --flagfile=bench/sweeps/recipe_$screen.flags --extra="$extra" \
       --prepared gpu_carry/recipe_prepared --root /tmp/recipe_$screen --out "$OUT/$screen" --parallel 8 \
       --timeout_s "$seconds" > /tmp/recipe_$screen.txt 2>&1 &
   done
   wait
-  cat /tmp/recipe_seeds.txt /tmp/recipe_levers.txt
+  for screen in ${RECIPE_SCREENS:-seeds levers}; do cat /tmp/recipe_$screen.txt; done
   SCORE_RUNS='/tmp/recipe_*/*.s[0-9]*' SCORE_SECONDS=${SCORE_SECONDS:-110} SCORE_CHECKPOINTS=last:10 stage_score
 }
 
