@@ -163,6 +163,11 @@ stage_memory() {
   timeout 150 $tt --configs big --lengths 64 --tokens_per_batch 32768 --remat none,dots,full "${TT_SIZES[@]}"
   timeout 150 $tt --configs big --lengths 64 --tokens_per_batch 65536,131072,262144 --remat none,dots \
     "${TT_SIZES[@]}"
+  # The chunked vocabulary loss (no [tokens, 37k] logits nor their gradient): 131,072 tokens ran out of memory
+  # without it on an H100 (2026-11-26); the CPU's compile of base at 16,384 tokens needs 31% less with 1,024-token
+  # chunks (bench/RESULTS.md, 2026-11-29)
+  timeout 150 $tt --configs big --lengths 64 --tokens_per_batch 131072,262144 --remat none \
+    --vocabulary_loss_chunk_tokens 8192 "${TT_SIZES[@]}"
 }
 
 stage_decode() {

@@ -33,6 +33,7 @@ the first config's compiled step is also checked against XLA's own FLOP count. M
 table in flops.py for GPUs/TPUs, or --peak (per device); on CPU it is left out.
 """
 import importlib.util
+import itertools
 import os
 import time
 
@@ -64,6 +65,11 @@ _MATMUL = flags.DEFINE_string('matmul_precision', '', "Override config.model.mat
 _DROPOUT = flags.DEFINE_float('dropout_rate', -1.0, "Override config.model.dropout_rate (-1: the config's).")
 _PRNG = flags.DEFINE_list('prng_impl', [''], "Override config.prng_impl ('rbg': the dropout masks' keys from XLA's "
                           'RngBitGenerator instead of threefry); several are timed in turn.')
+_CHUNK = flags.DEFINE_list('vocabulary_loss_chunk_tokens', [''], 'Override config.vocabulary_loss_chunk_tokens '
+                           "(0: whole logits; N: the chunked vocabulary loss); several are timed in turn.")
+_MEMORY = flags.DEFINE_bool('memory', False, "Print XLA's memory analysis of each compiled step (temporary and "
+                            'argument bytes) instead of timing it: what a token budget needs, without running it, '
+                            'for the backend of this machine.')
 _ACCUMULATE = flags.DEFINE_integer('grad_accumulation_steps', 1, 'Microbatches per step.')
 _FSDP = flags.DEFINE_integer('fsdp', 1, 'fsdp_parallelism of the mesh.')
 _CHECK_XLA = flags.DEFINE_bool('check_xla_flops', True, "Compare XLA's FLOP count of the first compiled step with "
@@ -106,7 +112,7 @@ def xla_flops(compiled):
   return float(analysis.get('flops', 0.0)) if analysis else 0.0
 
 
-def load_config(name, attention_impl, remat, prng_impl=''):
+def load_config(name, attention_impl, remat, prng_impl='', chunk=''):
   # By file path, so the script runs from any directory (configs/ is not a package on sys.path).
   path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs', f'{name}.py')
   spec = importlib.util.spec_from_file_location(name, path)
@@ -121,6 +127,8 @@ def load_config(name, attention_impl, remat, prng_impl=''):
     config.model.dropout_rate = _DROPOUT.value
   if prng_impl:
     config.prng_impl = prng_impl
+  if chunk:
+    config.vocabulary_loss_chunk_tokens = int(chunk)
   config.grad_accumulation_steps = _ACCUMULATE.value
   config.fsdp_parallelism = _FSDP.value
   return config
@@ -130,9 +138,9 @@ def out_of_memory(error):
   return 'RESOURCE_EXHAUSTED' in str(error) or 'out of memory' in str(error).lower()
 
 
-def build(name, attention_impl, remat, prng_impl=''):
+def build(name, attention_impl, remat, prng_impl='', chunk=''):
   """(model, train state, compiled train step, mesh, vocabulary size, config) of a config, its line printed."""
-  config = load_config(name, attention_impl, remat, prng_impl)
+  config = load_config(name, attention_impl, remat, prng_impl, chunk)
   vocab = _VOCAB.value or config.vocab_size
   task = lm.task_of(config)
   model_config = model_lib.ModelConfig.from_config(config, vocab, architecture=lm.ARCHITECTURES[task])
@@ -144,7 +152,7 @@ def build(name, attention_impl, remat, prng_impl=''):
   dtype, attention = model.config.dtype, model.config.attention_impl  # as settled for this machine
   print(f'# {name} ({task}): {model_lib.count_params(state.params):,} parameters, vocab {vocab}, {dtype}, attention '
         f'{attention}, matmul {config.model.matmul_precision}, remat {config.model.remat}, keys {config.prng_impl}, '
-        f'mesh {dict(mesh.shape)}')
+        f'vocabulary loss chunk {config.vocabulary_loss_chunk_tokens or "-"}, mesh {dict(mesh.shape)}')
   return model, state, train_fn, mesh, vocab, config
 
 
@@ -164,12 +172,17 @@ def print_row(label, rows, length, seconds, analytic, peak, matmul):
         f'{achieved / 1e12:8.3f} {mfu} {ratio}', flush=True)
 
 
+def variant_flags():
+  """Every (attention_impl, remat, prng_impl, vocabulary_loss_chunk_tokens) combination of the flags."""
+  return itertools.product(_ATTENTION.value, _REMAT.value, _PRNG.value, _CHUNK.value)
+
+
 def alternate_variants(name, peak, matmul):
-  """Every --attention_impl x --remat x --prng_impl variant of one config, timed by single steps in turn (the
+  """Every --attention_impl x --remat x --prng_impl x --vocabulary_loss_chunk_tokens variant of one config, timed by single steps in turn (the
   order reversed every round) and reported as medians: in one process the step keeps getting faster for minutes,
   so variants timed one after the other favour the later ones (bench/RESULTS.md, 2026-11-26)."""
-  variants = [(f'{a or "-"}/{r or "-"}' + (f'/{p}' if p else ''), *build(name, a, r, p))
-              for a in _ATTENTION.value for r in _REMAT.value for p in _PRNG.value]
+  variants = [(f'{a or "-"}/{r or "-"}' + (f'/{p}' if p else '') + (f'/c{c}' if c else ''), *build(name, a, r, p, c))
+              for a, r, p, c in variant_flags()]
   rng = np.random.default_rng(0)
   *_, mesh, _, config = variants[0]
   for rows, length in batch_shapes(mesh, config):
@@ -192,11 +205,14 @@ def alternate_variants(name, peak, matmul):
       print_row(run['label'], rows, length, float(np.median(run['seconds'])), run['analytic'], peak, matmul)
 
 
-def bench_config(name, attention_impl, remat, prng_impl, peak, matmul, check_xla):
-  model, state, train_fn, mesh, vocab, config = build(name, attention_impl, remat, prng_impl)
+def bench_config(name, variant, peak, matmul, check_xla):
+  model, state, train_fn, mesh, vocab, config = build(name, *variant)
   rng = np.random.default_rng(0)
   for rows, length in batch_shapes(mesh, config):
     analytic = flops_lib.train_flops(model.config, vocab, rows * length, rows * length, length, length)
+    if _MEMORY.value:
+      print_memory(name, variant, train_fn, state, rows, length, vocab, mesh)
+      continue
     try:
       state, seconds = time_steps(train_fn, state, rng, (rows, length), vocab, mesh, analytic if check_xla else 0,
                                   profile_dir=_PROFILE.value and os.path.join(_PROFILE.value,
@@ -209,6 +225,15 @@ def bench_config(name, attention_impl, remat, prng_impl, peak, matmul, check_xla
       return
     check_xla = False
     print_row(name, rows, length, seconds, analytic, peak, matmul)
+
+
+def print_memory(name, variant, train_fn, state, rows, length, vocab, mesh):
+  batch = sharding.put_batch(synthetic_batch(np.random.default_rng(0), (rows, length), vocab, _SEGMENTS.value),
+                             sharding.batch_sharded(mesh))
+  analysis = train_fn.lower(state, batch).compile().memory_analysis()
+  label = '/'.join(v or '-' for v in variant)
+  print(f'{name:>9} {length:5d} {rows:5d} {label:>16}  temporary {analysis.temp_size_in_bytes / 2**30:6.2f} GiB, '
+        f'arguments {analysis.argument_size_in_bytes / 2**30:6.2f} GiB (per device)', flush=True)
 
 
 def synthetic_batch(rng, shape, vocab, segments):
@@ -272,11 +297,9 @@ def main(argv):
     if _ALTERNATE.value:
       alternate_variants(name, peak, matmul)
       continue
-    for attention_impl in _ATTENTION.value:
-      for remat in _REMAT.value:
-        for prng_impl in _PRNG.value:
-          bench_config(name, attention_impl, remat, prng_impl, peak, matmul, check_xla=first)
-          first = False
+    for variant in variant_flags():
+      bench_config(name, variant, peak, matmul, check_xla=first)
+      first = False
 
 
 if __name__ == '__main__':

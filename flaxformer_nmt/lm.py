@@ -116,16 +116,21 @@ def eval_mask_rng(tokens, seed=0):
 _PACKING = {'translation': ('src_segments', 'tgt_segments', 'src_positions', 'tgt_positions')}
 
 
-def forward(task, model, params, batch, deterministic, rngs=None, mask_rng=None):
+def forward(task, model, params, batch, deterministic, rngs=None, mask_rng=None, project=True):
   """(logits [B, T, V], targets [B, T] with PAD where nothing is predicted, input tokens counted).
 
   mask_rng: the MLM's masking key (the train step's own stream; validation derives it from the batch).
+  project=False (translation only): the decoder states [B, T, d] the logits would be projected from, for a
+  loss that projects them itself (train_step.chunked_vocabulary_loss).
   """
   variables = {'params': params}
   if task == 'translation':
     packing = {key: batch[key] for key in _PACKING['translation'] if key in batch}
-    logits = model.apply(variables, batch['src'], batch['tgt_in'], deterministic, rngs=rngs, **packing)
+    logits = model.apply(variables, batch['src'], batch['tgt_in'], deterministic, rngs=rngs, project=project,
+                         **packing)
     return logits, batch['tgt_out'], (batch['src'] != PAD_ID).sum()
+  if not project:
+    raise ValueError(f'decoder states instead of logits are for the translation task, not {task!r}')
   if task == 'lm':
     logits = model.apply(variables, batch['tgt_in'], deterministic, rngs=rngs, segments=batch.get('tgt_segments'),
                          positions=batch.get('tgt_positions'))

@@ -192,6 +192,19 @@ def _bfloat16_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred
   return bfloat16_matmul(lhs, rhs, preferred_element_type or lhs.dtype)
 
 
+def vocabulary_operand_dtype(config):
+  """What the vocabulary projection rounds its operands to (its results are float32 either way): bfloat16 in a
+  bfloat16 model or with bfloat16 matmul operands, else the model's dtype."""
+  if config.matmul_precision == 'bfloat16' or jnp.dtype(config.dtype) == jnp.bfloat16:
+    return jnp.dtype(jnp.bfloat16)
+  return jnp.dtype(config.dtype)
+
+
+def shared_embedding(params):
+  """The [V, d] table that embeds source and target tokens and projects decoder states onto the vocabulary."""
+  return params['shared_embedding']['embedding']
+
+
 def dense_dot_general(matmul_precision):
   """The `dot_general` argument of nn.Dense for a matmul precision (None: jax's own, in the compute dtype)."""
   return _bfloat16_dot_general if matmul_precision == 'bfloat16' else None
@@ -649,21 +662,25 @@ class TransformerStacks(nn.Module):
     multiply that float32 gradient by the bfloat16 states and embedding: CUDA's lowering runs those two
     vocabulary-sized matmuls (about 12% of a Transformer big step's FLOPs) in float32, TPU's in several passes."""
     embedding = self.embedding.embedding
-    if self.config.matmul_precision == 'bfloat16' or jnp.dtype(self.dtype) == jnp.bfloat16:
+    if vocabulary_operand_dtype(self.config) == jnp.bfloat16:
       return bfloat16_matmul(y, embedding.T, jnp.float32)
     return jnp.einsum('...d,vd->...v', y.astype(self.dtype), embedding.astype(self.dtype),
                       preferred_element_type=jnp.float32)
 
+  def final_states(self, y):
+    """Decoder states as the vocabulary projection reads them: after the final LayerNorm when pre-LN."""
+    return self.decoder_norm(y) if self.config.pre_layer_norm else y
+
   def logits(self, y):
     """Pre-softmax projection of decoder states (after the final LayerNorm when pre-LN)."""
-    if self.config.pre_layer_norm:
-      y = self.decoder_norm(y)
-    return self.vocabulary_logits(y)
+    return self.vocabulary_logits(self.final_states(y))
 
   def run_decoder(self, tgt_in, deterministic, *, cross_kv=None, cross_mask=None, tgt_segments=None,
-                  tgt_positions=None):
-    """Teacher-forced decoder stack over tgt_in [B, T] (causal self-attention) -> logits [B, T, V].
-    cross_kv: every layer's encoder keys/values, or None for a decoder without cross-attention."""
+                  tgt_positions=None, project=True):
+    """Teacher-forced decoder stack over tgt_in [B, T] (causal self-attention) -> logits [B, T, V], or with
+    project=False the states the projection would read, [B, T, d] (for a loss that projects them itself,
+    train_step.chunked_vocabulary_loss). cross_kv: every layer's encoder keys/values, or None for a decoder
+    without cross-attention."""
     causal = padding_mask(tgt_in, tgt_in) & causal_mask(tgt_in.shape[1])
     if tgt_segments is None:
       self_mask = AttentionMask(causal, _lengths(tgt_in), _lengths(tgt_in), causal=True)
@@ -673,7 +690,7 @@ class TransformerStacks(nn.Module):
     y = self.embed(tgt_in, positions, deterministic)
     for layer, kv in zip(self.decoder_layers, cross_kv or [None] * len(self.decoder_layers)):
       y, _ = layer(y, kv, self_mask, cross_mask, deterministic)
-    return self.logits(y)
+    return self.logits(y) if project else self.final_states(y)
 
   # --- Incremental decoding ---
 
@@ -721,23 +738,24 @@ class Transformer(TransformerStacks):
     return [tuple(jnp.swapaxes(x, 1, 2) for x in kv) for kv in self.cross_attention_kv(encoded)]
 
   def decode(self, tgt_in, encoded, src, deterministic=True, *, src_segments=None, tgt_segments=None,
-             tgt_positions=None):
-    """Teacher-forced decoder: tgt_in [B, T] (BOS + target) -> logits [B, T, V]."""
+             tgt_positions=None, project=True):
+    """Teacher-forced decoder: tgt_in [B, T] (BOS + target) -> logits [B, T, V] (project=False: the states
+    [B, T, d] they are projected from)."""
     cross = padding_mask(tgt_in, src)
     if tgt_segments is None:
       cross_mask = AttentionMask(cross, _lengths(tgt_in), _lengths(src))
     else:
       cross_mask = AttentionMask(cross & _same_segment(tgt_segments, src_segments))
     return self.run_decoder(tgt_in, deterministic, cross_kv=self.cross_attention_kv(encoded), cross_mask=cross_mask,
-                            tgt_segments=tgt_segments, tgt_positions=tgt_positions)
+                            tgt_segments=tgt_segments, tgt_positions=tgt_positions, project=project)
 
   def __call__(self, src, tgt_in, deterministic=True, *, src_segments=None, tgt_segments=None,
-               src_positions=None, tgt_positions=None):
+               src_positions=None, tgt_positions=None, project=True):
     if (src_segments is None) != (tgt_segments is None):
       raise ValueError('packed batches need both src_segments and tgt_segments')
     encoded = self.encode(src, deterministic, src_segments=src_segments, src_positions=src_positions)
     return self.decode(tgt_in, encoded, src, deterministic, src_segments=src_segments, tgt_segments=tgt_segments,
-                       tgt_positions=tgt_positions)
+                       tgt_positions=tgt_positions, project=project)
 
 
 def upgrade_legacy_params(params, module_name=''):

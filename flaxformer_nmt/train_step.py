@@ -4,10 +4,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 
 from flaxformer_nmt import lm
+from flaxformer_nmt import model as model_lib
 from flaxformer_nmt import sharding
 from flaxformer_nmt.config import DEFAULT_PRNG_IMPL
 
@@ -157,6 +159,89 @@ def label_smoothed_cross_entropy(logits, targets, smoothing):
   return (smoothed * weights).sum(), (nll * weights).sum(), weights.sum()
 
 
+def _vocabulary_chunks(states, targets, chunk_tokens):
+  """[B, T, d] states and [B, T] targets -> [n, B, T / n, d] and [n, B, T / n]: n chunks of positions, each
+  about `chunk_tokens` tokens (the largest divisor of T at most chunk_tokens / B positions). Chunks of positions
+  keep every row on its device."""
+  rows, length = targets.shape
+  width = max(1, min(length, chunk_tokens // rows))
+  while length % width:
+    width -= 1
+  split = lambda x: jnp.swapaxes(x.reshape((rows, length // width, width) + x.shape[2:]), 0, 1)
+  return split(states), split(targets)
+
+
+def _chunked_loss_and_grads(states, embedding, targets, smoothing, chunk_tokens, operand_dtype):
+  """label_smoothed_cross_entropy of states @ embedding.T, a chunk of positions at a time, with the gradients of
+  the smoothed loss sum with respect to states and embedding: ((loss_sum, nll_sum, tokens), d_states,
+  d_embedding). No [B, T, V] array is made, only [B, T / n, V] chunks.
+
+  Per chunk (p = softmax(logits), q the smoothed target): d loss / d logits = (p - q) on non-pad targets,
+  where q = off + (1 - smoothing - off) at the reference, off = smoothing / (V - 1); the two gradient matmuls
+  take it rounded to the operands' dtype, with float32 accumulation, as `model.bfloat16_matmul` does."""
+  vocab = embedding.shape[0]
+  off_value = smoothing / (vocab - 1)
+  on_extra = 1.0 - smoothing - off_value
+  weights_operand = embedding.astype(operand_dtype)
+
+  def chunk(carry, xs):
+    d_embedding, sums = carry
+    h, t = xs
+    h = h.astype(operand_dtype)
+    logits = jnp.einsum('bcd,vd->bcv', h, weights_operand, preferred_element_type=jnp.float32)
+    log_normalizer = jax.nn.logsumexp(logits, axis=-1)
+    nll = log_normalizer - jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
+    sum_log_probs = logits.sum(axis=-1) - vocab * log_normalizer
+    weights = (t != PAD_ID).astype(jnp.float32)
+    smoothed = on_extra * nll - off_value * sum_log_probs
+    sums = sums + jnp.stack([(smoothed * weights).sum(), (nll * weights).sum(), weights.sum()])
+    reference = jax.nn.one_hot(t, vocab, dtype=jnp.float32)
+    g = ((jnp.exp(logits - log_normalizer[..., None]) - off_value - on_extra * reference)
+         * weights[..., None]).astype(operand_dtype)
+    d_h = jnp.einsum('bcv,vd->bcd', g, weights_operand, preferred_element_type=jnp.float32)
+    d_embedding = d_embedding + jnp.einsum('bcv,bcd->vd', g, h, preferred_element_type=jnp.float32)
+    return (d_embedding, sums), d_h.astype(states.dtype)
+
+  state_chunks, target_chunks = _vocabulary_chunks(states, targets, chunk_tokens)
+  init = (jnp.zeros(embedding.shape, jnp.float32), jnp.zeros(3, jnp.float32))
+  (d_embedding, sums), d_states = jax.lax.scan(chunk, init, (state_chunks, target_chunks))
+  d_states = jnp.swapaxes(d_states, 0, 1).reshape(states.shape)
+  return (sums[0], sums[1], sums[2]), d_states, d_embedding.astype(embedding.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def chunked_vocabulary_loss(states, embedding, targets, smoothing, chunk_tokens, operand_dtype):
+  """label_smoothed_cross_entropy(states @ embedding.T, targets, smoothing) without the [B, T, V] logits.
+
+  The vocabulary projection, the loss and its gradient run a chunk of about `chunk_tokens` target positions at
+  a time (lax.scan), the gradients computed in the same pass, so neither the float32 logits nor their gradient
+  ([tokens, V] each: 2.4 GB apiece at 16,384 tokens and 37k pieces) is ever held whole. Same sums, same
+  gradients (to float32 rounding). What it buys is memory (bench/RESULTS.md, 2026-11-29: Transformer base at
+  16,384 tokens, 19.9 -> 13.7 GiB of temporaries with 1,024-token chunks, XLA:CPU); on a 2-core CPU the step
+  took as long as with whole logits.
+
+  Only loss_sum is differentiated; nll_sum and the token count are statistics and carry no gradient. Called
+  without differentiation it still computes the gradients (for the train step only)."""
+  return _chunked_loss_and_grads(states, embedding, targets, smoothing, chunk_tokens, operand_dtype)[0]
+
+
+def _chunked_vocabulary_loss_forward(states, embedding, targets, smoothing, chunk_tokens, operand_dtype):
+  sums, d_states, d_embedding = _chunked_loss_and_grads(states, embedding, targets, smoothing, chunk_tokens,
+                                                        operand_dtype)
+  return sums, (d_states, d_embedding)
+
+
+def _chunked_vocabulary_loss_backward(smoothing, chunk_tokens, operand_dtype, residuals, cotangents):
+  del smoothing, chunk_tokens, operand_dtype
+  d_states, d_embedding = residuals
+  scale = cotangents[0]  # of loss_sum; nll_sum and the count carry none
+  no_gradient = np.zeros(d_states.shape[:-1], jax.dtypes.float0)  # the integer targets
+  return (scale * d_states).astype(d_states.dtype), (scale * d_embedding).astype(d_embedding.dtype), no_gradient
+
+
+chunked_vocabulary_loss.defvjp(_chunked_vocabulary_loss_forward, _chunked_vocabulary_loss_backward)
+
+
 def rdrop_divergence(logits, targets):
   """R-Drop's regularizer (Liang et al. 2021): summed over the non-pad target positions of each row pair, the
   symmetric KL divergence (KL(P || Q) + KL(Q || P)) / 2 between the two predictions P and Q of one example.
@@ -206,7 +291,7 @@ _MASKING_STREAM = 0x6D61736B
 
 
 def train_step(state, batch, *, model, optimizer, schedule, label_smoothing, grad_accumulation_steps=1,
-               task='translation', rdrop_alpha=0.0, prng_impl=DEFAULT_PRNG_IMPL):
+               task='translation', rdrop_alpha=0.0, prng_impl=DEFAULT_PRNG_IMPL, vocabulary_loss_chunk_tokens=0):
   """One update on the batch loss: smoothed cross entropy summed over all target tokens (for the MLM the
   positions bert_mask selected), divided by their count over the whole (global) batch.
 
@@ -215,6 +300,10 @@ def train_step(state, batch, *, model, optimizer, schedule, label_smoothing, gra
   all divided by the target tokens of both copies: the weighting of the authors' fairseq criterion, whose
   sum is divided by the tokens of one copy instead (a constant factor 2, which Adam does not see). The token
   counts (and so tokens/s and FLOP/s) then count every example twice: the model computes both copies.
+
+  With vocabulary_loss_chunk_tokens > 0 (translation, no R-Drop) the model stops at the decoder's states and
+  `chunked_vocabulary_loss` projects them onto the shared embedding, a chunk of that many tokens at a time: the
+  same loss and update without the [B, T, V] logits.
 
   With grad_accumulation_steps = k the batch is processed as k microbatches in a loop (lax.scan) that sums
   the gradients of the summed loss; dividing by the total target count afterwards makes the update equal
@@ -225,8 +314,15 @@ def train_step(state, batch, *, model, optimizer, schedule, label_smoothing, gra
   def loss_sums(params, microbatch, rng):
     if rdrop_alpha > 0:
       microbatch = duplicate_rows(microbatch)
-    logits, targets, _ = lm.forward(task, model, params, microbatch, False, rngs={'dropout': rng},
-                                    mask_rng=jax.random.fold_in(rng, _MASKING_STREAM))
+    chunked = vocabulary_loss_chunk_tokens > 0
+    outputs, targets, _ = lm.forward(task, model, params, microbatch, False, rngs={'dropout': rng},
+                                     mask_rng=jax.random.fold_in(rng, _MASKING_STREAM), project=not chunked)
+    if chunked:
+      loss_sum, nll_sum, tokens = chunked_vocabulary_loss(
+          outputs, model_lib.shared_embedding(params), targets, label_smoothing, vocabulary_loss_chunk_tokens,
+          model_lib.vocabulary_operand_dtype(model.config))
+      return loss_sum, (nll_sum, tokens, jnp.zeros((), jnp.float32))
+    logits = outputs
     loss_sum, nll_sum, tokens = label_smoothed_cross_entropy(logits, targets, label_smoothing)
     divergence_sum = rdrop_divergence(logits, targets) if rdrop_alpha > 0 else jnp.zeros((), jnp.float32)
     return loss_sum + rdrop_alpha * divergence_sum, (nll_sum, tokens, divergence_sum)
@@ -321,7 +417,8 @@ def jit_steps(model, optimizer, schedule, config, mesh, state_sharding=None):
   train = functools.partial(train_step, model=model, optimizer=optimizer, schedule=schedule,
                             label_smoothing=config.label_smoothing,
                             grad_accumulation_steps=config.grad_accumulation_steps, task=lm.task_of(config),
-                            rdrop_alpha=config.rdrop_alpha, prng_impl=config.prng_impl)
+                            rdrop_alpha=config.rdrop_alpha, prng_impl=config.prng_impl,
+                            vocabulary_loss_chunk_tokens=config.get('vocabulary_loss_chunk_tokens', 0))
   evaluate = functools.partial(eval_step, model=model, label_smoothing=config.label_smoothing,
                                task=lm.task_of(config))
   batch_sharding, replicated = sharding.batch_sharded(mesh), sharding.replicated(mesh)

@@ -68,6 +68,18 @@ def _validate_rdrop(config):
                       'relu_dropout_rate or source_word_dropout > 0): without it both predictions are the same')
 
 
+def _validate_vocabulary_loss_chunk(config):
+  chunk = config.get('vocabulary_loss_chunk_tokens', 0)
+  if not isinstance(chunk, int) or chunk < 0:
+    raise ConfigError(f'config.vocabulary_loss_chunk_tokens={chunk!r} counts tokens: use 0 (off) or more')
+  if chunk and lm.task_of(config) != 'translation':
+    raise ConfigError(f'config.vocabulary_loss_chunk_tokens={chunk} is for the translation task, not '
+                      f'{lm.task_of(config)!r}')
+  if chunk and config.get('rdrop_alpha', 0.0):
+    raise ConfigError(f'config.vocabulary_loss_chunk_tokens={chunk} cannot go with config.rdrop_alpha='
+                      f'{config.rdrop_alpha}: R-Drop compares whole predictions, which the chunked loss never holds')
+
+
 def _validate_schedule_fit(config):
   if config.get('fit_schedule_to_time', False) and not (config.max_train_minutes > 0 and config.cooldown_steps > 0):
     raise ConfigError('config.fit_schedule_to_time needs a time limit and a cooldown to fit to it: '
@@ -126,6 +138,7 @@ def validate_config(config):
   if config.get('prng_impl', DEFAULT_PRNG_IMPL) not in PRNG_IMPLS:
     raise ConfigError(f'config.prng_impl={config.prng_impl!r}: use one of {PRNG_IMPLS}')
   _validate_rdrop(config)
+  _validate_vocabulary_loss_chunk(config)
   _validate_schedule_fit(config)
   _validate_ensemble(config)
   for field in ('tokens_per_batch', 'log_every_steps', 'eval_every_steps', 'checkpoint_every_steps',

@@ -1,7 +1,7 @@
 """Helper for test_sharding.py, run in its own process: XLA_FLAGS must give 4 CPU devices before jax starts.
 
 Trains a tiny model for a few steps on one device and on meshes (data, fsdp) = (4, 1), (2, 2), (1, 4),
-with and without gradient accumulation, and prints a JSON report of how far each run's parameters and
+with and without gradient accumulation (and once with the chunked vocabulary loss), and prints a JSON report of how far each run's parameters and
 metrics are from the single-device run's.
 """
 import json
@@ -77,17 +77,21 @@ def main():
   config.warmup_steps = 3
   reference = run(config, sharding.make_mesh(devices=jax.devices()[:1]))
   report = {'reference_losses': reference['losses']}
-  for data, fsdp, accumulate in ((4, 1, 1), (2, 2, 1), (1, 4, 1), (1, 1, 2), (2, 2, 2)):
+  # The last: the chunked vocabulary loss (config.vocabulary_loss_chunk_tokens) against the reference's whole
+  # logits, its embedding gradient summed over the data-parallel rows and its chunks over positions per device.
+  for data, fsdp, accumulate, chunk in ((4, 1, 1, 0), (2, 2, 1, 0), (1, 4, 1, 0), (1, 1, 2, 0), (2, 2, 2, 0),
+                                        (2, 2, 2, 16)):
     config.grad_accumulation_steps = accumulate
+    config.vocabulary_loss_chunk_tokens = chunk
     devices = jax.devices()[:data * fsdp]
     result = run(config, sharding.make_mesh(data, fsdp, devices=devices))
-    report[f'data={data},fsdp={fsdp},accumulate={accumulate}'] = {
+    report[f'data={data},fsdp={fsdp},accumulate={accumulate}' + (f',chunk={chunk}' if chunk else '')] = {
         'param_max_abs_diff': max_difference(result['params'], reference['params']),
         'loss_max_abs_diff': max(abs(a - b) for a, b in zip(result['losses'], reference['losses'])),
         'eval_loss_abs_diff': abs(result['eval_loss'] - reference['eval_loss']),
         'specs': result['specs'], 'optimizer_state_sharded': result['optimizer_state_sharded'],
     }
-  config.grad_accumulation_steps = 1
+  config.grad_accumulation_steps, config.vocabulary_loss_chunk_tokens = 1, 0
   print('REPORT ' + json.dumps(report))
 
 

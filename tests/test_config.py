@@ -274,6 +274,26 @@ def test_rdrop_is_refused_where_it_cannot_work():
     workdir_lib.validate_config(c)
 
 
+def test_the_chunked_vocabulary_loss_is_refused_where_it_cannot_work():
+  """The chunked loss never holds whole predictions: not with R-Drop (which compares them), and only the
+  translation model stops at its decoder states."""
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  c = config_lib.base_config()
+  c.data_dir = '/data'
+  c.vocabulary_loss_chunk_tokens = 512
+  workdir_lib.validate_config(c)
+  c.rdrop_alpha = 5.0
+  with pytest.raises(workdir_lib.ConfigError, match='vocabulary_loss_chunk_tokens=512 cannot go with config.rdrop'):
+    workdir_lib.validate_config(c)
+  c.rdrop_alpha, c.task = 0.0, 'lm'
+  with pytest.raises(workdir_lib.ConfigError, match="for the translation task, not 'lm'"):
+    workdir_lib.validate_config(c)
+  c.task, c.vocabulary_loss_chunk_tokens = 'translation', -1
+  with pytest.raises(workdir_lib.ConfigError, match='counts tokens'):
+    workdir_lib.validate_config(c)
+
+
 def test_prng_impl_is_checked_and_a_workdir_from_before_the_field_resumes_only_on_threefry(tmp_path):
   import json  # pylint: disable=g-import-not-at-top
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top

@@ -69,13 +69,14 @@ def abstract_like(tree, shardings):
 
 
 @functools.lru_cache(maxsize=None)  # each lowering once per session, shared by the tests that read it
-def lowered_train_step(name, platform, remat='none', accumulation=1, attention='auto', on_mesh=True):
+def lowered_train_step(name, platform, remat='none', accumulation=1, attention='auto', on_mesh=True, **overrides):
   """(ModelConfig, StableHLO text) of the jitted train step of configs/NAME.py, built for `platform` and
   lowered for it: on MESH, or (on_mesh=False) on this machine's first device standing in for one GPU or TPU."""
   mesh = MESH if on_mesh else sharding.make_mesh(devices=jax.devices()[:1])
   config = load_config(name, **{'model.remat': remat, 'model.attention_impl': attention,
                                 'grad_accumulation_steps': accumulation,
-                                'data_parallelism': mesh.shape['data'], 'fsdp_parallelism': mesh.shape['fsdp']})
+                                'data_parallelism': mesh.shape['data'], 'fsdp_parallelism': mesh.shape['fsdp'],
+                                **overrides})
   task = lm.task_of(config)
   model = lm.build(task, model_lib.ModelConfig.from_config(config, config.vocab_size, platform,
                                                            architecture=lm.ARCHITECTURES[task]), mask_id=4)
@@ -166,6 +167,16 @@ def test_base_train_step_lowers_in_bfloat16_on_data_and_fsdp_mesh(platform):
 
 def test_base_train_step_lowers_with_cudnn_attention_for_cuda():
   check_cudnn_train_step('base', remat='none')
+
+
+def test_the_chunked_vocabulary_loss_lowers_in_bfloat16_on_data_and_fsdp_mesh():
+  """config.vocabulary_loss_chunk_tokens on the GPU path: the projection and its two gradient matmuls, now
+  inside the chunks' loop, still take bfloat16 operands (the logit gradient rounded), on the data x fsdp mesh."""
+  model_config, text = lowered_train_step('base', 'cuda', attention='xla', vocabulary_loss_chunk_tokens=4096)
+  assert model_config.dtype == 'bfloat16'
+  check_bfloat16_matmuls(model_config, text, passes=3)
+  assert 'stablehlo.while' in text  # the chunks' lax.scan (no accumulation here)
+  assert '[{"data", "fsdp"}, {}]' in text
 
 
 @pytest.mark.parametrize('name', ['lm_multi30k', 'mlm_multi30k'])

@@ -9,6 +9,7 @@ import pytest
 from conftest import tiny_model
 from flaxformer_nmt import config as config_lib
 from flaxformer_nmt import lm
+from flaxformer_nmt import model as model_lib
 from flaxformer_nmt import train_step as ts
 
 
@@ -329,3 +330,96 @@ def test_rbg_keys_are_four_words_of_xlas_generator_and_draw_the_masks():
   # Other keys give other masks, so the equality above could not hold by the masks not mattering.
   threefry_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng[:2]), 7)
   assert abs(rbg - _loss_with_dropout_key(state, _DROPOUT_BATCH, model, threefry_key)) > 1e-3
+
+
+# --- The chunked vocabulary loss (config.vocabulary_loss_chunk_tokens) ---------------------------------------
+
+def numpy_projected_loss_and_grads(states, embedding, targets, eps):
+  """Loss sums of states @ embedding.T and the loss sum's gradients with respect to states and embedding, in
+  float64 loops: d loss / d logits = softmax - q on non-pad positions, then through the projection."""
+  states, embedding = states.astype(np.float64), embedding.astype(np.float64)
+  vocab = embedding.shape[0]
+  logits = states @ embedding.T
+  total, nll_total, count = numpy_label_smoothed_loss(logits, targets, eps)
+  d_states, d_embedding = np.zeros_like(states), np.zeros_like(embedding)
+  for b in range(targets.shape[0]):
+    for t in range(targets.shape[1]):
+      if targets[b, t] == 0:
+        continue
+      p = np.exp(logits[b, t] - logits[b, t].max())
+      p /= p.sum()
+      q = np.full(vocab, eps / (vocab - 1))
+      q[targets[b, t]] = 1 - eps
+      g = p - q
+      d_states[b, t] = g @ embedding
+      d_embedding += np.outer(g, states[b, t])
+  return (total, nll_total, count), d_states, d_embedding
+
+
+@pytest.mark.parametrize('chunk_tokens', [1, 8, 12, 1000])  # one position, 4 of 6, 2 of 6 (12 // 3 = 4 -> 3), all
+def test_chunked_vocabulary_loss_and_its_gradients_equal_numpy(chunk_tokens):
+  """The chunked loss and its gradients against the plain float64 computation: catches a chunk left out or
+  stitched back in another order, PAD positions counted, a wrong smoothing split in the hand-written gradient,
+  or a transposed embedding gradient."""
+  rng = np.random.default_rng(3)
+  B, T, d, V, eps = 3, 6, 5, 17, 0.2
+  states = rng.normal(size=(B, T, d)).astype(np.float32)
+  embedding = rng.normal(size=(V, d)).astype(np.float32)
+  targets = rng.integers(1, V, size=(B, T))
+  targets[0, 4:] = 0
+  targets[2, 1:] = 0
+  loss = lambda s, e: ts.chunked_vocabulary_loss(s, e, jnp.asarray(targets), eps, chunk_tokens, jnp.float32)
+  sums = jax.jit(loss)(jnp.asarray(states), jnp.asarray(embedding))
+  d_states, d_embedding = jax.jit(jax.grad(lambda s, e: loss(s, e)[0], argnums=(0, 1)))(
+      jnp.asarray(states), jnp.asarray(embedding))
+  (e_loss, e_nll, e_count), e_d_states, e_d_embedding = numpy_projected_loss_and_grads(states, embedding, targets,
+                                                                                       eps)
+  assert float(sums[2]) == e_count == 18 - 2 - 5
+  np.testing.assert_allclose(sums[0], e_loss, rtol=1e-5)
+  np.testing.assert_allclose(sums[1], e_nll, rtol=1e-5)
+  np.testing.assert_allclose(d_states, e_d_states, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(d_embedding, e_d_embedding, rtol=1e-4, atol=1e-5)
+  assert np.abs(d_states[2, 1:]).max() == 0  # padding positions get no gradient
+
+
+def test_chunks_are_positions_of_every_row():
+  states, targets = jnp.zeros((4, 12, 2)), jnp.arange(48).reshape(4, 12)
+  state_chunks, target_chunks = ts._vocabulary_chunks(states, targets, 20)  # 20 // 4 = 5 -> 4 positions
+  assert state_chunks.shape == (3, 4, 4, 2)
+  np.testing.assert_array_equal(target_chunks[1], np.asarray(targets)[:, 4:8])
+
+
+@pytest.mark.parametrize('matmul_precision', ['float32', 'bfloat16'])
+def test_train_step_with_the_chunked_vocabulary_loss_makes_the_plain_steps_update(matmul_precision):
+  """Two steps of the tiny model with dropout, packed-free rows and padding: the chunked loss's step against
+  the plain one (whole logits). Catches the embedding's gradient from the projection lost or counted twice
+  (it is also the input embedding), the states taken before the pre-LN final norm, or dropout keys differing.
+  With bfloat16 operands both paths round the same operands (model.bfloat16_matmul's backward rounds the logit
+  gradient too), so they agree to accumulation order."""
+  c = config_lib.base_config()
+  c.model.d_model, c.model.d_ff, c.model.num_heads = 32, 64, 4
+  c.model.num_encoder_layers = c.model.num_decoder_layers = 2
+  c.model.dropout_rate, c.model.pre_layer_norm, c.model.dtype = 0.1, True, 'float32'
+  c.model.matmul_precision = matmul_precision
+  c.warmup_steps, c.learning_rate_scale = 1, 0.05  # updates of about 0.01: parameters that visibly move
+  model = model_lib.Transformer(model_lib.ModelConfig.from_config(c, 16))
+  tx, schedule = ts.make_optimizer(c)
+  state = ts.init_state(model, tx, seed=0)
+  batch = {'src': jnp.array([[4, 5, 6, 3], [7, 8, 3, 0]]), 'tgt_in': jnp.array([[2, 9, 10, 11], [2, 12, 0, 0]]),
+           'tgt_out': jnp.array([[9, 10, 11, 3], [12, 3, 0, 0]])}
+  results = {}
+  for chunk in (0, 2):
+    step = jax.jit(lambda s, b, chunk=chunk: ts.train_step(s, b, model=model, optimizer=tx, schedule=schedule,
+                                                           label_smoothing=0.1, vocabulary_loss_chunk_tokens=chunk))
+    s, m1 = step(state, batch)
+    s, m2 = step(s, batch)
+    results[chunk] = (s.params, m1, m2)
+  (plain, p1, p2), (chunked, c1, c2) = results[0], results[2]
+  tolerance = 1e-5 if matmul_precision == 'float32' else 2e-3
+  for key in ('loss_sum', 'nll_sum', 'target_tokens', 'grad_norm'):
+    np.testing.assert_allclose(c1[key], p1[key], rtol=tolerance)
+    np.testing.assert_allclose(c2[key], p2[key], rtol=tolerance)
+  embedding = lambda p: np.asarray(p['shared_embedding']['embedding'])
+  assert np.abs(embedding(chunked) - embedding(state.params)).min() > 1e-3  # every row moved, as in the plain step
+  for a, b in zip(jax.tree_util.tree_leaves(chunked), jax.tree_util.tree_leaves(plain)):
+    np.testing.assert_allclose(a, b, rtol=tolerance, atol=tolerance * 1e-1)
