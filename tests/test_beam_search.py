@@ -211,6 +211,17 @@ REFERENCE_CASES = [(1, 16, 0.6), (2, 6, 0.0), (3, 16, 1.0), (4, 8, 0.6), (5, 16,
 
 @pytest.mark.parametrize('top_k_chunk', [None, 2])  # 2: beam_search.top_k's slices on these small vocabularies
 def test_beam_search_equals_a_plain_reference_on_random_automata(top_k_chunk, monkeypatch):
+  # On the CPU backend, whatever the machine: the exact comparison below needs the reference's log
+  # probabilities to equal the search's own to the last bit, and the logits' coarse grid makes near-ties that a
+  # last-bit difference flips. A GPU's parallel sums over the vocabulary round differently (an H200 failed one
+  # sentence here, 2026-11-29); on the CPU, summing the same log-softmax in another order flips the reference
+  # on 3 of the 240 sentences. The search's logic is what this test checks; its GPU numerics are checked
+  # against uncached decoding and exhaustive search, with tolerances.
+  with jax.default_device(jax.devices('cpu')[0]):
+    _check_against_the_plain_reference(top_k_chunk, monkeypatch)
+
+
+def _check_against_the_plain_reference(top_k_chunk, monkeypatch):
   if top_k_chunk:
     monkeypatch.setattr(beam_search, 'TOP_K_CHUNK', top_k_chunk)
     monkeypatch.setattr(beam_search, 'INNER_TOP_K_CHUNK', top_k_chunk)
