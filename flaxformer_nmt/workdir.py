@@ -68,13 +68,19 @@ def _validate_rdrop(config):
                       'relu_dropout_rate or source_word_dropout > 0): without it both predictions are the same')
 
 
+def _translation_count(config, field, unit, what):
+  """config.{field}, a count of `unit` (0: off) that only the translation task uses (`what` it does)."""
+  value = config.get(field, 0)
+  if not isinstance(value, int) or value < 0:
+    raise ConfigError(f'config.{field}={value!r} counts {unit}: use 0 (off) or more')
+  if value and lm.task_of(config) != 'translation':
+    raise ConfigError(f'config.{field}={value} {what}: it is for the translation task, not {lm.task_of(config)!r}')
+  return value
+
+
 def _validate_vocabulary_loss_chunk(config):
-  chunk = config.get('vocabulary_loss_chunk_tokens', 0)
-  if not isinstance(chunk, int) or chunk < 0:
-    raise ConfigError(f'config.vocabulary_loss_chunk_tokens={chunk!r} counts tokens: use 0 (off) or more')
-  if chunk and lm.task_of(config) != 'translation':
-    raise ConfigError(f'config.vocabulary_loss_chunk_tokens={chunk} is for the translation task, not '
-                      f'{lm.task_of(config)!r}')
+  chunk = _translation_count(config, 'vocabulary_loss_chunk_tokens', 'tokens', "projects the translation "
+                             "decoder's states")
   if chunk and config.get('rdrop_alpha', 0.0):
     raise ConfigError(f'config.vocabulary_loss_chunk_tokens={chunk} cannot go with config.rdrop_alpha='
                       f'{config.rdrop_alpha}: R-Drop compares whole predictions, which the chunked loss never holds')
@@ -123,12 +129,7 @@ def validate_config(config):
     raise ConfigError(f'config.bpe_dropout={bpe_dropout} needs a translation task with a BPE vocabulary '
                       f"(config.sentencepiece_model_type='bpe'; now {config.sentencepiece_model_type!r}, task "
                       f'{lm.task_of(config)!r})')
-  bidirectional = config.get('bidirectional_epochs', 0)
-  if not isinstance(bidirectional, int) or bidirectional < 0:
-    raise ConfigError(f'config.bidirectional_epochs={bidirectional!r} counts epochs: use 0 (off) or more')
-  if bidirectional and lm.task_of(config) != 'translation':
-    raise ConfigError(f'config.bidirectional_epochs={bidirectional} reverses translation pairs: it is for the '
-                      f'translation task, not {lm.task_of(config)!r}')
+  _translation_count(config, 'bidirectional_epochs', 'epochs', 'reverses translation pairs')
   word_dropout = config.model.get('source_word_dropout', 0.0)
   if not 0.0 <= word_dropout < 1.0:
     raise ConfigError(f'config.model.source_word_dropout={word_dropout} is a probability: use 0 (off) to below 1')
