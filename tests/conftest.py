@@ -41,6 +41,17 @@ def tiny_model(vocab_size=16, pre_layer_norm=False, dropout_rate=0.0):
   return model, params
 
 
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def subprocess_env(**variables):
+  """The environment for a test's Python subprocess: the caller's, with the repository and tests/ in front of
+  its PYTHONPATH (kept: packages installed with --target or carried to a GPU machine live there), and
+  `variables` set."""
+  path = os.pathsep.join(p for p in (os.path.dirname(_TESTS), _TESTS, os.environ.get('PYTHONPATH', '')) if p)
+  return dict(os.environ, PYTHONPATH=path, **variables)
+
+
 @pytest.fixture
 def full_float32_matmuls():
   """float32 matmuls at full precision for the test. A GPU runs them as TF32 by default (a 10-bit mantissa):

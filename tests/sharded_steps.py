@@ -1,8 +1,8 @@
 """Helper for test_sharding.py, run in its own process: XLA_FLAGS must give 4 CPU devices before jax starts.
 
 Trains a tiny model for a few steps on one device and on meshes (data, fsdp) = (4, 1), (2, 2), (1, 4),
-with and without gradient accumulation (and once with the chunked vocabulary loss), and prints a JSON report of how far each run's parameters and
-metrics are from the single-device run's.
+with and without gradient accumulation (and once with the chunked vocabulary loss), and prints a JSON report
+of how far each run's parameters and metrics are from the single-device run's.
 """
 import json
 import os

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import tiny_model
+from conftest import subprocess_env, tiny_model
 from flaxformer_nmt import config as config_lib
 from flaxformer_nmt import model as model_lib
 from flaxformer_nmt import train_step as ts
@@ -192,9 +192,8 @@ def numpy_smoothed_loss_sum(logits, targets, eps):
 def test_the_loss_is_normalized_by_the_global_target_count_on_two_devices():
   """Two devices whose rows hold 1 and 11 target tokens: per-device means averaged (the Flax example's pmean)
   would weight them equally; the step must divide the global sum by the global count of 12."""
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE, os.environ.get('PYTHONPATH', '')]))
-  out = subprocess.run([sys.executable, os.path.join(HERE, 'two_device_loss.py')], env=env, capture_output=True,
-                       text=True, timeout=600)
+  out = subprocess.run([sys.executable, os.path.join(HERE, 'two_device_loss.py')], env=subprocess_env(),
+                       capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   report = json.loads(out.stdout.strip().splitlines()[-1])
   assert report['devices'] == 2

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import subprocess_env
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import distributed
 
@@ -26,8 +27,7 @@ def free_port():
 
 def start_processes(data_dir, workdir, num_steps, num_processes=2, overrides=()):
   port = free_port()
-  env = dict(os.environ, JAX_PLATFORMS='cpu',
-             PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get('PYTHONPATH', '')]))
+  env = subprocess_env(JAX_PLATFORMS='cpu')
   env['XLA_FLAGS'] = ' '.join(flag for flag in os.environ.get('XLA_FLAGS', '').split()  # one CPU device per process
                               if not flag.startswith('--xla_force_host_platform_device_count'))
   return [subprocess.Popen([sys.executable, os.path.join(HERE, 'multiprocess_train.py'), str(port), str(i),

@@ -15,6 +15,8 @@ from flaxformer_nmt import workdir as workdir_lib
 from flaxformer_nmt.train_step import TrainState
 from flaxformer_nmt.workdir import ConfigError
 
+from conftest import subprocess_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -22,7 +24,7 @@ def test_an_unknown_config_field_is_one_line_with_the_nearest_names(tmp_path):
   result = subprocess.run(
       [sys.executable, '-m', 'flaxformer_nmt.train', f'--config={REPO}/configs/multi30k.py',
        f'--workdir={tmp_path / "w"}', '--config.num_train_steps=5', '--config.model.d_modle=64'],
-      cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, 'PYTHONPATH': os.pathsep.join([REPO, os.environ.get('PYTHONPATH', '')])})
+      cwd=tmp_path, capture_output=True, text=True, timeout=120, env=subprocess_env())
   assert result.returncode == 1
   lines = [line for line in result.stderr.splitlines() if line.strip()]
   assert len(lines) == 1, result.stderr

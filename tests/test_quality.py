@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import sacrebleu
 
-from conftest import small_config
+from conftest import small_config, subprocess_env
 from flaxformer_nmt import best_checkpoint
 from flaxformer_nmt import bleu_eval
 from flaxformer_nmt import checkpoints as checkpoints_lib
@@ -171,9 +171,8 @@ def test_validation_bleu_decodes_sharded_parameters_like_host_ones():
   same parameters on one device (which tests/test_quality.py's end-to-end test ties to decode.Translator)."""
   import os  # pylint: disable=g-import-not-at-top
   here = os.path.dirname(os.path.abspath(__file__))
-  env = dict(os.environ, PYTHONPATH=os.path.dirname(here) + os.pathsep + os.environ.get('PYTHONPATH', ''))
-  result = subprocess.run([sys.executable, os.path.join(here, 'sharded_bleu.py')], env=env, capture_output=True,
-                          text=True, timeout=600)
+  result = subprocess.run([sys.executable, os.path.join(here, 'sharded_bleu.py')], env=subprocess_env(),
+                          capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   report = json.loads(result.stdout.strip().splitlines()[-1])
   assert len(report['1x1']) == 20 and len(set(report['1x1'])) > 1  # random parameters, distinct outputs

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import small_config
+from conftest import small_config, subprocess_env
 from test_resilience import cli_args
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import data as data_lib
@@ -137,9 +137,8 @@ def test_resuming_on_three_devices_continues_the_one_device_run(toy_corpus, tmp_
   config.num_train_steps = 6
   train.train_and_evaluate(config, moved)
   config.num_train_steps = 12
-  env = dict(os.environ, XLA_FLAGS=os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=3',
-             JAX_PLATFORMS='cpu',
-             PYTHONPATH=os.pathsep.join([REPO, os.environ.get('PYTHONPATH', '')]))
+  env = subprocess_env(XLA_FLAGS=os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=3',
+                       JAX_PLATFORMS='cpu')
   result = subprocess.run(cli_args(config, moved), env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'over 3 devices' in result.stderr and 'Starting at step 6' in result.stderr

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from conftest import subprocess_env
+
 from flaxformer_nmt import sharding
 
 HERE = os.path.dirname(__file__)
@@ -19,10 +21,9 @@ HERE = os.path.dirname(__file__)
 
 @pytest.fixture(scope='module')
 def report():
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get('PYTHONPATH', '')]),
-             JAX_PLATFORMS='cpu')
-  out = subprocess.run([sys.executable, os.path.join(HERE, 'sharded_steps.py')], env=env, capture_output=True,
-                       text=True, timeout=600, check=False)
+  out = subprocess.run([sys.executable, os.path.join(HERE, 'sharded_steps.py')],
+                       env=subprocess_env(JAX_PLATFORMS='cpu'), capture_output=True, text=True, timeout=600,
+                       check=False)
   assert out.returncode == 0, out.stderr[-3000:]
   line = [l for l in out.stdout.splitlines() if l.startswith('REPORT ')][-1]
   return json.loads(line[len('REPORT '):])
