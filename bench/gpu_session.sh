@@ -235,7 +235,8 @@ stage_recipe() {
                --config.model.dtype=float32'
   [ "${SMOKE:-0}" = 1 ] && extra+=' --config.num_train_steps=20 --config.warmup_steps=10 --config.cooldown_steps=10
                                     --config.checkpoint_every_steps=2'
-  for screen in ${RECIPE_SCREENS:-seeds levers}; do  # a refused config stops here, in seconds, not after the others have trained
+  # A refused config stops here, in seconds, not after the others have trained
+  for screen in ${RECIPE_SCREENS:-seeds levers}; do
     $PY bench/sweep.py --flagfile=bench/sweeps/recipe_$screen.flags --extra="$extra" --check_only || return 1
   done
   $PY bench/sweep.py --flagfile=bench/sweeps/recipe_seeds.flags --extra="$extra" --prepared gpu_carry/recipe_prepared \

@@ -178,8 +178,8 @@ def variant_flags():
 
 
 def alternate_variants(name, peak, matmul):
-  """Every --attention_impl x --remat x --prng_impl x --vocabulary_loss_chunk_tokens variant of one config, timed by single steps in turn (the
-  order reversed every round) and reported as medians: in one process the step keeps getting faster for minutes,
+  """Every --attention_impl x --remat x --prng_impl x --vocabulary_loss_chunk_tokens variant of one config, timed
+  by single steps in turn (the order reversed every round) and reported as medians: in one process the step keeps getting faster for minutes,
   so variants timed one after the other favour the later ones (bench/RESULTS.md, 2026-11-26)."""
   variants = [(f'{a or "-"}/{r or "-"}' + (f'/{p}' if p else '') + (f'/c{c}' if c else ''), *build(name, a, r, p, c))
               for a, r, p, c in variant_flags()]
@@ -209,10 +209,10 @@ def bench_config(name, variant, peak, matmul, check_xla):
   model, state, train_fn, mesh, vocab, config = build(name, *variant)
   rng = np.random.default_rng(0)
   for rows, length in batch_shapes(mesh, config):
-    analytic = flops_lib.train_flops(model.config, vocab, rows * length, rows * length, length, length)
     if _MEMORY.value:
       print_memory(name, variant, train_fn, state, rows, length, vocab, mesh)
       continue
+    analytic = flops_lib.train_flops(model.config, vocab, rows * length, rows * length, length, length)
     try:
       state, seconds = time_steps(train_fn, state, rng, (rows, length), vocab, mesh, analytic if check_xla else 0,
                                   profile_dir=_PROFILE.value and os.path.join(_PROFILE.value,

@@ -174,33 +174,27 @@ def _vocabulary_chunks(states, targets, chunk_tokens):
 def _chunked_loss_and_grads(states, embedding, targets, smoothing, chunk_tokens, operand_dtype):
   """label_smoothed_cross_entropy of states @ embedding.T, a chunk of positions at a time, with the gradients of
   the smoothed loss sum with respect to states and embedding: ((loss_sum, nll_sum, tokens), d_states,
-  d_embedding). No [B, T, V] array is made, only [B, T / n, V] chunks.
-
-  Per chunk (p = softmax(logits), q the smoothed target): d loss / d logits = (p - q) on non-pad targets,
-  where q = off + (1 - smoothing - off) at the reference, off = smoothing / (V - 1); the two gradient matmuls
-  take it rounded to the operands' dtype, with float32 accumulation, as `model.bfloat16_matmul` does."""
-  vocab = embedding.shape[0]
-  off_value = smoothing / (vocab - 1)
-  on_extra = 1.0 - smoothing - off_value
-  weights_operand = embedding.astype(operand_dtype)
+  d_embedding). No [B, T, V] array is made, only [B, T / n, V] chunks. Each chunk's logit gradient (softmax
+  minus the smoothed target on non-pad positions) is label_smoothed_cross_entropy's own derivative; the two
+  gradient matmuls take it rounded to the operands' dtype, with float32 accumulation, as
+  `model.bfloat16_matmul` does."""
+  weights = embedding.astype(operand_dtype)
 
   def chunk(carry, xs):
     d_embedding, sums = carry
     h, t = xs
     h = h.astype(operand_dtype)
-    logits = jnp.einsum('bcd,vd->bcv', h, weights_operand, preferred_element_type=jnp.float32)
-    log_normalizer = jax.nn.logsumexp(logits, axis=-1)
-    nll = log_normalizer - jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
-    sum_log_probs = logits.sum(axis=-1) - vocab * log_normalizer
-    weights = (t != PAD_ID).astype(jnp.float32)
-    smoothed = on_extra * nll - off_value * sum_log_probs
-    sums = sums + jnp.stack([(smoothed * weights).sum(), (nll * weights).sum(), weights.sum()])
-    reference = jax.nn.one_hot(t, vocab, dtype=jnp.float32)
-    g = ((jnp.exp(logits - log_normalizer[..., None]) - off_value - on_extra * reference)
-         * weights[..., None]).astype(operand_dtype)
-    d_h = jnp.einsum('bcv,vd->bcd', g, weights_operand, preferred_element_type=jnp.float32)
+    logits = jnp.einsum('bcd,vd->bcv', h, weights, preferred_element_type=jnp.float32)
+
+    def loss(x):  # differentiated: the smoothed sum; carried along: the NLL sum and the token count
+      loss_sum, nll_sum, tokens = label_smoothed_cross_entropy(x, t, smoothing)
+      return loss_sum, (nll_sum, tokens)
+
+    loss_sum, loss_vjp, (nll_sum, tokens) = jax.vjp(loss, logits, has_aux=True)
+    g = loss_vjp(jnp.ones((), jnp.float32))[0].astype(operand_dtype)
+    d_h = jnp.einsum('bcv,vd->bcd', g, weights, preferred_element_type=jnp.float32)
     d_embedding = d_embedding + jnp.einsum('bcv,bcd->vd', g, h, preferred_element_type=jnp.float32)
-    return (d_embedding, sums), d_h.astype(states.dtype)
+    return (d_embedding, sums + jnp.stack([loss_sum, nll_sum, tokens])), d_h.astype(states.dtype)
 
   state_chunks, target_chunks = _vocabulary_chunks(states, targets, chunk_tokens)
   init = (jnp.zeros(embedding.shape, jnp.float32), jnp.zeros(3, jnp.float32))
