@@ -3,7 +3,6 @@ import json
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
 import sacrebleu

@@ -5,7 +5,6 @@ import json
 import logging
 import os
 import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -18,7 +17,6 @@ from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import train
 from flaxformer_nmt.tokenizer import EOS_ID, PAD_ID
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUCKETS = (8, 16, 32, 48)
 
 
