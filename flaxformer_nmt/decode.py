@@ -406,6 +406,20 @@ COMPACT_BELOW = 0.9  # a batch goes on with its searching sentences only once th
 FINE_ROWS_FROM = 64  # batch_rows: eighths of a power of two from 64 sentences on, powers of two below
 
 
+# The jitted stages of Translator's search, shared by every Translator: the model (or the tuple of an ensemble's
+# models) is a static argument, and equal models (a hashable dataclass of their config) share compiled programs,
+# so a second Translator of the same model (compare's checkpoints, an ensemble's members) traces nothing again.
+# Each stage is static only in what shapes or Python control flow reads; the length penalty's alpha is traced,
+# so that a sweep of alphas (compare --alpha) reuses one compiled search.
+START_STATIC = ('beam_size', 'extra_length', 'max_len_a', 'cache_cross_kv', 'grow_cache')
+CONTINUE_STATIC = ('beam_size', 'temperature', 'top_k', 'cache_cross_kv', 'min_len')
+_start = jax.jit(start_search, static_argnums=0, static_argnames=START_STATIC)
+_continue = jax.jit(continue_search, static_argnums=0, static_argnames=CONTINUE_STATIC)
+_grow = jax.jit(beam_search.grow_cache, static_argnames='length')
+_take = jax.jit(take_sentences, static_argnames='batch')
+_output = jax.jit(search_output)
+
+
 class Translator:
   """A trained model (or an ensemble of several), loaded once, translating lists of sentences.
 
@@ -443,13 +457,6 @@ class Translator:
     self.model, self.params = self.models[0], self.member_params[0]
     self.checkpoint = descriptions[0] if len(members) == 1 else f'an ensemble of {", ".join(descriptions)}'
     self._search_model = self.models if len(members) > 1 else self.model
-    static = ('beam_size', 'alpha', 'extra_length', 'max_len_a', 'temperature', 'top_k', 'cache_cross_kv',
-              'grow_cache', 'min_len')
-    self._start = jax.jit(functools.partial(start_search, self._search_model), static_argnames=static)
-    self._continue = jax.jit(functools.partial(continue_search, self._search_model), static_argnames=static)
-    self._grow = jax.jit(beam_search.grow_cache, static_argnames='length')
-    self._take = jax.jit(take_sentences, static_argnames='batch')
-    self._output = jax.jit(search_output)
 
   def _member_config(self, workdir, dtype):
     """A member's config, checked against the first member's vocabulary and direction."""
@@ -543,20 +550,23 @@ class Translator:
     only, in batch_rows rows (few shapes to compile). A batch's last sentences (often one
     that runs to its length limit) then no longer keep every row computing; the results are the same.
     """
-    inputs, state = self._start(self.search_params, src, keys, **options)
+    start_options = {k: options[k] for k in START_STATIC if k in options}
+    continue_options = {k: options[k] for k in CONTINUE_STATIC + ('alpha',) if k in options}
+    inputs, state = _start(self._search_model, self.search_params, src, keys, **start_options)
     _, cache_lengths = search_lengths(self._search_model, src.shape, **options)
     sentences = np.arange(src.shape[0])  # the batch row of each row now searched
     results = []
 
     def read_out(rows):
-      tokens, scores = jax.device_get(self._output(inputs, state))
+      tokens, scores = jax.device_get(_output(inputs, state))
       results.append((sentences[rows], tokens[rows], scores[rows]))
 
     grown_to = cache_lengths[0]
     for cache_length, until in segment_ends(cache_lengths, SEGMENT_STEPS):
       if cache_length > grown_to:
-        state, grown_to = self._grow(state, length=cache_length), cache_length
-      state, unfinished = self._continue(self.search_params, inputs, state, np.int32(until), **options)
+        state, grown_to = _grow(state, length=cache_length), cache_length
+      state, unfinished = _continue(self._search_model, self.search_params, inputs, state, np.int32(until),
+                                    **continue_options)
       unfinished = np.asarray(unfinished)
       live, done = np.flatnonzero(unfinished), np.flatnonzero(~unfinished)
       if not len(live):
@@ -565,7 +575,7 @@ class Translator:
       if rows <= COMPACT_BELOW * len(unfinished):
         read_out(done)
         keep = np.concatenate([live, np.full(rows - len(live), done[0])])  # a finished row pads
-        inputs, state = self._take((inputs, state), keep, batch=len(unfinished))
+        inputs, state = _take((inputs, state), keep, batch=len(unfinished))
         sentences = sentences[keep]
     read_out(np.arange(len(sentences)))
     tokens = np.zeros((src.shape[0],) + results[0][1].shape[1:], results[0][1].dtype)

@@ -349,8 +349,8 @@ def test_dropping_finished_sentences_gives_the_one_call_search(translator, mixed
   monkeypatch.setattr(decode, 'SEGMENT_STEPS', 1)
   monkeypatch.setattr(decode, 'FINE_ROWS_FROM', 2)  # rows in eighths (here often exactly the live sentences)
   taken = []
-  take = translator._take
-  monkeypatch.setattr(translator, '_take',
+  take = decode._take
+  monkeypatch.setattr(decode, '_take',
                       lambda tree, keep, batch: taken.append((batch, len(keep))) or take(tree, keep, batch=batch))
   # At most one token more than the source: a batch of 12 one-word sources and 4 long ones soon has only the
   # long ones searching (the toy model's outputs run ~6 tokens).
