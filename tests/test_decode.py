@@ -199,6 +199,24 @@ def test_a_source_longer_than_the_positions_is_cut_with_its_line_named(translato
 # --- fairseq-style options: ensembles, --max_len_a/--max_len_b, --dtype ----------------------------------------
 
 
+def test_translators_of_one_model_share_compiled_searches_and_alpha_is_not_compiled_in(workdir, translator, mixed):
+  # compare decodes each checkpoint with a new Translator of the same model, and --alpha=0.6,1.5 the same
+  # sentences again: neither compiles the search again (alpha is an input of the programs, not a constant).
+  token_lists = translator.tokenizer.encode(translator.prepare(mixed))
+  first = translator.search_tokens(token_lists, beam_size=3, alpha=0.6)
+  compiled = decode._start._cache_size(), decode._continue._cache_size()
+  second = decode.Translator(workdir).search_tokens(token_lists, beam_size=3, alpha=1.5)
+  assert (decode._start._cache_size(), decode._continue._cache_size()) == compiled
+  # The programs read the alpha they are given: a translation found under both scores log P / lp(n, alpha),
+  # lp(n, alpha) = ((5 + n) / 6) ** alpha for its n tokens (EOS counted), so log P agrees.
+  both = [(a[0], b[0]) for a, b in zip(first, second) if a[0][0] == b[0][0] and a[0][0]]
+  assert len(both) >= len(mixed) // 2, (first, second)
+  for (tokens, score_06), (_, score_15) in both:
+    base = (5.0 + len(tokens)) / 6.0
+    assert score_06 * base ** 0.6 == pytest.approx(score_15 * base ** 1.5, rel=1e-5)
+    assert score_06 != pytest.approx(score_15, rel=1e-3)
+
+
 def test_ensemble_of_one_checkpoint_twice_equals_that_checkpoint(workdir, mixed):
   single = decode.Translator(workdir, checkpoint='20')
   double = decode.Translator(workdir, checkpoint='20,20')
@@ -267,7 +285,7 @@ def test_a_lowercased_model_lowercases_its_inputs_and_scores_case_insensitively(
   sacrebleu_column = lambda refs: compare.score_row('latest', decode.Translator(lowered), shouting, refs, None, 2,
                                                     None)
   (upper, signature), (same, _) = sacrebleu_column([l.upper() for l in expected]), sacrebleu_column(expected)
-  assert upper.split('|')[3] == same.split('|')[3] and 'case:lc' in signature, (upper, same, signature)
+  assert upper.split('|')[4] == same.split('|')[4] and 'case:lc' in signature, (upper, same, signature)
 
 
 def test_decode_uses_the_checkpoint_the_config_chose_unless_told(workdir, mixed, tmp_path):
