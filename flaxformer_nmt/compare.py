@@ -6,6 +6,7 @@ the average of the last k, the latest, or given steps.
   python -m flaxformer_nmt.compare --workdir runs/m30k --checkpoints best,2000 --input test.en --ref test.de \
       [--tok_ref test.tok.de]
   python -m flaxformer_nmt.compare --workdir runs/m30k --checkpoints last:10 --beam_size 8 --mbr bleu
+  python -m flaxformer_nmt.compare --workdir runs/m30k --checkpoints latest,last:10 --alpha 0.6,1.0,1.5,2.0
   python -m flaxformer_nmt.compare --workdir runs/a,runs/b --checkpoints latest,last:10   # ensembles
 
 Checkpoints: `best` (config.best_checkpoint_metric), `averaged` ({workdir}/averaged), `last:K` (the newest K
@@ -13,8 +14,10 @@ checkpoints averaged in memory, nothing written), `latest`, or a step. By defaul
 workdir's validation split (`{data_dir}/{eval_split}.{lang}`), and the lowercased tokenized references come
 from config.eval_bleu_tok_ref_dir where present: choose between checkpoints on validation, and score the
 chosen one on test once. Prints a Markdown table: cased sacreBLEU (13a), lowercased Moses-tokenized BLEU,
-hypothesis/reference length ratio, brevity penalty, and decoding seconds. A model trained on lowercased text
-(config.lowercase) reads the sources lowercased, and its sacreBLEU is case-insensitive (`case:lc`).
+hypothesis/reference length ratio, brevity penalty, and decoding seconds, one row per checkpoint and length
+penalty (--alpha takes several: the search compiles once for them all, as alpha is not compiled in). A model
+trained on lowercased text (config.lowercase) reads the sources lowercased, and its sacreBLEU is
+case-insensitive (`case:lc`).
 """
 import sys
 import time
@@ -42,7 +45,7 @@ def define_flags():
   flags.DEFINE_string('tok_ref', None, 'Lowercased Moses-tokenized references (default for a split: '
                       '{config.eval_bleu_tok_ref_dir}/{split}.{lang} where it exists).')
   flags.DEFINE_integer('beam_size', None, 'Beam width (default: the config\'s); 0 is greedy.')
-  flags.DEFINE_float('alpha', None, 'Length penalty exponent (default: the config\'s).')
+  flags.DEFINE_list('alpha', None, 'Length penalty exponents, a row each (default: the config\'s).')
   flags.DEFINE_enum('mbr', None, list(mbr.UTILITIES), 'Minimum Bayes risk among the beam\'s --n_best candidates '
                     '(mbr.py) instead of its best-scored translation.')
   flags.DEFINE_integer('n_best', None, 'Candidates for --mbr (default: the beam size).')
@@ -85,12 +88,23 @@ def scores(translator, sources, references, tok_references, beam_size, alpha, mb
 
 def score_row(name, translator, sources, references, tok_references, beam_size, alpha, mbr_utility=None,
               n_best=1):
-  """One table row: the checkpoint's scores on the sentences."""
+  """One table row: the checkpoint's scores on the sentences (alpha None: the config's)."""
+  alpha = translator.config.length_penalty_alpha if alpha is None else alpha
   _, bleu, tok, seconds, signature = scores(translator, sources, references, tok_references, beam_size, alpha,
                                             mbr_utility, n_best)
   tok = f'{tok:.2f}' if tok is not None else '-'
-  return (f'| {name} | {translator.checkpoint} | {bleu.score:.2f} | {tok} | {bleu.sys_len / bleu.ref_len:.3f} | '
-          f'{bleu.bp:.3f} | {seconds:.0f} |'), signature
+  return (f'| {name} | {translator.checkpoint} | {alpha:g} | {bleu.score:.2f} | {tok} | '
+          f'{bleu.sys_len / bleu.ref_len:.3f} | {bleu.bp:.3f} | {seconds:.0f} |'), signature
+
+
+def alpha_values(values, default):
+  """--alpha's floats (several: a row each), or [default]."""
+  if not values:
+    return [default]
+  try:
+    return [float(v) for v in values]
+  except ValueError:
+    raise ValueError(f'--alpha={",".join(values)}: length penalty exponents are numbers, e.g. 0.6,1.0') from None
 
 
 def main(argv):
@@ -107,18 +121,19 @@ def main(argv):
     config = workdir_lib.load_config(decode.ensemble_members(f.workdir, None)[0][0])
     description, sources, references, tok_references = sentences(config, f.split, f.input, f.ref, f.tok_ref)
     beam_size = config.beam_size if f.beam_size is None else f.beam_size
-    alpha = config.length_penalty_alpha if f.alpha is None else f.alpha
+    alphas = alpha_values(f.alpha, config.length_penalty_alpha)
     n_best = (f.n_best or beam_size) if f.mbr else 1
-    print(f'{description}: {len(sources)} sentences, {"greedy" if beam_size == 0 else f"beam {beam_size}"}, '
-          f'alpha {alpha}' + (f', MBR by sentence {f.mbr} among {n_best} candidates' if f.mbr else ''))
-    print('| checkpoint | parameters | sacreBLEU | lc-tok BLEU | length ratio | BP | decode s |')
-    print('|---|---|---:|---:|---:|---:|---:|')
+    print(f'{description}: {len(sources)} sentences, {"greedy" if beam_size == 0 else f"beam {beam_size}"}'
+          + (f', MBR by sentence {f.mbr} among {n_best} candidates' if f.mbr else ''))
+    print('| checkpoint | parameters | alpha | sacreBLEU | lc-tok BLEU | length ratio | BP | decode s |')
+    print('|---|---|---:|---:|---:|---:|---:|---:|')
     signature = ''
     for name in f.checkpoints:
       translator = decode.Translator(f.workdir, checkpoint=name)
-      row, signature = score_row(name, translator, sources, references, tok_references, beam_size, alpha,
-                                 f.mbr, n_best)
-      print(row, flush=True)
+      for alpha in alphas:
+        row, signature = score_row(name, translator, sources, references, tok_references, beam_size, alpha,
+                                   f.mbr, n_best)
+        print(row, flush=True)
     print(f'\nsacreBLEU {signature}')
   except (OSError, ValueError) as e:
     sys.exit(f'error: {e}')

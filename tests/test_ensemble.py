@@ -76,6 +76,9 @@ def test_the_command_stops_resumes_and_decodes_the_members_together(toy_corpus, 
   config.ensemble_members, config.seed, config.max_train_minutes = 2, 3, 60.0
   config.num_train_steps, config.checkpoint_every_steps, config.eval_every_steps = 100, 10, 1000
   config.average_last_checkpoints, config.eval_bleu_every_steps = 0, 100  # each member's BLEU at its end
+  # Beam 2 everywhere below (the command's scoring, the checks, compare, bleu_curve) on the validation sentences:
+  # one set of ensemble programs, compiled once for the test (each costs seconds on a 2-core CPU).
+  config.beam_size = 2
   workdir = tmp_path / 'ens'
   # A vocabulary chosen beforehand (learnt from the German side only, unlike the trainer's joint one) is the one
   # both members must read.
@@ -124,32 +127,37 @@ def test_the_command_stops_resumes_and_decodes_the_members_together(toy_corpus, 
                                                       jax.tree_util.tree_leaves(second)))  # two seeds
 
   # Decoding the ensemble's workdir is decoding its members together (the config's checkpoint, then another).
-  sentences = ['a big dog runs .', 'the small cat sees a red ball .']
   for checkpoint in (None, '90'):
     together = decode.Translator(workdir, checkpoint=checkpoint)
     assert len(together.models) == 2 and str(members[1]) in together.checkpoint
     explicit = decode.Translator([str(m) for m in members], checkpoint=checkpoint or 'latest')
-    np.testing.assert_allclose([s for _, s in together.translate(sentences, beam_size=2, return_scores=True)],
-                               [s for _, s in explicit.translate(sentences, beam_size=2, return_scores=True)])
+    np.testing.assert_allclose([s for _, s in together.translate(sources, beam_size=2, return_scores=True)],
+                               [s for _, s in explicit.translate(sources, beam_size=2, return_scores=True)])
   with pytest.raises(ConfigError, match='member0'):
     decode.load_params(workdir)  # one set of parameters (export) is taken from a member
-  # compare scores the ensemble's workdir, and a list of workdirs, as one ensemble.
-  rows = []
-  for workdirs in (str(workdir), f'{members[0]},{members[1]}'):
-    result = subprocess.run([sys.executable, '-m', 'flaxformer_nmt.compare', f'--workdir={workdirs}',
-                             '--checkpoints=90', '--beam_size=2'], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows += [line for line in result.stdout.splitlines() if line.startswith('| 90 |')]
-  assert len(rows) == 2 and 'an ensemble of checkpoint 90 of' in rows[0]
-  assert rows[0].split('|')[3:6] == rows[1].split('|')[3:6]  # the same BLEU, length ratio
+  # compare scores the ensemble's workdir as one ensemble (the members as a list of workdirs: as decode's
+  # --workdir=A,B, the same Translator), a row per length penalty.
+  result = subprocess.run([sys.executable, '-m', 'flaxformer_nmt.compare', f'--workdir={workdir}',
+                           '--checkpoints=90', '--beam_size=2', '--alpha=0.6,2'],
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = [[cell.strip() for cell in line.split('|')[1:-1]] for line in result.stdout.splitlines()
+          if line.startswith('| 90 |')]
+  assert [row[2] for row in rows] == ['0.6', '2'] and 'an ensemble of checkpoint 90 of' in rows[0][1]
+  assert rows[0][5] != rows[1][5]  # alpha 2 favours longer translations than 0.6
+  for row, alpha in zip(rows, (0.6, 2.0)):
+    by_hand = sacrebleu.corpus_bleu(decode.Translator(workdir, checkpoint='90').translate(
+        sources, beam_size=2, alpha=alpha), [references])
+    assert [float(c) for c in (row[3], row[5])] == pytest.approx([by_hand.score, by_hand.sys_len / by_hand.ref_len],
+                                                                 abs=0.0051)
   # bench/bleu_curve.py: each member's rows, then the ensemble's, at the minutes of both members' training.
   result = subprocess.run([sys.executable, os.path.join(REPO, 'bench', 'bleu_curve.py'), f'--workdir={workdir}',
-                           '--steps=90', '--splits=valid', '--beam_size=2'],
+                           '--steps=90', '--splits=valid', '--beam_size=2', '--alpha=2'],
                           capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   curve = [line.split('|') for line in result.stdout.splitlines() if line.startswith('| ') and '90' in line]
   assert len(curve) == 3 and 'ensemble' not in curve[0][1] + curve[1][1] and 'an ensemble of' in curve[2][1]
-  assert curve[2][3] == rows[0].split('|')[3]  # the members together, as compare decodes them
+  assert curve[2][3].strip() == rows[1][3]  # the members together, as compare decodes them
   last_seconds = [[json.loads(line) for line in (m / 'metrics.jsonl').read_text().splitlines()
                    if 'elapsed_seconds' in line][-1]['elapsed_seconds'] for m in members]
   assert float(curve[2][2]) == pytest.approx(sum(last_seconds) / 60, abs=0.051)

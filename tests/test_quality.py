@@ -105,7 +105,7 @@ def test_training_logs_validation_bleu_and_keeps_the_best_checkpoint(toy_corpus,
   assert [r[0] for r in rows] == ['best', 'last:2', 'latest']
   assert rows[1][1] == 'the average of checkpoints [20, 30]'
   latest_hyp = (workdir / 'eval' / 'hyp_30.txt').read_text().split('\n')[:-1]
-  assert float(rows[2][2]) == pytest.approx(sacrebleu.corpus_bleu(latest_hyp, [references]).score, abs=0.005)
+  assert float(rows[2][3]) == pytest.approx(sacrebleu.corpus_bleu(latest_hyp, [references]).score, abs=0.005)
 
 
 def fake_params(value):
