@@ -179,8 +179,9 @@ def check_runs(runs):
 def run_all(runs):
   """Runs (name, seed, command, workdir) _PARALLEL at a time; returns their summary rows."""
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE='false')  # a dozen processes share one GPU's memory
-  # One persistent compilation cache for all the runs: a second seed of a variant, and the validation decoding
-  # of variants with the same model, load the programs an earlier run compiled instead of compiling again.
+  # One persistent compilation cache for all the runs: a second seed of a variant, variants that differ only in
+  # their schedule's numbers (train_step.schedule_numbers: an input of the compiled step), and the validation
+  # decoding of variants with the same model load the programs an earlier run compiled instead of compiling again.
   env.setdefault('JAX_COMPILATION_CACHE_DIR', os.path.join(_ROOT.value, 'jax_compilation'))
   env.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
   waiting, running, rows = list(runs), {}, []

@@ -37,10 +37,11 @@ from flaxformer_nmt.train_step import FittedEnd, cooldown_ramp
 MIN_MEASURED_STEPS = 100
 
 
-def fitted_num_train_steps(step, seconds_left, seconds_per_step, reserve_seconds, configured):
-  """The last update that fits after `step` updates: the steps that seconds_left - reserve_seconds hold at
-  seconds_per_step, never more than `configured` and at least one more."""
-  fit = step + int((seconds_left - reserve_seconds) // seconds_per_step)
+def fitted_num_train_steps(step, seconds_left, seconds_per_step, configured):
+  """The last update that fits after `step` updates: the steps that seconds_left hold at seconds_per_step,
+  never more than `configured` and at least one more. (The bent schedule runs on the step already compiled:
+  no time is held back for compiling.)"""
+  fit = step + int(seconds_left // seconds_per_step)
   return max(step + 1, min(configured, fit))
 
 
@@ -87,12 +88,10 @@ class ScheduleFit:
     self.fit_step = max(configured_knot(config), first_step + MIN_MEASURED_STEPS)
     self.check_every = max(1, config.log_every_steps)  # projections at logging steps, where the loop syncs anyway
     self.reference = None  # (step, time) after the first step
-    self.compile_seconds = 0.0
 
-  def first_step_done(self, step, call_seconds):
-    """`call_seconds`: how long the first call of the train step took, its compilation nearly all of it; the
-    fitted schedule compiles a new step, so that much is held back from the time left."""
-    self.reference, self.compile_seconds = (step, time.time()), call_seconds
+  def first_step_done(self, step):
+    """Called after the first (compiling) step of this process: the rate is measured from here."""
+    self.reference = (step, time.time())
 
   def due(self, step, seconds_left):
     """Whether to decide after `step` updates: at the configured cooldown start, or earlier at a logging step
@@ -105,7 +104,7 @@ class ScheduleFit:
     if step > self.fit_step or measured < MIN_MEASURED_STEPS or step % self.check_every:
       return False
     end = fitted_num_train_steps(step, seconds_left, (time.time() - self.reference[1]) / measured,
-                                 self.compile_seconds, self.config.num_train_steps)
+                                 self.config.num_train_steps)
     early = self._cooldown_begun(step, end)
     if jax.process_count() > 1:  # every host decides at the same update: process 0's projection
       early = bool(multihost_utils.broadcast_one_to_all(np.int32(early)))
@@ -124,8 +123,7 @@ class ScheduleFit:
     jax.block_until_ready(state)
     now = time.time()
     seconds_per_step = (now - self.reference[1]) / (step - self.reference[0])
-    end = fitted_num_train_steps(step, seconds_left, seconds_per_step, self.compile_seconds,
-                                 self.config.num_train_steps)
+    end = fitted_num_train_steps(step, seconds_left, seconds_per_step, self.config.num_train_steps)
     if jax.process_count() > 1:  # one schedule for every host: process 0's measurement decides
       end = int(multihost_utils.broadcast_one_to_all(np.int64(end)))
     if step < self.fit_step and not self._cooldown_begun(step, end):
@@ -136,7 +134,7 @@ class ScheduleFit:
     if jax.process_index() == 0:
       record = dict(num_train_steps=fitted.num_train_steps, knot_step=step, knot_ramp=fitted.knot_ramp,
                     configured_num_train_steps=self.config.num_train_steps, seconds_per_step=seconds_per_step,
-                    seconds_left=seconds_left, compile_seconds=self.compile_seconds,
+                    seconds_left=seconds_left,
                     checkpoint_every_steps=checkpoint_every_steps(self.config, fitted))
       (self.workdir / FILE).write_text(json.dumps(record, indent=1) + '\n')
     if end >= self.config.num_train_steps:

@@ -56,7 +56,7 @@ class Run:
   train_batches: data_lib.TrainBatches
   eval_batches: Callable
   state: train_step_lib.TrainState
-  train_fn: Callable
+  train_fn: train_step_lib.TrainStep  # refit(fitted) bends its schedule: the same compiled program
   eval_fn: Callable
   checkpoints: checkpoints_lib.Checkpoints
   throughput: metrics_lib.Throughput
@@ -68,7 +68,6 @@ class Run:
   num_train_steps: int  # config.num_train_steps, or the end fitted to the time limit (time_budget.py)
   checkpoint_every_steps: int  # config.checkpoint_every_steps, or closer after a fit (time_budget.py)
   schedule_fit: time_budget.ScheduleFit
-  refit_train_fn: Callable  # FittedEnd -> the train step compiled on the bent schedule
   # Training time before this launch, saved with each checkpoint (0 for a new run): config.max_train_minutes and
   # the logged elapsed_seconds count the run's training time across resumes, not the time between them.
   trained_seconds: float = 0.0
@@ -112,17 +111,14 @@ def set_up(config, workdir):
   model = build_model(config, tokenizer)
   decided = time_budget.load(workdir)  # an end fitted to the time limit by an earlier run of this workdir
   fitted = decided if decided and decided.num_train_steps < config.num_train_steps else None
-  optimizer, schedule = train_step_lib.make_optimizer(config, fitted)
+  optimizer, _ = train_step_lib.make_optimizer(config)  # what the state holds; the step builds its own
   state, state_sharding = train_step_lib.create_state(model, optimizer, config, mesh)
   logging.info('Model: %s parameters, %s', f'{model_lib.count_params(state.params):,}', model.config)
   checkpoints = checkpoints_lib.Checkpoints(workdir, keep=config.keep_checkpoints)
   with preemption.closed_on_error(train_batches, checkpoints):  # a refused resume leaves no thread behind
     state, trained_seconds = restore_or_start(config, state, state_sharding, checkpoints, train_batches, tokenizer)
-  train_fn, eval_fn = train_step_lib.jit_steps(model, optimizer, schedule, config, mesh, state_sharding)
-
-  def refit_train_fn(new_end):
-    return train_step_lib.jit_steps(model, *train_step_lib.make_optimizer(config, new_end), config, mesh,
-                                    state_sharding)[0]
+  train_fn, eval_fn = train_step_lib.jit_steps(model, config, mesh, state_sharding)
+  train_fn = train_fn.refit(fitted) if fitted else train_fn
   peak = flops_lib.peak_flops_per_device(override=config.peak_flops_per_device)
   return Run(config, workdir, sharding.batch_sharded(mesh), train_batches, eval_batches, state, train_fn, eval_fn,
              checkpoints, metrics_lib.Throughput(model.config, tokenizer.vocab_size, num_devices, peak),
@@ -131,7 +127,7 @@ def set_up(config, workdir):
              best_lib.BestCheckpoint(workdir, config.best_checkpoint_metric) if config.best_checkpoint_metric else None,
              fitted.num_train_steps if fitted else config.num_train_steps,
              time_budget.checkpoint_every_steps(config, fitted),
-             time_budget.ScheduleFit(config, workdir, int(state.step), decided), refit_train_fn, trained_seconds)
+             time_budget.ScheduleFit(config, workdir, int(state.step), decided), trained_seconds)
 
 
 def restore_or_start(config, state, state_sharding, checkpoints, train_batches, tokenizer):
@@ -199,13 +195,13 @@ def evaluate_step(run, step, start_time, done):
 
 def fit_to_time(run, step, decision):
   """config.fit_schedule_to_time: once, where the (fitted) cooldown begins, moves the run's end to what the time
-  left holds (time_budget.py), saves at the interval shrunk with it, and recompiles the step on the bent
-  schedule."""
+  left holds (time_budget.py), saves at the interval shrunk with it, and runs the step on the bent schedule
+  (its numbers change; the compiled program does not)."""
   fitted = run.schedule_fit.fit(step, decision.seconds_left(), run.state)
   if fitted is not None:
     run.num_train_steps = decision.num_steps = fitted.num_train_steps
     run.checkpoint_every_steps = decision.every_steps = time_budget.checkpoint_every_steps(run.config, fitted)
-    run.train_fn = run.refit_train_fn(fitted)
+    run.train_fn = run.train_fn.refit(fitted)
 
 
 def train_and_evaluate(config, workdir):
@@ -234,10 +230,9 @@ def train_and_evaluate(config, workdir):
     while step < run.num_train_steps and not spent:
       batch = interval.next_batch(run.train_batches)
       run.profiler.before_step(step)
-      call_start = time.time()
       run.state, step_metrics = run.train_fn(run.state, sharding.put_batch(batch, run.batch_sharding))
       if step == first_step:  # the call compiles the step; the rest runs asynchronously
-        run.schedule_fit.first_step_done(step + 1, time.time() - call_start)
+        run.schedule_fit.first_step_done(step + 1)
       interval.add(step_metrics, batch)  # device arrays: read only at log/save time
       in_flight.add(step_metrics)  # stop decisions below are for a step the device is about to reach
       step += 1

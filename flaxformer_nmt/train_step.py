@@ -67,54 +67,73 @@ def with_cooldown(schedule, num_train_steps, cooldown_steps, fitted=None):
   num_train_steps - cooldown_steps + i (counted from 0) runs at (1 - i / cooldown_steps) times the schedule,
   so the last one runs at 1 / cooldown_steps of it. A short run ends at a low learning rate instead of where
   the slow inverse square root has left it. `fitted` (a FittedEnd) bends the ramp at its knot to reach 0 at
-  its end; the learning rate is continuous there."""
+  its end; the learning rate is continuous there. Unfitted, the ramp is the bent one with its knot where the
+  cooldown begins (the same numbers, exactly), so that fitting changes the schedule's numbers, not its
+  program."""
+  if fitted is None:
+    fitted = FittedEnd(num_train_steps, num_train_steps - cooldown_steps, 1.0)
+
   def cooled(count):
     count = jnp.asarray(count, jnp.float32)
     ramp = cooldown_ramp(count, num_train_steps, cooldown_steps)
-    if fitted is not None:
-      span = fitted.num_train_steps - fitted.knot_step
-      bent = fitted.knot_ramp * jnp.clip((fitted.num_train_steps - count) / span, 0.0, 1.0)
-      ramp = jnp.where(count > fitted.knot_step, bent, ramp)
-    return schedule(count) * ramp
+    span = fitted.num_train_steps - fitted.knot_step
+    bent = fitted.knot_ramp * jnp.clip((fitted.num_train_steps - count) / span, 0.0, 1.0)
+    return schedule(count) * jnp.where(count > fitted.knot_step, bent, ramp)
   return cooled
 
 
 SCHEDULES = ('paper', 'inverse_sqrt')
 
 
-def _base_schedule(config):
+def schedule_numbers(config, fitted=None):
+  """The numbers of the learning-rate schedule of `config` (and of `fitted`, a FittedEnd): what make_schedule
+  computes with. jit_steps passes them to the compiled train step as an input rather than baking them in as
+  constants, so that runs that differ only in them (a warmup, a peak, a length, a fitted end) run one
+  compiled program, and the time fit (time_budget.py) bends the schedule without compiling the step again."""
   if config.learning_rate_schedule == 'paper':
-    return paper_schedule(config.model.d_model, config.warmup_steps, config.learning_rate_scale)
-  if config.learning_rate_schedule == 'inverse_sqrt':
+    numbers = dict(d_model=config.model.d_model, warmup_steps=config.warmup_steps, peak=config.learning_rate_scale)
+  elif config.learning_rate_schedule == 'inverse_sqrt':
     if config.learning_rate <= 0:
       raise ValueError("config.learning_rate_schedule='inverse_sqrt' needs a peak config.learning_rate > 0")
-    return inverse_sqrt_schedule(config.learning_rate, config.warmup_steps)
-  raise ValueError(f'config.learning_rate_schedule={config.learning_rate_schedule!r}: use one of {SCHEDULES}')
-
-
-def make_schedule(config, fitted=None):
-  """The learning rate as a function of the update count: config.learning_rate_schedule, then the cooldown
-  (bent to end at `fitted`, a FittedEnd, when the run's end was fitted to its time limit)."""
-  schedule = _base_schedule(config)
+    numbers = dict(warmup_steps=config.warmup_steps, peak=config.learning_rate)
+  else:
+    raise ValueError(f'config.learning_rate_schedule={config.learning_rate_schedule!r}: use one of {SCHEDULES}')
   cooldown = config.cooldown_steps
   if cooldown <= 0:
-    return schedule
+    return numbers
   if cooldown > config.num_train_steps:
     raise ValueError(f'config.cooldown_steps={cooldown} must lie in [1, config.num_train_steps='
                      f'{config.num_train_steps}]: the ramp ends at the last update')
-  return with_cooldown(schedule, config.num_train_steps, cooldown, fitted)
+  end = fitted or FittedEnd(config.num_train_steps, config.num_train_steps - cooldown, 1.0)
+  return dict(numbers, num_train_steps=config.num_train_steps, cooldown_steps=cooldown,
+              fitted_end=end.num_train_steps, knot_step=end.knot_step, knot_ramp=end.knot_ramp)
 
 
-def make_optimizer(config, fitted=None):
+def make_schedule(config, fitted=None, numbers=None):
+  """The learning rate as a function of the update count: config.learning_rate_schedule, then the cooldown
+  (bent to end at `fitted`, a FittedEnd, when the run's end was fitted to its time limit). `numbers`: the
+  schedule_numbers to compute with (traced inside the compiled step); default: those of config and fitted."""
+  numbers = schedule_numbers(config, fitted) if numbers is None else numbers
+  if config.learning_rate_schedule == 'paper':
+    schedule = paper_schedule(numbers['d_model'], numbers['warmup_steps'], numbers['peak'])
+  else:
+    schedule = inverse_sqrt_schedule(numbers['peak'], numbers['warmup_steps'])
+  if 'cooldown_steps' not in numbers:
+    return schedule
+  return with_cooldown(schedule, numbers['num_train_steps'], numbers['cooldown_steps'],
+                       FittedEnd(numbers['fitted_end'], numbers['knot_step'], numbers['knot_ramp']))
+
+
+def make_optimizer(config, fitted=None, numbers=None):
   """Adam(b1, b2, eps) on the configured schedule (decoupled weight decay if config.weight_decay > 0, as
   fairseq's Adam and optax.adamw apply it: lr * weight_decay * param), after optional gradient clipping.
 
   Clipping is stateless, so it is applied inside Adam's update rather than chained in front of it: the
   optimizer state is Adam's alone with or without clipping, and a run can be resumed with
-  --config.grad_clip_norm switched on or off (as the NaN error advises). `fitted`: see make_schedule; the
-  optimizer state is the same with or without it.
+  --config.grad_clip_norm switched on or off (as the NaN error advises). `fitted` and `numbers`: see
+  make_schedule; the optimizer state is the same with or without them.
   """
-  schedule = make_schedule(config, fitted)
+  schedule = make_schedule(config, fitted, numbers)
   if config.weight_decay > 0:
     adam = optax.adamw(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
                        weight_decay=config.weight_decay)
@@ -402,20 +421,57 @@ def create_state(model, optimizer, config, mesh):
   return init(), shardings
 
 
-def jit_steps(model, optimizer, schedule, config, mesh, state_sharding=None):
-  """The compiled train and eval steps, with explicit shardings: the state as `state_sharding` (default: as
-  state_shardings gives it), the batch's rows split over every device of the mesh, metrics replicated. The
-  train state is donated, so its buffers are updated in place."""
+class TrainStep:
+  """The compiled train step with its schedule's numbers (schedule_numbers, an input of the program):
+  step(state, batch) -> (state, metrics). refit(fitted) is the same program on a schedule bent to end at
+  `fitted` (a FittedEnd); lower and trace, as jax.jit's, take (state, batch)."""
+
+  def __init__(self, jitted, config, replicated, fitted=None):
+    self.jitted, self.config, self.replicated, self.fitted = jitted, config, replicated, fitted
+    self.numbers = {name: np.float32(value) for name, value in schedule_numbers(config, fitted).items()}
+    self._on_devices = None
+
+  def __call__(self, state, batch):
+    if self._on_devices is None:  # replicated, put once (no transfer per step); every process holds them all
+      self._on_devices = {name: jax.make_array_from_process_local_data(self.replicated, np.asarray(value))
+                          for name, value in self.numbers.items()}
+    return self.jitted(state, batch, self._on_devices)
+
+  def _abstract_numbers(self):
+    """The numbers as the compiler sees them (a mesh of abstract devices, as for lowering for another
+    platform, holds no arrays)."""
+    return {name: jax.ShapeDtypeStruct((), np.float32, sharding=self.replicated) for name in self.numbers}
+
+  def lower(self, state, batch):
+    return self.jitted.lower(state, batch, self._abstract_numbers())
+
+  def trace(self, state, batch):
+    return self.jitted.trace(state, batch, self._abstract_numbers())
+
+  def refit(self, fitted):
+    return TrainStep(self.jitted, self.config, self.replicated, fitted)
+
+
+def jit_steps(model, config, mesh, state_sharding=None):
+  """(the compiled train step, a TrainStep; the compiled eval step), with explicit shardings: the state as
+  `state_sharding` (default: as state_shardings gives it), the batch's rows split over every device of the
+  mesh, metrics and the schedule's numbers replicated. The train state is donated, so its buffers are updated
+  in place. Adam and the schedule are built inside the step from config and the numbers it is given."""
   if state_sharding is None:
-    state_sharding = state_shardings(model, optimizer, config, mesh)
-  train = functools.partial(train_step, model=model, optimizer=optimizer, schedule=schedule,
-                            label_smoothing=config.label_smoothing,
-                            grad_accumulation_steps=config.grad_accumulation_steps, task=lm.task_of(config),
-                            rdrop_alpha=config.rdrop_alpha, prng_impl=config.prng_impl,
-                            vocabulary_loss_chunk_tokens=config.get('vocabulary_loss_chunk_tokens', 0))
+    state_sharding = state_shardings(model, make_optimizer(config)[0], config, mesh)
+  step_options = dict(model=model, label_smoothing=config.label_smoothing,
+                      grad_accumulation_steps=config.grad_accumulation_steps, task=lm.task_of(config),
+                      rdrop_alpha=config.rdrop_alpha, prng_impl=config.prng_impl,
+                      vocabulary_loss_chunk_tokens=config.get('vocabulary_loss_chunk_tokens', 0))
+
+  def train(state, batch, numbers):
+    optimizer, schedule = make_optimizer(config, numbers=numbers)
+    return train_step(state, batch, optimizer=optimizer, schedule=schedule, **step_options)
+
   evaluate = functools.partial(eval_step, model=model, label_smoothing=config.label_smoothing,
                                task=lm.task_of(config))
   batch_sharding, replicated = sharding.batch_sharded(mesh), sharding.replicated(mesh)
-  return (jax.jit(train, in_shardings=(state_sharding, batch_sharding), out_shardings=(state_sharding, replicated),
-                  donate_argnums=0),
+  train_jitted = jax.jit(train, in_shardings=(state_sharding, batch_sharding, replicated),
+                         out_shardings=(state_sharding, replicated), donate_argnums=0)
+  return (TrainStep(train_jitted, config, replicated),
           jax.jit(evaluate, in_shardings=(state_sharding.params, batch_sharding), out_shardings=replicated))

@@ -80,14 +80,14 @@ def lowered_train_step(name, platform, remat='none', accumulation=1, attention='
   task = lm.task_of(config)
   model = lm.build(task, model_lib.ModelConfig.from_config(config, config.vocab_size, platform,
                                                            architecture=lm.ARCHITECTURES[task]), mask_id=4)
-  optimizer, schedule = train_step.make_optimizer(config)
+  optimizer, _ = train_step.make_optimizer(config)
   abstract_mesh = jax.sharding.use_abstract_mesh(MESH) if on_mesh else contextlib.nullcontext()
   with abstract_mesh, cudnn_version_check_answered():
     abstract = jax.eval_shape(functools.partial(train_step.init_state, model, optimizer, config.seed))
     shardings = sharding.state_shardings(abstract, mesh)
     batch = {key: jax.ShapeDtypeStruct((ROWS, LENGTH), jnp.int32, sharding=sharding.batch_sharded(mesh))
              for key in ('src', 'tgt_in', 'tgt_out')}
-    train_fn, _ = train_step.jit_steps(model, optimizer, schedule, config, mesh, shardings)
+    train_fn, _ = train_step.jit_steps(model, config, mesh, shardings)
     lowered = train_fn.trace(abstract_like(abstract, shardings), batch).lower(lowering_platforms=(platform,))
   return model.config, lowered.as_text()
 

@@ -21,12 +21,13 @@ from flaxformer_nmt.workdir import ConfigError, validate_config
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_fitted_steps_are_the_time_left_less_the_recompile_at_the_measured_rate_never_more_than_configured():
-  # 1,000 s left, 10 of them for compiling the new step, at 2 s a step after 500 updates: 495 more.
-  assert time_budget.fitted_num_train_steps(500, 1000.0, 2.0, 10.0, 2250) == 995
-  assert time_budget.fitted_num_train_steps(500, 1001.9, 2.0, 0.0, 2250) == 1000  # whole steps only
-  assert time_budget.fitted_num_train_steps(500, 5000.0, 2.0, 10.0, 2250) == 2250  # never lengthened
-  assert time_budget.fitted_num_train_steps(500, 5.0, 2.0, 10.0, 2250) == 501  # no time: one last step
+def test_fitted_steps_are_the_time_left_at_the_measured_rate_never_more_than_configured():
+  # 1,000 s left at 2 s a step after 500 updates: 500 more (the bent schedule needs no compiling).
+  assert time_budget.fitted_num_train_steps(500, 1000.0, 2.0, 2250) == 1000
+  assert time_budget.fitted_num_train_steps(500, 1001.9, 2.0, 2250) == 1000  # whole steps only
+  assert time_budget.fitted_num_train_steps(500, 991.0, 2.0, 2250) == 995
+  assert time_budget.fitted_num_train_steps(500, 5000.0, 2.0, 2250) == 2250  # never lengthened
+  assert time_budget.fitted_num_train_steps(500, 1.0, 2.0, 2250) == 501  # no time: one last step
 
 
 def test_a_fitted_run_saves_closer_together_in_the_proportion_its_cooldown_shrank():
@@ -83,12 +84,13 @@ def test_the_fit_measures_from_the_first_step_to_the_cooldown_start_and_is_writt
   fit = time_budget.ScheduleFit(config, tmp_path, first_step=0, decided=None)
   assert fit.fit_step == 500  # where the cooldown begins
   monkeypatch.setattr(time_budget, 'time', types.SimpleNamespace(time=FakeClock(100.0, 1098.0).time))
-  fit.first_step_done(1, call_seconds=12.0)
-  assert not fit.due(499, 1014.0) and fit.due(500, 1012.0)
-  # 499 steps in 998 s: 2 s a step; 1,012 s left less 12 s of compiling hold 500 steps.
-  fitted = fit.fit(500, 1012.0, state=np.zeros(1))
+  fit.first_step_done(1)
+  assert not fit.due(499, 1002.0) and fit.due(500, 1000.0)
+  # 499 steps in 998 s: 2 s a step; 1,000 s left hold 500 steps (nothing held back for compiling: the bent
+  # schedule runs on the compiled step).
+  fitted = fit.fit(500, 1000.0, state=np.zeros(1))
   assert fitted == ts.FittedEnd(num_train_steps=1000, knot_step=500, knot_ramp=1.0)
-  assert not fit.due(500, 1012.0)  # decided once
+  assert not fit.due(500, 1000.0)  # decided once
   assert time_budget.load(tmp_path) == fitted
   record = json.loads((tmp_path / time_budget.FILE).read_text())
   assert record['seconds_per_step'] == pytest.approx(2.0) and record['configured_num_train_steps'] == 2250
@@ -104,7 +106,7 @@ def test_where_the_configured_cooldown_start_comes_too_late_the_fit_is_decided_w
   fit = time_budget.ScheduleFit(recipe, tmp_path, first_step=0, decided=None)
   clock = FakeClock(0.0, *[2.0 * (s - 1) for s in (2450, 2500, 2500)])
   monkeypatch.setattr(time_budget, 'time', types.SimpleNamespace(time=clock.time))
-  fit.first_step_done(1, call_seconds=0.0)
+  fit.first_step_done(1)
   left = lambda s: 9998.0 - 2.0 * (s - 1)  # pylint: disable=unnecessary-lambda-assignment
   assert not fit.due(2449, left(2449))  # not a logging step: no projection (the clock is not read)
   assert not fit.due(2450, left(2450))  # 5,000 fit: their cooldown begins at 2,500
@@ -120,7 +122,7 @@ def test_an_early_projection_the_devices_rate_does_not_confirm_waits(tmp_path, m
   fit = time_budget.ScheduleFit(recipe, tmp_path, first_step=0, decided=None)
   # The projection at 2,500 sees 2 s a step; the device, waited for, 1.9 s: 5,262 fit, a cooldown from 2,631.
   monkeypatch.setattr(time_budget, 'time', types.SimpleNamespace(time=FakeClock(0.0, 4998.0, 1.9 * 2499).time))
-  fit.first_step_done(1, call_seconds=0.0)
+  fit.first_step_done(1)
   assert fit.due(2500, 9998.0 - 4998.0)
   assert fit.fit(2500, 9998.0 - 1.9 * 2499, state=np.zeros(1)) is None
   assert fit.enabled and not (tmp_path / time_budget.FILE).exists()
@@ -131,7 +133,7 @@ def test_a_machine_whose_steps_fit_is_decided_at_the_configured_cooldown_start_o
   fit = time_budget.ScheduleFit(recipe, tmp_path, first_step=0, decided=None)
   monkeypatch.setattr(time_budget, 'time', types.SimpleNamespace(time=lambda: 0.5 * fit.now))
   fit.now = 1
-  fit.first_step_done(1, call_seconds=0.0)
+  fit.first_step_done(1)
   for step in range(150, 6000, 50):  # 0.5 s a step: 12,000 steps take 100 of the 140 minutes
     fit.now = step - 1
     assert not fit.due(step, 8400.0 - 0.5 * (step - 1))
@@ -143,7 +145,7 @@ def test_a_run_that_fits_keeps_its_steps_and_a_late_resume_measures_its_own_step
   fit = time_budget.ScheduleFit(config, tmp_path, first_step=800, decided=None)
   assert fit.fit_step == 900  # resumed past the cooldown's start: MIN_MEASURED_STEPS of its own first
   monkeypatch.setattr(time_budget, 'time', types.SimpleNamespace(time=FakeClock(0.0, 99.0).time))
-  fit.first_step_done(801, call_seconds=5.0)
+  fit.first_step_done(801)
   assert fit.fit(900, 5000.0, state=np.zeros(1)) is None  # 1 s a step: 2,250 fit
   assert time_budget.load(tmp_path).num_train_steps == 2250  # recorded: a resume does not measure again
 
@@ -161,30 +163,40 @@ def test_fitting_without_a_time_limit_or_a_cooldown_is_a_config_error(toy_corpus
 def test_the_trainer_fits_where_the_fitted_cooldown_begins_follows_the_bent_schedule_and_stops_at_its_end(
     toy_corpus, tmp_path, monkeypatch):
   """The loop's side: the fit is projected at logging steps with this run's measurements and decided where the
-  fitted cooldown (its configured two thirds of the run) begins, before the configured start; the step is
-  recompiled on the bent schedule (the learning rate logged at every step follows it), the run stops at the
-  fitted end, and the same command afterwards trains nothing more. The arithmetic is pinned to 40 steps."""
+  fitted cooldown (its configured two thirds of the run) begins, before the configured start; the step runs
+  on the bent schedule without compiling again (the learning rate logged at every step follows it), the run
+  stops at the fitted end, and the same command afterwards trains nothing more. The arithmetic is pinned to
+  40 steps."""
   config = small_config(toy_corpus)
   config.num_train_steps, config.cooldown_steps, config.warmup_steps = 60, 40, 10
   config.max_train_minutes, config.fit_schedule_to_time = 100.0, True
   config.log_every_steps, config.eval_every_steps, config.checkpoint_every_steps = 1, 1000, 10
   config.keep_checkpoints = config.average_last_checkpoints = 3
-  config.length_buckets = (32,)  # one batch shape: one compile of each schedule's step, not four
+  config.length_buckets = (32,)  # few batch shapes to compile
   asked = []
 
-  def pinned(step, seconds_left, seconds_per_step, reserve_seconds, configured):
-    asked.append((step, seconds_left, seconds_per_step, reserve_seconds, configured))
+  def pinned(step, seconds_left, seconds_per_step, configured):
+    asked.append((step, seconds_left, seconds_per_step, configured))
     return 40
   monkeypatch.setattr(time_budget, 'fitted_num_train_steps', pinned)
   monkeypatch.setattr(time_budget, 'MIN_MEASURED_STEPS', 10)  # a run this short measures less
+  refits, refit, calls, call = [], ts.TrainStep.refit, [], ts.TrainStep.__call__
+  monkeypatch.setattr(ts.TrainStep, 'refit', lambda self, fitted: refits.append(refit(self, fitted)) or refits[-1])
+  monkeypatch.setattr(ts.TrainStep, '__call__', lambda self, state, batch: calls.append(
+      (self.jitted, batch['src'].shape)) or call(self, state, batch))
   workdir = tmp_path / 'run'
   train.train_and_evaluate(config, workdir)
+  # Both schedules ran the same compiled programs, one per batch shape: the fit changed the numbers the step
+  # reads, not the step.
+  assert len(refits) == 1 and refits[0].fitted == ts.FittedEnd(40, 13, 1.0)
+  assert {jitted for jitted, _ in calls} == {refits[0].jitted}
+  assert refits[0].jitted._cache_size() == len({shape for _, shape in calls})
 
   # Projected from 10 measured steps on; 40 steps fit, so the cooldown keeps 40/60 of them: it begins after
   # update round(40 / 3) = 13, where the fit is decided (the configured start is 20).
-  assert [a[0] for a in asked] == [11, 12, 13, 13] and {a[4] for a in asked} == {60}
-  for _, seconds_left, seconds_per_step, reserve_seconds, _ in asked:
-    assert 0 < seconds_per_step < 60 and 0 < reserve_seconds < 600 and 5000 < seconds_left <= 6000
+  assert [a[0] for a in asked] == [11, 12, 13, 13] and {a[3] for a in asked} == {60}
+  for _, seconds_left, seconds_per_step, _ in asked:
+    assert 0 < seconds_per_step < 60 and 5000 < seconds_left <= 6000
   logged = {}
   for line in (workdir / 'metrics.jsonl').read_text().splitlines():
     record = json.loads(line)

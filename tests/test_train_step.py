@@ -2,7 +2,6 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 import optax
 import pytest
 
@@ -10,6 +9,7 @@ from conftest import tiny_model
 from flaxformer_nmt import config as config_lib
 from flaxformer_nmt import lm
 from flaxformer_nmt import model as model_lib
+from flaxformer_nmt import sharding
 from flaxformer_nmt import train_step as ts
 
 
@@ -219,6 +219,32 @@ def test_a_fitted_end_bends_the_cooldown_at_its_knot_to_reach_zero_at_its_end():
       factor = knot_ramp * max(0.0, (850 - count) / (850 - 750))
     np.testing.assert_allclose(bent(count), base(count) * factor, rtol=1e-5, atol=1e-12)
   assert float(bent(850)) == 0.0 and float(bent(849)) > 0.0  # the fitted run's last update still moves
+
+
+def test_runs_differing_only_in_the_schedules_numbers_compile_to_one_program():
+  """The schedule's numbers are an input of the compiled step, not constants in it: runs that differ only in
+  warmup, peak, length or a fitted end lower to the same program (JAX's persistent cache serves them all), and
+  the time fit's bent schedule runs on the step already compiled. Which schedule, and whether it has a
+  cooldown, is the program's."""
+  def lowered(fitted=None, **fields):
+    c = config_lib.base_config()
+    c.vocab_size, c.model.dtype, c.cooldown_steps = 32, 'float32', 100
+    c.model.num_encoder_layers = c.model.num_decoder_layers = 1
+    c.model.d_model, c.model.d_ff, c.model.num_heads = 16, 32, 2
+    c.update(fields)
+    model = model_lib.Transformer(model_lib.ModelConfig.from_config(c, c.vocab_size))
+    mesh = sharding.make_mesh(devices=jax.devices()[:1])
+    state, shardings = ts.create_state(model, ts.make_optimizer(c)[0], c, mesh)
+    train_fn, _ = ts.jit_steps(model, c, mesh, shardings)
+    train_fn = train_fn.refit(fitted) if fitted else train_fn
+    tokens = np.full((2, 8), 5, np.int32)
+    return train_fn.lower(state, {'src': tokens, 'tgt_in': tokens, 'tgt_out': tokens}).as_text()
+
+  program = lowered()
+  assert lowered(warmup_steps=7, learning_rate_scale=0.3, num_train_steps=500, cooldown_steps=123) == program
+  assert lowered(fitted=ts.FittedEnd(num_train_steps=900, knot_step=400, knot_ramp=0.5)) == program
+  assert lowered(cooldown_steps=0) != program
+  assert lowered(learning_rate_schedule='inverse_sqrt', learning_rate=0.005) != program
 
 
 def test_cooldown_longer_than_the_run_is_refused():
