@@ -16,7 +16,6 @@ import math
 import jax
 import orbax.checkpoint as ocp
 from absl import logging
-from etils import epath
 from jax.experimental import multihost_utils
 
 from flaxformer_nmt import checkpoints as checkpoints_lib

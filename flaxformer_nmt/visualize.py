@@ -34,7 +34,6 @@ from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import decode
 from flaxformer_nmt import lm
-from flaxformer_nmt import tokenizer as tokenizer_lib
 from flaxformer_nmt import workdir as workdir_lib
 from flaxformer_nmt.tokenizer import BOS_ID
 

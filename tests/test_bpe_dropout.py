@@ -1,8 +1,5 @@
 """BPE-dropout (config.bpe_dropout): other pieces of the same sentences every epoch, a function of (seed, epoch)."""
 import collections
-import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
