@@ -55,6 +55,11 @@ class FittedEnd:
   knot_step: int
   knot_ramp: float
 
+  @classmethod
+  def unbent(cls, num_train_steps, cooldown_steps):
+    """The configured ramp as a FittedEnd: its knot where the cooldown begins, at 1 (the same values exactly)."""
+    return cls(num_train_steps, num_train_steps - cooldown_steps, 1.0)
+
 
 def cooldown_ramp(count, num_train_steps, cooldown_steps):
   """The factor of update `count` (from 0): 1 until the last `cooldown_steps` updates, then linearly to 0."""
@@ -70,8 +75,7 @@ def with_cooldown(schedule, num_train_steps, cooldown_steps, fitted=None):
   its end; the learning rate is continuous there. Unfitted, the ramp is the bent one with its knot where the
   cooldown begins (the same numbers, exactly), so that fitting changes the schedule's numbers, not its
   program."""
-  if fitted is None:
-    fitted = FittedEnd(num_train_steps, num_train_steps - cooldown_steps, 1.0)
+  fitted = fitted or FittedEnd.unbent(num_train_steps, cooldown_steps)
 
   def cooled(count):
     count = jnp.asarray(count, jnp.float32)
@@ -104,7 +108,7 @@ def schedule_numbers(config, fitted=None):
   if cooldown > config.num_train_steps:
     raise ValueError(f'config.cooldown_steps={cooldown} must lie in [1, config.num_train_steps='
                      f'{config.num_train_steps}]: the ramp ends at the last update')
-  end = fitted or FittedEnd(config.num_train_steps, config.num_train_steps - cooldown, 1.0)
+  end = fitted or FittedEnd.unbent(config.num_train_steps, cooldown)
   return dict(numbers, num_train_steps=config.num_train_steps, cooldown_steps=cooldown,
               fitted_end=end.num_train_steps, knot_step=end.knot_step, knot_ramp=end.knot_ramp)
 
