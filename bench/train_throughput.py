@@ -145,9 +145,8 @@ def build(name, attention_impl, remat, prng_impl='', chunk=''):
   task = lm.task_of(config)
   model_config = model_lib.ModelConfig.from_config(config, vocab, architecture=lm.ARCHITECTURES[task])
   model = lm.build(task, model_config, mask_id=4)
-  optimizer, _ = train_step_lib.make_optimizer(config)
   mesh = sharding.mesh_from_config(config)
-  state, state_sharding = train_step_lib.create_state(model, optimizer, config, mesh)
+  state, state_sharding = train_step_lib.create_state(model, config, mesh)
   train_fn, _ = train_step_lib.jit_steps(model, config, mesh, state_sharding)
   dtype, attention = model.config.dtype, model.config.attention_impl  # as settled for this machine
   print(f'# {name} ({task}): {model_lib.count_params(state.params):,} parameters, vocab {vocab}, {dtype}, attention '

@@ -76,9 +76,11 @@ class ValidationBleu:
     decode_config.model.attention_impl, decode_config.model.remat = 'auto', 'none'
     self.model = workdir_lib.build_model(decode_config, tokenizer)
     self.replicated = sharding.replicated(mesh)
-    self.options = dict(beam_size=config.eval_bleu_beam_size, alpha=float(config.length_penalty_alpha),
+    self.options = dict(beam_size=config.eval_bleu_beam_size, alpha=np.float32(config.length_penalty_alpha),
                         extra_length=config.max_decode_extra_length)
-    self._search = jax.jit(lambda params, src: decode.search(self.model, params, src, **self.options),
+    # decode.search with the model static and alpha an input: runs of an equal model in one process (an
+    # ensemble's members, the tests) trace it once.
+    self._search = jax.jit(decode.search, static_argnums=0, static_argnames=('beam_size', 'extra_length'),
                            out_shardings=self.replicated)
     self.batches = list(self._plan())
 
@@ -99,7 +101,7 @@ class ValidationBleu:
     for members, src in self.batches:
       # The same rows on every host: a replicated global array (one process: just a device copy).
       src = jax.make_array_from_process_local_data(self.replicated, src)
-      tokens, _ = self._search(params, src)
+      tokens, _ = self._search(self.model, params, src, **self.options)
       tokens = np.asarray(tokens.addressable_data(0))  # replicated: the local copy is the whole result
       for row, index in enumerate(members):
         hypotheses[index] = self.tokenizer.decode(tokens[row, 0].tolist())

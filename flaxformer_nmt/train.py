@@ -111,8 +111,7 @@ def set_up(config, workdir):
   model = build_model(config, tokenizer)
   decided = time_budget.load(workdir)  # an end fitted to the time limit by an earlier run of this workdir
   fitted = decided if decided and decided.num_train_steps < config.num_train_steps else None
-  optimizer, _ = train_step_lib.make_optimizer(config)  # what the state holds; the step builds its own
-  state, state_sharding = train_step_lib.create_state(model, optimizer, config, mesh)
+  state, state_sharding = train_step_lib.create_state(model, config, mesh)
   logging.info('Model: %s parameters, %s', f'{model_lib.count_params(state.params):,}', model.config)
   checkpoints = checkpoints_lib.Checkpoints(workdir, keep=config.keep_checkpoints)
   with preemption.closed_on_error(train_batches, checkpoints):  # a refused resume leaves no thread behind

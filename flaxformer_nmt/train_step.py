@@ -129,15 +129,21 @@ def make_schedule(config, fitted=None, numbers=None):
 
 
 def make_optimizer(config, fitted=None, numbers=None):
-  """Adam(b1, b2, eps) on the configured schedule (decoupled weight decay if config.weight_decay > 0, as
-  fairseq's Adam and optax.adamw apply it: lr * weight_decay * param), after optional gradient clipping.
+  """(Adam on the configured schedule, the schedule): see adam_of and make_schedule; `fitted` and `numbers`
+  change the schedule only, never the optimizer state."""
+  schedule = make_schedule(config, fitted, numbers)
+  return adam_of(config, schedule), schedule
+
+
+def adam_of(config, schedule):
+  """Adam(b1, b2, eps) on `schedule` (decoupled weight decay if config.weight_decay > 0, as fairseq's Adam and
+  optax.adamw apply it: lr * weight_decay * param), after optional gradient clipping. `config`: a config, or
+  the StepOptions that carry its fields.
 
   Clipping is stateless, so it is applied inside Adam's update rather than chained in front of it: the
   optimizer state is Adam's alone with or without clipping, and a run can be resumed with
-  --config.grad_clip_norm switched on or off (as the NaN error advises). `fitted` and `numbers`: see
-  make_schedule; the optimizer state is the same with or without them.
+  --config.grad_clip_norm switched on or off (as the NaN error advises).
   """
-  schedule = make_schedule(config, fitted, numbers)
   if config.weight_decay > 0:
     adam = optax.adamw(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
                        weight_decay=config.weight_decay)
@@ -149,8 +155,8 @@ def make_optimizer(config, fitted=None, numbers=None):
     def update(updates, state, params=None):
       clipped, _ = clip.update(updates, clip.init(updates))
       return adam.update(clipped, state, params)
-    return optax.GradientTransformation(adam.init, update), schedule
-  return adam, schedule
+    return optax.GradientTransformation(adam.init, update)
+  return adam
 
 
 # --- Loss --------------------------------------------------------------------------------------------------
@@ -409,20 +415,73 @@ def init_state(model, optimizer, seed, batch_shape=(1, 8), prng_impl=DEFAULT_PRN
                     rng=jax.random.key_data(dropout_rng))
 
 
-def state_shardings(model, optimizer, config, mesh):
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+  """What the compiled train and eval steps are specialized on: the model and the config fields the steps
+  read, under their config names (adam_of reads them as it reads a config). Frozen and hashable, it is a
+  static argument of module-level step functions, so runs of one model and options in one process (an
+  ensemble's members, a run resumed in-process, a sweep, the tests) trace and lower their steps once; the
+  schedule's numbers are an input (schedule_numbers), the seed a static argument of the initialization only."""
+  model: object
+  task: str
+  label_smoothing: float
+  grad_accumulation_steps: int
+  rdrop_alpha: float
+  prng_impl: str
+  vocabulary_loss_chunk_tokens: int
+  learning_rate_schedule: str
+  weight_decay: float
+  adam_b1: float
+  adam_b2: float
+  adam_eps: float
+  grad_clip_norm: float
+
+  @classmethod
+  def of(cls, model, config):
+    return cls(model=model, task=lm.task_of(config), label_smoothing=float(config.label_smoothing),
+               grad_accumulation_steps=int(config.grad_accumulation_steps), rdrop_alpha=float(config.rdrop_alpha),
+               prng_impl=config.prng_impl,
+               vocabulary_loss_chunk_tokens=int(config.get('vocabulary_loss_chunk_tokens', 0)),
+               learning_rate_schedule=config.learning_rate_schedule, weight_decay=float(config.weight_decay),
+               adam_b1=float(config.adam_b1), adam_b2=float(config.adam_b2), adam_eps=float(config.adam_eps),
+               grad_clip_norm=float(config.grad_clip_norm))
+
+
+def _fresh_state(seed, options):
+  # The optimizer state holds Adam's moments and the schedule's update count; the schedule itself is not
+  # called at initialization, so any schedule gives the same state.
+  return init_state(options.model, adam_of(options, lambda count: 0.0), seed, prng_impl=options.prng_impl)
+
+
+def _train(state, batch, numbers, options):
+  optimizer, schedule = make_optimizer(options, numbers=numbers)
+  return train_step(state, batch, model=options.model, optimizer=optimizer, schedule=schedule,
+                    label_smoothing=options.label_smoothing, grad_accumulation_steps=options.grad_accumulation_steps,
+                    task=options.task, rdrop_alpha=options.rdrop_alpha, prng_impl=options.prng_impl,
+                    vocabulary_loss_chunk_tokens=options.vocabulary_loss_chunk_tokens)
+
+
+def _evaluate(params, batch, options):
+  return eval_step(params, batch, model=options.model, label_smoothing=options.label_smoothing, task=options.task)
+
+
+@functools.lru_cache(maxsize=8)
+def _abstract_state(options):
+  # jax.eval_shape traces at every call; the shapes are the same for an equal model and options, any seed.
+  return jax.eval_shape(functools.partial(_fresh_state, 0, options))
+
+
+def state_shardings(model, config, mesh):
   """The sharding of every leaf of the train state (parameters replicated, or FSDP-sharded over 'fsdp';
-  optimizer moments laid out like their parameters), from its shapes alone (jax.eval_shape, no FLOPs)."""
-  abstract = jax.eval_shape(functools.partial(init_state, model, optimizer, config.seed,
-                                              prng_impl=config.prng_impl))
-  return sharding.state_shardings(abstract, mesh)
+  optimizer moments laid out like their parameters), from its shapes alone (no FLOPs)."""
+  return sharding.state_shardings(_abstract_state(StepOptions.of(model, config)), mesh)
 
 
-def create_state(model, optimizer, config, mesh):
+def create_state(model, config, mesh):
   """(fresh train state created directly in its sharded layout, its shardings)."""
-  shardings = state_shardings(model, optimizer, config, mesh)
-  init = jax.jit(functools.partial(init_state, model, optimizer, config.seed, prng_impl=config.prng_impl),
-                 out_shardings=shardings)
-  return init(), shardings
+  shardings = state_shardings(model, config, mesh)
+  init = jax.jit(_fresh_state, static_argnums=(0, 1), out_shardings=shardings)
+  return init(config.seed, StepOptions.of(model, config)), shardings
 
 
 class TrainStep:
@@ -430,8 +489,8 @@ class TrainStep:
   step(state, batch) -> (state, metrics). refit(fitted) is the same program on a schedule bent to end at
   `fitted` (a FittedEnd); lower and trace, as jax.jit's, take (state, batch)."""
 
-  def __init__(self, jitted, config, replicated, fitted=None):
-    self.jitted, self.config, self.replicated, self.fitted = jitted, config, replicated, fitted
+  def __init__(self, jitted, options, config, replicated, fitted=None):
+    self.jitted, self.options, self.config, self.replicated, self.fitted = jitted, options, config, replicated, fitted
     self.numbers = {name: np.float32(value) for name, value in schedule_numbers(config, fitted).items()}
     self._on_devices = None
 
@@ -439,7 +498,7 @@ class TrainStep:
     if self._on_devices is None:  # replicated, put once (no transfer per step); every process holds them all
       self._on_devices = {name: jax.make_array_from_process_local_data(self.replicated, np.asarray(value))
                           for name, value in self.numbers.items()}
-    return self.jitted(state, batch, self._on_devices)
+    return self.jitted(state, batch, self._on_devices, self.options)
 
   def _abstract_numbers(self):
     """The numbers as the compiler sees them (a mesh of abstract devices, as for lowering for another
@@ -447,35 +506,26 @@ class TrainStep:
     return {name: jax.ShapeDtypeStruct((), np.float32, sharding=self.replicated) for name in self.numbers}
 
   def lower(self, state, batch):
-    return self.jitted.lower(state, batch, self._abstract_numbers())
+    return self.jitted.lower(state, batch, self._abstract_numbers(), self.options)
 
   def trace(self, state, batch):
-    return self.jitted.trace(state, batch, self._abstract_numbers())
+    return self.jitted.trace(state, batch, self._abstract_numbers(), self.options)
 
   def refit(self, fitted):
-    return TrainStep(self.jitted, self.config, self.replicated, fitted)
+    return TrainStep(self.jitted, self.options, self.config, self.replicated, fitted)
 
 
 def jit_steps(model, config, mesh, state_sharding=None):
   """(the compiled train step, a TrainStep; the compiled eval step), with explicit shardings: the state as
   `state_sharding` (default: as state_shardings gives it), the batch's rows split over every device of the
   mesh, metrics and the schedule's numbers replicated. The train state is donated, so its buffers are updated
-  in place. Adam and the schedule are built inside the step from config and the numbers it is given."""
+  in place. Adam and the schedule are built inside the step from StepOptions and the numbers it is given."""
   if state_sharding is None:
-    state_sharding = state_shardings(model, make_optimizer(config)[0], config, mesh)
-  step_options = dict(model=model, label_smoothing=config.label_smoothing,
-                      grad_accumulation_steps=config.grad_accumulation_steps, task=lm.task_of(config),
-                      rdrop_alpha=config.rdrop_alpha, prng_impl=config.prng_impl,
-                      vocabulary_loss_chunk_tokens=config.get('vocabulary_loss_chunk_tokens', 0))
-
-  def train(state, batch, numbers):
-    optimizer, schedule = make_optimizer(config, numbers=numbers)
-    return train_step(state, batch, optimizer=optimizer, schedule=schedule, **step_options)
-
-  evaluate = functools.partial(eval_step, model=model, label_smoothing=config.label_smoothing,
-                               task=lm.task_of(config))
+    state_sharding = state_shardings(model, config, mesh)
+  options = StepOptions.of(model, config)
   batch_sharding, replicated = sharding.batch_sharded(mesh), sharding.replicated(mesh)
-  train_jitted = jax.jit(train, in_shardings=(state_sharding, batch_sharding, replicated),
-                         out_shardings=(state_sharding, replicated), donate_argnums=0)
-  return (TrainStep(train_jitted, config, replicated),
-          jax.jit(evaluate, in_shardings=(state_sharding.params, batch_sharding), out_shardings=replicated))
+  train_jitted = jax.jit(_train, in_shardings=(state_sharding, batch_sharding, replicated),
+                         out_shardings=(state_sharding, replicated), static_argnums=3, donate_argnums=0)
+  eval_jitted = jax.jit(_evaluate, in_shardings=(state_sharding.params, batch_sharding), out_shardings=replicated,
+                        static_argnums=2)
+  return TrainStep(train_jitted, options, config, replicated), lambda params, batch: eval_jitted(params, batch, options)

@@ -42,8 +42,7 @@ def batches(vocab, rows=8, length=12, seed=0):
 
 def run(config, mesh):
   model = model_lib.Transformer(model_lib.ModelConfig.from_config(config, config.vocab_size))
-  optimizer, _ = ts.make_optimizer(config)
-  state, shardings = ts.create_state(model, optimizer, config, mesh)
+  state, shardings = ts.create_state(model, config, mesh)
   train_fn, eval_fn = ts.jit_steps(model, config, mesh, shardings)
   batch_sharding = sharding.batch_sharded(mesh)
   losses = []

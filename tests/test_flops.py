@@ -47,9 +47,8 @@ def test_analytic_flops_match_xla_cost_analysis(length):
   config.model.num_encoder_layers = config.model.num_decoder_layers = 2
   vocab = 512
   model = model_lib.Transformer(model_lib.ModelConfig.from_config(config, vocab))
-  optimizer, _ = ts.make_optimizer(config)
   mesh = sharding.make_mesh(devices=jax.devices()[:1])
-  state, shardings = ts.create_state(model, optimizer, config, mesh)
+  state, shardings = ts.create_state(model, config, mesh)
   train_fn, _ = ts.jit_steps(model, config, mesh, shardings)
   rows = 8
   tokens = np.random.default_rng(0).integers(4, vocab, (rows, length), dtype=np.int32)

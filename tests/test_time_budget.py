@@ -161,7 +161,7 @@ def test_fitting_without_a_time_limit_or_a_cooldown_is_a_config_error(toy_corpus
 
 
 def test_the_trainer_fits_where_the_fitted_cooldown_begins_follows_the_bent_schedule_and_stops_at_its_end(
-    toy_corpus, tmp_path, monkeypatch):
+    toy_corpus, tmp_path, monkeypatch, traces):
   """The loop's side: the fit is projected at logging steps with this run's measurements and decided where the
   fitted cooldown (its configured two thirds of the run) begins, before the configured start; the step runs
   on the bent schedule without compiling again (the learning rate logged at every step follows it), the run
@@ -182,15 +182,21 @@ def test_the_trainer_fits_where_the_fitted_cooldown_begins_follows_the_bent_sche
   monkeypatch.setattr(time_budget, 'MIN_MEASURED_STEPS', 10)  # a run this short measures less
   refits, refit, calls, call = [], ts.TrainStep.refit, [], ts.TrainStep.__call__
   monkeypatch.setattr(ts.TrainStep, 'refit', lambda self, fitted: refits.append(refit(self, fitted)) or refits[-1])
-  monkeypatch.setattr(ts.TrainStep, '__call__', lambda self, state, batch: calls.append(
-      (self.jitted, batch['src'].shape)) or call(self, state, batch))
+
+  def counted_call(self, state, batch):  # (the jitted function, the batch shape, whether the call traced)
+    before = traces.count('_train')
+    out = call(self, state, batch)
+    calls.append((self.jitted, batch['src'].shape, traces.count('_train') > before))
+    return out
+  monkeypatch.setattr(ts.TrainStep, '__call__', counted_call)
   workdir = tmp_path / 'run'
   train.train_and_evaluate(config, workdir)
   # Both schedules ran the same compiled programs, one per batch shape: the fit changed the numbers the step
-  # reads, not the step.
+  # reads, not the step. (A step traced earlier in this process, by another test, is not traced again.)
   assert len(refits) == 1 and refits[0].fitted == ts.FittedEnd(40, 13, 1.0)
-  assert {jitted for jitted, _ in calls} == {refits[0].jitted}
-  assert refits[0].jitted._cache_size() == len({shape for _, shape in calls})
+  assert {jitted for jitted, _, _ in calls} == {refits[0].jitted}
+  traced_shapes = [shape for _, shape, traced in calls if traced]
+  assert len(traced_shapes) == len(set(traced_shapes))
 
   # Projected from 10 measured steps on; 40 steps fit, so the cooldown keeps 40/60 of them: it begins after
   # update round(40 / 3) = 13, where the fit is decided (the configured start is 20).

@@ -234,7 +234,7 @@ def test_runs_differing_only_in_the_schedules_numbers_compile_to_one_program():
     c.update(fields)
     model = model_lib.Transformer(model_lib.ModelConfig.from_config(c, c.vocab_size))
     mesh = sharding.make_mesh(devices=jax.devices()[:1])
-    state, shardings = ts.create_state(model, ts.make_optimizer(c)[0], c, mesh)
+    state, shardings = ts.create_state(model, c, mesh)
     train_fn, _ = ts.jit_steps(model, c, mesh, shardings)
     train_fn = train_fn.refit(fitted) if fitted else train_fn
     tokens = np.full((2, 8), 5, np.int32)
@@ -245,6 +245,36 @@ def test_runs_differing_only_in_the_schedules_numbers_compile_to_one_program():
   assert lowered(fitted=ts.FittedEnd(num_train_steps=900, knot_step=400, knot_ramp=0.5)) == program
   assert lowered(cooldown_steps=0) != program
   assert lowered(learning_rate_schedule='inverse_sqrt', learning_rate=0.005) != program
+
+
+def test_a_second_run_of_an_equal_model_and_options_traces_nothing(traces):
+  """The steps are module-level functions with the model and StepOptions static: another run of an equal model
+  and config in the same process (an ensemble's next member, the tests) reuses the traced and compiled steps,
+  whatever its schedule's numbers; a seed retraces the initialization only; another option is another step."""
+  def run(**fields):
+    c = config_lib.base_config()
+    c.vocab_size, c.model.dtype, c.cooldown_steps = 32, 'float32', 100
+    c.model.num_encoder_layers = c.model.num_decoder_layers = 1
+    c.model.d_model, c.model.d_ff, c.model.num_heads = 16, 24, 2
+    c.update(fields)
+    model = model_lib.Transformer(model_lib.ModelConfig.from_config(c, c.vocab_size))  # a new, equal object
+    mesh = sharding.make_mesh(devices=jax.devices()[:1])
+    state, shardings = ts.create_state(model, c, mesh)
+    train_fn, eval_fn = ts.jit_steps(model, c, mesh, shardings)
+    tokens = np.full((2, 8), 5, np.int32)
+    batch = {'src': tokens, 'tgt_in': tokens, 'tgt_out': tokens}
+    state, metrics = train_fn(state, batch)
+    return float(metrics['learning_rate']), float(eval_fn(state.params, batch)['loss_sum'])
+
+  first = run()
+  traces.clear()
+  again = run(warmup_steps=7, num_train_steps=500)
+  assert traces == [] and again[0] != first[0]  # the other warmup's learning rate, from the same program
+  run(seed=5)
+  assert traces == ['_fresh_state']
+  traces.clear()
+  run(label_smoothing=0.3)
+  assert {'_train', '_evaluate'} <= set(traces)
 
 
 def test_cooldown_longer_than_the_run_is_refused():

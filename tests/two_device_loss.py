@@ -22,8 +22,7 @@ def main():
   model, _, config = two_device_setup()
   mesh = sharding.make_mesh()
   assert mesh.devices.size == 2
-  optimizer, _ = ts.make_optimizer(config)
-  state, shardings = ts.create_state(model, optimizer, config, mesh)
+  state, shardings = ts.create_state(model, config, mesh)
   train_fn, _ = ts.jit_steps(model, config, mesh, shardings)
   # Row 0 (device 0): 1 target token; row 1 (device 1): 11.
   batch = {'src': np.array([[5, 3] + [0] * 10, [6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 3]], np.int32),
