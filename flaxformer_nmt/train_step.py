@@ -1,4 +1,5 @@
-"""Loss, learning-rate schedule, optimizer and the pure train/eval steps that `train.py` jit-compiles."""
+"""Loss, learning-rate schedule, optimizer, the pure train/eval steps, and their jit-compiled forms that
+`train.py` runs (jit_steps, create_state)."""
 import dataclasses
 import functools
 

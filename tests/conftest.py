@@ -121,17 +121,14 @@ def small_config(data_dir):
 def traces():
   """The names of the functions jax traces for jit while the test runs, in order (jax.monitoring's trace
   events: a call that reuses a compiled program, or a trace cached by an earlier call, adds none)."""
-  from jax._src import monitoring  # pylint: disable=g-import-not-at-top
   names = []
 
   def listener(event, duration, **kwargs):
     if event == '/jax/core/compile/jaxpr_trace_duration':
       names.append(kwargs.get('fun_name'))
-  monitoring.register_event_duration_secs_listener(listener)
+  jax.monitoring.register_event_duration_secs_listener(listener)
   yield names
-  unregister = getattr(monitoring, 'unregister_event_duration_listener', None) or getattr(
-      monitoring, '_unregister_event_duration_listener_by_callback')
-  unregister(listener)
+  jax.monitoring.unregister_event_duration_listener(listener)
 
 
 @pytest.fixture

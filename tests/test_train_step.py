@@ -221,24 +221,31 @@ def test_a_fitted_end_bends_the_cooldown_at_its_knot_to_reach_zero_at_its_end():
   assert float(bent(850)) == 0.0 and float(bent(849)) > 0.0  # the fitted run's last update still moves
 
 
+def tiny_run(fitted=None, **fields):
+  """(fresh state, train step, eval step, a batch) of a 1+1-layer model on one device, config fields overridden;
+  every call builds a new, equal model object."""
+  c = config_lib.base_config()
+  c.vocab_size, c.model.dtype, c.cooldown_steps = 32, 'float32', 100
+  c.model.num_encoder_layers = c.model.num_decoder_layers = 1
+  c.model.d_model, c.model.d_ff, c.model.num_heads = 16, 32, 2
+  c.update(fields)
+  model = model_lib.Transformer(model_lib.ModelConfig.from_config(c, c.vocab_size))
+  mesh = sharding.make_mesh(devices=jax.devices()[:1])
+  state, shardings = ts.create_state(model, c, mesh)
+  train_fn, eval_fn = ts.jit_steps(model, c, mesh, shardings)
+  tokens = np.full((2, 8), 5, np.int32)
+  return state, train_fn.refit(fitted) if fitted else train_fn, eval_fn, {'src': tokens, 'tgt_in': tokens,
+                                                                         'tgt_out': tokens}
+
+
 def test_runs_differing_only_in_the_schedules_numbers_compile_to_one_program():
   """The schedule's numbers are an input of the compiled step, not constants in it: runs that differ only in
   warmup, peak, length or a fitted end lower to the same program (JAX's persistent cache serves them all), and
   the time fit's bent schedule runs on the step already compiled. Which schedule, and whether it has a
   cooldown, is the program's."""
   def lowered(fitted=None, **fields):
-    c = config_lib.base_config()
-    c.vocab_size, c.model.dtype, c.cooldown_steps = 32, 'float32', 100
-    c.model.num_encoder_layers = c.model.num_decoder_layers = 1
-    c.model.d_model, c.model.d_ff, c.model.num_heads = 16, 32, 2
-    c.update(fields)
-    model = model_lib.Transformer(model_lib.ModelConfig.from_config(c, c.vocab_size))
-    mesh = sharding.make_mesh(devices=jax.devices()[:1])
-    state, shardings = ts.create_state(model, c, mesh)
-    train_fn, _ = ts.jit_steps(model, c, mesh, shardings)
-    train_fn = train_fn.refit(fitted) if fitted else train_fn
-    tokens = np.full((2, 8), 5, np.int32)
-    return train_fn.lower(state, {'src': tokens, 'tgt_in': tokens, 'tgt_out': tokens}).as_text()
+    state, train_fn, _, batch = tiny_run(fitted, **fields)
+    return train_fn.lower(state, batch).as_text()
 
   program = lowered()
   assert lowered(warmup_steps=7, learning_rate_scale=0.3, num_train_steps=500, cooldown_steps=123) == program
@@ -252,17 +259,7 @@ def test_a_second_run_of_an_equal_model_and_options_traces_nothing(traces):
   and config in the same process (an ensemble's next member, the tests) reuses the traced and compiled steps,
   whatever its schedule's numbers; a seed retraces the initialization only; another option is another step."""
   def run(**fields):
-    c = config_lib.base_config()
-    c.vocab_size, c.model.dtype, c.cooldown_steps = 32, 'float32', 100
-    c.model.num_encoder_layers = c.model.num_decoder_layers = 1
-    c.model.d_model, c.model.d_ff, c.model.num_heads = 16, 24, 2
-    c.update(fields)
-    model = model_lib.Transformer(model_lib.ModelConfig.from_config(c, c.vocab_size))  # a new, equal object
-    mesh = sharding.make_mesh(devices=jax.devices()[:1])
-    state, shardings = ts.create_state(model, c, mesh)
-    train_fn, eval_fn = ts.jit_steps(model, c, mesh, shardings)
-    tokens = np.full((2, 8), 5, np.int32)
-    batch = {'src': tokens, 'tgt_in': tokens, 'tgt_out': tokens}
+    state, train_fn, eval_fn, batch = tiny_run(**fields)
     state, metrics = train_fn(state, batch)
     return float(metrics['learning_rate']), float(eval_fn(state.params, batch)['loss_sum'])
 
