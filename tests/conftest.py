@@ -157,6 +157,13 @@ def evaluation_fails_at(monkeypatch):
   return fail_at
 
 
+def pytest_collection_modifyitems(session, config, items):  # pylint: disable=unused-argument
+  """Tests marked `profiler` run first. jax.profiler's stop_trace writes out every compiled program the
+  process holds (measured: a 5-step toy run's 2-step trace took 1.3 s in a fresh process, 5.0 s once 40 small
+  searches had been compiled); late in the suite, with hundreds held, each such test took 9-12 s."""
+  items.sort(key=lambda item: item.get_closest_marker('profiler') is None)  # stable: the rest keep their order
+
+
 def pytest_unconfigure(config):  # pylint: disable=unused-argument
   if _COMPILATION_CACHE:
     shutil.rmtree(_COMPILATION_CACHE, ignore_errors=True)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import in_process
 from conftest import small_config, write_toy_corpus
 from flaxformer_nmt import decode
 from flaxformer_nmt import train
@@ -60,11 +61,14 @@ def test_batches_hold_every_sentence_once_within_the_token_budget(translator):
       assert seen == nonempty  # input order
 
 
-def run_cli(args, workdir, stdin=None, extra_workdir=True):
-  workdir_flag = [f'--workdir={workdir}'] if extra_workdir else []
-  result = subprocess.run([sys.executable, '-m', 'flaxformer_nmt.decode'] + workdir_flag + args,
-                          input=stdin, capture_output=True, text=True, timeout=300)
-  return result
+def run_cli(args, workdir, stdin=None, extra_workdir=True, subprocess_=False):
+  """The decode command on `args` (and --workdir=workdir): its main in this process (in_process.py), or with
+  subprocess_=True as `python -m flaxformer_nmt.decode`."""
+  args = ([f'--workdir={workdir}'] if extra_workdir else []) + args
+  if not subprocess_:
+    return in_process.run(decode, args, stdin)
+  return subprocess.run([sys.executable, '-m', 'flaxformer_nmt.decode'] + args, input=stdin, capture_output=True,
+                        text=True, timeout=300)
 
 
 def test_batched_translations_equal_one_sentence_at_a_time(translator, mixed):
@@ -80,7 +84,9 @@ def test_batched_translations_equal_one_sentence_at_a_time(translator, mixed):
 
 
 def test_cli_from_stdin_in_chunks_equals_the_api(workdir, translator, mixed):
-  result = run_cli(['--buffer_lines=3'], workdir, stdin=''.join(s + '\n' for s in mixed))
+  # The real command (`python -m`, stdin a pipe), as in test_cli_bad_input_names_the_line; the other CLI tests
+  # run its main in this process.
+  result = run_cli(['--buffer_lines=3'], workdir, stdin=''.join(s + '\n' for s in mixed), subprocess_=True)
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.split('\n')
   assert lines[-1] == '' and len(lines) - 1 == len(mixed)

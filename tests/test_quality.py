@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import sacrebleu
 
+import in_process
 from conftest import small_config, subprocess_env
 from flaxformer_nmt import best_checkpoint
 from flaxformer_nmt import bleu_eval
@@ -86,9 +87,8 @@ def test_training_logs_validation_bleu_and_keeps_the_best_checkpoint(toy_corpus,
 
   # decode --checkpoint best from the command line.
   (tmp_path / 'in.en').write_text('\n'.join(sources[:3]) + '\n')
-  result = subprocess.run([sys.executable, '-m', 'flaxformer_nmt.decode', f'--workdir={workdir}',
-                           '--checkpoint=best', f'--input={tmp_path / "in.en"}', '--greedy'],
-                          capture_output=True, text=True, timeout=300)
+  result = in_process.run(decode, [f'--workdir={workdir}', '--checkpoint=best', f'--input={tmp_path / "in.en"}',
+                                   '--greedy'])
   assert result.returncode == 0, result.stderr[-2000:]
   assert result.stdout.split('\n')[:-1] == best.translate(sources[:3], beam_size=0)
 

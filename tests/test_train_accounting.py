@@ -11,6 +11,7 @@ from flaxformer_nmt import train
 from flaxformer_nmt import workdir as workdir_lib
 
 
+@pytest.mark.profiler
 def test_log_carries_throughput_flops_mfu_and_the_profile_is_written(toy_corpus, tmp_path):
   config = small_config(toy_corpus)
   config.num_train_steps = 6
@@ -52,6 +53,7 @@ def test_a_workdir_with_pre_fused_checkpoints_is_refused_not_moved_aside(toy_cor
   assert (workdir / 'checkpoints' / '100').exists()
 
 
+@pytest.mark.profiler
 @pytest.mark.parametrize('ending', ['end', 'error'])
 def test_a_profile_window_the_run_stops_inside_is_written_and_closed(toy_corpus, tmp_path, evaluation_fails_at,
                                                                       ending):

@@ -1,0 +1,53 @@
+"""A command's main run in the test process, as `python -m flaxformer_nmt.X ARGS` runs it in its own.
+
+A subprocess costs the 2-core CI machine seconds that test nothing: importing jax, flax and orbax again (~2.5 s)
+and tracing and lowering every program again (the compilation cache spares only XLA's part). Tests of what a
+command does with its flags, input and output run its `main` here instead, the way absl's `app.run` would:
+its flags defined and parsed, stdin, stdout and stderr its own, its absl log lines on stderr, `sys.exit` and
+`app.UsageError` turned into an exit status. Each module's tests keep at least one real subprocess, which also
+covers the `python -m` entry point.
+"""
+import io
+import logging
+import subprocess
+import sys
+
+from absl import app, flags
+from absl import logging as absl_logging  # defines --verbosity
+
+
+def run(module, args, stdin=None):
+  """subprocess.CompletedProcess(args, returncode, stdout, stderr) of `module.main` on `args` (str stdin)."""
+  defined = set(flags.FLAGS)
+  module.define_flags()
+  stdout, stderr = io.StringIO(), io.StringIO()
+  log = logging.StreamHandler(stderr)
+  absl_logger = absl_logging.get_absl_logger()
+  absl_logger.addHandler(log)
+  saved = sys.argv, sys.stdin, sys.stdout, sys.stderr
+  sys.argv = [module.__name__, *args]  # ml_collections' config flag finds its --config.FIELD overrides there
+  sys.stdin = io.TextIOWrapper(io.BytesIO((stdin or '').encode('utf-8')), encoding='utf-8')
+  sys.stdout, sys.stderr = stdout, stderr
+  try:
+    argv = flags.FLAGS(sys.argv)
+    if flags.FLAGS['verbosity'].using_default_value:  # as app.run: INFO, unless the args chose a level
+      flags.FLAGS.verbosity = 0
+    module.main(argv)
+    returncode = 0
+  except flags.Error as e:  # app.run: the error and usage, exit 1
+    print(f'FATAL Flags parsing error: {e}', file=stderr)
+    returncode = 1
+  except app.UsageError as e:
+    print(e, file=stderr)
+    returncode = e.exitcode
+  except SystemExit as e:  # sys.exit(message) prints it and exits 1; sys.exit(n) exits n
+    if isinstance(e.code, str):
+      print(e.code, file=stderr)
+    returncode = 1 if isinstance(e.code, str) else (e.code or 0)
+  finally:
+    sys.argv, sys.stdin, sys.stdout, sys.stderr = saved
+    absl_logger.removeHandler(log)
+    flags.FLAGS.unparse_flags()  # the verbosity too: absl's logger back at WARNING
+    for name in set(flags.FLAGS) - defined:  # the module's, and those its parsing added (--config.FIELD)
+      delattr(flags.FLAGS, name)
+  return subprocess.CompletedProcess([module.__name__, *args], returncode, stdout.getvalue(), stderr.getvalue())
