@@ -4,20 +4,34 @@ A subprocess costs the 2-core CI machine seconds that test nothing: importing ja
 and tracing and lowering every program again (the compilation cache spares only XLA's part). Tests of what a
 command does with its flags, input and output run its `main` here instead, the way absl's `app.run` would:
 its flags defined and parsed, stdin, stdout and stderr its own, its absl log lines on stderr, `sys.exit` and
-`app.UsageError` turned into an exit status. Each module's tests keep at least one real subprocess, which also
-covers the `python -m` entry point.
+`app.UsageError` turned into an exit status. Each command keeps at least one real `python -m` run in the suite
+(`as_subprocess=True`), which also covers its entry point.
 """
 import io
 import logging
+import os
 import subprocess
 import sys
 
 from absl import app, flags
 from absl import logging as absl_logging  # defines --verbosity
 
+from flaxformer_nmt import host_memory
 
-def run(module, args, stdin=None):
-  """subprocess.CompletedProcess(args, returncode, stdout, stderr) of `module.main` on `args` (str stdin)."""
+
+# The trainer's main sets glibc's malloc to keep freed memory (host_memory.py), which slows every later compile
+# of the process it runs in: not the test process's.
+_ENVIRONMENT = {host_memory.ENV: '0'}
+
+
+def run(module, args, stdin=None, as_subprocess=False):
+  """subprocess.CompletedProcess(args, returncode, stdout, stderr) of `module.main` on `args` (str stdin); with
+  as_subprocess=True, of `python -m module args` instead."""
+  if as_subprocess:
+    return subprocess.run([sys.executable, '-m', module.__name__, *args], input=stdin, capture_output=True,
+                          text=True, timeout=300)
+  environment = {name: os.environ.get(name) for name in _ENVIRONMENT}
+  os.environ.update(_ENVIRONMENT)
   defined = set(flags.FLAGS)
   module.define_flags()
   stdout, stderr = io.StringIO(), io.StringIO()
@@ -46,6 +60,11 @@ def run(module, args, stdin=None):
     returncode = 1 if isinstance(e.code, str) else (e.code or 0)
   finally:
     sys.argv, sys.stdin, sys.stdout, sys.stderr = saved
+    for name, value in environment.items():
+      if value is None:
+        os.environ.pop(name, None)
+      else:
+        os.environ[name] = value
     absl_logger.removeHandler(log)
     flags.FLAGS.unparse_flags()  # the verbosity too: absl's logger back at WARNING
     for name in set(flags.FLAGS) - defined:  # the module's, and those its parsing added (--config.FIELD)

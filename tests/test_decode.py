@@ -61,14 +61,10 @@ def test_batches_hold_every_sentence_once_within_the_token_budget(translator):
       assert seen == nonempty  # input order
 
 
-def run_cli(args, workdir, stdin=None, extra_workdir=True, subprocess_=False):
-  """The decode command on `args` (and --workdir=workdir): its main in this process (in_process.py), or with
-  subprocess_=True as `python -m flaxformer_nmt.decode`."""
+def run_cli(args, workdir, stdin=None, extra_workdir=True, as_subprocess=False):
+  """The decode command on `args` (and --workdir=workdir): its main in this process, or `python -m` (in_process)."""
   args = ([f'--workdir={workdir}'] if extra_workdir else []) + args
-  if not subprocess_:
-    return in_process.run(decode, args, stdin)
-  return subprocess.run([sys.executable, '-m', 'flaxformer_nmt.decode'] + args, input=stdin, capture_output=True,
-                        text=True, timeout=300)
+  return in_process.run(decode, args, stdin, as_subprocess=as_subprocess)
 
 
 def test_batched_translations_equal_one_sentence_at_a_time(translator, mixed):
@@ -86,7 +82,7 @@ def test_batched_translations_equal_one_sentence_at_a_time(translator, mixed):
 def test_cli_from_stdin_in_chunks_equals_the_api(workdir, translator, mixed):
   # The real command (`python -m`, stdin a pipe), as in test_cli_bad_input_names_the_line; the other CLI tests
   # run its main in this process.
-  result = run_cli(['--buffer_lines=3'], workdir, stdin=''.join(s + '\n' for s in mixed), subprocess_=True)
+  result = run_cli(['--buffer_lines=3'], workdir, stdin=''.join(s + '\n' for s in mixed), as_subprocess=True)
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.split('\n')
   assert lines[-1] == '' and len(lines) - 1 == len(mixed)

@@ -17,7 +17,6 @@ from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import compare
 from flaxformer_nmt import decode
 from flaxformer_nmt import ensemble
-from flaxformer_nmt import host_memory
 from flaxformer_nmt import tokenizer as tokenizer_lib
 from flaxformer_nmt import train
 from flaxformer_nmt.workdir import ConfigError, member_workdir, save_or_check_config, validate_config
@@ -75,7 +74,7 @@ def test_an_ensemble_workdir_is_not_resumed_as_one_run_nor_the_reverse(tmp_path)
     validate_config(config)
 
 
-def test_the_command_stops_resumes_and_decodes_the_members_together(toy_corpus, tmp_path, monkeypatch):
+def test_the_command_stops_resumes_and_decodes_the_members_together(toy_corpus, tmp_path):
   config = small_config(toy_corpus)
   config.ensemble_members, config.seed, config.max_train_minutes = 2, 3, 60.0
   config.num_train_steps, config.checkpoint_every_steps, config.eval_every_steps = 100, 10, 1000
@@ -106,9 +105,8 @@ def test_the_command_stops_resumes_and_decodes_the_members_together(toy_corpus, 
     decode.Translator(workdir)
 
   # The same command again finishes member0, then trains member1: its main in this process (in_process.py),
-  # which has compiled the toy model's steps and searches already; malloc left as the test process has it.
-  monkeypatch.setenv(host_memory.ENV, '0')
-  result = in_process.run(train, args[3:])
+  # which has compiled the toy model's steps and searches already.
+  result = in_process.run(train, resilience.cli_flags(config, workdir))
   assert result.returncode == 0, result.stderr[-3000:]
   configs = [json.loads((m / 'config.json').read_text()) for m in members]
   assert [(c['seed'], c['max_train_minutes'], c['ensemble_members']) for c in configs] == [(3, 30.0, 1), (4, 30.0, 1)]

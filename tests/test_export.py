@@ -109,19 +109,16 @@ def toy_sources(workdir):
       (workdir.parent / 'data' / 'valid.en').read_text().splitlines()
 
 
-def run_export(workdir, output_dir, *args, subprocess_=False):
-  """The export command: its main in this process (in_process.py), or `python -m flaxformer_nmt.export`."""
+def run_export(workdir, output_dir, *args, as_subprocess=False):
+  """The export command: its main in this process, or `python -m flaxformer_nmt.export` (in_process.run)."""
   args = [f'--workdir={workdir}', f'--output_dir={output_dir}', '--format=ctranslate2', *args]
-  if not subprocess_:
-    return in_process.run(export, args)
-  return subprocess.run([sys.executable, '-m', 'flaxformer_nmt.export', *args], capture_output=True, text=True,
-                        timeout=300)
+  return in_process.run(export, args, as_subprocess=as_subprocess)
 
 
 @pytest.fixture(scope='module')
 def exported(workdir, tmp_path_factory):
   output_dir = tmp_path_factory.mktemp('exported') / 'ct2'
-  result = run_export(workdir, output_dir, subprocess_=True)  # the file's one run of the real command
+  result = run_export(workdir, output_dir, as_subprocess=True)  # the file's one run of the real command
   assert result.returncode == 0, result.stderr[-3000:]
   return output_dir
 

@@ -16,7 +16,6 @@ import in_process
 from conftest import small_config, tiny_model
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import config as config_lib
-from flaxformer_nmt import host_memory
 from flaxformer_nmt import metrics as metrics_lib
 from flaxformer_nmt import preemption
 from flaxformer_nmt import train
@@ -25,15 +24,20 @@ from flaxformer_nmt import train_step as ts
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def cli_args(config, workdir):
-  """The `python -m flaxformer_nmt.train` command line reproducing `config` from configs/multi30k.py."""
-  args = [sys.executable, '-m', 'flaxformer_nmt.train', f'--config={REPO}/configs/multi30k.py', f'--workdir={workdir}']
+def cli_flags(config, workdir):
+  """The trainer's flags reproducing `config` from configs/multi30k.py."""
+  args = [f'--config={REPO}/configs/multi30k.py', f'--workdir={workdir}']
   for key, value in config.items():
     if key == 'model':
       args += [f'--config.model.{k}={v}' for k, v in value.items()]
     else:
       args.append(f'--config.{key}={value if not isinstance(value, tuple) else str(value).replace(" ", "")}')
   return args
+
+
+def cli_args(config, workdir):
+  """The `python -m flaxformer_nmt.train` command line reproducing `config` from configs/multi30k.py."""
+  return [sys.executable, '-m', 'flaxformer_nmt.train', *cli_flags(config, workdir)]
 
 
 def wait_for_checkpoint(workdir, after, process, timeout=120):
@@ -49,7 +53,7 @@ def wait_for_checkpoint(workdir, after, process, timeout=120):
   raise TimeoutError
 
 
-def test_sigterm_then_sigkill_then_resume_equals_an_uninterrupted_run(toy_corpus, tmp_path, monkeypatch):
+def test_sigterm_then_sigkill_then_resume_equals_an_uninterrupted_run(toy_corpus, tmp_path):
   config = small_config(toy_corpus)
   config.num_train_steps = 150
   config.checkpoint_every_steps = 10
@@ -78,10 +82,8 @@ def test_sigterm_then_sigkill_then_resume_equals_an_uninterrupted_run(toy_corpus
   process.communicate()
   assert process.returncode == -signal.SIGKILL
 
-  # The same command again runs to the end (its main in this process, in_process.py: no signal is sent to it;
-  # malloc left as the test process has it).
-  monkeypatch.setenv(host_memory.ENV, '0')
-  result = in_process.run(train, args[3:])
+  # The same command again runs to the end (its main in this process, in_process.py: no signal is sent to it).
+  result = in_process.run(train, cli_flags(config, workdir))
   assert result.returncode == 0, result.stderr[-3000:]
   last_step = config.num_train_steps
   assert (result.stderr.index(f'Saving checkpoint {last_step} ')
