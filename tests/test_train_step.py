@@ -451,7 +451,9 @@ def test_train_step_with_the_chunked_vocabulary_loss_makes_the_plain_steps_updat
   gradient too), so they agree to accumulation order."""
   c = config_lib.base_config()
   c.model.d_model, c.model.d_ff, c.model.num_heads = 32, 64, 4
-  c.model.num_encoder_layers = c.model.num_decoder_layers = 2
+  # One layer each: what the comparison can catch lies in the loss, the tied embedding and the final norm, not in
+  # the depth (both cases, beside another test run on the 2-core Zen 3: 2 + 2 layers 39.5 s, 1 + 1 31.9 s).
+  c.model.num_encoder_layers = c.model.num_decoder_layers = 1
   c.model.dropout_rate, c.model.pre_layer_norm, c.model.dtype = 0.1, True, 'float32'
   c.model.matmul_precision = matmul_precision
   c.warmup_steps, c.learning_rate_scale = 1, 0.05  # updates of about 0.01: parameters that visibly move
@@ -475,4 +477,6 @@ def test_train_step_with_the_chunked_vocabulary_loss_makes_the_plain_steps_updat
   embedding = lambda p: np.asarray(p['shared_embedding']['embedding'])
   assert np.abs(embedding(chunked) - embedding(state.params)).min() > 1e-3  # every row moved, as in the plain step
   for a, b in zip(jax.tree_util.tree_leaves(chunked), jax.tree_util.tree_leaves(plain)):
-    np.testing.assert_allclose(a, b, rtol=tolerance, atol=tolerance * 1e-1)
+    # Parameters near zero differ by summation order only, about 1e-6 in float32 (measured: 1.4e-6 with XLA's
+    # older CPU emitter, conftest.py): the atol of float32 is its rtol.
+    np.testing.assert_allclose(a, b, rtol=tolerance, atol=1e-5 if matmul_precision == 'float32' else 2e-4)
