@@ -40,17 +40,22 @@ from flaxformer_nmt import decode
 from flaxformer_nmt import evaluate
 from flaxformer_nmt import workdir as workdir_lib
 
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Training workdir.')
-_CONFIG = flags.DEFINE_string('config', None, 'Train this config into --workdir first (resumes a stopped run).')
-_OVERRIDES = flags.DEFINE_list('override', [], 'Extra --config.FIELD=VALUE overrides for training, as FIELD=VALUE.')
-_SPLITS = flags.DEFINE_list('splits', ['valid', 'test2016'], 'Splits to translate and score.')
-_SPLIT = flags.DEFINE_string('split', None, 'One split only (the same as --splits=SPLIT).')
-_BEAM = flags.DEFINE_integer('beam_size', None, 'Beam width (default: the config\'s); 0 is greedy.')
-_ALPHA = flags.DEFINE_float('alpha', None, 'Length penalty exponent (default: the config\'s).')
-_TOK_DIR = flags.DEFINE_string('tok_dir', None, 'Lowercased Moses-tokenized references ({split}.{lang}); default: '
-                               'config.eval_bleu_tok_ref_dir, else ../shared/data/multi30k_tok.')
-_STEPS = flags.DEFINE_list('steps', None, 'Only these checkpoints (default: all kept, then averaged and best).')
-_EVERY = flags.DEFINE_integer('curve_every_steps', 0, 'Score only checkpoints at multiples of this (0: all).')
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+  flags.DEFINE_string('workdir', None, 'Training workdir.')
+  flags.DEFINE_string('config', None, 'Train this config into --workdir first (resumes a stopped run).')
+  flags.DEFINE_list('override', [], 'Extra --config.FIELD=VALUE overrides for training, as FIELD=VALUE.')
+  flags.DEFINE_list('splits', ['valid', 'test2016'], 'Splits to translate and score.')
+  flags.DEFINE_string('split', None, 'One split only (the same as --splits=SPLIT).')
+  flags.DEFINE_integer('beam_size', None, 'Beam width (default: the config\'s); 0 is greedy.')
+  flags.DEFINE_float('alpha', None, 'Length penalty exponent (default: the config\'s).')
+  flags.DEFINE_string('tok_dir', None, 'Lowercased Moses-tokenized references ({split}.{lang}); default: '
+                      'config.eval_bleu_tok_ref_dir, else ../shared/data/multi30k_tok.')
+  flags.DEFINE_list('steps', None, 'Only these checkpoints (default: all kept, then averaged and best).')
+  flags.DEFINE_integer('curve_every_steps', 0, 'Score only checkpoints at multiples of this (0: all).')
+  flags.mark_flags_as_required(['workdir'])
 
 
 def train(config_path, workdir, overrides):
@@ -109,10 +114,10 @@ def split_data(config, split, tok_dir):
 
 
 def checkpoint_names(workdir):
-  if _STEPS.value:
-    return _STEPS.value
+  if FLAGS.steps:
+    return FLAGS.steps
   steps = checkpoints_lib.saved_steps(workdir)
-  names = [str(s) for s in steps if not _EVERY.value or s % _EVERY.value == 0 or s == steps[-1]]
+  names = [str(s) for s in steps if not FLAGS.curve_every_steps or s % FLAGS.curve_every_steps == 0 or s == steps[-1]]
   if (epath.Path(workdir) / checkpoints_lib.AVERAGED_DIR / 'averaged.json').exists():
     names.append('averaged')
   if best_checkpoint.read_info(workdir) is not None:
@@ -124,8 +129,8 @@ def ensemble_checkpoint_names(members, config):
   """What an ensemble's rows decode, each the same name in every member: --steps, else latest, the config's
   decode_checkpoint, and averaged and best where every member has them (the members' steps differ where each
   fitted its schedule to its time)."""
-  if _STEPS.value:
-    return _STEPS.value
+  if FLAGS.steps:
+    return FLAGS.steps
   names = ['latest'] + ([config.decode_checkpoint] if config.get('decode_checkpoint') else [])
   names += [name for name in ('averaged', 'best') if all(name in checkpoint_names(m) for m in members)]
   return list(dict.fromkeys(names))
@@ -171,16 +176,16 @@ def run_tables(workdir, data, beam, alpha):
 
 
 def main(_):
-  workdir = _WORKDIR.value
-  if _CONFIG.value and train(_CONFIG.value, workdir, _OVERRIDES.value) != 0:
+  workdir = FLAGS.workdir
+  if FLAGS.config and train(FLAGS.config, workdir, FLAGS.override) != 0:
     sys.exit('error: training failed (see above)')
   checkpoints_lib.quiet_orbax_logs()
   cli.use_compilation_cache()  # every checkpoint decodes the same shapes
   config = workdir_lib.load_config(workdir)
-  tok_dir = _TOK_DIR.value or config.get('eval_bleu_tok_ref_dir') or config_lib.shared_data_dir('multi30k_tok')
-  beam = config.beam_size if _BEAM.value is None else _BEAM.value
-  alpha = config.length_penalty_alpha if _ALPHA.value is None else _ALPHA.value
-  splits = [_SPLIT.value] if _SPLIT.value else _SPLITS.value
+  tok_dir = FLAGS.tok_dir or config.get('eval_bleu_tok_ref_dir') or config_lib.shared_data_dir('multi30k_tok')
+  beam = config.beam_size if FLAGS.beam_size is None else FLAGS.beam_size
+  alpha = config.length_penalty_alpha if FLAGS.alpha is None else FLAGS.alpha
+  splits = [FLAGS.split] if FLAGS.split else FLAGS.splits
   data = {split: split_data(config, split, tok_dir) for split in splits}
   # An ensemble's workdir (config.ensemble_members): each member's curve on its own clock, then the members
   # decoded together, at the minutes of the whole command (the members train in turn).
@@ -200,5 +205,5 @@ def main(_):
 
 
 if __name__ == '__main__':
-  flags.mark_flags_as_required(['workdir'])
+  define_flags()
   app.run(main)

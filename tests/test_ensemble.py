@@ -1,6 +1,5 @@
 """config.ensemble_members: independent runs trained in turn in one workdir (ensemble.py), decoded together."""
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import sacrebleu
 
 import in_process
 import test_resilience as resilience
+import test_time_budget as time_budget_tests
 from conftest import small_config
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import compare
@@ -20,9 +20,6 @@ from flaxformer_nmt import ensemble
 from flaxformer_nmt import tokenizer as tokenizer_lib
 from flaxformer_nmt import train
 from flaxformer_nmt.workdir import ConfigError, member_workdir, save_or_check_config, validate_config
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def fake_trainer(calls, pause=None):
   """A train_one that records (member directory, seed, minutes) and finishes each member but `pause`, as the
@@ -153,9 +150,9 @@ def test_the_command_stops_resumes_and_decodes_the_members_together(toy_corpus, 
     assert [float(c) for c in (row[3], row[5])] == pytest.approx([by_hand.score, by_hand.sys_len / by_hand.ref_len],
                                                                  abs=0.0051)
   # bench/bleu_curve.py: each member's rows, then the ensemble's, at the minutes of both members' training.
-  result = subprocess.run([sys.executable, os.path.join(REPO, 'bench', 'bleu_curve.py'), f'--workdir={workdir}',
-                           '--steps=90', '--splits=valid', '--beam_size=2', '--alpha=2'],
-                          capture_output=True, text=True, timeout=300)
+  # Its main in this process too, where the members' searches are compiled already (as a subprocess: 15 s).
+  result = in_process.run(time_budget_tests.load_bleu_curve(), [f'--workdir={workdir}', '--steps=90',
+                                                                '--splits=valid', '--beam_size=2', '--alpha=2'])
   assert result.returncode == 0, result.stderr[-3000:]
   curve = [line.split('|') for line in result.stdout.splitlines() if line.startswith('| ') and '90' in line]
   assert len(curve) == 3 and 'ensemble' not in curve[0][1] + curve[1][1] and 'an ensemble of' in curve[2][1]

@@ -276,8 +276,9 @@ def test_max_train_minutes_counts_training_time_across_resumes(toy_corpus, tmp_p
   assert [r['elapsed_seconds'] for r in records if 'elapsed_seconds' in r][-1] > 3600
 
 
-@functools.cache  # its absl flags are defined once per process
+@functools.cache
 def load_bleu_curve():
+  """bench/bleu_curve.py as a module (its flags are defined by its define_flags, as the commands' are)."""
   spec = importlib.util.spec_from_file_location('bleu_curve', os.path.join(REPO, 'bench', 'bleu_curve.py'))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
