@@ -344,7 +344,8 @@ def test_bfloat16_computes_in_bfloat16_with_float32_params_and_logits():
   src, tgt = jnp.array([[4, 5, 6, 3]]), jnp.array([[2, 7, 8, 9]])
   logits = bf16.apply({'params': params}, src, tgt)
   assert logits.dtype == jnp.float32
-  np.testing.assert_allclose(logits, model.apply({'params': params}, src, tgt), atol=0.15 * float(jnp.abs(logits).max()))
+  np.testing.assert_allclose(logits, model.apply({'params': params}, src, tgt),
+                             atol=0.15 * float(jnp.abs(logits).max()))
   assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(bf16.init(jax.random.PRNGKey(0), src, tgt)))
   jaxpr = str(jax.make_jaxpr(lambda p: bf16.apply({'params': p}, src, tgt))(params))
   assert 'bf16' in jaxpr
