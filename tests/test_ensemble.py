@@ -21,6 +21,7 @@ from flaxformer_nmt import tokenizer as tokenizer_lib
 from flaxformer_nmt import train
 from flaxformer_nmt.workdir import ConfigError, member_workdir, save_or_check_config, validate_config
 
+
 def fake_trainer(calls, pause=None):
   """A train_one that records (member directory, seed, minutes) and finishes each member but `pause`, as the
   trainer does after a stop signal; member0 learns a vocabulary."""
