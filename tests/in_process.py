@@ -7,6 +7,8 @@ its flags defined and parsed, stdin, stdout and stderr its own, its absl log lin
 `app.UsageError` turned into an exit status. Each command keeps at least one real `python -m` run in the suite
 (`as_subprocess=True`), which also covers its entry point.
 """
+import functools
+import importlib.util
 import io
 import logging
 import os
@@ -17,6 +19,19 @@ from absl import app, flags
 from absl import logging as absl_logging  # defines --verbosity
 
 from flaxformer_nmt import host_memory
+
+
+_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'bench')
+
+
+@functools.cache
+def bench_script(name):
+  """bench/{name}.py as a module (bench/ is no package): its functions, and its main for run() where it defines
+  its flags in define_flags, as the commands do."""
+  spec = importlib.util.spec_from_file_location(name, os.path.join(_BENCH, f'{name}.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 # The trainer's main sets glibc's malloc to keep freed memory (host_memory.py), which slows every later compile

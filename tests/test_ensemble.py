@@ -11,7 +11,6 @@ import sacrebleu
 
 import in_process
 import test_resilience as resilience
-import test_time_budget as time_budget_tests
 from conftest import small_config
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import compare
@@ -152,8 +151,8 @@ def test_the_command_stops_resumes_and_decodes_the_members_together(toy_corpus, 
                                                                  abs=0.0051)
   # bench/bleu_curve.py: each member's rows, then the ensemble's, at the minutes of both members' training.
   # Its main in this process too, where the members' searches are compiled already (as a subprocess: 15 s).
-  result = in_process.run(time_budget_tests.load_bleu_curve(), [f'--workdir={workdir}', '--steps=90',
-                                                                '--splits=valid', '--beam_size=2', '--alpha=2'])
+  result = in_process.run(in_process.bench_script('bleu_curve'), [f'--workdir={workdir}', '--steps=90',
+                                                                 '--splits=valid', '--beam_size=2', '--alpha=2'])
   assert result.returncode == 0, result.stderr[-3000:]
   curve = [line.split('|') for line in result.stdout.splitlines() if line.startswith('| ') and '90' in line]
   assert len(curve) == 3 and 'ensemble' not in curve[0][1] + curve[1][1] and 'an ensemble of' in curve[2][1]

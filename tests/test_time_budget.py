@@ -1,15 +1,13 @@
 """config.fit_schedule_to_time: the run's end fitted to its time limit (time_budget.py), measured once and kept
 on resume; config.max_train_minutes counted across resumes, and bench/bleu_curve.py's minutes with it."""
-import functools
-import importlib.util
 import json
-import os
 import time
 import types
 
 import numpy as np
 import pytest
 
+import in_process
 from conftest import small_config
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import config as config_lib
@@ -17,8 +15,6 @@ from flaxformer_nmt import time_budget
 from flaxformer_nmt import train
 from flaxformer_nmt import train_step as ts
 from flaxformer_nmt.workdir import ConfigError, validate_config
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_fitted_steps_are_the_time_left_at_the_measured_rate_never_more_than_configured():
@@ -276,19 +272,10 @@ def test_max_train_minutes_counts_training_time_across_resumes(toy_corpus, tmp_p
   assert [r['elapsed_seconds'] for r in records if 'elapsed_seconds' in r][-1] > 3600
 
 
-@functools.cache
-def load_bleu_curve():
-  """bench/bleu_curve.py as a module (its flags are defined by its define_flags, as the commands' are)."""
-  spec = importlib.util.spec_from_file_location('bleu_curve', os.path.join(REPO, 'bench', 'bleu_curve.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 def test_the_bleu_curve_joins_resumed_launches_minutes_whichever_clock_they_logged(tmp_path):
   def minutes(*records):
     (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in records))
-    return load_bleu_curve().read_log(str(tmp_path))[0]
+    return in_process.bench_script('bleu_curve').read_log(str(tmp_path))[0]
 
   def start(step, seconds):
     return {'step': step, 'run/trained_seconds_at_start': seconds}
