@@ -26,9 +26,22 @@ DEFAULT_PRNG_IMPL = 'threefry2x32'
 
 
 def base_config():
+  """Every field, at Transformer base's values, section by section along the data's road."""
   c = ml_collections.ConfigDict()
+  _task_fields(c)
+  _data_fields(c)
+  _vocabulary_fields(c)
+  _model_fields(c)
+  _optimization_fields(c)
+  _device_fields(c)
+  _loop_fields(c)
+  _decoding_fields(c)
+  return c
 
-  # --- Task (lm.py): 'translation' (encoder-decoder, source -> target), 'lm' (decoder-only language model,
+
+def _task_fields(c):
+  """What is trained (lm.py): translation, or a language model on one side of the text."""
+  # 'translation' (encoder-decoder, source -> target), 'lm' (decoder-only language model,
   # generate.py) or 'mlm' (encoder-only masked language model, fill_mask.py). lm and mlm read monolingual
   # text: the `target_lang` side of a parallel corpus (`{data_dir}/{split}.{target_lang}`), the files
   # `text_train_file` / `text_eval_file` when set (any text, one sentence or document a line), or the
@@ -38,7 +51,10 @@ def base_config():
   c.text_eval_file = ''
   c.tfds_text_feature = 'text'
 
-  # --- Data (corpora.py). 'text': `{data_dir}/{split}.{lang}` parallel text, line i of one side translating
+
+def _data_fields(c):
+  """Where the text comes from (corpora.py) and how it is batched (data.py, packing.py)."""
+  # 'text': `{data_dir}/{split}.{lang}` parallel text, line i of one side translating
   # line i of the other. 'tfds': the TensorFlow Datasets builder `tfds_name` (e.g. 'wmt14_translate/de-en'),
   # prepared as array_record under `tfds_data_dir` ('' = TFDS's default, ~/tensorflow_datasets).
   c.data_source = 'text'
@@ -93,7 +109,10 @@ def base_config():
   # Batches padded ahead of the train step by a background thread (0 = build them in the loop).
   c.prefetch_batches = 4
 
-  # --- Vocabulary: one sentencepiece model trained on both sides of the training text (stored in workdir).
+
+def _vocabulary_fields(c):
+  """The joint vocabulary (tokenizer.py): one sentencepiece model learnt from both sides of the training text,
+  stored in the workdir."""
   c.vocab_size = 37_000
   c.sentencepiece_model_type = 'bpe'
   c.sentencepiece_character_coverage = 1.0
@@ -116,7 +135,9 @@ def base_config():
   # The paper pretrains so for the first third of the steps. 0 = off. Part of the batching.
   c.bidirectional_epochs = 0
 
-  # --- Model.
+
+def _model_fields(c):
+  """The Transformer's shape and numerics (model.py)."""
   c.model = ml_collections.ConfigDict()
   c.model.num_encoder_layers = 6
   c.model.num_decoder_layers = 6
@@ -145,7 +166,10 @@ def base_config():
   # by default, as the paper's model (the Multi30k CPU configs use 'auto').
   c.model.matmul_precision = 'float32'
 
-  # --- Optimization: Adam(0.9, 0.98, 1e-9), lr = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5).
+
+def _optimization_fields(c):
+  """Adam, its schedule, the loss, and how long to train (train_step.py)."""
+  # Adam(0.9, 0.98, 1e-9), lr = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5).
   # learning_rate_schedule 'paper' is that formula; 'inverse_sqrt' is fairseq's: a peak `learning_rate`
   # reached linearly at warmup_steps, then decaying as peak * sqrt(warmup / step) (learning_rate_scale and
   # d_model do not enter it).
@@ -203,7 +227,10 @@ def base_config():
   # the command resumes the member in progress. 1 (the default): one model, as the paper trains.
   c.ensemble_members = 1
 
-  # --- Devices: a ('data', 'fsdp') mesh over every device of every host; -1 = whatever the other axis
+
+def _device_fields(c):
+  """The device mesh, FLOP accounting and profiling (sharding.py, flops.py)."""
+  # A ('data', 'fsdp') mesh over every device of every host; -1 = whatever the other axis
   # leaves. Default: data parallel everywhere. fsdp_parallelism > 1 splits parameters and optimizer state
   # over that many devices (for models that do not fit replicated).
   c.data_parallelism = -1
@@ -215,7 +242,9 @@ def base_config():
   c.profile_steps = 0
   c.profile_start_step = 10
 
-  # --- Loop.
+
+def _loop_fields(c):
+  """Logging, evaluation and checkpoints (train.py, checkpoints.py, bleu_eval.py)."""
   c.log_every_steps = 100
   c.eval_every_steps = 1000
   c.checkpoint_every_steps = 1000
@@ -242,7 +271,9 @@ def base_config():
   # when its files are absent; '' = never download.
   c.data_download = ''
 
-  # --- Decoding.
+
+def _decoding_fields(c):
+  """What decode, export and visualize use by default (decode.py)."""
   # The parameters decode, export and visualize use when --checkpoint is not given: latest, averaged, best,
   # last:K or a step. A recipe sets the one it chose on validation, so its README command decodes what its
   # results table reports.
@@ -251,7 +282,6 @@ def base_config():
   c.length_penalty_alpha = 0.6
   c.max_decode_extra_length = 50  # output at most source length + 50 tokens.
   c.decode_tokens_per_batch = 8192  # source tokens per decode batch (before the beam).
-  return c
 
 
 def make_big(c):
