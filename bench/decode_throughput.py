@@ -24,7 +24,8 @@ Every variant is warmed up first (Translator.warm_up runs the timed pass once, w
 shape, also the smaller batches that finished sentences leave), so the timed pass excludes compilation; the
 warm-up time (compilation plus one pass) is printed apart. With --repeats N the variants are timed
 in N rounds and each keeps its fastest pass. Target tokens count the generated tokens with EOS; "tokens
-per output" shows when a model stops early (a Multi30k model on news text mostly outputs EOS at once). Inputs that are missing are skipped. The tables print as Markdown.
+per output" shows when a model stops early (a Multi30k model on news text mostly outputs EOS at once). Inputs
+that are missing are skipped. The tables print as Markdown.
 """
 import collections
 import functools
@@ -210,8 +211,13 @@ def main(argv):
                          sentences=len(sources) / best, tokens=sum(map(len, outputs[variant])) / best,
                          length=sum(map(len, outputs[variant])) / len(sources),
                          differing=sum(a != b for a, b in zip(outputs[variant], outputs['ours']))))
+  print_table(rows, FLAGS.repeats)
 
-  print(f'\nfastest of {FLAGS.repeats} passes; target tokens include EOS\n')
+
+def print_table(rows, repeats):
+  """The rows as a Markdown table, each variant beside ours on the same input and decoding, then CTranslate2's
+  speed against ours in words."""
+  print(f'\nfastest of {repeats} passes; target tokens include EOS\n')
   print('| input | sentences | decoding | variant | seconds | sentences/s | target tokens/s | tokens per output '
         '| ours is x faster | outputs differing from ours |')
   print('|---|---:|---|---|---:|---:|---:|---:|---:|---:|')

@@ -216,12 +216,13 @@ stage_sweep() {
 stage_score() {
   # One process per run, sharing the GPU: JAX must not take 75% of its memory in each (8 of 9 failed to start so).
   # SCORE_CHECKPOINTS: what compare decodes of each run (latest; the recipe stage: the recipe's last:10)
-  local w checkpoints=${SCORE_CHECKPOINTS:-latest}
+  local w out checkpoints=${SCORE_CHECKPOINTS:-latest}
   for w in ${SCORE_RUNS:-/tmp/sweep/*.s[0-9]*}; do
     [ -d "$w/checkpoints" ] || continue
+    out="/tmp/score.$(basename "$w").txt"
     (XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${SCORE_SECONDS:-200} $PY -m flaxformer_nmt.compare --workdir "$w" \
-       --checkpoints "$checkpoints" > "/tmp/score.$(basename "$w").txt" 2>&1
-     echo "$(basename "$w") $(grep -F "| $checkpoints" "/tmp/score.$(basename "$w").txt" || tail -n 3 "/tmp/score.$(basename "$w").txt")") &
+       --checkpoints "$checkpoints" > "$out" 2>&1
+     echo "$(basename "$w") $(grep -F "| $checkpoints" "$out" || tail -n 3 "$out")") &
   done
   wait
 }

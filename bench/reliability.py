@@ -114,7 +114,8 @@ def kill_trials(root, data, reference, train_seconds, steps, trials, rng):
     result = run(command(data, workdir, steps))
     equal = result.returncode == 0 and all(
         np.array_equal(a, b) for a, b in zip(final_params(workdir, steps), reference))
-    rows.append((f'kill -9 #{trial + 1}', f'{delay:.1f} s into training' + (' (had finished)' if finished_first else ''),
+    when = f'{delay:.1f} s into training' + (' (had finished)' if finished_first else '')
+    rows.append((f'kill -9 #{trial + 1}', when,
                  f'checkpoints at kill {at_kill or "none"}; rerun exit {result.returncode}',
                  'bitwise equal' if equal else 'DIFFERENT'))
     print(' | '.join(rows[-1]), flush=True)
