@@ -221,14 +221,15 @@ def print_table(rows, repeats):
   print('| input | sentences | decoding | variant | seconds | sentences/s | target tokens/s | tokens per output '
         '| ours is x faster | outputs differing from ours |')
   print('|---|---:|---|---|---:|---:|---:|---:|---:|---:|')
+  ours_of = {(r['input'], r['mode']): r for r in rows if r['variant'] == 'ours'}  # the row each is compared with
   for row in rows:
-    ours = next(r for r in rows if (r['input'], r['mode'], r['variant']) == (row['input'], row['mode'], 'ours'))
+    ours = ours_of[row['input'], row['mode']]
     print(f'| {row["input"]} | {row["n"]} | {row["mode"]} | {row["variant"]} | {row["seconds"]:.1f} | '
           f'{row["sentences"]:.1f} | {row["tokens"]:,.0f} | {row["length"]:.1f} | '
           f'{row["seconds"] / ours["seconds"]:.2f} | {row["differing"]} |')
   for row in rows:
     if row['variant'] == 'ctranslate2':
-      ours = next(r for r in rows if (r['input'], r['mode'], r['variant']) == (row['input'], row['mode'], 'ours'))
+      ours = ours_of[row['input'], row['mode']]
       print(f'{row["input"]} {row["mode"]}: ours {ours["sentences"]:.1f} sentences/s, ctranslate2 '
             f'{row["sentences"]:.1f} sentences/s: ours takes {ours["seconds"] / row["seconds"]:.2f}x its time; '
             f'{100 * (1 - row["differing"] / row["n"]):.1f}% of lines identical')
