@@ -132,15 +132,25 @@ def write_self_attention_pictures(maps, output_dir):
   paths = []
   for i, m in enumerate(maps):
     pieces, kind = m['pieces'], 'causal decoder' if m['stack'] == 'decoder' else 'encoder'
-    for layer, heads in enumerate(m['self']):
-      paths.append(_heatmaps(heads, [f'head {h}' for h in range(len(heads))], pieces, pieces,
-                             f'{kind} self-attention, layer {layer}\n{m["text"]}',
-                             output_dir / f'{i:02d}_{m["stack"]}_layer{layer}.png'))
-    per_layer = list(m['self'].mean(axis=1)) + [m['self'].mean(axis=(0, 1))]
-    titles = [f'layer {layer}, mean of heads' for layer in range(len(m['self']))] + ['all layers and heads']
-    paths.append(_heatmaps(per_layer, titles, pieces, pieces, f'{kind} self-attention, averaged\n{m["text"]}',
-                           output_dir / f'{i:02d}_self_average.png'))
+    paths += _layer_pictures(m['self'], pieces, pieces, f'{kind} self-attention, layer', m['text'],
+                             output_dir / f'{i:02d}_{m["stack"]}_layer')
+    paths.append(_average_picture(m['self'], pieces, pieces, f'{kind} self-attention', m['text'],
+                                  output_dir / f'{i:02d}_self_average.png'))
   return paths
+
+
+def _layer_pictures(attention, row_labels, col_labels, title, caption, path_prefix):
+  """A PNG per layer of `attention` ([layers, heads, Tq, Tk]), a panel per head: {path_prefix}{layer}.png."""
+  return [_heatmaps(heads, [f'head {h}' for h in range(len(heads))], row_labels, col_labels,
+                    f'{title} {layer}\n{caption}', epath.Path(f'{path_prefix}{layer}.png'))
+          for layer, heads in enumerate(attention)]
+
+
+def _average_picture(attention, row_labels, col_labels, title, caption, path):
+  """One PNG of `attention` ([layers, heads, Tq, Tk]) averaged over heads: a panel per layer, then over all."""
+  per_layer = list(attention.mean(axis=1)) + [attention.mean(axis=(0, 1))]
+  titles = [f'layer {layer}, mean of heads' for layer in range(len(attention))] + ['all layers and heads']
+  return _heatmaps(per_layer, titles, row_labels, col_labels, f'{title}, averaged\n{caption}', path)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -182,18 +192,12 @@ def write_pictures(maps, output_dir):
   for i, m in enumerate(maps):
     src, tgt = m['source_pieces'], m['target_pieces']
     caption = f'{m["source"]}\n-> {m["translation"]}'
-    for layer, heads in enumerate(m['cross']):
-      paths.append(_heatmaps(heads, [f'head {h}' for h in range(len(heads))], tgt, src,
-                             f'cross-attention, decoder layer {layer}\n{caption}',
-                             output_dir / f'{i:02d}_cross_layer{layer}.png'))
-    per_layer = list(m['cross'].mean(axis=1)) + [m['cross'].mean(axis=(0, 1))]
-    titles = [f'layer {layer}, mean of heads' for layer in range(len(m['cross']))] + ['all layers and heads']
-    paths.append(_heatmaps(per_layer, titles, tgt, src, f'cross-attention, averaged\n{caption}',
-                           output_dir / f'{i:02d}_cross_average.png'))
-    for layer, heads in enumerate(m['encoder']):
-      paths.append(_heatmaps(heads, [f'head {h}' for h in range(len(heads))], src, src,
-                             f'encoder self-attention, layer {layer}\n{m["source"]}',
-                             output_dir / f'{i:02d}_encoder_layer{layer}.png'))
+    paths += _layer_pictures(m['cross'], tgt, src, 'cross-attention, decoder layer', caption,
+                             output_dir / f'{i:02d}_cross_layer')
+    paths.append(_average_picture(m['cross'], tgt, src, 'cross-attention', caption,
+                                  output_dir / f'{i:02d}_cross_average.png'))
+    paths += _layer_pictures(m['encoder'], src, src, 'encoder self-attention, layer', m['source'],
+                             output_dir / f'{i:02d}_encoder_layer')
   return paths
 
 
