@@ -426,8 +426,9 @@ class Translator:
   workdir: a training workdir, or several ('A,B' or a list) with the same vocabulary; checkpoint: latest,
   averaged, a step, or several ('1700,1800'): more than one member makes an ensemble that averages the
   members' probabilities at every step (see ensemble_members); None: the config's decode_checkpoint. dtype:
-  the compute dtype of decoding ('auto': bfloat16 on GPU/TPU, float32 on CPU); parameters stay as stored, log
-  probabilities float32.
+  the compute dtype of decoding ('auto': bfloat16 on GPU/TPU, float32 on CPU; 'float32' also multiplies in
+  float32 where the config rounds matmul operands to bfloat16; None: the config's); parameters stay as
+  stored, log probabilities float32.
   The decoding settings (beam size, length penalty, batch budget, max length) come from the first member.
   """
 
@@ -477,6 +478,8 @@ class Translator:
     config.model.attention_impl, config.model.remat = 'auto', 'none'
     if dtype is not None:
       config.model.dtype = dtype
+    if dtype == 'float32':  # float32 throughout: also the matmul operands a bf16-dot CPU's config rounds
+      config.model.matmul_precision = 'float32'
     return config
 
   @property
@@ -692,7 +695,8 @@ def define_flags():
   flags.DEFINE_integer('min_len', MIN_LEN, 'At least this many tokens before EOS (fairseq\'s --min-len, CTranslate2\'s '
                        'min_decoding_length): 1 means no empty translation of a non-empty line; 0 allows EOS first.')
   flags.DEFINE_enum('dtype', None, list(DTYPES), 'Compute dtype for decoding (default: the config\'s, auto = '
-                    'bfloat16 on GPU/TPU, float32 on CPU).')
+                    'bfloat16 on GPU/TPU, float32 on CPU); float32 also keeps the matmul operands float32 where '
+                    'the config rounds them to bfloat16 (config.model.matmul_precision).')
   flags.DEFINE_integer('beam_size', None, 'Beam width (default: the config\'s); 0 is greedy.')
   flags.DEFINE_bool('greedy', False, 'Greedy decoding (same as --beam_size=0).')
   flags.DEFINE_float('alpha', None, 'Length penalty exponent (default: the config\'s).')

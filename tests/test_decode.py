@@ -440,3 +440,20 @@ def test_mbr_chooses_among_the_n_best_in_the_api_the_cli_and_compare(workdir, tr
       translator, *a, **k)) or scored[-1])
   compare.score_row('latest', translator, mixed, mixed, None, 3, None, 'chrf', 3)
   assert scored == [chosen]
+
+
+def test_dtype_float32_decodes_a_bfloat16_matmul_config_in_float32(workdir, translator, mixed, tmp_path):
+  # A workdir trained on a bf16-dot CPU says matmul_precision 'bfloat16' (the recipes' 'auto' there): decoding it
+  # rounds the operands, and --dtype=float32 must undo that, scoring exactly as the float32 config does.
+  import json  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+  rounded = tmp_path / 'rounded'
+  shutil.copytree(workdir, rounded)
+  config = json.loads((rounded / 'config.json').read_text())
+  config['model']['matmul_precision'] = 'bfloat16'
+  (rounded / 'config.json').write_text(json.dumps(config))
+  token_lists = translator.tokenizer.encode(mixed)
+  scores = lambda t: [hyps[0][1] for hyps in t.search_tokens(token_lists, beam_size=2)]
+  as_trained = scores(translator)
+  assert scores(decode.Translator(rounded)) != as_trained  # bfloat16 operands move the log probabilities
+  assert scores(decode.Translator(rounded, dtype='float32')) == as_trained
