@@ -14,7 +14,8 @@ Variants (same translations, different speed):
   no_sorting      batches filled in input order (same token budget, padded to their longest sentence)
   plain           cross-attention cache and sorting off
   ctranslate2     (--compare ctranslate2) the workdir exported by `python -m flaxformer_nmt.export` into a
-                  temporary directory, decoded by ctranslate2.Translator (compute_type float32,
+                  temporary directory, decoded by ctranslate2.Translator (compute_type --compute_type, float32
+                  by default,
                   intra_threads --threads, default all cores, as XLA uses; the same beam size, the same token
                   budget per batch, length_penalty alpha, max_decoding_length = longest source + 50): its
                   decoding time only (sentencepiece pieces in, pieces out); "outputs differing from ours"
@@ -70,6 +71,10 @@ def define_flags():
   flags.DEFINE_integer('tokens_per_batch', None, 'Source tokens per batch (default: the config\'s).')
   flags.DEFINE_enum('compare', None, ['ctranslate2'], 'Also time CTranslate2 on the same weights, same rounds.')
   flags.DEFINE_integer('threads', os.cpu_count(), 'CTranslate2 intra_threads (XLA uses every core).')
+  flags.DEFINE_enum('compute_type', 'float32', ['float32', 'int8', 'int8_float32', 'bfloat16', 'auto'],
+                    'CTranslate2\'s compute_type (its CPU build has bfloat16 only where the CPU does).')
+  flags.DEFINE_enum('dtype', None, list(decode.DTYPES), 'Ours: decode.py\'s --dtype (default: the config\'s; '
+                    'float32 also keeps matmul operands float32 where the config rounds them to bfloat16).')
   flags.mark_flags_as_required(['workdir'])
 
 
@@ -104,9 +109,9 @@ def loop_body_dots(translator, beam_size, cache_cross_kv, length=32):
 
 class CTranslate2Decoder:
   """The workdir exported by `python -m flaxformer_nmt.export` (this checkout's, in a subprocess) into a
-  temporary directory and loaded by ctranslate2.Translator, float32 on the CPU."""
+  temporary directory and loaded by ctranslate2.Translator on the CPU with `compute_type`."""
 
-  def __init__(self, workdir, checkpoint, threads):
+  def __init__(self, workdir, checkpoint, threads, compute_type='float32'):
     import ctranslate2  # pylint: disable=import-outside-toplevel  (the `serve` extra)
     self.directory = tempfile.TemporaryDirectory(prefix='ct2_')
     output_dir = os.path.join(self.directory.name, 'model')
@@ -115,7 +120,7 @@ class CTranslate2Decoder:
     subprocess.run([sys.executable, '-m', 'flaxformer_nmt.export', f'--workdir={workdir}',
                     f'--checkpoint={checkpoint}', '--format=ctranslate2', f'--output_dir={output_dir}'],
                    check=True, env=env)
-    self.translator = ctranslate2.Translator(output_dir, device='cpu', compute_type='float32', inter_threads=1,
+    self.translator = ctranslate2.Translator(output_dir, device='cpu', compute_type=compute_type, inter_threads=1,
                                              intra_threads=threads)
 
   def search_tokens(self, tokenizer, token_lists, beam_size, alpha, tokens_per_batch, extra_length):
@@ -153,17 +158,18 @@ def main(argv):
     raise app.UsageError(f'unknown modes or variants: {sorted(unknown)}')
   variants = ['ours'] + [v for v in FLAGS.variants if v != 'ours']  # the others are compared with it
   checkpoints_lib.quiet_orbax_logs()
-  translator = decode.Translator(FLAGS.workdir, FLAGS.checkpoint)
+  translator = decode.Translator(FLAGS.workdir, FLAGS.checkpoint, dtype=FLAGS.dtype)
   c = translator.config
   tokens_per_batch = FLAGS.tokens_per_batch or c.decode_tokens_per_batch
   if FLAGS.compare == 'ctranslate2':
-    ct2 = CTranslate2Decoder(FLAGS.workdir, FLAGS.checkpoint, FLAGS.threads)
+    ct2 = CTranslate2Decoder(FLAGS.workdir, FLAGS.checkpoint, FLAGS.threads, FLAGS.compute_type)
     variants.append('ctranslate2')
-    print(f'ctranslate2 {ctranslate2_version()} float32, intra_threads '
+    print(f'ctranslate2 {ctranslate2_version()} {FLAGS.compute_type}, intra_threads '
           f'{FLAGS.threads}; XLA: every core ({os.cpu_count()})')
   print(f'device: {jax.devices()[0].device_kind} x{jax.device_count()} ({jax.default_backend()}), '
         f'{cpu_name()}; jax {jax.__version__}; {FLAGS.workdir} '
-        f'({translator.checkpoint}); model dtype {c.model.dtype}; '
+        f'({translator.checkpoint}); model dtype {c.model.dtype}, matmul operands '
+        f'{translator.models[0].config.matmul_precision}; '
         f'tokens_per_batch {tokens_per_batch}; '
         f'{time.strftime("%Y-%m-%d %H:%M")}')
   print(f'matrix products in the decoding loop body (beam 4): cached {loop_body_dots(translator, 4, True)}, '
