@@ -4,7 +4,8 @@ length-sorted batches; with --compare ctranslate2, CTranslate2 on the same weigh
 
   python bench/decode_throughput.py --workdir runs/m30k [--max_sentences 500] [--checkpoint averaged]
   python bench/decode_throughput.py --workdir runs/m30k --checkpoint averaged --compare ctranslate2 \
-      --variants ours --inputs ../shared/data/multi30k/test2016.en [--threads 2]
+      --variants ours --inputs ../shared/data/multi30k/test2016.en [--threads 2] [--dtype float32] \
+      [--compute_type int8]
 
 Variants (same translations, different speed):
   ours            cross-attention keys/values once per sentence; a self-attention cache that starts with the
@@ -14,9 +15,8 @@ Variants (same translations, different speed):
   no_sorting      batches filled in input order (same token budget, padded to their longest sentence)
   plain           cross-attention cache and sorting off
   ctranslate2     (--compare ctranslate2) the workdir exported by `python -m flaxformer_nmt.export` into a
-                  temporary directory, decoded by ctranslate2.Translator (compute_type --compute_type, float32
-                  by default,
-                  intra_threads --threads, default all cores, as XLA uses; the same beam size, the same token
+                  temporary directory, decoded by ctranslate2.Translator (compute_type --compute_type, default
+                  float32; intra_threads --threads, default all cores, as XLA uses; the same beam size, the same token
                   budget per batch, length_penalty alpha, max_decoding_length = longest source + 50): its
                   decoding time only (sentencepiece pieces in, pieces out); "outputs differing from ours"
                   counts lines whose tokens are not ours (CTranslate2 normalizes by length^alpha, we by
