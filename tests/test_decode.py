@@ -1,7 +1,9 @@
 """The translate CLI and API on a tiny trained workdir: order, empty lines, streaming, fairseq lines, sampling,
 batching switches, attention pictures."""
 import functools
+import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -25,6 +27,15 @@ def workdir(tmp_path_factory):
   config.num_train_steps = 20
   train.train_and_evaluate(config, str(root / 'run'))
   return root / 'run'
+
+
+def copy_with_config(workdir, path, edit):
+  """A copy of `workdir` at `path` whose config.json `edit` (a function of the config's dict) has changed."""
+  shutil.copytree(workdir, path)
+  config = json.loads((path / 'config.json').read_text())
+  edit(config)
+  (path / 'config.json').write_text(json.dumps(config))
+  return path
 
 
 @pytest.fixture(scope='module')
@@ -231,7 +242,6 @@ def test_ensemble_of_one_checkpoint_twice_equals_that_checkpoint(workdir, mixed)
 
 
 def test_cli_ensemble_of_workdirs_equals_the_api(workdir, mixed, tmp_path):
-  import shutil  # pylint: disable=g-import-not-at-top
   other = tmp_path / 'copy'
   shutil.copytree(workdir, other)
   api = decode.Translator([str(workdir), str(other)], checkpoint='10,20').translate(mixed, beam_size=2)
@@ -243,7 +253,6 @@ def test_cli_ensemble_of_workdirs_equals_the_api(workdir, mixed, tmp_path):
 
 
 def test_ensemble_with_another_vocabulary_names_both_workdirs(workdir, tmp_path):
-  import shutil  # pylint: disable=g-import-not-at-top
   from flaxformer_nmt import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   other = tmp_path / 'other'
   shutil.copytree(workdir, other)
@@ -263,13 +272,7 @@ def test_ensemble_with_another_vocabulary_names_both_workdirs(workdir, tmp_path)
 def test_a_lowercased_model_lowercases_its_inputs_and_scores_case_insensitively(workdir, translator, tmp_path):
   # The toy corpus is lowercase; the same workdir marked config.lowercase must read 'A BIG Dog' as 'a big dog'
   # (the unmarked one meets capitals its vocabulary never saw), and decode's scores ignore case.
-  import json  # pylint: disable=g-import-not-at-top
-  import shutil  # pylint: disable=g-import-not-at-top
-  lowered = tmp_path / 'lowered'
-  shutil.copytree(workdir, lowered)
-  config = json.loads((lowered / 'config.json').read_text())
-  config['lowercase'] = True
-  (lowered / 'config.json').write_text(json.dumps(config))
+  lowered = copy_with_config(workdir, tmp_path / 'lowered', lambda config: config.update(lowercase=True))
   shouting = ['A BIG Dog runs .', 'The Small RED cat sleeps .']
   quiet = [s.lower() for s in shouting]
   expected = translator.translate(quiet, beam_size=2)
@@ -291,8 +294,6 @@ def test_a_lowercased_model_lowercases_its_inputs_and_scores_case_insensitively(
 
 
 def test_decode_uses_the_checkpoint_the_config_chose_unless_told(workdir, mixed, tmp_path):
-  import json  # pylint: disable=g-import-not-at-top
-  import shutil  # pylint: disable=g-import-not-at-top
   other = tmp_path / 'run'
   shutil.copytree(workdir, other)
   saved = json.loads((other / 'config.json').read_text())
@@ -445,13 +446,8 @@ def test_mbr_chooses_among_the_n_best_in_the_api_the_cli_and_compare(workdir, tr
 def test_dtype_float32_decodes_a_bfloat16_matmul_config_in_float32(workdir, translator, mixed, tmp_path):
   # A workdir trained on a bf16-dot CPU says matmul_precision 'bfloat16' (the recipes' 'auto' there): decoding it
   # rounds the operands, and --dtype=float32 must undo that, scoring exactly as the float32 config does.
-  import json  # pylint: disable=g-import-not-at-top
-  import shutil  # pylint: disable=g-import-not-at-top
-  rounded = tmp_path / 'rounded'
-  shutil.copytree(workdir, rounded)
-  config = json.loads((rounded / 'config.json').read_text())
-  config['model']['matmul_precision'] = 'bfloat16'
-  (rounded / 'config.json').write_text(json.dumps(config))
+  rounded = copy_with_config(workdir, tmp_path / 'rounded',
+                             lambda config: config['model'].update(matmul_precision='bfloat16'))
   token_lists = translator.tokenizer.encode(mixed)
   scores = lambda t: [hyps[0][1] for hyps in t.search_tokens(token_lists, beam_size=2)]
   as_trained = scores(translator)
