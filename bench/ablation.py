@@ -7,6 +7,7 @@ decoding choice (beam, length penalty, averaging window, best vs averaged) on th
 Training variants (each a run in {root}/{name}, resumable; same seed; steps sized to the recipe's time; a recipe
 of config.ensemble_members trains that many members per variant, each scored as the members' ensemble):
   recipe           the config as written
+  post_ln          model.pre_layer_norm False: the paper's post-LN (the recipe's until 2026-12-01)
   dropout_0.1      model.dropout_rate 0.1 instead of the recipe's 0.3
   no_smoothing     label_smoothing 0
   no_cooldown      cooldown_steps 0: inverse square root to the end (checkpoints averaged)
@@ -36,6 +37,7 @@ from flaxformer_nmt import workdir as workdir_lib
 
 TRAINING_VARIANTS = {
     'recipe': [],
+    'post_ln': ['model.pre_layer_norm=False'],
     'dropout_0.1': ['model.dropout_rate=0.1'],
     'no_smoothing': ['label_smoothing=0.0'],
     'no_cooldown': ['cooldown_steps=0'],

@@ -109,10 +109,12 @@ def test_multi30k_best_is_the_tiny_recipe_with_a_cooldown_and_trains_from_valid_
   assert (c.tokens_per_batch, c.packed_length, c.beam_size) == (4096, 64, 5)
   # The hour's findings: bf16 operands where the CPU has them; BPE-dropout stays off (it set the run back).
   assert (m.matmul_precision, c.bpe_dropout) == ('auto', 0.0)
-  # Lowercased text, decoded as chosen on valid: the average of the last 10 checkpoints, alpha 1.5, which the
-  # run must keep (keep_checkpoints >= 10).
-  assert (c.lowercase, c.decode_checkpoint, c.length_penalty_alpha) == (True, 'last:10', 1.5)
-  assert c.keep_checkpoints >= 10
+  # Pre-LN (42.78 on valid against post-LN's 42.55, 2026-12-01).
+  assert m.pre_layer_norm
+  # Lowercased text, decoded as chosen on valid: the trainer's average of the last 5 checkpoints, alpha 2.0; the
+  # run keeps 10 (keep_checkpoints >= 10), so `compare --checkpoints last:10` can still be scored.
+  assert (c.lowercase, c.decode_checkpoint, c.length_penalty_alpha) == (True, 'averaged', 2.0)
+  assert c.average_last_checkpoints == 5 and c.keep_checkpoints >= 10
   assert c.max_train_minutes <= 150 and c.average_last_checkpoints <= c.keep_checkpoints
   # Selection sees validation data only.
   assert c.eval_split == 'valid' and c.best_checkpoint_metric == 'bleu' and c.eval_bleu_every_steps > 0
