@@ -215,7 +215,8 @@ stage_sweep() {
 
 stage_score() {
   # One process per run, sharing the GPU: JAX must not take 75% of its memory in each (8 of 9 failed to start so).
-  # SCORE_CHECKPOINTS: what compare decodes of each run (latest; the recipe stage: last:10, as the screens keep no trainer's average)
+  # SCORE_CHECKPOINTS: what compare decodes of each run (latest; the recipe stage: last:10, as the screens keep
+  # no trainer's average)
   local w out checkpoints=${SCORE_CHECKPOINTS:-latest}
   for w in ${SCORE_RUNS:-/tmp/sweep/*.s[0-9]*}; do
     [ -d "$w/checkpoints" ] || continue
