@@ -33,7 +33,7 @@
 #   memory      big: remat none/dots/full, and the largest token budget that fits
 #   decode      sentences/s and target tokens/s, beam 4 and greedy, of the Multi30k model of gpu_carry/m30k
 #               on Multi30k test2016 and newstest2013 (bench/decode_throughput.py)
-#   multi30k    configs/multi30k.py trained on the GPU (wall time of its 2,400 steps), then test2016 BLEU
+#   multi30k    configs/multi30k.py:bfloat16 trained on the GPU (the wall time of its steps), then test2016 BLEU
 #   sweep       16 short Multi30k runs, SWEEP_PARALLEL (8) at a time (bench/sweep.py, bench/sweeps/
 #               hour_float32.flags): recipe choices for issue 14 scored on valid; SWEEP_SECONDS (420) bounds it.
 #               16 at a time (the third lease) spent 5 of 6.4 minutes starting, 16 processes on 16 host cores;

@@ -24,7 +24,8 @@ def test_configs_load_with_the_paper_values(name):
   assert set(c.keys()) == set(config_lib.base_config().keys())
   # The paper's label smoothing, except for the CPU hour, whose 0.2 was chosen on valid (bench/RESULTS.md).
   assert (c.adam_b1, c.adam_b2, c.adam_eps, c.label_smoothing) == (0.9, 0.98, 1e-9, 0.2 if name == 'multi30k' else 0.1)
-  assert not c.model.pre_layer_norm
+  # The paper's post-LN, except for the hour where bf16 dots exist: the quality recipe's pre-LN model.
+  assert not c.model.pre_layer_norm or (name == 'multi30k' and c.model.d_model == 128)
   if name.startswith('wmt14'):
     assert (c.data_source, c.tfds_name, c.source_lang, c.target_lang) == ('tfds', 'wmt14_translate/de-en', 'en', 'de')
     assert (c.eval_split, c.vocab_size, c.checkpoint_every_minutes) == ('validation', 37_000, 10.0)
@@ -46,32 +47,49 @@ def load_config_file(name, *args):
   return module.get_config(*args)
 
 
+def flat(c, prefix=''):
+  """{'model.d_model': 128, ...}: a config's fields, the model's included."""
+  out = {}
+  for key, value in c.items():
+    out.update(flat(value, f'{prefix}{key}.') if hasattr(value, 'items') else {prefix + key: value})
+  return out
+
+
+def test_the_hour_is_the_quality_recipe_cut_to_an_hour_where_bf16_dots_exist():
+  hour, recipe = flat(load_config_file('multi30k', 'bfloat16')), flat(load_config_file('multi30k_best'))
+  # The recipe's model, data, schedule shape and decoding (adopted on valid, 2026-12-01): only its length differs.
+  assert {k for k in hour.keys() | recipe.keys() if hour.get(k) != recipe.get(k)} == {
+      'num_train_steps', 'cooldown_steps', 'max_train_minutes'}
+  assert (hour['model.d_model'], hour['model.pre_layer_norm'], hour['vocab_size']) == (128, True, 8000)
+  assert (hour['num_train_steps'], hour['cooldown_steps'], hour['max_train_minutes']) == (6500, 3250, 58.0)
+  # The last 5 averaged lie within the cooldown, and the run keeps them until it averages them.
+  assert hour['checkpoint_every_steps'] * hour['average_last_checkpoints'] <= hour['cooldown_steps']
+  assert hour['keep_checkpoints'] >= hour['average_last_checkpoints']
+
+
 def test_the_hour_halves_its_batch_where_matmuls_stay_float32(monkeypatch):
   from absl import flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
   from flaxformer_nmt import model as model_lib  # pylint: disable=g-import-not-at-top
-  fast, slow = load_config_file('multi30k', 'bfloat16'), load_config_file('multi30k', 'float32')
-  assert (fast.tokens_per_batch, fast.num_train_steps, fast.decode_checkpoint) == (4096, 2250, 'averaged')
-  assert (slow.tokens_per_batch, slow.decode_checkpoint, slow.length_penalty_alpha) == (2048, 'averaged', 1.5)
-  # Twice the steps of half the tokens: the warmup, the whole run, and the spacing of evaluations and saves
-  # cover the same tokens; the cooldown still starts where the warmup ends.
-  for field in ('warmup_steps', 'num_train_steps', 'log_every_steps', 'eval_every_steps', 'eval_bleu_every_steps',
-                'checkpoint_every_steps'):
-    assert slow[field] * slow.tokens_per_batch == fast[field] * fast.tokens_per_batch, field
+  slow = load_config_file('multi30k', 'float32')
+  # The d_model-256 post-LN hour as measured on the Zen 3, not the tiny recipe of the bf16 variant.
+  m = slow.model
+  assert (m.d_model, m.d_ff, m.num_encoder_layers, m.num_decoder_layers, m.pre_layer_norm) == (256, 1024, 3, 3, False)
+  assert (slow.vocab_size, slow.learning_rate_schedule, slow.beam_size) == (12000, 'paper', 4)
+  # Twice the steps of half the 4,096-token batch: the warmup, the whole run, and the spacing of evaluations
+  # and saves cover the tokens of the full batch's 500 / 2,250 / 250 / 500 / 100 steps; the cooldown still
+  # starts where the warmup ends.
+  assert (slow.tokens_per_batch, slow.warmup_steps, slow.num_train_steps) == (2048, 1000, 4500)
+  assert (slow.eval_every_steps, slow.eval_bleu_every_steps, slow.checkpoint_every_steps) == (500, 1000, 200)
   assert slow.cooldown_steps == slow.num_train_steps - slow.warmup_steps
-  # Everything else is the same recipe, but for the regularization and peak learning rate of the fewer tokens
-  # the half batch sees in the hour (chosen on valid), and the decoding chosen on its run's valid.
-  differ = {k for k in fast.keys() if k != 'model' and fast[k] != slow[k]}
-  assert differ == {'tokens_per_batch', 'warmup_steps', 'num_train_steps', 'cooldown_steps', 'log_every_steps',
-                    'eval_every_steps', 'eval_bleu_every_steps', 'checkpoint_every_steps', 'learning_rate_scale',
-                    'length_penalty_alpha'}
-  assert (fast.learning_rate_scale, slow.learning_rate_scale) == (1.0, 1.414)
-  assert (fast.model.dropout_rate, slow.model.dropout_rate) == (0.2, 0.1)
-  assert {k for k in fast.model.keys() if fast.model[k] != slow.model[k]} == {'dropout_rate'}
+  # The regularization, peak learning rate and decoding chosen on valid for the fewer tokens it sees.
+  assert (m.dropout_rate, slow.learning_rate_scale, slow.label_smoothing) == (0.1, 1.414, 0.2)
+  assert (slow.decode_checkpoint, slow.length_penalty_alpha, slow.lowercase) == ('averaged', 1.5, True)
   # By default the CPU's instructions choose; configs/multi30k.py:float32 chooses from the command line.
-  for has_bf16, expected in ((True, 4096), (False, 2048)):
+  for has_bf16, expected in ((True, (4096, 128)), (False, (2048, 256))):
     monkeypatch.setattr(model_lib, 'cpu_has_bfloat16_dot', lambda has=has_bf16: has)
-    assert load_config_file('multi30k').tokens_per_batch == expected
+    c = load_config_file('multi30k')
+    assert (c.tokens_per_batch, c.model.d_model) == expected
   argv = ['prog', '--config', os.path.join(REPO, 'configs', 'multi30k.py') + ':float32']
   values = flags.FlagValues()
   config_flags.DEFINE_config_file('config', None, flag_values=values, lock_config=True, sys_argv=argv)
@@ -122,7 +140,6 @@ def test_multi30k_best_is_the_tiny_recipe_with_a_cooldown_and_trains_from_valid_
   for name in ('multi30k', 'multi30k_best', 'multi30k_tiny', 'lm_multi30k', 'mlm_multi30k'):
     assert load_config_file(name).data_download == 'multi30k'
   hour = load_config_file('multi30k')
-  assert hour.cooldown_steps == hour.num_train_steps - hour.warmup_steps
   # Both end their cooldown within their time limit on a slower machine (a Zen 3 EPYC takes 3.3 s a step).
   from flaxformer_nmt import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   assert c.fit_schedule_to_time and hour.fit_schedule_to_time
@@ -177,7 +194,7 @@ def test_missing_data_is_one_clear_line(tmp_path):
 def test_overrides_reach_the_config():
   from absl import flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  argv = ['prog', '--config', os.path.join(REPO, 'configs', 'multi30k.py'), '--config.model.d_model=128',
+  argv = ['prog', '--config', os.path.join(REPO, 'configs', 'multi30k.py') + ':float32', '--config.model.d_model=128',
           '--config.length_buckets=(8,16)', '--config.model.pre_layer_norm=true', '--config.data_dir=/data/x']
   values = flags.FlagValues()
   # The override flags are found in the argv (sys.argv when run as a program).
