@@ -8,7 +8,6 @@ building token-budget batches, in examples/s and tokens/s.
 the stages scale. Without --vocab, a vocabulary is trained first (and timed).
 """
 import argparse
-import importlib.util
 import os
 import sys
 import tempfile
@@ -17,6 +16,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from flaxformer_nmt import corpora  # pylint: disable=g-import-not-at-top,wrong-import-position
 from flaxformer_nmt import data as data_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from flaxformer_nmt import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -37,13 +37,6 @@ class Repeated:
     return self.pairs.read([int(i) % len(self.pairs) for i in indices])
 
 
-def load_config(path):
-  spec = importlib.util.spec_from_file_location('config', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--config', default='configs/multi30k.py')
@@ -52,7 +45,7 @@ def main():
   parser.add_argument('--epochs', type=float, default=2.0, help='epochs of batches to build')
   parser.add_argument('--threads', type=int, default=0, help='sentencepiece threads (0 = all cores)')
   args = parser.parse_args()
-  config = load_config(args.config)
+  config = config_lib.load_config_file(args.config)
   print(f'cores: {os.cpu_count()}; config {args.config}; corpus x{args.repeat}')
 
   start = time.perf_counter()

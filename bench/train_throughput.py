@@ -32,7 +32,6 @@ parallel). Model FLOPs are analytic (flaxformer_nmt/flops.py: 3x the forward mat
 the first config's compiled step is also checked against XLA's own FLOP count. MFU needs a peak: the
 table in flops.py for GPUs/TPUs, or --peak (per device); on CPU it is left out.
 """
-import importlib.util
 import itertools
 import os
 import time
@@ -44,6 +43,7 @@ from absl import app, flags
 
 import op_profile  # bench/op_profile.py, beside this script
 
+from flaxformer_nmt import config as config_lib
 from flaxformer_nmt import flops as flops_lib
 from flaxformer_nmt import host_memory
 from flaxformer_nmt import lm
@@ -115,10 +115,7 @@ def xla_flops(compiled):
 def load_config(name, attention_impl, remat, prng_impl='', chunk=''):
   # By file path, so the script runs from any directory (configs/ is not a package on sys.path).
   path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs', f'{name}.py')
-  spec = importlib.util.spec_from_file_location(name, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
+  config = config_lib.load_config_file(path)
   for field, value in (('dtype', _DTYPE.value), ('attention_impl', attention_impl), ('remat', remat),
                        ('matmul_precision', _MATMUL.value)):
     if value:

@@ -7,7 +7,6 @@ into one line naming the override and the nearest valid fields, and exits with s
 `use_compilation_cache` keeps XLA's compiled programs on disk between runs of a command.
 """
 import difflib
-import importlib.util
 import os
 import sys
 
@@ -15,6 +14,7 @@ import jax
 import ml_collections
 from absl import app, logging
 
+from flaxformer_nmt import config as config_lib
 from flaxformer_nmt import download
 
 
@@ -29,13 +29,6 @@ def _config_file(argv):
       continue
     return path if os.path.exists(path) or ':' not in path else path.rsplit(':', 1)[0]
   return None
-
-
-def _load_config(path):
-  spec = importlib.util.spec_from_file_location('_config_for_flag_check', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
 
 
 def field_names(config, prefix=''):
@@ -69,7 +62,7 @@ def parse_flags(argv):
   except (AttributeError, KeyError) as error:
     path = _config_file(argv)
     try:
-      found = unknown_override(argv, _load_config(path)) if path else None
+      found = unknown_override(argv, config_lib.load_config_file(path)) if path else None
     except Exception:  # pylint: disable=broad-except  (the config file's own error is reported below)
       found = None
     if found is None:

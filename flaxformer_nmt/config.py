@@ -4,6 +4,8 @@ Every field the trainer, the model and the decoder read lives here; configs/*.py
 change what differs, so `--config.field=value` overrides work the same everywhere and an unknown field is
 an error.
 """
+import importlib.util
+
 import ml_collections
 from etils import epath
 
@@ -18,6 +20,15 @@ class ConfigError(ValueError):
 def shared_data_dir(name):
   """`../shared/data/NAME` beside the repository (the development machines' corpora)."""
   return str(_SHARED_DATA / name)
+
+
+def load_config_file(path, *args):
+  """get_config(*args) of the config file at `path`, loaded by path: configs/ is not a package on sys.path, so
+  programs run from any directory, and one config can build on another (configs/multi30k.py on multi30k_best.py)."""
+  spec = importlib.util.spec_from_file_location(f'_config_{epath.Path(path).stem}', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(*args)
 
 
 # JAX's key generators (config.prng_impl); the default is JAX's own, and that of every run before the field.

@@ -40,11 +40,8 @@ def test_configs_load_with_the_paper_values(name):
 
 
 def load_config_file(name, *args):
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, 'configs', f'{name}.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(*args)
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  return config_lib.load_config_file(os.path.join(REPO, 'configs', f'{name}.py'), *args)
 
 
 def flat(c, prefix=''):
