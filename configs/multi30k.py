@@ -13,7 +13,8 @@ pre-LN layers, 8k vocabulary, dropout 0.3, inverse_sqrt peak 0.005 after 2,000 s
 steps, a linear cooldown to zero over the second half, beam 5, alpha 2.0, the average of the last 5. Adopted
 2026-12-01 by a rule set before its run (bench/RESULTS.md; AMD EPYC Zen 4, 2 cores, all 6,500 steps in 57
 minutes): valid 41.99 lc-tok against the d_model-256 hour's 41.07 and 41.62 (two seeds); test2016, scored once
-after the decision, 40.28 lc-tok (the d_model-256 hour on the Zen 4: 40.09, 39.86, 39.68).
+after the decision, 40.28 lc-tok (the d_model-256 hour on the Zen 4: 40.09, 39.86, 39.68); its second seed
+(--config.seed=1): valid 41.65, test2016 40.48; its third (--config.seed=2): 41.16, 40.50.
 
 float32, where the matmuls stay float32 (a step takes twice as long; 3.0-3.8 s for the d_model-256 model on a
 2-core AMD EPYC Zen 3): the hour as it was measured there, a 3+3-layer, d_model 256 post-LN Transformer with a
