@@ -143,16 +143,15 @@ def test_the_command_stops_resumes_and_decodes_the_members_together(toy_corpus, 
   rows = [[cell.strip() for cell in line.split('|')[1:-1]] for line in result.stdout.splitlines()
           if line.startswith('| 90 |')]
   assert [row[2] for row in rows] == ['0.6', '2'] and 'an ensemble of checkpoint 90 of' in rows[0][1]
-  # Each row is the ensemble decoded at its own alpha. Whether alpha 2 lengthens this toy model's translations over
-  # 0.6 depends on the CPU's numerics (on an Intel Xeon with jax 0.10.2 both gave a length ratio of 0.389), so the
-  # rows are checked against decodes by hand at each alpha, and must differ where those do.
+  # Each row is the ensemble decoded at its own alpha, checked against decodes by hand at each alpha. Whether alpha 2
+  # changes this toy model's scores over 0.6 depends on the CPU's numerics (on an Intel Xeon with jax 0.10.2 its
+  # translations differed but both scored BLEU 0.00 at a length ratio of 0.389), so no difference is asserted here;
+  # that the search reads the alpha it is given is tested in test_decode.py (scores under two alphas).
   by_hand = [decode.Translator(workdir, checkpoint='90').translate(sources, beam_size=2, alpha=alpha)
              for alpha in (0.6, 2.0)]
   for row, hypotheses in zip(rows, by_hand):
     bleu = sacrebleu.corpus_bleu(hypotheses, [references])
     assert [float(c) for c in (row[3], row[5])] == pytest.approx([bleu.score, bleu.sys_len / bleu.ref_len], abs=0.0051)
-  if by_hand[0] != by_hand[1]:
-    assert rows[0][3:6] != rows[1][3:6]
   # bench/bleu_curve.py: each member's rows, then the ensemble's, at the minutes of both members' training.
   # Its main in this process too, where the members' searches are compiled already (as a subprocess: 15 s).
   result = in_process.run(in_process.bench_script('bleu_curve'), [f'--workdir={workdir}', '--steps=90',
