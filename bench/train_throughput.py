@@ -12,6 +12,8 @@ CPU also the achieved FLOP rate over a large float32 matmul's rate measured in t
       --profile_dir /tmp/step_profile   # where the one-hour config's packed step goes, op by op
   python bench/train_throughput.py --configs big --lengths 64 --tokens_per_batch 65536,131072,262144 \
       --remat none,dots,full   # on a GPU: each remat policy's largest budget that fits
+  XLA_FLAGS=--xla_force_host_platform_device_count=2 python bench/train_throughput.py --configs multi30k_best \
+      --lengths 64 --packed_segments 4   # the CPU as 2 devices, as config.cpu_devices=2 gives the trainer
 
 --tokens_per_batch, --attention_impl, --remat and --prng_impl take lists: every combination is timed, one
 compiled step each, in one process, one after the other. The step keeps getting faster for the first minutes of

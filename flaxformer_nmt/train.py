@@ -293,6 +293,12 @@ def main(argv):
   if host_memory.keep_freed_memory():  # before the first computation starts XLA's threads (host_memory.py)
     logging.info('Host memory: freed buffers kept for reuse (%s=0 turns it off)', host_memory.ENV)
   checkpoints_lib.quiet_orbax_logs()
+  try:
+    # Before anything starts the backend: it fixes the CPU client's devices.
+    if sharding.split_host_cpu(flags.FLAGS.config.get('cpu_devices', 0)):
+      logging.info('Host CPU split into %d devices (config.cpu_devices)', flags.FLAGS.config.cpu_devices)
+  except sharding.MeshError as e:
+    sys.exit(f'error: {e}')
   distributed.initialize(flags.FLAGS.distributed, flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
                          flags.FLAGS.process_id)
   try:

@@ -125,6 +125,26 @@ def logged_losses(workdir):
   return {m['step']: m['train/loss'] for m in lines if 'train/loss' in m}
 
 
+def test_the_trainer_split_over_cpu_devices_logs_the_one_device_losses(toy_corpus, tmp_path):
+  """`--config.cpu_devices=2`: the command trains on two CPU devices, each step's rows split between them, and
+  logs the losses of the one-device run (dropout on: the masks do not depend on the split)."""
+  config = resume_config(toy_corpus)
+  config.num_train_steps = 4
+  assert config.model.dropout_rate > 0
+  one, two = tmp_path / 'one', tmp_path / 'two'
+  train.train_and_evaluate(config, one)
+  config.cpu_devices = 2
+  flags = ' '.join(f for f in os.environ.get('XLA_FLAGS', '').split()
+                   if not f.startswith('--xla_force_host_platform_device_count'))
+  result = subprocess.run(cli_args(config, two), env=subprocess_env(XLA_FLAGS=flags, JAX_PLATFORMS='cpu'),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'Host CPU split into 2 devices' in result.stderr and 'over 2 devices' in result.stderr
+  want, got = logged_losses(one), logged_losses(two)
+  assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+  np.testing.assert_allclose([got[s] for s in range(1, 5)], [want[s] for s in range(1, 5)], rtol=2e-5)
+
+
 @pytest.mark.slow
 def test_resuming_on_three_devices_continues_the_one_device_run(toy_corpus, tmp_path):
   """6 steps on 1 device, then steps 7..12 on 3 virtual devices (batches of 16 or 32 rows padded to 18 or 33),

@@ -47,6 +47,37 @@ def test_training_moved_the_parameters(report):
   assert len(losses) == 3 and losses[-1] < losses[0]
 
 
+def _without_device_count(xla_flags):
+  return ' '.join(f for f in xla_flags.split() if not f.startswith('--xla_force_host_platform_device_count'))
+
+
+@pytest.mark.parametrize('xla_device_count, want', [(None, '2 2'), (3, '0 3')])
+def test_split_host_cpu_gives_jax_the_devices_unless_xla_flags_set_them(xla_device_count, want):
+  """config.cpu_devices in a fresh process: JAX then has that many CPU devices; a count XLA_FLAGS already sets
+  (a user's or a test's) is the one kept."""
+  flags = _without_device_count(os.environ.get('XLA_FLAGS', ''))
+  if xla_device_count:
+    flags += f' --xla_force_host_platform_device_count={xla_device_count}'
+  code = ('from flaxformer_nmt import sharding; applied = sharding.split_host_cpu(2); import jax; '
+          'print(applied, len(jax.devices()))')
+  out = subprocess.run([sys.executable, '-c', code], env=subprocess_env(JAX_PLATFORMS='cpu', XLA_FLAGS=flags),
+                       capture_output=True, text=True, timeout=120, check=False)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.split('\n')[-2] == want
+
+
+def test_split_host_cpu_after_the_backend_started_keeps_its_devices(monkeypatch, caplog):
+  monkeypatch.setenv('XLA_FLAGS', _without_device_count(os.environ.get('XLA_FLAGS', '')))
+  before = len(jax.devices('cpu'))  # started
+  with caplog.at_level('WARNING'):
+    assert sharding.split_host_cpu(before + 1) == 0
+  assert len(jax.devices('cpu')) == before
+  assert any(f'cpu_devices={before + 1} not applied' in r.getMessage() for r in caplog.records)
+  assert sharding.split_host_cpu(0) == 0
+  with pytest.raises(sharding.MeshError, match='config.cpu_devices=-1'):
+    sharding.split_host_cpu(-1)
+
+
 def test_mesh_shape_fills_minus_one_and_rejects_mismatches():
   assert sharding.mesh_shape(8) == (8, 1)
   assert sharding.mesh_shape(8, -1, 4) == (2, 4)
