@@ -89,7 +89,7 @@ def the_d_model_256_hour():
   c.log_every_steps = 50
   # A device per core of the 2-core CPU this hour is sized for (sharding.split_host_cpu): this model's larger
   # matmuls keep both cores busier on one device than the tiny model's do, so it gains less (the step at
-  # 0.82-0.95 of one device's time on a float32 Zen 3, against 0.62-0.83 for the tiny model; 2026-12-02).
+  # 0.82-0.95 of one device's time on a float32 Zen 3, against 0.62-0.75 for the tiny model; 2026-12-02).
   c.cpu_devices = 2
   c.decode_tokens_per_batch = 4096
   c.decode_checkpoint = 'averaged'  # the average of the last 5 checkpoints, taken when training ends
