@@ -20,6 +20,7 @@ from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ('data', 'fsdp')
+XLA_DEVICE_COUNT_FLAG = '--xla_force_host_platform_device_count'  # XLA_FLAGS' own way to split the host CPU
 BATCH_AXES = ('data', 'fsdp')  # the batch's rows are split over both
 
 
@@ -39,7 +40,7 @@ def split_host_cpu(count):
   (bench/RESULTS.md, 2026-12-02).
 
   It fixes JAX's CPU client, so it runs before the first computation (train.main does it first). A device
-  count already asked of XLA (--xla_force_host_platform_device_count in XLA_FLAGS) is left as it is; where the
+  count already asked of XLA (XLA_DEVICE_COUNT_FLAG in XLA_FLAGS) is left as it is; where the
   backend has already started (a training run inside a process that computed before) the devices there are
   are used, with a warning. On a GPU or TPU host jax.devices() are the accelerators whatever this says.
   """
@@ -48,7 +49,7 @@ def split_host_cpu(count):
                     'split the host CPU into (its cores)')
   if count == 0:
     return 0
-  if '--xla_force_host_platform_device_count' in os.environ.get('XLA_FLAGS', ''):
+  if XLA_DEVICE_COUNT_FLAG in os.environ.get('XLA_FLAGS', ''):
     logging.info('config.cpu_devices=%d not applied: XLA_FLAGS already sets the CPU device count', count)
     return 0
   try:

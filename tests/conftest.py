@@ -78,6 +78,14 @@ def subprocess_env(**variables):
   return dict(os.environ, PYTHONPATH=path, **variables)
 
 
+def xla_flags_without_device_count():
+  """This process's XLA_FLAGS less a CPU device count: a subprocess given them has JAX's one CPU device, or the
+  count its own code asks for."""
+  from flaxformer_nmt import sharding  # pylint: disable=g-import-not-at-top
+  flags = os.environ.get('XLA_FLAGS', '').split()
+  return ' '.join(f for f in flags if not f.startswith(sharding.XLA_DEVICE_COUNT_FLAG))
+
+
 @pytest.fixture
 def full_float32_matmuls():
   """float32 matmuls at full precision for the test. A GPU runs them as TF32 by default (a 10-bit mantissa):

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import subprocess_env
+from conftest import subprocess_env, xla_flags_without_device_count
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import distributed
 
@@ -27,9 +27,7 @@ def free_port():
 
 def start_processes(data_dir, workdir, num_steps, num_processes=2, overrides=()):
   port = free_port()
-  env = subprocess_env(JAX_PLATFORMS='cpu')
-  env['XLA_FLAGS'] = ' '.join(flag for flag in os.environ.get('XLA_FLAGS', '').split()  # one CPU device per process
-                              if not flag.startswith('--xla_force_host_platform_device_count'))
+  env = subprocess_env(JAX_PLATFORMS='cpu', XLA_FLAGS=xla_flags_without_device_count())  # one CPU device a process
   return [subprocess.Popen([sys.executable, os.path.join(HERE, 'multiprocess_train.py'), str(port), str(i),
                             str(num_processes), str(data_dir), str(workdir), str(num_steps), *overrides],
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

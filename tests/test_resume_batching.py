@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import small_config, subprocess_env
+from conftest import small_config, subprocess_env, xla_flags_without_device_count
 from test_resilience import cli_args
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import data as data_lib
@@ -134,9 +134,8 @@ def test_the_trainer_split_over_cpu_devices_logs_the_one_device_losses(toy_corpu
   one, two = tmp_path / 'one', tmp_path / 'two'
   train.train_and_evaluate(config, one)
   config.cpu_devices = 2
-  flags = ' '.join(f for f in os.environ.get('XLA_FLAGS', '').split()
-                   if not f.startswith('--xla_force_host_platform_device_count'))
-  result = subprocess.run(cli_args(config, two), env=subprocess_env(XLA_FLAGS=flags, JAX_PLATFORMS='cpu'),
+  env = subprocess_env(XLA_FLAGS=xla_flags_without_device_count(), JAX_PLATFORMS='cpu')
+  result = subprocess.run(cli_args(config, two), env=env,
                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'Host CPU split into 2 devices' in result.stderr and 'over 2 devices' in result.stderr

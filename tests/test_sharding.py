@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import subprocess_env
+from conftest import subprocess_env, xla_flags_without_device_count
 
 from flaxformer_nmt import sharding
 
@@ -47,17 +47,13 @@ def test_training_moved_the_parameters(report):
   assert len(losses) == 3 and losses[-1] < losses[0]
 
 
-def _without_device_count(xla_flags):
-  return ' '.join(f for f in xla_flags.split() if not f.startswith('--xla_force_host_platform_device_count'))
-
-
 @pytest.mark.parametrize('xla_device_count, want', [(None, '2 2'), (3, '0 3')])
 def test_split_host_cpu_gives_jax_the_devices_unless_xla_flags_set_them(xla_device_count, want):
   """config.cpu_devices in a fresh process: JAX then has that many CPU devices; a count XLA_FLAGS already sets
   (a user's or a test's) is the one kept."""
-  flags = _without_device_count(os.environ.get('XLA_FLAGS', ''))
+  flags = xla_flags_without_device_count()
   if xla_device_count:
-    flags += f' --xla_force_host_platform_device_count={xla_device_count}'
+    flags += f' {sharding.XLA_DEVICE_COUNT_FLAG}={xla_device_count}'
   code = ('from flaxformer_nmt import sharding; applied = sharding.split_host_cpu(2); import jax; '
           'print(applied, len(jax.devices()))')
   out = subprocess.run([sys.executable, '-c', code], env=subprocess_env(JAX_PLATFORMS='cpu', XLA_FLAGS=flags),
@@ -67,7 +63,7 @@ def test_split_host_cpu_gives_jax_the_devices_unless_xla_flags_set_them(xla_devi
 
 
 def test_split_host_cpu_after_the_backend_started_keeps_its_devices(monkeypatch, caplog):
-  monkeypatch.setenv('XLA_FLAGS', _without_device_count(os.environ.get('XLA_FLAGS', '')))
+  monkeypatch.setenv('XLA_FLAGS', xla_flags_without_device_count())
   before = len(jax.devices('cpu'))  # started
   with caplog.at_level('WARNING'):
     assert sharding.split_host_cpu(before + 1) == 0
