@@ -75,6 +75,12 @@ class ValidationBleu:
     decode_config = config.copy_and_resolve_references()
     decode_config.model.attention_impl, decode_config.model.remat = 'auto', 'none'
     self.model = workdir_lib.build_model(decode_config, tokenizer)
+    # One process: the search runs on one device. Replicated over the mesh it would run whole on every device,
+    # the same search twice on a CPU split into two (config.cpu_devices): 5.7 s for Multi30k's valid against 4.2 s
+    # on one (bench/RESULTS.md, 2026-12-02). Several hosts: every host runs the same global program.
+    self.to_search_device = jax.process_count() == 1 and mesh.devices.size > 1
+    if self.to_search_device:
+      mesh = sharding.make_mesh(devices=[mesh.devices.flat[0]])
     self.replicated = sharding.replicated(mesh)
     self.options = dict(beam_size=config.eval_bleu_beam_size, alpha=np.float32(config.length_penalty_alpha),
                         extra_length=config.max_decode_extra_length)
@@ -98,6 +104,8 @@ class ValidationBleu:
   def translate(self, params):
     """Detokenized translations of the validation sources, in order (the same on every host)."""
     hypotheses = [''] * len(self.token_lists)
+    if self.to_search_device:
+      params = jax.device_put(params, self.replicated)
     for members, src in self.batches:
       # The same rows on every host: a replicated global array (one process: just a device copy).
       src = jax.make_array_from_process_local_data(self.replicated, src)
