@@ -46,6 +46,7 @@ from etils import epath
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import decode
+from flaxformer_nmt import sharding
 from flaxformer_nmt.tokenizer import EOS_ID
 
 DATA = epath.Path(__file__).resolve().parent.parent.parent / 'shared' / 'data'
@@ -73,6 +74,8 @@ def define_flags():
   flags.DEFINE_integer('threads', os.cpu_count(), 'CTranslate2 intra_threads (XLA uses every core).')
   flags.DEFINE_enum('compute_type', 'float32', ['float32', 'int8', 'int8_float32', 'bfloat16', 'auto'],
                     'CTranslate2\'s compute_type (its CPU build has bfloat16 only where the CPU does).')
+  flags.DEFINE_integer('devices', 1, 'Ours: decode.py\'s --devices (each batch split over N devices; on a CPU '
+                       'host its CPU split into N; 0: every local device).')
   flags.DEFINE_enum('dtype', None, list(decode.DTYPES), 'Ours: decode.py\'s --dtype (default: the config\'s; '
                     'float32 also keeps matmul operands float32 where the config rounds them to bfloat16).')
   flags.mark_flags_as_required(['workdir'])
@@ -158,7 +161,8 @@ def main(argv):
     raise app.UsageError(f'unknown modes or variants: {sorted(unknown)}')
   variants = ['ours'] + [v for v in FLAGS.variants if v != 'ours']  # the others are compared with it
   checkpoints_lib.quiet_orbax_logs()
-  translator = decode.Translator(FLAGS.workdir, FLAGS.checkpoint, dtype=FLAGS.dtype)
+  devices = sharding.local_devices(FLAGS.devices)  # before the first computation: it may split the CPU
+  translator = decode.Translator(FLAGS.workdir, FLAGS.checkpoint, dtype=FLAGS.dtype, devices=devices)
   c = translator.config
   tokens_per_batch = FLAGS.tokens_per_batch or c.decode_tokens_per_batch
   if FLAGS.compare == 'ctranslate2':
@@ -166,7 +170,8 @@ def main(argv):
     variants.append('ctranslate2')
     print(f'ctranslate2 {ctranslate2_version()} {FLAGS.compute_type}, intra_threads '
           f'{FLAGS.threads}; XLA: every core ({os.cpu_count()})')
-  print(f'device: {jax.devices()[0].device_kind} x{jax.device_count()} ({jax.default_backend()}), '
+  print(f'device: {jax.devices()[0].device_kind} x{jax.device_count()} ({jax.default_backend()}; ours searches '
+        f'on {len(devices)}), '
         f'{cpu_name()}; jax {jax.__version__}; {FLAGS.workdir} '
         f'({translator.checkpoint}); model dtype {c.model.dtype}, matmul operands '
         f'{translator.models[0].config.matmul_precision}; '

@@ -8,6 +8,7 @@ the average of the last k, the latest, or given steps.
   python -m flaxformer_nmt.compare --workdir runs/m30k --checkpoints last:10 --beam_size 8 --mbr bleu
   python -m flaxformer_nmt.compare --workdir runs/m30k --checkpoints latest,last:10 --alpha 0.6,1.0,1.5,2.0
   python -m flaxformer_nmt.compare --workdir runs/a,runs/b --checkpoints latest,last:10   # ensembles
+  python -m flaxformer_nmt.compare --workdir runs/m30k --devices 2   # each batch split over two devices
 
 Checkpoints: `best` (config.best_checkpoint_metric), `averaged` ({workdir}/averaged), `last:K` (the newest K
 checkpoints averaged in memory, nothing written), `latest`, or a step. By default the sentences are the
@@ -32,6 +33,7 @@ from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import decode
 from flaxformer_nmt import evaluate
 from flaxformer_nmt import mbr
+from flaxformer_nmt import sharding
 from flaxformer_nmt import workdir as workdir_lib
 
 
@@ -49,6 +51,7 @@ def define_flags():
   flags.DEFINE_enum('mbr', None, list(mbr.UTILITIES), 'Minimum Bayes risk among the beam\'s --n_best candidates '
                     '(mbr.py) instead of its best-scored translation.')
   flags.DEFINE_integer('n_best', None, 'Candidates for --mbr (default: the beam size).')
+  flags.DEFINE_integer('devices', 1, 'Devices to split each batch\'s sentences over, as decode\'s --devices.')
   flags.mark_flags_as_required(['workdir'])
 
 
@@ -116,6 +119,7 @@ def main(argv):
   checkpoints_lib.quiet_orbax_logs()
   cli.use_compilation_cache()  # every checkpoint decodes the same shapes
   try:
+    devices = sharding.local_devices(f.devices)  # before the first computation: it may split the CPU
     # Several workdirs ('A,B') or an ensemble's (config.ensemble_members) compare as one ensemble; the first
     # member's config names the split and the decoding defaults.
     config = workdir_lib.load_config(decode.ensemble_members(f.workdir, None)[0][0])
@@ -129,7 +133,7 @@ def main(argv):
     print('|---|---|---:|---:|---:|---:|---:|---:|')
     signature = ''
     for name in f.checkpoints:
-      translator = decode.Translator(f.workdir, checkpoint=name)
+      translator = decode.Translator(f.workdir, checkpoint=name, devices=devices)
       for alpha in alphas:
         row, signature = score_row(name, translator, sources, references, tok_references, beam_size, alpha,
                                    f.mbr, n_best)

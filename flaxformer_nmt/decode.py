@@ -17,6 +17,8 @@ programs are kept in JAX's persistent cache (cli.use_compilation_cache): a later
   --min_len=N: at least N tokens before EOS (default 1, as fairseq and CTranslate2: no empty outputs)
   --checkpoint=1700,1800 or --workdir=A,B: an ensemble (per-step average of the members' probabilities)
   --dtype=float32|bfloat16: compute dtype of decoding
+  --devices=N: each batch's sentences split over N devices (data parallel; a CPU host's CPU split into N, one
+  a core; 0: every local device)
 
 Python API:
   translator = Translator('runs/m30k')
@@ -43,6 +45,7 @@ from flaxformer_nmt import cli
 from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import evaluate
 from flaxformer_nmt import mbr as mbr_lib
+from flaxformer_nmt import sharding
 from flaxformer_nmt import tokenizer as tokenizer_lib
 from flaxformer_nmt import workdir as workdir_lib
 from flaxformer_nmt.model import Transformer
@@ -429,10 +432,13 @@ class Translator:
   the compute dtype of decoding ('auto': bfloat16 on GPU/TPU, float32 on CPU; 'float32' also multiplies in
   float32 where the config rounds matmul operands to bfloat16; None: the config's); parameters stay as
   stored, log probabilities float32.
+  devices: data-parallel decoding, each batch's sentences split over these devices (its rows padded to a
+  multiple of their count) and the parameters replicated on each (sharding.local_devices finds them; on a CPU
+  host, call it before the first computation); None: the default device alone.
   The decoding settings (beam size, length penalty, batch budget, max length) come from the first member.
   """
 
-  def __init__(self, workdir, checkpoint=None, dtype=None):
+  def __init__(self, workdir, checkpoint=None, dtype=None, devices=None):
     if dtype is not None and dtype not in DTYPES:
       raise ValueError(f'dtype must be one of {DTYPES}, not {dtype!r}')
     members = ensemble_members(workdir, checkpoint)
@@ -458,6 +464,10 @@ class Translator:
     self.model, self.params = self.models[0], self.member_params[0]
     self.checkpoint = descriptions[0] if len(members) == 1 else f'an ensemble of {", ".join(descriptions)}'
     self._search_model = self.models if len(members) > 1 else self.model
+    self.mesh = sharding.make_mesh(devices=list(devices)) if devices is not None and len(devices) > 1 else None
+    if self.mesh is not None:
+      self.member_params = jax.device_put(self.member_params, sharding.replicated(self.mesh))
+      self.params = self.member_params[0]
 
   def _member_config(self, workdir, dtype):
     """A member's config, checked against the first member's vocabulary and direction."""
@@ -537,6 +547,7 @@ class Translator:
     options, batches = self._prepare(token_lists, n_best=n_best, sampling=sampling, **options)
     results = [[([], 0.0)] * n_best for _ in token_lists]
     for members, src in batches:
+      src = self._pad_to_devices(src)
       keys = None
       if sampling:  # padding rows sample too, from line -1's keys, and are dropped
         lines = [first_line + i for i in members] + [-1] * (len(src) - len(members))
@@ -545,6 +556,21 @@ class Translator:
       for r, i in enumerate(members):
         results[i] = [(_through_eos(tokens[r, k]), float(scores[r, k])) for k in range(n_best)]
     return results
+
+  def _rows_for(self, sentences):
+    """batch_rows(sentences), a multiple of the devices' count: every device searches as many rows."""
+    rows = batch_rows(sentences)
+    return rows if self.mesh is None else -(-rows // self.mesh.size) * self.mesh.size
+
+  def _pad_to_devices(self, src):
+    """A source batch with empty rows added up to a multiple of the devices' count (they end at once)."""
+    if self.mesh is None or src.shape[0] % self.mesh.size == 0:
+      return src
+    return np.pad(src, ((0, -src.shape[0] % self.mesh.size), (0, 0)), constant_values=PAD_ID)
+
+  def _spread(self, tree):
+    """Each sentence's arrays on the device that searches it (data-parallel decoding), or as they are."""
+    return tree if self.mesh is None else sharding.spread_rows(tree, self.mesh)
 
   def _search_batch(self, src, keys, options):
     """(tokens [B, K, L], scores [B, K]) of a padded source batch, as `search` returns them, run in segments
@@ -555,7 +581,8 @@ class Translator:
     """
     start_options = {k: options[k] for k in START_STATIC if k in options}
     continue_options = {k: options[k] for k in CONTINUE_STATIC + ('alpha',) if k in options}
-    inputs, state = _start(self._search_model, self.search_params, src, keys, **start_options)
+    inputs, state = self._spread(_start(self._search_model, self.search_params, *self._spread((src, keys)),
+                                        **start_options))
     _, cache_lengths = search_lengths(self._search_model, src.shape, **options)
     sentences = np.arange(src.shape[0])  # the batch row of each row now searched
     results = []
@@ -567,18 +594,18 @@ class Translator:
     grown_to = cache_lengths[0]
     for cache_length, until in segment_ends(cache_lengths, SEGMENT_STEPS):
       if cache_length > grown_to:
-        state, grown_to = _grow(state, length=cache_length), cache_length
+        state, grown_to = self._spread(_grow(state, length=cache_length)), cache_length
       state, unfinished = _continue(self._search_model, self.search_params, inputs, state, np.int32(until),
                                     **continue_options)
       unfinished = np.asarray(unfinished)
       live, done = np.flatnonzero(unfinished), np.flatnonzero(~unfinished)
       if not len(live):
         break
-      rows = batch_rows(len(live))
+      rows = self._rows_for(len(live))
       if rows <= COMPACT_BELOW * len(unfinished):
         read_out(done)
         keep = np.concatenate([live, np.full(rows - len(live), done[0])])  # a finished row pads
-        inputs, state = _take((inputs, state), keep, batch=len(unfinished))
+        inputs, state = self._spread(_take((inputs, state), keep, batch=len(unfinished)))
         sentences = sentences[keep]
     read_out(np.arange(len(sentences)))
     tokens = np.zeros((src.shape[0],) + results[0][1].shape[1:], results[0][1].dtype)
@@ -713,6 +740,9 @@ def define_flags():
                     'plain: one translation per input line. fairseq: S-i, H-i (score, pieces), D-i (score, text).')
   flags.DEFINE_integer('tokens_per_batch', None, 'Source tokens per batch.')
   flags.DEFINE_integer('buffer_lines', 5000, 'Lines read and translated at a time.')
+  flags.DEFINE_integer('devices', 1, 'Devices to split each batch\'s sentences over (data parallel, the parameters '
+                       'replicated on each): 1 the default device, N the first N local devices (a CPU host\'s CPU '
+                       'split into N devices, one a core), 0 every local device.')
   flags.mark_flags_as_required(['workdir'])
 
 
@@ -728,7 +758,8 @@ def main(argv):
   checkpoints_lib.quiet_orbax_logs()
   cli.use_compilation_cache()
   try:
-    translator = Translator(FLAGS.workdir, FLAGS.checkpoint, dtype=FLAGS.dtype)
+    devices = sharding.local_devices(FLAGS.devices)  # before the first computation: it may split the CPU
+    translator = Translator(FLAGS.workdir, FLAGS.checkpoint, dtype=FLAGS.dtype, devices=devices)
   except (OSError, ValueError) as e:
     sys.exit(f'error: {e}')
   beam_size = 0 if FLAGS.greedy else FLAGS.beam_size
@@ -738,7 +769,8 @@ def main(argv):
     method = 'greedy' if beam_size == 0 else f'beam {beam_size or translator.config.beam_size}'
   if FLAGS.mbr:
     method += f', MBR by sentence {FLAGS.mbr} among {FLAGS.n_best} candidates'
-  logging.info('Translating with %s of %s (%s)', translator.checkpoint, FLAGS.workdir, method)
+  logging.info('Translating with %s of %s (%s) on %d %s device%s', translator.checkpoint, FLAGS.workdir, method,
+               len(devices), devices[0].platform, 's' * (len(devices) > 1))
   options = dict(beam_size=beam_size, alpha=FLAGS.alpha, n_best=FLAGS.n_best,
                  tokens_per_batch=FLAGS.tokens_per_batch, max_len_a=FLAGS.max_len_a, max_len_b=FLAGS.max_len_b,
                  min_len=FLAGS.min_len)

@@ -125,3 +125,25 @@ def put_batch(batch, sharding):
   hosts (for one process this is a plain sharded device_put).
   """
   return jax.tree_util.tree_map(lambda x: jax.make_array_from_process_local_data(sharding, x), batch)
+
+
+def local_devices(count):
+  """The first `count` of this process's devices (0: all of them), for data-parallel decoding. On a host without
+  accelerators the CPU is first split into `count` devices (split_host_cpu), so call this before the first
+  computation; on a GPU or TPU host they are its accelerators."""
+  if count < 0:
+    raise MeshError(f'devices={count}: use 0 (every local device) or how many to split the batches over')
+  if count > 1:
+    split_host_cpu(count)
+  devices = jax.local_devices()
+  if count > len(devices):
+    raise MeshError(f'devices={count}: this process has {len(devices)} {devices[0].platform} device'
+                    f'{"s" * (len(devices) > 1)}')
+  return devices[:count or len(devices)]
+
+
+def spread_rows(tree, mesh):
+  """Every array of `tree` on `mesh`'s devices: split along its first axis (sentences, or their rows), which the
+  device count divides; scalars (a search's step index) replicated. Arrays already laid out so are not moved."""
+  rows, whole = batch_sharded(mesh), replicated(mesh)
+  return jax.tree_util.tree_map(lambda x: jax.device_put(x, whole if np.ndim(x) == 0 else rows), tree)

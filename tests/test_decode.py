@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import conftest
 import in_process
 from conftest import small_config, write_toy_corpus
 from flaxformer_nmt import decode
@@ -453,3 +454,45 @@ def test_dtype_float32_decodes_a_bfloat16_matmul_config_in_float32(workdir, tran
   as_trained = scores(translator)
   assert scores(decode.Translator(rounded)) != as_trained  # bfloat16 operands move the log probabilities
   assert scores(decode.Translator(rounded, dtype='float32')) == as_trained
+
+
+
+def _decode_on_two_devices(workdir, tmp_path, lines, args, xla_device_count=None):
+  """The decode command (a fresh process, so that it can split the CPU) on `lines` with --devices=2 and `args`."""
+  (tmp_path / 'in.en').write_text('\n'.join(lines) + '\n')
+  xla_flags = conftest.xla_flags_without_device_count()
+  if xla_device_count:
+    xla_flags += f' --xla_force_host_platform_device_count={xla_device_count}'
+  command = [sys.executable, '-m', 'flaxformer_nmt.decode', f'--workdir={workdir}', f'--input={tmp_path / "in.en"}',
+             '--devices=2', '--tokens_per_batch=48', *args]
+  return subprocess.run(command, env=conftest.subprocess_env(XLA_FLAGS=xla_flags.strip()), capture_output=True,
+                        text=True, timeout=300)
+
+
+def test_cli_on_two_devices_translates_each_line_as_one_device_does(workdir, translator, mixed, tmp_path):
+  # --devices=2 splits the CPU in two and each batch's sentences over the halves: rows padded to an even count
+  # (odd full batches of a small token budget, single sentences, a compacted batch's survivors), finished
+  # sentences dropped between segments. Every line must keep its own translations and scores, as decoding on
+  # one device in this process gives them; and the command must say it used two devices (else this compares
+  # one device with itself).
+  lines = mixed + mixed[::-1][:7]
+  beams = _decode_on_two_devices(workdir, tmp_path, lines, ['--beam_size=3', '--n_best=2', '--format=fairseq'])
+  assert beams.returncode == 0, beams.stderr[-3000:]
+  assert 'on 2 cpu devices' in beams.stderr
+  expected = translator.translate(lines, beam_size=3, n_best=2, tokens_per_batch=48, return_scores=True)
+  written = [line.split('\t') for line in beams.stdout.split('\n') if line.startswith('D-')]
+  assert [text for _, _, text in written] == [text for hyps in expected for text, _ in hyps]
+  np.testing.assert_allclose([float(score) for _, score, _ in written],
+                             [score for hyps in expected for _, score in hyps], atol=1e-3)
+  # Where the CPU device count is fixed (XLA_FLAGS), more devices than it gives are refused, not silently fewer.
+  refused = _decode_on_two_devices(workdir, tmp_path, lines, [], xla_device_count=1)
+  assert refused.returncode == 1 and 'devices=2: this process has 1 cpu device' in refused.stderr, refused.stderr[-2000:]
+
+
+@pytest.mark.slow  # 20 s more of a fresh process; the padding rows' keys come from line -1 (search_tokens)
+def test_sampling_on_two_devices_draws_each_line_as_one_device_does(workdir, translator, mixed, tmp_path):
+  lines = mixed + mixed[::-1][:7]
+  samples = _decode_on_two_devices(workdir, tmp_path, lines, ['--sampling', '--top_k=4', '--seed=5'])
+  assert samples.returncode == 0, samples.stderr[-3000:]
+  assert 'on 2 cpu devices' in samples.stderr
+  assert samples.stdout.split('\n')[:-1] == translator.translate(lines, sampling=True, top_k=4, seed=5)
