@@ -38,8 +38,8 @@ AMD EPYC Zen 3, 2026-11-29): fit_schedule_to_time then trains the steps that fit
 cooldown over the second half of them (time_budget.py). This command on that Zen 3 (2026-11-29 night): the fit
 at step 3,250 ran the cooldown to step 6,490 in 139 minutes; the config's decode gave valid 41.56, test2016
 40.05 lc-tok. Pre-LN with the CPU as two devices there (2026-12-02): 7,499 steps in 136 minutes, valid 42.53,
-test2016 39.86 (length ratio 1.031). R-Drop (rdrop_alpha 5 at the same compute a step) fell 2.4 behind on valid in a GPU screen of two
-seeds (2026-11-29) and stays off. A 12k vocabulary (2026-11-30, Zen 4) led greedy up to step 4,000, then fell
+test2016 39.86 (length ratio 1.031). R-Drop (rdrop_alpha 5 at the same compute a step) fell 2.4 behind on valid
+in a GPU screen of two seeds (2026-11-29) and stays off. A 12k vocabulary (2026-11-30, Zen 4) led greedy up to step 4,000, then fell
 behind: valid 41.72, test2016 39.70; the recipe keeps 8k.
 Two members of the hour's length (--config.ensemble_members=2 --config.num_train_steps=6500
 --config.cooldown_steps=3250: the hour's runs of seeds 0 and 1, 57 + 58 minutes on the Zen 4, 2026-12-01), each

@@ -557,16 +557,13 @@ class Translator:
         results[i] = [(_through_eos(tokens[r, k]), float(scores[r, k])) for k in range(n_best)]
     return results
 
-  def _rows_for(self, sentences):
-    """batch_rows(sentences), a multiple of the devices' count: every device searches as many rows."""
-    rows = batch_rows(sentences)
+  def _device_multiple(self, rows):
+    """`rows` rounded up to a multiple of the devices' count: every device searches as many rows."""
     return rows if self.mesh is None else -(-rows // self.mesh.size) * self.mesh.size
 
   def _pad_to_devices(self, src):
-    """A source batch with empty rows added up to a multiple of the devices' count (they end at once)."""
-    if self.mesh is None or src.shape[0] % self.mesh.size == 0:
-      return src
-    return np.pad(src, ((0, -src.shape[0] % self.mesh.size), (0, 0)), constant_values=PAD_ID)
+    """A source batch with empty rows (they end at once) added up to _device_multiple rows."""
+    return np.pad(src, ((0, self._device_multiple(src.shape[0]) - src.shape[0]), (0, 0)), constant_values=PAD_ID)
 
   def _spread(self, tree):
     """Each sentence's arrays on the device that searches it (data-parallel decoding), or as they are."""
@@ -601,7 +598,7 @@ class Translator:
       live, done = np.flatnonzero(unfinished), np.flatnonzero(~unfinished)
       if not len(live):
         break
-      rows = self._rows_for(len(live))
+      rows = self._device_multiple(batch_rows(len(live)))
       if rows <= COMPACT_BELOW * len(unfinished):
         read_out(done)
         keep = np.concatenate([live, np.full(rows - len(live), done[0])])  # a finished row pads

@@ -28,9 +28,10 @@ class MeshError(ValueError):
   """A mesh shape that does not match the devices."""
 
 
-def split_host_cpu(count):
+def split_host_cpu(count, setting='config.cpu_devices'):
   """Presents this host's CPU to JAX as `count` devices (config.cpu_devices; 0 leaves JAX's one), so that the
   data-parallel mesh splits every batch's rows over them. Returns the count in force, 0 where nothing was set.
+  `setting` names what asked for the count in the messages (decode's --devices: local_devices).
 
   Why: a small model's CPU step is some 2,000 small operations, most too small for XLA's intra-op threads to
   split, so one device leaves the second core idle much of the step. With a device per core each half-batch's
@@ -41,22 +42,22 @@ def split_host_cpu(count):
 
   It fixes JAX's CPU client, so it runs before the first computation (train.main does it first). A device
   count already asked of XLA (XLA_DEVICE_COUNT_FLAG in XLA_FLAGS) is left as it is; where the
-  backend has already started (a training run inside a process that computed before) the devices there are
-  are used, with a warning. On a GPU or TPU host jax.devices() are the accelerators whatever this says.
+  backend has already started (a training run inside a process that computed before) the devices it has are
+  used, with a warning. On a GPU or TPU host jax.devices() are the accelerators whatever this says.
   """
   if count < 0:
-    raise MeshError(f'config.cpu_devices={count}: use 0 (JAX\'s one CPU device) or the number of devices to '
+    raise MeshError(f'{setting}={count}: use 0 (JAX\'s one CPU device) or the number of devices to '
                     'split the host CPU into (its cores)')
   if count == 0:
     return 0
   if XLA_DEVICE_COUNT_FLAG in os.environ.get('XLA_FLAGS', ''):
-    logging.info('config.cpu_devices=%d not applied: XLA_FLAGS already sets the CPU device count', count)
+    logging.info('%s=%d not applied: XLA_FLAGS already sets the CPU device count', setting, count)
     return 0
   try:
     jax.config.update('jax_num_cpu_devices', count)
   except RuntimeError:  # the backend started before with another count
-    logging.warning('config.cpu_devices=%d not applied: JAX\'s backend had already started in this process with '
-                    '%d CPU devices', count, len(jax.devices('cpu')))
+    logging.warning('%s=%d not applied: JAX\'s backend had already started in this process with %d CPU devices',
+                    setting, count, len(jax.devices('cpu')))
     return 0
   return count
 
@@ -134,7 +135,7 @@ def local_devices(count):
   if count < 0:
     raise MeshError(f'devices={count}: use 0 (every local device) or how many to split the batches over')
   if count > 1:
-    split_host_cpu(count)
+    split_host_cpu(count, setting='devices')
   devices = jax.local_devices()
   if count > len(devices):
     raise MeshError(f'devices={count}: this process has {len(devices)} {devices[0].platform} device'

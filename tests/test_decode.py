@@ -486,7 +486,8 @@ def test_cli_on_two_devices_translates_each_line_as_one_device_does(workdir, tra
                              [score for hyps in expected for _, score in hyps], atol=1e-3)
   # Where the CPU device count is fixed (XLA_FLAGS), more devices than it gives are refused, not silently fewer.
   refused = _decode_on_two_devices(workdir, tmp_path, lines, [], xla_device_count=1)
-  assert refused.returncode == 1 and 'devices=2: this process has 1 cpu device' in refused.stderr, refused.stderr[-2000:]
+  assert refused.returncode == 1, refused.stderr[-2000:]
+  assert 'devices=2: this process has 1 cpu device' in refused.stderr
 
 
 @pytest.mark.slow  # 20 s more of a fresh process; the padding rows' keys come from line -1 (search_tokens)
