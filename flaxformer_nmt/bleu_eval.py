@@ -112,7 +112,7 @@ class ValidationBleu:
       tokens, _ = self._search(self.model, params, src, **self.options)
       tokens = np.asarray(tokens.addressable_data(0))  # replicated: the local copy is the whole result
       for row, index in enumerate(members):
-        hypotheses[index] = self.tokenizer.decode(tokens[row, 0].tolist())
+        hypotheses[index] = self.tokenizer.decode(decode.reading_order(self.config, tokens[row, 0]))
     return hypotheses
 
   def score(self, hypotheses):

@@ -9,6 +9,8 @@ the average of the last k, the latest, or given steps.
   python -m flaxformer_nmt.compare --workdir runs/m30k --checkpoints latest,last:10 --alpha 0.6,1.0,1.5,2.0
   python -m flaxformer_nmt.compare --workdir runs/a,runs/b --checkpoints latest,last:10   # ensembles
   python -m flaxformer_nmt.compare --workdir runs/m30k --devices 2   # each batch split over two devices
+  python -m flaxformer_nmt.compare --workdir runs/m30k --checkpoints averaged --rerank_workdir runs/m30k_r2l \
+      --rerank_weight 0,0.3,0.5   # the beam's n best rescored by a right-to-left model (rerank.py)
 
 Checkpoints: `best` (config.best_checkpoint_metric), `averaged` ({workdir}/averaged), `last:K` (the newest K
 checkpoints averaged in memory, nothing written), `latest`, or a step. By default the sentences are the
@@ -33,6 +35,7 @@ from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import decode
 from flaxformer_nmt import evaluate
 from flaxformer_nmt import mbr
+from flaxformer_nmt import rerank
 from flaxformer_nmt import sharding
 from flaxformer_nmt import workdir as workdir_lib
 
@@ -51,6 +54,11 @@ def define_flags():
   flags.DEFINE_enum('mbr', None, list(mbr.UTILITIES), 'Minimum Bayes risk among the beam\'s --n_best candidates '
                     '(mbr.py) instead of its best-scored translation.')
   flags.DEFINE_integer('n_best', None, 'Candidates for --mbr (default: the beam size).')
+  flags.DEFINE_string('rerank_workdir', None, 'A model (often right to left: config.target_right_to_left) that '
+                      'rescores the beam\'s n best (rerank.py); rows for each --rerank_weight.')
+  flags.DEFINE_string('rerank_checkpoint', None, 'The rescorer\'s checkpoint (default: its config\'s).')
+  flags.DEFINE_list('rerank_weight', ['0.5'], 'Weights w of the rescorer: (1 - w) search + w rescorer, a row '
+                    'each.')
   flags.DEFINE_integer('devices', 1, 'Devices to split each batch\'s sentences over, as decode\'s --devices.')
   flags.mark_flags_as_required(['workdir'])
 
@@ -95,9 +103,30 @@ def score_row(name, translator, sources, references, tok_references, beam_size, 
   alpha = translator.config.length_penalty_alpha if alpha is None else alpha
   _, bleu, tok, seconds, signature = scores(translator, sources, references, tok_references, beam_size, alpha,
                                             mbr_utility, n_best)
+  return table_row(name, translator.checkpoint, alpha, bleu, tok, seconds), signature
+
+
+def table_row(name, parameters, alpha, bleu, tok, seconds):
   tok = f'{tok:.2f}' if tok is not None else '-'
-  return (f'| {name} | {translator.checkpoint} | {alpha:g} | {bleu.score:.2f} | {tok} | '
-          f'{bleu.sys_len / bleu.ref_len:.3f} | {bleu.bp:.3f} | {seconds:.0f} |'), signature
+  return (f'| {name} | {parameters} | {alpha:g} | {bleu.score:.2f} | {tok} | '
+          f'{bleu.sys_len / bleu.ref_len:.3f} | {bleu.bp:.3f} | {seconds:.0f} |')
+
+
+def rerank_rows(name, translator, rescorer, sentences_, beam_size, alpha, weights):
+  """Table rows of the beam's n best rescored by `rescorer`, one per weight (one search, one rescoring)."""
+  sources, references, tok_references = sentences_
+  start = time.time()
+  reranker, translations = rerank.rerank_sources(translator, rescorer, sources, beam_size=beam_size, alpha=alpha)
+  seconds = time.time() - start
+  rows = []
+  for weight in weights:
+    hypotheses = translations(weight)
+    bleu = sacrebleu.BLEU(lowercase=translator.lowercase).corpus_score(hypotheses, [references])
+    tok = (evaluate.tokenized_bleu(hypotheses, tok_references, translator.config.target_lang)[0]
+           if tok_references is not None else None)
+    rows.append(table_row(f'{name}, reranked by {rescorer.checkpoint} of {rescorer.workdir}, w={weight:g}',
+                          translator.checkpoint, reranker.alpha, bleu, tok, seconds))
+  return rows
 
 
 def alpha_values(values, default):
@@ -114,6 +143,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   f = flags.FLAGS
+  if f.rerank_workdir and f.mbr:
+    raise app.UsageError('--rerank_workdir and --mbr each choose among the n best: give one')
   if f.n_best and not f.mbr:
     raise app.UsageError('--n_best gives --mbr its candidates: give --mbr too')
   checkpoints_lib.quiet_orbax_logs()
@@ -132,9 +163,20 @@ def main(argv):
     print('| checkpoint | parameters | alpha | sacreBLEU | lc-tok BLEU | length ratio | BP | decode s |')
     print('|---|---|---:|---:|---:|---:|---:|---:|')
     signature = ''
+    rescorer = None
+    if f.rerank_workdir:
+      weights = [float(w) for w in f.rerank_weight]
+      for weight in weights:
+        rerank.check_weight(weight)
+      rescorer = decode.Translator(f.rerank_workdir, checkpoint=f.rerank_checkpoint, devices=devices)
     for name in f.checkpoints:
       translator = decode.Translator(f.workdir, checkpoint=name, devices=devices)
       for alpha in alphas:
+        if rescorer is not None:
+          for row in rerank_rows(name, translator, rescorer, (sources, references, tok_references), beam_size,
+                                 alpha, weights):
+            print(row, flush=True)
+          continue
         row, signature = score_row(name, translator, sources, references, tok_references, beam_size, alpha,
                                    f.mbr, n_best)
         print(row, flush=True)

@@ -145,6 +145,11 @@ def _vocabulary_fields(c):
   # let one model learn both directions), twice the batches an epoch; later epochs the given direction only.
   # The paper pretrains so for the first third of the steps. 0 = off. Part of the batching.
   c.bidirectional_epochs = 0
+  # Right-to-left targets (not in the paper): the model reads the source as usual and writes the target from its
+  # last token to its first (EOS still last), so that its errors differ from a left-to-right model's and it can
+  # rescore the latter's n best (Sennrich et al. 2016, Edinburgh's WMT16 systems; Liu et al. 2016). Decoding
+  # turns its output back to reading order. Part of the data (a resume needs the same value).
+  c.target_right_to_left = False
 
 
 def _model_fields(c):

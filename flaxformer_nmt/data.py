@@ -25,6 +25,7 @@ from absl import logging
 from etils import epath
 
 from flaxformer_nmt import packing
+from flaxformer_nmt.tokenizer import EOS_ID
 from flaxformer_nmt import tokenizer as tokenizer_lib
 
 
@@ -159,6 +160,34 @@ def both_directions(corpus, examples):
   """(corpus, examples) with every pair also reversed: pair len(corpus) + i is (target[i], source[i])."""
   reverse = TokenizedCorpus(corpus.target, corpus.source)
   return _concatenate([corpus, reverse]), np.concatenate([examples, examples + len(corpus)])
+
+
+def right_to_left(config):
+  """Whether a model writes its targets right to left (config.target_right_to_left)."""
+  return bool(config.get('target_right_to_left', False))
+
+
+def reverse_before_eos(ids):
+  """Token ids with the ones before a final EOS in reverse order (EOS stays last); ids without a final EOS are
+  reversed whole. Its own inverse: a right-to-left model's output back in reading order."""
+  ids = list(ids)
+  if ids and ids[-1] == EOS_ID:
+    return ids[-2::-1] + [EOS_ID]
+  return ids[::-1]
+
+
+def right_to_left_targets(corpus):
+  """The corpus with every target's tokens before its EOS in reverse order (config.target_right_to_left)."""
+  target = corpus.target
+  lengths = target.lengths
+  starts = np.repeat(target.offsets[:-1], lengths)
+  ends = np.repeat(target.offsets[1:], lengths)  # one past each sequence's EOS
+  position = np.arange(len(target.tokens)) - starts
+  before_eos = starts + position < ends - 1
+  source_index = np.where(before_eos, ends - 2 - position, starts + position)
+  if len(target.tokens) and not np.all(target.tokens[ends - 1] == EOS_ID):
+    raise ValueError('every non-empty target must end with EOS to be reversed before it')
+  return TokenizedCorpus(corpus.source, Ragged(target.tokens[source_index], target.offsets))
 
 
 def _encode(tokenizer, lines, num_threads):

@@ -45,6 +45,7 @@ from flaxformer_nmt import cli
 from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import evaluate
 from flaxformer_nmt import mbr as mbr_lib
+from flaxformer_nmt import rerank as rerank_lib
 from flaxformer_nmt import sharding
 from flaxformer_nmt import tokenizer as tokenizer_lib
 from flaxformer_nmt import workdir as workdir_lib
@@ -483,6 +484,9 @@ class Translator:
     if direction(config) != direction(self.config):
       raise ValueError(f'an ensemble translates one direction: {workdir} is {direction(config)}, '
                        f'{self.workdir} {direction(self.config)}')
+    if data_lib.right_to_left(config) != data_lib.right_to_left(self.config):
+      raise ValueError(f'an ensemble writes its targets in one order: {workdir} '
+                       f'{"right to left" if data_lib.right_to_left(config) else "left to right"}, {self.workdir} not')
     # How attention is computed and what is recomputed for gradients do not change the parameters: decide them
     # for this machine, not the one that trained (a workdir trained with 'cudnn' decodes on a CPU too).
     config.model.attention_impl, config.model.remat = 'auto', 'none'
@@ -554,7 +558,7 @@ class Translator:
         keys = sample_keys(seed, jnp.asarray(lines, jnp.int32), n_best)
       tokens, scores = self._search_batch(src, keys, options)
       for r, i in enumerate(members):
-        results[i] = [(_through_eos(tokens[r, k]), float(scores[r, k])) for k in range(n_best)]
+        results[i] = [(reading_order(self.config, tokens[r, k]), float(scores[r, k])) for k in range(n_best)]
     return results
 
   def _device_multiple(self, rows):
@@ -664,6 +668,13 @@ def fit_to_positions(token_lists, max_position, extra_length, first_line=0):
   return [list(tokens[:limit - 1]) + [EOS_ID] if len(tokens) > limit else tokens for tokens in token_lists]
 
 
+def reading_order(config, tokens):
+  """A searched row's token ids through its first EOS, in reading order: a right-to-left model's turned around
+  (EOS stays last)."""
+  ids = _through_eos(tokens)
+  return data_lib.reverse_before_eos(ids) if data_lib.right_to_left(config) else ids
+
+
 def _through_eos(tokens):
   """Token ids up to and including the first EOS."""
   tokens = [int(t) for t in tokens]
@@ -733,6 +744,13 @@ def define_flags():
   flags.DEFINE_enum('mbr', None, list(mbr_lib.UTILITIES), 'Minimum Bayes risk (mbr.py): write the one of the '
                     '--n_best candidates (beams, or samples) that agrees most with the others by this sentence '
                     'metric, instead of the best-scored.')
+  flags.DEFINE_string('rerank_workdir', None, 'A second model (often right to left: config.target_right_to_left, '
+                      'same vocabulary) that rescores each line\'s beam candidates; the line gets the best of '
+                      '(1 - w) search score + w rescorer score (rerank.py).')
+  flags.DEFINE_string('rerank_checkpoint', None, 'The rescorer\'s checkpoint(s), as --checkpoint (default: its '
+                      'config\'s).')
+  flags.DEFINE_float('rerank_weight', 0.5, 'w of --rerank_workdir, from 0 (the search alone) to 1 (the rescorer '
+                     'alone).')
   flags.DEFINE_enum('format', 'plain', ['plain', 'fairseq'],
                     'plain: one translation per input line. fairseq: S-i, H-i (score, pieces), D-i (score, text).')
   flags.DEFINE_integer('tokens_per_batch', None, 'Source tokens per batch.')
@@ -750,6 +768,10 @@ def main(argv):
   if FLAGS.mbr and (FLAGS.n_best < 2 or FLAGS.format != 'plain'):
     raise app.UsageError('--mbr writes one chosen translation per line of --n_best >= 2 candidates: give --n_best '
                          'and --format=plain')
+  if FLAGS.rerank_workdir and (FLAGS.mbr or FLAGS.sampling or FLAGS.greedy or FLAGS.beam_size == 0
+                               or FLAGS.n_best > 1 or FLAGS.format != 'plain'):
+    raise app.UsageError('--rerank_workdir writes one chosen translation per line of the beam\'s candidates: '
+                         'not with --mbr, --sampling, greedy search, --n_best or --format=fairseq')
   if FLAGS.n_best > 1 and FLAGS.format == 'plain' and not FLAGS.mbr:
     raise app.UsageError('--n_best > 1 gives several lines per input: use --format=fairseq (or choose one: --mbr)')
   checkpoints_lib.quiet_orbax_logs()
@@ -757,6 +779,11 @@ def main(argv):
   try:
     devices = sharding.local_devices(FLAGS.devices)  # before the first computation: it may split the CPU
     translator = Translator(FLAGS.workdir, FLAGS.checkpoint, dtype=FLAGS.dtype, devices=devices)
+    rescorer = None
+    if FLAGS.rerank_workdir:
+      rerank_lib.check_weight(FLAGS.rerank_weight)
+      rescorer = Translator(FLAGS.rerank_workdir, FLAGS.rerank_checkpoint, dtype=FLAGS.dtype, devices=devices)
+      rerank_lib.check_partners(translator, rescorer)
   except (OSError, ValueError) as e:
     sys.exit(f'error: {e}')
   beam_size = 0 if FLAGS.greedy else FLAGS.beam_size
@@ -766,6 +793,9 @@ def main(argv):
     method = 'greedy' if beam_size == 0 else f'beam {beam_size or translator.config.beam_size}'
   if FLAGS.mbr:
     method += f', MBR by sentence {FLAGS.mbr} among {FLAGS.n_best} candidates'
+  if rescorer is not None:
+    method += (f', its candidates reranked with {rescorer.checkpoint} of {FLAGS.rerank_workdir} '
+               f'(weight {FLAGS.rerank_weight:g})')
   logging.info('Translating with %s of %s (%s) on %d %s device%s', translator.checkpoint, FLAGS.workdir, method,
                len(devices), devices[0].platform, 's' * (len(devices) > 1))
   options = dict(beam_size=beam_size, alpha=FLAGS.alpha, n_best=FLAGS.n_best,
@@ -773,6 +803,8 @@ def main(argv):
                  min_len=FLAGS.min_len)
   if FLAGS.sampling:
     options.update(sampling=True, temperature=FLAGS.temperature, top_k=FLAGS.top_k, seed=FLAGS.seed)
+  if rescorer is not None:  # every beam's candidate
+    options['n_best'] = FLAGS.beam_size or translator.config.beam_size
   try:  # bad option values stop before the output file is opened
     translator.check_options(**options)
   except ValueError as e:
@@ -782,9 +814,14 @@ def main(argv):
   try:
     for chunk in _read_chunks(FLAGS.input, FLAGS.buffer_lines):
       chunk = translator.prepare(chunk)
-      results = translator.search_tokens(translator.tokenizer.encode(chunk), first_line=done, **options)
+      token_lists = translator.tokenizer.encode(chunk)
+      results = translator.search_tokens(token_lists, first_line=done, **options)
       texts = [[translator.tokenizer.decode(ids) for ids, _ in hyps] for hyps in results]
-      chosen = [mbr_lib.select(t, FLAGS.mbr) if FLAGS.mbr else 0 for t in texts]
+      if rescorer is not None:
+        alpha = translator.config.length_penalty_alpha if FLAGS.alpha is None else FLAGS.alpha
+        chosen = rerank_lib.Reranker(rescorer, token_lists, results, alpha).choose(FLAGS.rerank_weight)
+      else:
+        chosen = [mbr_lib.select(t, FLAGS.mbr) if FLAGS.mbr else 0 for t in texts]
       best = [t[i] for t, i in zip(texts, chosen)]
       if FLAGS.format == 'fairseq':
         lines = [line for i, (source, hyps) in enumerate(zip(chunk, results))

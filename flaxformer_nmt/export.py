@@ -27,6 +27,7 @@ from absl import app, flags, logging
 from etils import epath
 
 from flaxformer_nmt import checkpoints as checkpoints_lib
+from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import decode
 from flaxformer_nmt import lm
 from flaxformer_nmt import model as model_lib
@@ -186,6 +187,10 @@ def export_ctranslate2(workdir, output_dir, checkpoint=None, quantization=None, 
     raise ExportError(f'{workdir} holds a config.task={task!r} model: --format ctranslate2 exports translation '
                       'models only (generate with python -m flaxformer_nmt.generate, fill masks with '
                       'python -m flaxformer_nmt.fill_mask)')
+  if data_lib.right_to_left(config):
+    # CTranslate2 would write the target reversed, and its callers read its tokens as they come.
+    raise ExportError(f'{workdir} writes its targets right to left (config.target_right_to_left): it rescores a '
+                      'left-to-right model\'s n best and is not exported for serving')
   tokenizer = tokenizer_lib.Tokenizer(epath.Path(workdir) / tokenizer_lib.VOCAB_FILENAME)
   model_config = model_lib.ModelConfig.from_config(config, tokenizer.vocab_size)
   params, description = decode.load_params(workdir, checkpoint)

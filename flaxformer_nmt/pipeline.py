@@ -24,6 +24,10 @@ def input_pipeline(config, workdir, num_devices):
   validation batches have rows in multiples of `num_devices`.
   """
   tokenizer, train_pairs, train_corpus, eval_corpus = vocabulary_and_tokens(config, workdir)
+  if data_lib.right_to_left(config):
+    train_corpus = data_lib.right_to_left_targets(train_corpus)
+    eval_corpus = data_lib.right_to_left_targets(eval_corpus)
+    logging.info('Right-to-left targets: the model writes each target from its last token to its first')
   hosts = dict(process_index=jax.process_index(), process_count=jax.process_count())
   max_length = min(config.max_length, config.packed_length) if config.packed_length else config.max_length
   if lm.task_of(config) != 'translation':  # monolingual text: long lines are cut, not dropped

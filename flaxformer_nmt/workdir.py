@@ -130,6 +130,13 @@ def validate_config(config):
                       f"(config.sentencepiece_model_type='bpe'; now {config.sentencepiece_model_type!r}, task "
                       f'{lm.task_of(config)!r})')
   _translation_count(config, 'bidirectional_epochs', 'epochs', 'reverses translation pairs')
+  if config.get('target_right_to_left', False):
+    clash = {'task': lm.task_of(config) != 'translation', 'bpe_dropout': bpe_dropout,
+             'bidirectional_epochs': config.bidirectional_epochs}
+    for field, value in clash.items():
+      if value:
+        raise ConfigError(f'config.target_right_to_left trains on reversed targets; config.{field}='
+                          f'{config[field]!r} cannot go with it (it re-reads or swaps the targets)')
   word_dropout = config.model.get('source_word_dropout', 0.0)
   if not 0.0 <= word_dropout < 1.0:
     raise ConfigError(f'config.model.source_word_dropout={word_dropout} is a probability: use 0 (off) to below 1')

@@ -328,3 +328,16 @@ def test_prng_impl_is_checked_and_a_workdir_from_before_the_field_resumes_only_o
   config.prng_impl = 'rbg'
   with pytest.raises(workdir_lib.ConfigError, match=r"config.prng_impl='threefry2x32', now 'rbg'"):
     workdir_lib.save_or_check_config(config, tmp_path)
+
+
+@pytest.mark.parametrize('field, value', [('bpe_dropout', 0.1), ('bidirectional_epochs', 2), ('task', 'lm')])
+def test_right_to_left_targets_refuse_what_re_reads_or_swaps_the_targets(field, value):
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  c = config_lib.base_config()
+  c.data_dir = '/data'
+  c.target_right_to_left = True
+  workdir_lib.validate_config(c)  # alone it trains
+  c[field] = value
+  with pytest.raises(workdir_lib.ConfigError, match=f'config.target_right_to_left .*config.{field}='):
+    workdir_lib.validate_config(c)

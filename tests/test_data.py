@@ -407,3 +407,37 @@ def test_bidirectional_epochs_reverse_each_epochs_own_pieces_under_bpe_dropout()
     forward = [((piece,) * (n - 1) + (EOS_ID,), (6,) * (n - 1) + (EOS_ID,)) for n in (3, 5, 7, 9)]
     expected = forward + [(t, s) for s, t in forward] if epoch == 0 else forward
     assert sorted(seen[epoch]) == sorted(expected), epoch
+
+
+def test_right_to_left_targets_reverse_each_target_before_its_eos():
+  rng = np.random.default_rng(7)
+  source = [list(rng.integers(4, 90, size=n)) + [EOS_ID] for n in rng.integers(1, 12, size=40)]
+  target = [list(rng.integers(4, 90, size=n)) + [EOS_ID] for n in rng.integers(1, 12, size=40)]
+  target[3] = []  # an empty line (no EOS) stays empty
+  corpus = data_lib.TokenizedCorpus.from_lists(source, target)
+  reversed_ = data_lib.right_to_left_targets(corpus)
+  for i in range(40):
+    assert reversed_.source[i].tolist() == source[i]
+    expected = [] if not target[i] else target[i][-2::-1] + [EOS_ID]  # written out: last word first, EOS last
+    assert reversed_.target[i].tolist() == expected
+    assert data_lib.reverse_before_eos(reversed_.target[i]) == target[i]  # its own inverse
+  corrupt = data_lib.TokenizedCorpus.from_lists(source[:2], [[5, 6], [7, EOS_ID]])
+  with pytest.raises(ValueError, match='end with EOS'):
+    data_lib.right_to_left_targets(corrupt)
+
+
+def test_the_pipeline_gives_right_to_left_targets_to_training_and_validation(toy_corpus, tmp_path):
+  from conftest import small_config  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import pipeline  # pylint: disable=g-import-not-at-top
+  pairs = {}
+  for right_to_left in (False, True):
+    config = small_config(toy_corpus)
+    config.target_right_to_left, config.prefetch_batches = right_to_left, 0
+    train_batches, eval_batches, tokenizer = pipeline.input_pipeline(config, tmp_path / 'work', num_devices=1)
+    batch = next(train_batches)
+    pairs[right_to_left] = (_pairs_of(batch), [p for b in eval_batches() for p in _pairs_of(b)])
+    train_batches.close()
+  for forward, backward in zip(pairs[False], pairs[True]):
+    assert len(forward) == len(backward) > 0
+    assert [(s, tuple(data_lib.reverse_before_eos(t))) for s, t in forward] == backward
+  assert any(len(t) > 2 for _, t in pairs[False][0])  # reversing changed something

@@ -15,9 +15,11 @@ import pytest
 import conftest
 import in_process
 from conftest import small_config, write_toy_corpus
+from flaxformer_nmt import data as data_lib
 from flaxformer_nmt import decode
 from flaxformer_nmt import train
 from flaxformer_nmt import visualize
+from flaxformer_nmt.tokenizer import BOS_ID
 
 
 @pytest.fixture(scope='module')
@@ -497,3 +499,101 @@ def test_sampling_on_two_devices_draws_each_line_as_one_device_does(workdir, tra
   assert samples.returncode == 0, samples.stderr[-3000:]
   assert 'on 2 cpu devices' in samples.stderr
   assert samples.stdout.split('\n')[:-1] == translator.translate(lines, sampling=True, top_k=4, seed=5)
+
+
+def test_a_right_to_left_model_writes_its_output_back_in_reading_order(workdir, translator, mixed, tmp_path):
+  # The same parameters read as a right-to-left model search the same token sequences; the translator turns
+  # them around (EOS last) before anything reads them.
+  r2l = decode.Translator(copy_with_config(workdir, tmp_path / 'r2l',
+                                           lambda c: c.update(target_right_to_left=True)))
+  tokens = translator.tokenizer.encode(translator.prepare(mixed))
+  forward = translator.search_tokens(tokens, beam_size=3, n_best=2)
+  backward = r2l.search_tokens(tokens, beam_size=3, n_best=2)
+  assert [[(data_lib.reverse_before_eos(ids), s) for ids, s in hyps] for hyps in forward] == backward
+  assert any(len(ids) > 2 for hyps in forward for ids, _ in hyps)
+  with pytest.raises(ValueError, match='one order'):
+    decode.Translator([str(workdir), str(tmp_path / 'r2l')])
+  from flaxformer_nmt import export  # pylint: disable=g-import-not-at-top
+  with pytest.raises(export.ExportError, match='right to left'):
+    export.export_ctranslate2(tmp_path / 'r2l', tmp_path / 'ct2')
+
+
+def test_teacher_forced_scores_equal_the_search_and_reverse_for_a_right_to_left_model(workdir, translator, mixed,
+                                                                                       tmp_path):
+  from flaxformer_nmt import beam_search, rerank  # pylint: disable=g-import-not-at-top
+  tokens = translator.tokenizer.encode(translator.prepare(mixed))
+  hyps = translator.search_tokens(tokens, beam_size=3, n_best=3, alpha=0.6)
+  pairs = [(tokens[i], ids, score) for i, h in enumerate(hyps) for ids, score in h if ids]
+  forced = rerank.score_pairs(translator, [s for s, _, _ in pairs], [t for _, t, _ in pairs])
+  # The beam's score is log P / ((5 + n) / 6)^0.6 with n the tokens through EOS, from the cached step-by-step
+  # decoder; teacher forcing computes log P again in one pass.
+  searched = [score * ((5 + len(ids)) / 6) ** 0.6 for _, ids, score in pairs]
+  np.testing.assert_allclose(forced, searched, rtol=1e-4, atol=1e-4)
+  # Independently of the search: a sum of each token's log softmax, one sentence at a time (no batching).
+  model, params = translator.model, translator.params
+  for (src, ids, _), score in list(zip(pairs, forced))[:4]:
+    logits = model.apply({'params': params}, jnp.asarray([src]), jnp.asarray([[BOS_ID] + ids[:-1]]))
+    log_probs = np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32)))
+    np.testing.assert_allclose(score, sum(log_probs[t, token] for t, token in enumerate(ids)), rtol=1e-4)
+  # A right-to-left model (the same parameters) scores a candidate as the other reads it turned around.
+  r2l = decode.Translator(copy_with_config(workdir, tmp_path / 'r2l',
+                                           lambda c: c.update(target_right_to_left=True)))
+  turned = rerank.score_pairs(r2l, [s for s, _, _ in pairs], [data_lib.reverse_before_eos(t) for _, t, _ in pairs])
+  np.testing.assert_allclose(turned, forced, rtol=1e-5, atol=1e-5)
+  assert beam_search.length_penalty(7, 0.6) == ((5 + 7) / 6) ** 0.6
+
+
+def test_reranking_chooses_by_the_weighted_sum_in_the_api_and_compare(workdir, translator, mixed, tmp_path, capsys):
+  from flaxformer_nmt import compare, rerank  # pylint: disable=g-import-not-at-top
+  r2l = decode.Translator(copy_with_config(workdir, tmp_path / 'r2l',
+                                           lambda c: c.update(target_right_to_left=True)))
+  _, translations = rerank.rerank_sources(translator, r2l, mixed, beam_size=3, alpha=1.0)
+  candidates = translator.translate(mixed, beam_size=3, n_best=3, alpha=1.0, return_scores=True)
+  assert translations(0.0) == [c[0][0] for c in candidates]  # the search's own choice
+  tokens = translator.tokenizer.encode(translator.prepare(mixed))
+  expected = {}
+  for weight in (0.5, 1.0):
+    expected[weight] = []
+    for source, hyps in zip(tokens, candidates):
+      if len(source) == 1:  # an empty line
+        expected[weight].append('')
+        continue
+      best, best_score = None, -np.inf
+      for text, score in hyps:  # written out: the rescorer scores the text's pieces, turned around
+        ids = translator.tokenizer.encode([text])[0]
+        rescore = rerank.score_pairs(r2l, [source], [ids])[0] / ((5 + len(ids)) / 6) ** 1.0
+        combined = (1 - weight) * score + weight * rescore
+        if combined > best_score + 1e-6:
+          best, best_score = text, combined
+      expected[weight].append(best)
+    assert translations(weight) == expected[weight]
+  with pytest.raises(ValueError, match='between 0'):
+    translations(1.5)
+  result = run_cli([f'--rerank_workdir={tmp_path / "r2l"}', '--rerank_weight=0.5', '--beam_size=3', '--alpha=1'],
+                   workdir, stdin=''.join(s + '\n' for s in mixed))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.split('\n')[:-1] == expected[0.5] and 'reranked with' in result.stderr
+  result = run_cli([f'--rerank_workdir={tmp_path / "r2l"}', '--greedy'], workdir, stdin='a dog .\n')
+  assert result.returncode != 0 and 'not with --mbr, --sampling, greedy search' in result.stderr
+  result = in_process.run(compare, ['--workdir', str(workdir), '--checkpoints', 'latest', '--input',
+                                      str(workdir.parent / 'data' / 'valid.en'), '--ref',
+                                      str(workdir.parent / 'data' / 'valid.de'), '--beam_size', '3',
+                                      '--rerank_workdir', str(tmp_path / 'r2l'), '--rerank_weight', '0,1'])
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = [line for line in result.stdout.splitlines() if 'reranked by' in line]
+  assert len(rows) == 2 and 'w=0 |' in rows[0] and 'w=1 |' in rows[1]
+
+
+def test_the_trainers_validation_bleu_reads_a_right_to_left_model_in_reading_order(workdir, tmp_path):
+  # The in-training greedy search of a right-to-left model turns its rows around as the translator does (at
+  # first it decoded the reversed rows whole, PAD included: every hypothesis came out empty).
+  from flaxformer_nmt import bleu_eval, sharding, workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  r2l_dir = copy_with_config(workdir, tmp_path / 'r2l', lambda c: c.update(target_right_to_left=True))
+  r2l = decode.Translator(r2l_dir)
+  config = workdir_lib.load_config(r2l_dir)
+  config.eval_bleu_every_steps, config.eval_bleu_max_sentences = 1, 12
+  validation = bleu_eval.ValidationBleu(config, r2l.tokenizer, r2l_dir, sharding.make_mesh(devices=jax.devices()[:1]))
+  sources = (workdir.parent / 'data' / 'valid.en').read_text().splitlines()[:12]
+  expected = r2l.translate(sources, beam_size=0)
+  assert validation.translate(r2l.params) == expected
+  assert sum(len(t.split()) > 1 for t in expected) > 6
