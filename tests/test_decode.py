@@ -531,7 +531,7 @@ def test_teacher_forced_scores_equal_the_search_and_reverse_for_a_right_to_left_
   np.testing.assert_allclose(forced, searched, rtol=1e-4, atol=1e-4)
   # Independently of the search: a sum of each token's log softmax, one sentence at a time (no batching).
   model, params = translator.model, translator.params
-  for (src, ids, _), score in list(zip(pairs, forced))[:4]:
+  for (src, ids, _), score in list(zip(pairs, forced))[:2]:
     logits = model.apply({'params': params}, jnp.asarray([src]), jnp.asarray([[BOS_ID] + ids[:-1]]))
     log_probs = np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32)))
     np.testing.assert_allclose(score, sum(log_probs[t, token] for t, token in enumerate(ids)), rtol=1e-4)
@@ -543,30 +543,35 @@ def test_teacher_forced_scores_equal_the_search_and_reverse_for_a_right_to_left_
   assert beam_search.length_penalty(7, 0.6) == ((5 + 7) / 6) ** 0.6
 
 
-def test_reranking_chooses_by_the_weighted_sum_in_the_api_and_compare(workdir, translator, mixed, tmp_path, capsys):
+def test_reranking_chooses_by_the_weighted_sum_in_the_api_and_compare(workdir, translator, mixed, tmp_path):
   from flaxformer_nmt import compare, rerank  # pylint: disable=g-import-not-at-top
   r2l = decode.Translator(copy_with_config(workdir, tmp_path / 'r2l',
                                            lambda c: c.update(target_right_to_left=True)))
   _, translations = rerank.rerank_sources(translator, r2l, mixed, beam_size=3, alpha=1.0)
-  candidates = translator.translate(mixed, beam_size=3, n_best=3, alpha=1.0, return_scores=True)
-  assert translations(0.0) == [c[0][0] for c in candidates]  # the search's own choice
   tokens = translator.tokenizer.encode(translator.prepare(mixed))
+  candidates = translator.search_tokens(tokens, beam_size=3, n_best=3, alpha=1.0)  # [(ids, log P / lp)]
+  text = translator.tokenizer.decode
+  assert translations(0.0) == [text(hyps[0][0]) for hyps in candidates]  # the search's own choice
+  # The rescorer's log probability of every (source, candidate) pair, in one call (score_pairs itself is checked
+  # against the search and a plain sum above).
+  pairs = [(source, ids) for source, hyps in zip(tokens, candidates) for ids, _ in hyps if ids]
+  rescored = dict(zip(map(repr, pairs), rerank.score_pairs(r2l, [s for s, _ in pairs], [t for _, t in pairs])))
   expected = {}
   for weight in (0.5, 1.0):
     expected[weight] = []
     for source, hyps in zip(tokens, candidates):
-      if len(source) == 1:  # an empty line
+      if not hyps[0][0]:  # an empty line
         expected[weight].append('')
         continue
       best, best_score = None, -np.inf
-      for text, score in hyps:  # written out: the rescorer scores the text's pieces, turned around
-        ids = translator.tokenizer.encode([text])[0]
-        rescore = rerank.score_pairs(r2l, [source], [ids])[0] / ((5 + len(ids)) / 6) ** 1.0
+      for ids, score in hyps:  # written out: the combined score of each candidate, the highest kept
+        rescore = rescored[repr((source, ids))] / ((5 + len(ids)) / 6) ** 1.0
         combined = (1 - weight) * score + weight * rescore
-        if combined > best_score + 1e-6:
-          best, best_score = text, combined
+        if combined > best_score:
+          best, best_score = text(ids), combined
       expected[weight].append(best)
     assert translations(weight) == expected[weight]
+  assert expected[1.0] != translations(0.0)  # the rescorer changes some choice: the weight is used
   with pytest.raises(ValueError, match='between 0'):
     translations(1.5)
   result = run_cli([f'--rerank_workdir={tmp_path / "r2l"}', '--rerank_weight=0.5', '--beam_size=3', '--alpha=1'],
