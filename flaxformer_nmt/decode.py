@@ -761,10 +761,8 @@ def define_flags():
   flags.mark_flags_as_required(['workdir'])
 
 
-def main(argv):
-  FLAGS = flags.FLAGS  # pylint: disable=invalid-name
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+def check_flag_combinations(FLAGS):  # pylint: disable=invalid-name
+  """app.UsageError for flags that cannot go together."""
   if FLAGS.mbr and (FLAGS.n_best < 2 or FLAGS.format != 'plain'):
     raise app.UsageError('--mbr writes one chosen translation per line of --n_best >= 2 candidates: give --n_best '
                          'and --format=plain')
@@ -774,6 +772,13 @@ def main(argv):
                          'not with --mbr, --sampling, greedy search, --n_best or --format=fairseq')
   if FLAGS.n_best > 1 and FLAGS.format == 'plain' and not FLAGS.mbr:
     raise app.UsageError('--n_best > 1 gives several lines per input: use --format=fairseq (or choose one: --mbr)')
+
+
+def main(argv):
+  FLAGS = flags.FLAGS  # pylint: disable=invalid-name
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  check_flag_combinations(FLAGS)
   checkpoints_lib.quiet_orbax_logs()
   cli.use_compilation_cache()
   try:
