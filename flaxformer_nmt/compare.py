@@ -168,7 +168,8 @@ def main(argv):
       weights = [float(w) for w in f.rerank_weight]
       for weight in weights:
         rerank.check_weight(weight)
-      rescorer = decode.Translator(f.rerank_workdir, checkpoint=f.rerank_checkpoint, devices=devices)
+      # On the default device: rerank.score_pairs batches for one device.
+      rescorer = decode.Translator(f.rerank_workdir, checkpoint=f.rerank_checkpoint)
     for name in f.checkpoints:
       translator = decode.Translator(f.workdir, checkpoint=name, devices=devices)
       for alpha in alphas:

@@ -787,7 +787,8 @@ def main(argv):
     rescorer = None
     if FLAGS.rerank_workdir:
       rerank_lib.check_weight(FLAGS.rerank_weight)
-      rescorer = Translator(FLAGS.rerank_workdir, FLAGS.rerank_checkpoint, dtype=FLAGS.dtype, devices=devices)
+      # The rescorer teacher-forces on the default device (rerank.score_pairs batches for one device).
+      rescorer = Translator(FLAGS.rerank_workdir, FLAGS.rerank_checkpoint, dtype=FLAGS.dtype)
       rerank_lib.check_partners(translator, rescorer)
   except (OSError, ValueError) as e:
     sys.exit(f'error: {e}')

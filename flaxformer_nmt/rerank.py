@@ -44,6 +44,8 @@ def score_pairs(translator, source_lists, target_lists, tokens_per_batch=None):
   """[N] float64: log P(target | source) under the translator's model(s), teacher-forced. Sources are token
   ids ending with EOS (translator.tokenizer.encode); targets are in reading order, ending with EOS, and are
   turned around for a right-to-left model. Pairs are batched by length, in few shapes."""
+  if translator.mesh is not None:
+    raise ValueError('teacher-forced scoring runs on one device: build its Translator without devices')
   if len(source_lists) != len(target_lists):
     raise ValueError(f'{len(source_lists)} sources but {len(target_lists)} targets')
   right_to_left = data_lib.right_to_left(translator.config)
