@@ -66,7 +66,8 @@ def attention_maps(translator, sentences, beam_size=None):
   """For each sentence, a dict of its source and target pieces and its attention weights, padding cropped:
     'cross'   [decoder layers, heads, target pieces, source pieces]
     'encoder' [encoder layers, heads, source pieces, source pieces]
-  Target pieces are the translation's tokens with the final EOS: row t is the attention while predicting
+  Target pieces are the translation's tokens with the final EOS, in the order the model wrote them (last word
+  first for a right-to-left model, config.target_right_to_left): row t is the attention while predicting
   piece t. Every row is a softmax over the real (unpadded) keys, so it sums to one.
   """
   tokenizer = translator.tokenizer
@@ -75,7 +76,10 @@ def attention_maps(translator, sentences, beam_size=None):
     if not source:
       raise ValueError(f'sentence {number} is empty: nothing to draw')
   source_ids = tokenizer.encode(sources)
-  target_ids = [hyps[0][0] for hyps in translator.search_tokens(source_ids, beam_size=beam_size)]
+  reading_ids = [hyps[0][0] for hyps in translator.search_tokens(source_ids, beam_size=beam_size)]
+  target_ids = reading_ids  # teacher-forced as the model wrote them: a right-to-left model's turned back
+  if data_lib.right_to_left(translator.config):
+    target_ids = [data_lib.reverse_before_eos(ids) for ids in reading_ids]
   # One padded batch (one compilation): sources, and BOS + translation as the decoder input.
   buckets = translator.config.length_buckets
   src_len = data_lib.bucket_length(max(map(len, source_ids)), buckets)
@@ -88,7 +92,7 @@ def attention_maps(translator, sentences, beam_size=None):
   for b, (source, src_ids, tgt_ids) in enumerate(zip(sources, source_ids, target_ids)):
     s, t = len(src_ids), len(tgt_ids)
     maps.append({
-        'source': source, 'translation': tokenizer.decode(tgt_ids),
+        'source': source, 'translation': tokenizer.decode(reading_ids[b]),
         'source_pieces': tokenizer.pieces(src_ids), 'target_pieces': tokenizer.pieces(tgt_ids),
         'cross': cross[b, :, :, :t, :s], 'encoder': encoder[b, :, :, :s, :s],
     })

@@ -513,6 +513,14 @@ def test_a_right_to_left_model_writes_its_output_back_in_reading_order(workdir, 
   assert any(len(ids) > 2 for hyps in forward for ids, _ in hyps)
   with pytest.raises(ValueError, match='one order'):
     decode.Translator([str(workdir), str(tmp_path / 'r2l')])
+  # Attention pictures teacher-force the pieces in the order the model wrote them: the same pass as the
+  # left-to-right reading of the same parameters, under the reversed translation.
+  sentences = ['a big dog runs .', 'the cat sleeps .']
+  maps = zip(visualize.attention_maps(translator, sentences, beam_size=2),
+             visualize.attention_maps(r2l, sentences, beam_size=2), r2l.translate(sentences, beam_size=2))
+  for ltr, rtl, reading in maps:
+    assert rtl['target_pieces'] == ltr['target_pieces'] and rtl['translation'] == reading
+    np.testing.assert_allclose(rtl['cross'], ltr['cross'], atol=1e-6)
   from flaxformer_nmt import export  # pylint: disable=g-import-not-at-top
   with pytest.raises(export.ExportError, match='right to left'):
     export.export_ctranslate2(tmp_path / 'r2l', tmp_path / 'ct2')
