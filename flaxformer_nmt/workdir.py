@@ -23,7 +23,7 @@ MEMBER_PREFIX = 'member'  # {workdir}/member0, member1, ...: the runs of an ense
 # Fields a resumed run must share with the saved config: they shape the parameters, or the text the vocabulary
 # was learnt on (lowercase: a vocabulary of lowercased text would meet cased text).
 _MODEL_FIELDS = ('task', 'model', 'vocab_size', 'sentencepiece_model_type', 'source_lang', 'target_lang',
-                 'lowercase')
+                 'lowercase', 'target_right_to_left')
 # Fields of config.model that change how the model computes, not its parameters: free to differ on resume.
 _RUNTIME_MODEL_FIELDS = ('dtype', 'attention_impl', 'remat')
 
@@ -34,6 +34,8 @@ def _model_identity(config_dict, field):
     value = 'translation'  # written before the task switch
   if field == 'lowercase':
     value = tokenizer_lib.lowercase_of(config_dict)
+  if field == 'target_right_to_left':
+    value = bool(value)  # written before the field: left to right
   if field == 'model' and isinstance(value, dict):
     value = {k: v for k, v in value.items() if k not in _RUNTIME_MODEL_FIELDS}
   return value

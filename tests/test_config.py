@@ -213,6 +213,22 @@ def test_a_workdir_refuses_a_different_model(tmp_path):
     workdir_lib.save_or_check_config(config, tmp_path)
 
 
+def test_a_workdir_refuses_to_resume_in_the_other_target_order(tmp_path):
+  # A right-to-left model resumed left to right (or the reverse) would unlearn what it learnt.
+  import json  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  config = config_lib.base_config()
+  workdir_lib.save_or_check_config(config, tmp_path)
+  saved = json.loads((tmp_path / 'config.json').read_text())
+  del saved['target_right_to_left']  # a workdir written before the field reads as left to right
+  (tmp_path / 'config.json').write_text(json.dumps(saved))
+  workdir_lib.save_or_check_config(config, tmp_path)
+  config.target_right_to_left = True
+  with pytest.raises(workdir_lib.ConfigError, match='config.target_right_to_left was False, now True'):
+    workdir_lib.save_or_check_config(config, tmp_path)
+
+
 def test_a_workdir_refuses_to_resume_with_the_other_case(tmp_path):
   # Its vocabulary was learnt on text of one case: resuming on the other would feed it text it never saw.
   import json  # pylint: disable=g-import-not-at-top
