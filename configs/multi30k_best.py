@@ -48,6 +48,9 @@ before asked; one run stays. test2016, scored once as declared: 41.16 lc-tok, th
 The recipe's own command with --config.ensemble_members=2 (pre-LN, an Intel Xeon with AMX, 2026-12-01 evening:
 8,553 + 8,343 steps in 70 + 69 minutes; members alone 42.32 / 42.17 on valid): valid 43.19, the same tie (0.41 past
 the one run); test2016 41.16 lc-tok again. One run stays.
+Right-to-left reranking (2026-12-02, Zen 3, a screen): this command's run with --config.target_right_to_left=True
+(valid alone 40.01) reranking the L2R run's 5 best (rerank.py, w = 0.3) gave valid 43.52, +0.99 over the L2R run,
+at 140 + 140 minutes; the 70 + 70 split that fits the issue's 150 is next, test2016 not scored.
 """
 from flaxformer_nmt import config
 from flaxformer_nmt import download

@@ -119,14 +119,15 @@ def rerank_rows(name, translator, rescorer, sentences_, beam_size, alpha, weight
   reranker, translations = rerank.rerank_sources(translator, rescorer, sources, beam_size=beam_size, alpha=alpha)
   seconds = time.time() - start
   rows = []
+  metric = sacrebleu.BLEU(lowercase=translator.lowercase)
   for weight in weights:
     hypotheses = translations(weight)
-    bleu = sacrebleu.BLEU(lowercase=translator.lowercase).corpus_score(hypotheses, [references])
+    bleu = metric.corpus_score(hypotheses, [references])
     tok = (evaluate.tokenized_bleu(hypotheses, tok_references, translator.config.target_lang)[0]
            if tok_references is not None else None)
     rows.append(table_row(f'{name}, reranked by {rescorer.checkpoint} of {rescorer.workdir}, w={weight:g}',
                           translator.checkpoint, reranker.alpha, bleu, tok, seconds))
-  return rows
+  return rows, str(metric.get_signature())
 
 
 def alpha_values(values, default):
@@ -174,9 +175,9 @@ def main(argv):
       translator = decode.Translator(f.workdir, checkpoint=name, devices=devices)
       for alpha in alphas:
         if rescorer is not None:
-          for row in rerank_rows(name, translator, rescorer, (sources, references, tok_references), beam_size,
-                                 alpha, weights):
-            print(row, flush=True)
+          rows, signature = rerank_rows(name, translator, rescorer, (sources, references, tok_references),
+                                        beam_size, alpha, weights)
+          print('\n'.join(rows), flush=True)
           continue
         row, signature = score_row(name, translator, sources, references, tok_references, beam_size, alpha,
                                    f.mbr, n_best)

@@ -595,6 +595,7 @@ def test_reranking_chooses_by_the_weighted_sum_in_the_api_and_compare(workdir, t
   assert result.returncode == 0, result.stderr[-3000:]
   rows = [line for line in result.stdout.splitlines() if 'reranked by' in line]
   assert len(rows) == 2 and 'w=0 |' in rows[0] and 'w=1 |' in rows[1]
+  assert 'sacreBLEU nrefs:1' in result.stdout
 
 
 def test_the_trainers_validation_bleu_reads_a_right_to_left_model_in_reading_order(workdir, tmp_path):
