@@ -39,6 +39,13 @@ import jax.numpy as jnp
 NEG_INF = -1.0e9  # finite, so that -inf - -inf never makes a NaN
 
 
+def average_probabilities(log_probs):
+  """An ensemble's next-token distribution from its members' log probabilities [M, ..., V]: the log of the
+  mean of their probabilities, log((1/M) sum_m exp(log_probs_m)) (fairseq's ensemble rule, not a mean of
+  logits)."""
+  return jax.nn.logsumexp(log_probs, axis=0) - jnp.log(log_probs.shape[0]).astype(log_probs.dtype)
+
+
 def length_penalty(length, alpha):
   return ((5.0 + length) / 6.0) ** alpha
 

@@ -130,14 +130,14 @@ def rerank_rows(name, translator, rescorer, sentences_, beam_size, alpha, weight
   return rows, str(metric.get_signature())
 
 
-def alpha_values(values, default):
-  """--alpha's floats (several: a row each), or [default]."""
+def alpha_values(values, default, flag='--alpha', what='length penalty exponents'):
+  """A list flag's floats (--alpha's by default; several: a row each), or [default]."""
   if not values:
     return [default]
   try:
     return [float(v) for v in values]
   except ValueError:
-    raise ValueError(f'--alpha={",".join(values)}: length penalty exponents are numbers, e.g. 0.6,1.0') from None
+    raise ValueError(f'{flag}={",".join(values)}: {what} are numbers, e.g. 0.3,0.5') from None
 
 
 def main(argv):
@@ -166,7 +166,7 @@ def main(argv):
     signature = ''
     rescorer = None
     if f.rerank_workdir:
-      weights = [float(w) for w in f.rerank_weight]
+      weights = alpha_values(f.rerank_weight, None, '--rerank_weight', 'rescorer weights')
       for weight in weights:
         rerank.check_weight(weight)
       # On the default device: rerank.score_pairs batches for one device.

@@ -84,11 +84,8 @@ def _member_step(model, params, inputs, cache_cross_kv):
   return step_fn
 
 
-def average_probabilities(log_probs):
-  """An ensemble's next-token distribution from its members' log probabilities [M, ..., V]: the log of the
-  mean of their probabilities, log((1/M) sum_m exp(log_probs_m)) (fairseq's ensemble rule, not a mean of
-  logits)."""
-  return jax.nn.logsumexp(log_probs, axis=0) - jnp.log(log_probs.shape[0]).astype(log_probs.dtype)
+# An ensemble's next-token distribution from its members' (kept here under its old name).
+average_probabilities = beam_search.average_probabilities
 
 
 def _ensemble_step(step_fns):
@@ -774,6 +771,28 @@ def check_flag_combinations(FLAGS):  # pylint: disable=invalid-name
     raise app.UsageError('--n_best > 1 gives several lines per input: use --format=fairseq (or choose one: --mbr)')
 
 
+def describe_method(FLAGS, beam_size, rescorer):  # pylint: disable=invalid-name
+  """How the command translates, for its log line (beam_size 0: greedy)."""
+  if FLAGS.sampling:
+    method = f'sampling (temperature {FLAGS.temperature}, top-k {FLAGS.top_k or "off"}, seed {FLAGS.seed})'
+  else:
+    method = 'greedy' if beam_size == 0 else f'beam {beam_size}'
+  if FLAGS.mbr:
+    method += f', MBR by sentence {FLAGS.mbr} among {FLAGS.n_best} candidates'
+  if rescorer is not None:
+    method += (f', its candidates reranked with {rescorer.checkpoint} of {FLAGS.rerank_workdir} '
+               f'(weight {FLAGS.rerank_weight:g})')
+  return method
+
+
+def choose_candidates(FLAGS, translator, rescorer, token_lists, results, texts):  # pylint: disable=invalid-name
+  """Each line's written candidate: the rescorer's choice (rerank.py), MBR's (mbr.py), or the search's best."""
+  if rescorer is not None:
+    alpha = translator.config.length_penalty_alpha if FLAGS.alpha is None else FLAGS.alpha
+    return rerank_lib.Reranker(rescorer, token_lists, results, alpha).choose(FLAGS.rerank_weight)
+  return [mbr_lib.select(t, FLAGS.mbr) if FLAGS.mbr else 0 for t in texts]
+
+
 def main(argv):
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   if len(argv) > 1:
@@ -793,17 +812,9 @@ def main(argv):
   except (OSError, ValueError) as e:
     sys.exit(f'error: {e}')
   beam_size = 0 if FLAGS.greedy else FLAGS.beam_size
-  if FLAGS.sampling:
-    method = f'sampling (temperature {FLAGS.temperature}, top-k {FLAGS.top_k or "off"}, seed {FLAGS.seed})'
-  else:
-    method = 'greedy' if beam_size == 0 else f'beam {beam_size or translator.config.beam_size}'
-  if FLAGS.mbr:
-    method += f', MBR by sentence {FLAGS.mbr} among {FLAGS.n_best} candidates'
-  if rescorer is not None:
-    method += (f', its candidates reranked with {rescorer.checkpoint} of {FLAGS.rerank_workdir} '
-               f'(weight {FLAGS.rerank_weight:g})')
-  logging.info('Translating with %s of %s (%s) on %d %s device%s', translator.checkpoint, FLAGS.workdir, method,
-               len(devices), devices[0].platform, 's' * (len(devices) > 1))
+  logging.info('Translating with %s of %s (%s) on %d %s device%s', translator.checkpoint, FLAGS.workdir,
+               describe_method(FLAGS, translator.config.beam_size if beam_size is None else beam_size, rescorer), len(devices),
+               devices[0].platform, 's' * (len(devices) > 1))
   options = dict(beam_size=beam_size, alpha=FLAGS.alpha, n_best=FLAGS.n_best,
                  tokens_per_batch=FLAGS.tokens_per_batch, max_len_a=FLAGS.max_len_a, max_len_b=FLAGS.max_len_b,
                  min_len=FLAGS.min_len)
@@ -823,11 +834,7 @@ def main(argv):
       token_lists = translator.tokenizer.encode(chunk)
       results = translator.search_tokens(token_lists, first_line=done, **options)
       texts = [[translator.tokenizer.decode(ids) for ids, _ in hyps] for hyps in results]
-      if rescorer is not None:
-        alpha = translator.config.length_penalty_alpha if FLAGS.alpha is None else FLAGS.alpha
-        chosen = rerank_lib.Reranker(rescorer, token_lists, results, alpha).choose(FLAGS.rerank_weight)
-      else:
-        chosen = [mbr_lib.select(t, FLAGS.mbr) if FLAGS.mbr else 0 for t in texts]
+      chosen = choose_candidates(FLAGS, translator, rescorer, token_lists, results, texts)
       best = [t[i] for t, i in zip(texts, chosen)]
       if FLAGS.format == 'fairseq':
         lines = [line for i, (source, hyps) in enumerate(zip(chunk, results))

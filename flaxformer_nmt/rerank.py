@@ -36,7 +36,7 @@ def target_log_probs(models, params, src, tgt_in, tgt_out):
     logits = model.apply({'params': member_params}, src, tgt_in, deterministic=True)
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))
     token_log_probs.append(jnp.take_along_axis(log_probs, tgt_out[..., None], axis=-1)[..., 0])
-  token_log_probs = jax.nn.logsumexp(jnp.stack(token_log_probs), axis=0) - jnp.log(float(len(models)))
+  token_log_probs = beam_search.average_probabilities(jnp.stack(token_log_probs))
   return jnp.sum(jnp.where(tgt_out != PAD_ID, token_log_probs, 0.0), axis=-1)
 
 
