@@ -50,7 +50,9 @@ The recipe's own command with --config.ensemble_members=2 (pre-LN, an Intel Xeon
 the one run); test2016 41.16 lc-tok again. One run stays.
 Right-to-left reranking (2026-12-02, Zen 3, a screen): this command's run with --config.target_right_to_left=True
 (valid alone 40.01) reranking the L2R run's 5 best (rerank.py, w = 0.3) gave valid 43.52, +0.99 over the L2R run,
-at 140 + 140 minutes; the 70 + 70 split that fits the issue's 150 is next, test2016 not scored.
+at 140 + 140 minutes, test2016 not scored. The 70 + 70 split that fits the issue's 150 (same machine, a rule set
+before: bench/rules/2026-12-02-rerank-split.md) gave valid 42.22 at w = 0.3 (the L2R half alone 41.75), under the
+one run's 42.53: not adopted; test2016, scored once after the decision, 40.69 lc-tok.
 """
 from flaxformer_nmt import config
 from flaxformer_nmt import download
