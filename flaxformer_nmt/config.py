@@ -234,7 +234,8 @@ def _optimization_fields(c):
   c.max_train_minutes = 0.0
   # True (with max_train_minutes and cooldown_steps > 0): where the cooldown begins, measure the step time on
   # this machine and, if num_train_steps do not fit in the time left, end the cooldown at the last step that
-  # does, so a slower machine still brings the learning rate to zero (time_budget.py). Never lengthens a run.
+  # does, so a slower machine still brings the learning rate to zero (time_budget.py); inside the cooldown,
+  # measure again and move the end where the pace has changed (refits). Never past num_train_steps.
   # False (the default): the time limit only stops the run.
   c.fit_schedule_to_time = False
   # > 1: train this many independent runs in turn, one command, into {workdir}/member0, member1, ... (seeds

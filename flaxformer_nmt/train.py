@@ -109,14 +109,15 @@ def set_up(config, workdir):
       config, workdir, num_devices=sharding.rows_multiple(mesh) * config.grad_accumulation_steps)
 
   model = build_model(config, tokenizer)
-  decided = time_budget.load(workdir)  # an end fitted to the time limit by an earlier run of this workdir
-  fitted = decided if decided and decided.num_train_steps < config.num_train_steps else None
+  bends = time_budget.load(workdir)  # the end fitted to the time limit by earlier launches of this workdir
   state, state_sharding = train_step_lib.create_state(model, config, mesh)
   logging.info('Model: %s parameters, %s', f'{model_lib.count_params(state.params):,}', model.config)
   checkpoints = checkpoints_lib.Checkpoints(workdir, keep=config.keep_checkpoints)
   with preemption.closed_on_error(train_batches, checkpoints):  # a refused resume leaves no thread behind
     state, trained_seconds = restore_or_start(config, state, state_sharding, checkpoints, train_batches, tokenizer)
   train_fn, eval_fn = train_step_lib.jit_steps(model, config, mesh, state_sharding)
+  schedule_fit = time_budget.ScheduleFit(config, workdir, int(state.step), bends)
+  fitted = schedule_fit.current  # the bend the next update runs on
   train_fn = train_fn.refit(fitted) if fitted else train_fn
   peak = flops_lib.peak_flops_per_device(override=config.peak_flops_per_device)
   return Run(config, workdir, sharding.batch_sharded(mesh), train_batches, eval_batches, state, train_fn, eval_fn,
@@ -124,9 +125,8 @@ def set_up(config, workdir):
              Profiler(workdir, config.profile_start_step, config.profile_steps), metrics_lib.MetricsLog(workdir),
              tokenizer.sha256, bleu_eval.ValidationBleu(config, tokenizer, workdir, mesh),
              best_lib.BestCheckpoint(workdir, config.best_checkpoint_metric) if config.best_checkpoint_metric else None,
-             fitted.num_train_steps if fitted else config.num_train_steps,
-             time_budget.checkpoint_every_steps(config, fitted),
-             time_budget.ScheduleFit(config, workdir, int(state.step), decided), trained_seconds)
+             schedule_fit.end(), time_budget.checkpoint_every_steps(config, bends[0] if bends else None),
+             schedule_fit, trained_seconds)
 
 
 def restore_or_start(config, state, state_sharding, checkpoints, train_batches, tokenizer):
@@ -193,13 +193,14 @@ def evaluate_step(run, step, start_time, done):
 
 
 def fit_to_time(run, step, decision):
-  """config.fit_schedule_to_time: once, where the (fitted) cooldown begins, moves the run's end to what the time
-  left holds (time_budget.py), saves at the interval shrunk with it, and runs the step on the bent schedule
-  (its numbers change; the compiled program does not)."""
+  """config.fit_schedule_to_time: where the (fitted) cooldown begins, and again inside it where the pace has
+  changed, moves the run's end to what the time left holds (time_budget.py), saves at the interval the first
+  fit shrank, and runs the step on the bent schedule (its numbers change; the compiled program does not)."""
   fitted = run.schedule_fit.fit(step, decision.seconds_left(), run.state)
   if fitted is not None:
     run.num_train_steps = decision.num_steps = fitted.num_train_steps
-    run.checkpoint_every_steps = decision.every_steps = time_budget.checkpoint_every_steps(run.config, fitted)
+    run.checkpoint_every_steps = decision.every_steps = time_budget.checkpoint_every_steps(
+        run.config, run.schedule_fit.bends[0])
     run.train_fn = run.train_fn.refit(fitted)
 
 

@@ -49,9 +49,9 @@ def inverse_sqrt_schedule(peak, warmup_steps):
 
 @dataclasses.dataclass(frozen=True)
 class FittedEnd:
-  """A cooldown moved to end earlier (time_budget.py fits it to config.max_train_minutes): from update
-  `knot_step` on, where the configured ramp stood at `knot_ramp`, the ramp falls linearly to 0 at update
-  `num_train_steps` instead of config.num_train_steps."""
+  """A cooldown moved to end elsewhere (time_budget.py fits it to config.max_train_minutes): from update
+  `knot_step` on, where the ramp stood at `knot_ramp` (the configured ramp's value there, or an earlier
+  bend's), the ramp falls linearly to 0 at update `num_train_steps` instead of config.num_train_steps."""
   num_train_steps: int
   knot_step: int
   knot_ramp: float
@@ -67,6 +67,17 @@ def cooldown_ramp(count, num_train_steps, cooldown_steps):
   return jnp.clip((num_train_steps - count) / cooldown_steps, 0.0, 1.0)
 
 
+def cooldown_factor(count, num_train_steps, cooldown_steps, fitted):
+  """The ramp's factor at update `count` (from 0) with the cooldown bent at `fitted` (a FittedEnd): the
+  configured ramp before its knot, from the knot on a line from knot_ramp down to 0 at its end. At the knot
+  both give knot_ramp (the fit takes it from the ramp in force there), so the learning rate is continuous."""
+  count = jnp.asarray(count, jnp.float32)
+  ramp = cooldown_ramp(count, num_train_steps, cooldown_steps)
+  span = fitted.num_train_steps - fitted.knot_step
+  bent = fitted.knot_ramp * jnp.clip((fitted.num_train_steps - count) / span, 0.0, 1.0)
+  return jnp.where(count >= fitted.knot_step, bent, ramp)
+
+
 def with_cooldown(schedule, num_train_steps, cooldown_steps, fitted=None):
   """`schedule` times a linear ramp from 1 down to 0 over the last `cooldown_steps` updates of a
   `num_train_steps` run (the decay stage of fairseq's tri_stage and of warmup-stable-decay schedules): update
@@ -79,11 +90,7 @@ def with_cooldown(schedule, num_train_steps, cooldown_steps, fitted=None):
   fitted = fitted or FittedEnd.unbent(num_train_steps, cooldown_steps)
 
   def cooled(count):
-    count = jnp.asarray(count, jnp.float32)
-    ramp = cooldown_ramp(count, num_train_steps, cooldown_steps)
-    span = fitted.num_train_steps - fitted.knot_step
-    bent = fitted.knot_ramp * jnp.clip((fitted.num_train_steps - count) / span, 0.0, 1.0)
-    return schedule(count) * jnp.where(count > fitted.knot_step, bent, ramp)
+    return schedule(count) * cooldown_factor(count, num_train_steps, cooldown_steps, fitted)
   return cooled
 
 

@@ -77,7 +77,7 @@ def fit_config():
 def test_the_fit_measures_from_the_first_step_to_the_cooldown_start_and_is_written_for_resumes(tmp_path,
                                                                                                  monkeypatch):
   config = fit_config()
-  fit = time_budget.ScheduleFit(config, tmp_path, first_step=0, decided=None)
+  fit = time_budget.ScheduleFit(config, tmp_path, first_step=0, bends=[])
   assert fit.fit_step == 500  # where the cooldown begins
   monkeypatch.setattr(time_budget, 'time', types.SimpleNamespace(time=FakeClock(100.0, 1098.0).time))
   fit.first_step_done(1)
@@ -86,12 +86,13 @@ def test_the_fit_measures_from_the_first_step_to_the_cooldown_start_and_is_writt
   # schedule runs on the compiled step).
   fitted = fit.fit(500, 1000.0, state=np.zeros(1))
   assert fitted == ts.FittedEnd(num_train_steps=1000, knot_step=500, knot_ramp=1.0)
-  assert not fit.due(500, 1000.0)  # decided once
-  assert time_budget.load(tmp_path) == fitted
+  assert not fit.enabled  # the fit is decided once (refits follow, see below)
+  assert time_budget.load(tmp_path) == [fitted]
   record = json.loads((tmp_path / time_budget.FILE).read_text())
   assert record['seconds_per_step'] == pytest.approx(2.0) and record['configured_num_train_steps'] == 2250
   # A resumed run follows the decision instead of measuring again.
-  assert not time_budget.ScheduleFit(config, tmp_path, first_step=600, decided=fitted).enabled
+  resumed = time_budget.ScheduleFit(config, tmp_path, first_step=600, bends=[fitted])
+  assert not resumed.enabled and resumed.current == fitted and resumed.end() == 1000
 
 
 def test_where_the_configured_cooldown_start_comes_too_late_the_fit_is_decided_when_its_own_start_arrives(
@@ -99,7 +100,7 @@ def test_where_the_configured_cooldown_start_comes_too_late_the_fit_is_decided_w
   """A float32 CPU at 2 s a step with 9,998 s: 5,000 steps fit, so the cooldown must begin at 2,500, long
   before the configured 6,000 (which comes after 12,000 s, past the limit: no cooldown at all)."""
   recipe = recipe_schedule()
-  fit = time_budget.ScheduleFit(recipe, tmp_path, first_step=0, decided=None)
+  fit = time_budget.ScheduleFit(recipe, tmp_path, first_step=0, bends=[])
   clock = FakeClock(0.0, *[2.0 * (s - 1) for s in (2450, 2500, 2500)])
   monkeypatch.setattr(time_budget, 'time', types.SimpleNamespace(time=clock.time))
   fit.first_step_done(1)
@@ -108,14 +109,14 @@ def test_where_the_configured_cooldown_start_comes_too_late_the_fit_is_decided_w
   assert not fit.due(2450, left(2450))  # 5,000 fit: their cooldown begins at 2,500
   assert fit.due(2500, left(2500))
   assert fit.fit(2500, left(2500), state=np.zeros(1)) == ts.FittedEnd(5000, 2500, 1.0)
-  assert not fit.due(2550, left(2550)) and time_budget.load(tmp_path) == ts.FittedEnd(5000, 2500, 1.0)
+  assert time_budget.load(tmp_path) == [ts.FittedEnd(5000, 2500, 1.0)]
 
 
 def test_an_early_projection_the_devices_rate_does_not_confirm_waits(tmp_path, monkeypatch):
   """The projection reads the dispatch clock; the fit waits for the device. Where the device's rate puts the
   fitted cooldown's start later, nothing is decided or written and the fit is asked again later."""
   recipe = recipe_schedule()
-  fit = time_budget.ScheduleFit(recipe, tmp_path, first_step=0, decided=None)
+  fit = time_budget.ScheduleFit(recipe, tmp_path, first_step=0, bends=[])
   # The projection at 2,500 sees 2 s a step; the device, waited for, 1.9 s: 5,262 fit, a cooldown from 2,631.
   monkeypatch.setattr(time_budget, 'time', types.SimpleNamespace(time=FakeClock(0.0, 4998.0, 1.9 * 2499).time))
   fit.first_step_done(1)
@@ -126,7 +127,7 @@ def test_an_early_projection_the_devices_rate_does_not_confirm_waits(tmp_path, m
 
 def test_a_machine_whose_steps_fit_is_decided_at_the_configured_cooldown_start_only(tmp_path, monkeypatch):
   recipe = recipe_schedule()
-  fit = time_budget.ScheduleFit(recipe, tmp_path, first_step=0, decided=None)
+  fit = time_budget.ScheduleFit(recipe, tmp_path, first_step=0, bends=[])
   monkeypatch.setattr(time_budget, 'time', types.SimpleNamespace(time=lambda: 0.5 * fit.now))
   fit.now = 1
   fit.first_step_done(1)
@@ -138,12 +139,85 @@ def test_a_machine_whose_steps_fit_is_decided_at_the_configured_cooldown_start_o
 
 def test_a_run_that_fits_keeps_its_steps_and_a_late_resume_measures_its_own_steps_first(tmp_path, monkeypatch):
   config = fit_config()
-  fit = time_budget.ScheduleFit(config, tmp_path, first_step=800, decided=None)
+  fit = time_budget.ScheduleFit(config, tmp_path, first_step=800, bends=[])
   assert fit.fit_step == 900  # resumed past the cooldown's start: MIN_MEASURED_STEPS of its own first
   monkeypatch.setattr(time_budget, 'time', types.SimpleNamespace(time=FakeClock(0.0, 99.0).time))
   fit.first_step_done(801)
   assert fit.fit(900, 5000.0, state=np.zeros(1)) is None  # 1 s a step: 2,250 fit
-  assert time_budget.load(tmp_path).num_train_steps == 2250  # recorded: a resume does not measure again
+  assert time_budget.load(tmp_path)[0].num_train_steps == 2250  # recorded: a resume does not measure again
+
+
+def drifting_fit(tmp_path, monkeypatch):
+  """fit_config's run fitted at update 500 after 499 steps of 2 s (1,000 s left: the end at 1,000), logging
+  every 50 steps, on a clock the test moves: (the ScheduleFit, the clock's setter)."""
+  config = fit_config()
+  config.log_every_steps = 50
+  fit = time_budget.ScheduleFit(config, tmp_path, first_step=0, bends=[])
+  clock = types.SimpleNamespace(now=0.0)
+  monkeypatch.setattr(time_budget, 'time', types.SimpleNamespace(time=lambda: clock.now))
+  fit.first_step_done(1)
+  clock.now = 998.0
+  assert fit.fit(500, 1000.0, state=np.zeros(1)) == ts.FittedEnd(1000, 500, 1.0)
+  return fit, clock
+
+
+def test_a_machine_that_slows_after_the_fit_bends_the_cooldown_again_from_the_learning_rate_in_force(
+    tmp_path, monkeypatch):
+  """After the fit the steps take 3 s, not 2: 100 steps later 700 s hold 233 more steps, so the end moves from
+  1,000 to 833, and the cooldown runs from its value at update 600 under the fit ((1000 - 600) / 500) to 0
+  there. Catches a refit measured from the run's start (2.33 s a step: the end at 900), one bent from the
+  configured ramp (1.0 at update 600), a refit before MIN_MEASURED_STEPS or off a logging step."""
+  fit, clock = drifting_fit(tmp_path, monkeypatch)
+  for step in (550, 599):
+    clock.now = 998.0 + 3.0 * (step - 500)
+    assert not fit.due(step, 1000.0 - 3.0 * (step - 500))  # fewer than 100 steps since the fit; not a log step
+  clock.now = 998.0 + 300.0
+  assert fit.due(600, 700.0)
+  refit = fit.fit(600, 700.0, state=np.zeros(1))
+  assert (refit.num_train_steps, refit.knot_step) == (833, 600)
+  assert refit.knot_ramp == pytest.approx((1000 - 600) / (1000 - 500))
+  assert fit.end() == 833 and time_budget.load(tmp_path) == [ts.FittedEnd(1000, 500, 1.0), refit]
+  record = json.loads((tmp_path / time_budget.FILE).read_text())
+  # The fit's fields and save interval (1,000 x 500 / 1,750) stay; the refit is recorded under them.
+  assert record['num_train_steps'] == 1000 and record['checkpoint_every_steps'] == 286
+  assert record['refits'][0]['seconds_per_step'] == pytest.approx(3.0)
+  # At the same pace the next projections agree with the refitted end: nothing moves.
+  clock.now = 998.0 + 3.0 * 150
+  assert not fit.due(650, 700.0 - 150.0)
+
+
+def test_a_refit_waits_for_a_logging_intervals_difference_and_never_lengthens_past_the_configured_steps(
+    tmp_path, monkeypatch):
+  fit, clock = drifting_fit(tmp_path, monkeypatch)
+  clock.now = 998.0 + 2.05 * 100  # a little slower: 795 s hold 387 steps, 13 short of the end at 1,000
+  assert not fit.due(600, 795.0)
+  clock.now = 998.0 + 100.0  # twice as fast: 900 s would hold 900 more steps; the configured end is 2,250
+  assert fit.due(600, 900.0)
+  assert fit.fit(600, 900.0, state=np.zeros(1)).num_train_steps == 1500
+  clock.now = 998.0 + 150.0
+  assert fit.due(650, 4000.0)  # (a limit far off)
+  assert fit.fit(650, 4000.0, state=np.zeros(1)).num_train_steps == 2250
+
+
+def test_a_resumed_run_replays_the_recorded_bends_at_their_knots_then_measures_its_own_steps(tmp_path,
+                                                                                               monkeypatch):
+  """A launch resumed from update 550 (between the fit at 500 and the refit at 600) runs on the fit until 600
+  and on the refit from there, as the first launch did, whatever its own clock says; only then does it refit
+  on its own measurements."""
+  fit, clock = drifting_fit(tmp_path, monkeypatch)
+  clock.now = 998.0 + 300.0
+  refit = fit.fit(600, 700.0, state=np.zeros(1))
+  bends = time_budget.load(tmp_path)
+  resumed = time_budget.ScheduleFit(fit.config, tmp_path, first_step=550, bends=bends)
+  assert resumed.current == bends[0] and resumed.end() == 1000 and not resumed.enabled
+  clock.now = 5000.0
+  resumed.first_step_done(551)
+  monkeypatch.setattr(time_budget, 'fitted_num_train_steps', None)  # a replay measures nothing
+  assert not resumed.due(599, 10.0) and resumed.due(600, 10.0)
+  assert resumed.fit(600, 10.0, state=np.zeros(1)) == refit and resumed.end() == 833
+  assert time_budget.load(tmp_path) == bends  # nothing written
+  assert not resumed.due(650, 10.0)  # 99 steps of its own so far
+  assert time_budget.in_force(bends, 499) is None and time_budget.in_force(bends, 600) == refit
 
 
 @pytest.mark.parametrize('field, value', [('max_train_minutes', 0.0), ('cooldown_steps', 0)])
@@ -156,13 +230,14 @@ def test_fitting_without_a_time_limit_or_a_cooldown_is_a_config_error(toy_corpus
     validate_config(config)
 
 
-def test_the_trainer_fits_where_the_fitted_cooldown_begins_follows_the_bent_schedule_and_stops_at_its_end(
+def test_the_trainer_fits_where_the_fitted_cooldown_begins_refits_inside_it_and_stops_at_its_end(
     toy_corpus, tmp_path, monkeypatch, traces):
   """The loop's side: the fit is projected at logging steps with this run's measurements and decided where the
   fitted cooldown (its configured two thirds of the run) begins, before the configured start; the step runs
-  on the bent schedule without compiling again (the learning rate logged at every step follows it), the run
-  stops at the fitted end, and the same command afterwards trains nothing more. The arithmetic is pinned to
-  40 steps."""
+  on the bent schedule without compiling again (the learning rate logged at every step follows it); where the
+  pace since the fit projects another end, the cooldown is bent again from the learning rate in force; the run
+  stops at the refitted end, and the same command afterwards trains nothing more. The arithmetic is pinned to
+  40 steps up to step 24, 37 from step 25 on."""
   config = small_config(toy_corpus)
   config.num_train_steps, config.cooldown_steps, config.warmup_steps = 60, 40, 10
   config.max_train_minutes, config.fit_schedule_to_time = 100.0, True
@@ -173,7 +248,7 @@ def test_the_trainer_fits_where_the_fitted_cooldown_begins_follows_the_bent_sche
 
   def pinned(step, seconds_left, seconds_per_step, configured):
     asked.append((step, seconds_left, seconds_per_step, configured))
-    return 40
+    return 40 if step < 25 else 37
   monkeypatch.setattr(time_budget, 'fitted_num_train_steps', pinned)
   monkeypatch.setattr(time_budget, 'MIN_MEASURED_STEPS', 10)  # a run this short measures less
   refits, refit, calls, call = [], ts.TrainStep.refit, [], ts.TrainStep.__call__
@@ -189,14 +264,16 @@ def test_the_trainer_fits_where_the_fitted_cooldown_begins_follows_the_bent_sche
   train.train_and_evaluate(config, workdir)
   # Both schedules ran the same compiled programs, one per batch shape: the fit changed the numbers the step
   # reads, not the step. (A step traced earlier in this process, by another test, is not traced again.)
-  assert len(refits) == 1 and refits[0].fitted == ts.FittedEnd(40, 13, 1.0)
+  refitted = ts.FittedEnd(37, 25, pytest.approx(15 / 27))  # from the first bend's (40 - 25) / (40 - 13) to 0
+  assert [r.fitted for r in refits] == [ts.FittedEnd(40, 13, 1.0), refitted]
   assert {jitted for jitted, _, _ in calls} == {refits[0].jitted}
   traced_shapes = [shape for _, shape, traced in calls if traced]
   assert len(traced_shapes) == len(set(traced_shapes))
 
   # Projected from 10 measured steps on; 40 steps fit, so the cooldown keeps 40/60 of them: it begins after
-  # update round(40 / 3) = 13, where the fit is decided (the configured start is 20).
-  assert [a[0] for a in asked] == [11, 12, 13, 13] and {a[3] for a in asked} == {60}
+  # update round(40 / 3) = 13, where the fit is decided (the configured start is 20). Refits are projected at
+  # every logging step from 10 steps after the fit on; the one at 25 moves the end, later ones agree with it.
+  assert [a[0] for a in asked] == [11, 12, 13, 13, 23, 24, 25, 25, *range(26, 38)] and {a[3] for a in asked} == {60}
   for _, seconds_left, seconds_per_step, _ in asked:
     assert 0 < seconds_per_step < 60 and 5000 < seconds_left <= 6000
   logged = {}
@@ -204,23 +281,26 @@ def test_the_trainer_fits_where_the_fitted_cooldown_begins_follows_the_bent_sche
     record = json.loads(line)
     if 'train/learning_rate' in record:
       logged[record['step']] = record['train/learning_rate']
-  assert sorted(logged) == list(range(1, 41))  # stopped at the fitted end
+  assert sorted(logged) == list(range(1, 38))  # stopped at the refitted end
   base = ts.paper_schedule(config.model.d_model, 10, config.learning_rate_scale)
   for s, lr in logged.items():  # the update after s - 1 updates
     count = s - 1
-    factor = 1.0 if count <= 13 else (40 - count) / 27  # from 1 at the fitted knot to 0 at 40
+    if count < 25:
+      factor = 1.0 if count <= 13 else (40 - count) / 27  # from 1 at the fitted knot towards 0 at 40
+    else:
+      factor = (40 - 25) / 27 * (37 - count) / 12  # from there, linearly to 0 at 37
     np.testing.assert_allclose(lr, float(base(count)) * factor, rtol=1e-5)
-  assert time_budget.load(workdir) == ts.FittedEnd(40, 13, 1.0)
+  assert time_budget.load(workdir) == [ts.FittedEnd(40, 13, 1.0), refitted]
   # Saves every 7 steps from the fit on (the cooldown of 27 steps against the configured 40: 10 x 27/40), so
   # the last 3 averaged span the same share of it as the configured 10-step grid would have.
-  assert checkpoints_lib.saved_steps(workdir) == [28, 35, 40]
+  assert checkpoints_lib.saved_steps(workdir) == [28, 35, 37]
   # The end, off that grid, is left out of the average (checkpoints.averaging_window), as a time-limited end is.
   assert json.loads((workdir / 'averaged' / 'averaged.json').read_text())['steps'] == [28, 35]
   assert checkpoints_lib.regular_save_interval(workdir) == 7  # what `python -m flaxformer_nmt.average` uses
 
   monkeypatch.setattr(time_budget, 'fitted_num_train_steps', None)  # a resume must not fit again
   train.train_and_evaluate(config, workdir)
-  assert max(json.loads(line)['step'] for line in (workdir / 'metrics.jsonl').read_text().splitlines()) == 40
+  assert max(json.loads(line)['step'] for line in (workdir / 'metrics.jsonl').read_text().splitlines()) == 37
 
 
 def test_a_run_the_time_limit_cut_is_told_to_fit_its_schedule_only_where_it_was_not_fitted(caplog):

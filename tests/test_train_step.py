@@ -221,6 +221,23 @@ def test_a_fitted_end_bends_the_cooldown_at_its_knot_to_reach_zero_at_its_end():
   assert float(bent(850)) == 0.0 and float(bent(849)) > 0.0  # the fitted run's last update still moves
 
 
+def test_a_refit_bends_the_bent_cooldown_again_from_its_own_value_at_the_new_knot():
+  """The run above refitted after update 800 (the machine slowed again: 880 fit) bends the first bend: from
+  its value at 800 (half of the first knot's ramp), not the configured ramp's there ((1000 - 800) / 300, a jump
+  up by 0.46 of the learning rate), linearly to 0 at 880. Catches a knot that is exclusive (the update at the
+  knot runs on the configured ramp) and a factor computed elsewhere than cooldown_factor."""
+  c = config_lib.base_config()
+  c.model.d_model, c.warmup_steps, c.num_train_steps, c.cooldown_steps = 64, 100, 1000, 300
+  base = ts.paper_schedule(64, 100)
+  first = ts.FittedEnd(num_train_steps=850, knot_step=750, knot_ramp=(1000 - 750) / 300)
+  at_800 = first.knot_ramp * (850 - 800) / (850 - 750)
+  np.testing.assert_allclose(ts.cooldown_factor(800, 1000, 300, first), at_800, rtol=1e-6)
+  again = ts.make_schedule(c, ts.FittedEnd(num_train_steps=880, knot_step=800, knot_ramp=at_800))
+  for count in (799, 800, 801, 840, 879, 880):
+    factor = min(1.0, (1000 - count) / 300) if count < 800 else at_800 * (880 - count) / 80
+    np.testing.assert_allclose(again(count), base(count) * factor, rtol=1e-5, atol=1e-12)
+
+
 def tiny_run(fitted=None, **fields):
   """(fresh state, train step, eval step, a batch) of a 1+1-layer model on one device, config fields overridden;
   every call builds a new, equal model object."""
