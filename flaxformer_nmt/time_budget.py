@@ -37,6 +37,12 @@ from flaxformer_nmt.train_step import FittedEnd, cooldown_factor, cooldown_ramp
 
 # Steps measured before deciding: enough for the step time to settle after the first (compiling) step.
 MIN_MEASURED_STEPS = 100
+# A refit moves the end where the pace since the fit puts it at least this share of the steps left away (and
+# at least one step): early in the cooldown small differences wait for more measurement, near its end every
+# step counts. (With a logging interval as the margin, the hour on an AMD EPYC Zen 3, fitted at 1.59 s a step
+# to end at step 2,167 and then running at 1.47, waited until the gap reached 100 steps: one refit, at step
+# 1,500, to 2,268, reached 26 s before the limit; without it the run would have ended ~2.5 minutes early.)
+REFIT_TOLERANCE = 0.02
 
 
 def fitted_num_train_steps(step, seconds_left, seconds_per_step, configured):
@@ -94,7 +100,7 @@ class ScheduleFit:
   another rate than those before it (the machine's speed drifts; saves come closer together): a run fitted
   from 0.89 s a step stopped 283 steps short of its fitted end at 0.05 of the peak learning rate (AMD EPYC
   Zen 3, 2026-12-02). So from the fit on, at logging steps, the rate since the fit is projected again, and
-  where the time left holds a logging interval more or fewer steps than the cooldown has left, the cooldown is
+  where the time left holds more or fewer steps than the cooldown has left (REFIT_TOLERANCE), the cooldown is
   bent again from the learning rate in force (a refit; never past config.num_train_steps). Every bend is
   recorded; a resumed launch replays those after its checkpoint at their knots, then measures its own steps."""
 
@@ -125,7 +131,7 @@ class ScheduleFit:
   def due(self, step, seconds_left):
     """Whether to decide after `step` updates: a recorded bend's knot; the fit at the configured cooldown start,
     or earlier at a logging step where the rate so far projects a fitted end whose cooldown has already begun
-    (fitted_knot); a refit where the projection moves the end by a logging interval."""
+    (fitted_knot); a refit where the projection moves the end (REFIT_TOLERANCE)."""
     if self.pending:
       return self.pending[0].knot_step == step
     if self.reference is None:
@@ -149,7 +155,11 @@ class ScheduleFit:
       return False
     end = fitted_num_train_steps(step, seconds_left, (time.time() - then) / (step - since),
                                  self.config.num_train_steps)
-    return self._agreed(abs(end - self.end()) >= self.check_every)
+    return self._agreed(self._moved(step, end))
+
+  def _moved(self, step, end):
+    """Whether a projected `end` is far enough from the end in force to refit (REFIT_TOLERANCE)."""
+    return abs(end - self.end()) >= max(1, REFIT_TOLERANCE * (self.end() - step))
 
   @staticmethod
   def _agreed(decision):
@@ -205,14 +215,14 @@ class ScheduleFit:
 
   def _refit(self, step, seconds_left, now):
     end, seconds_per_step = self._measured_end(step, seconds_left, self.refit_reference, now)
-    if abs(end - self.end()) < self.check_every:
+    if not self._moved(step, end):
       return None
     in_force_now = self.current or FittedEnd.unbent(self.config.num_train_steps, self.config.cooldown_steps)
     knot_ramp = float(cooldown_factor(step, self.config.num_train_steps, self.config.cooldown_steps, in_force_now))
     bent = FittedEnd(end, step, knot_ramp)
-    logging.warning('At %.2f s a step since the fit, %.0f s left hold %d more steps: the cooldown now ends at step '
-                    '%d, not %d (a refit, from %.3f of the schedule at step %d; %s)', seconds_per_step,
-                    seconds_left, end - step, end, self.end(), knot_ramp, step, self.workdir / FILE)
+    logging.info('At %.2f s a step since the fit, %.0f s left hold %d more steps: the cooldown now ends at step %d, '
+                 'not %d (a refit, from %.3f of the ramp at step %d; %s)', seconds_per_step, seconds_left, end - step,
+                 end, self.end(), knot_ramp, step, self.workdir / FILE)
     self._record(bent, seconds_per_step, seconds_left)
     return bent
 

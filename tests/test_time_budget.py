@@ -186,17 +186,22 @@ def test_a_machine_that_slows_after_the_fit_bends_the_cooldown_again_from_the_le
   assert not fit.due(650, 700.0 - 150.0)
 
 
-def test_a_refit_waits_for_a_logging_intervals_difference_and_never_lengthens_past_the_configured_steps(
+def test_a_refit_waits_for_a_difference_of_two_percent_of_the_steps_left_and_never_passes_the_configured_end(
     tmp_path, monkeypatch):
+  """100 steps after the fit 400 are left: a projection 3 steps short waits, one 13 short (> 8) refits; twice
+  as fast lengthens the run, at most to the configured 2,250. Catches a refit on any difference (a bend at every
+  logging step), a fixed margin of a logging interval (50: the 13 would wait), and a run lengthened past its
+  configured steps."""
   fit, clock = drifting_fit(tmp_path, monkeypatch)
-  clock.now = 998.0 + 2.05 * 100  # a little slower: 795 s hold 387 steps, 13 short of the end at 1,000
-  assert not fit.due(600, 795.0)
-  clock.now = 998.0 + 100.0  # twice as fast: 900 s would hold 900 more steps; the configured end is 2,250
-  assert fit.due(600, 900.0)
-  assert fit.fit(600, 900.0, state=np.zeros(1)).num_train_steps == 1500
-  clock.now = 998.0 + 150.0
-  assert fit.due(650, 4000.0)  # (a limit far off)
-  assert fit.fit(650, 4000.0, state=np.zeros(1)).num_train_steps == 2250
+  clock.now = 998.0 + 2.01 * 100  # 799 s left hold 397 more steps: the end at 997
+  assert not fit.due(600, 799.0)
+  clock.now = 998.0 + 2.05 * 100  # 795 s hold 387: the end at 987
+  assert fit.due(600, 795.0) and fit.fit(600, 795.0, state=np.zeros(1)).num_train_steps == 987
+  clock.now = 998.0 + 150.0  # 1 s a step since the fit: 800 s left hold 800 more steps
+  assert fit.due(650, 800.0) and fit.fit(650, 800.0, state=np.zeros(1)).num_train_steps == 1450
+  clock.now = 998.0 + 200.0
+  assert fit.due(700, 4000.0)  # (a limit far off)
+  assert fit.fit(700, 4000.0, state=np.zeros(1)).num_train_steps == 2250
 
 
 def test_a_resumed_run_replays_the_recorded_bends_at_their_knots_then_measures_its_own_steps(tmp_path,
