@@ -33,7 +33,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from flaxformer_nmt.checkpoints import FITTED_SCHEDULE_FILE as FILE
-from flaxformer_nmt.train_step import FittedEnd, cooldown_factor, cooldown_ramp
+from flaxformer_nmt.train_step import FittedEnd, cooldown_factor
 
 # Steps measured before deciding: enough for the step time to settle after the first (compiling) step.
 MIN_MEASURED_STEPS = 100
@@ -106,12 +106,10 @@ class ScheduleFit:
 
   def __init__(self, config, workdir, first_step, bends):
     self.config, self.workdir = config, epath.Path(workdir)
-    on = bool(config.get('fit_schedule_to_time', False))
+    self.on = bool(config.get('fit_schedule_to_time', False))
     self.bends = list(bends)  # the run's decisions so far, as recorded
     self.pending = [bend for bend in self.bends if bend.knot_step > first_step]  # replayed at their knots
     self.current = in_force(self.bends, first_step)
-    self.enabled = on and not self.bends  # the first decision is still to take
-    self.refitting = on and bool(self.bends)
     # The last update at which to decide: the configured cooldown start, or later for a run resumed past it.
     self.fit_step = max(configured_knot(config), first_step + MIN_MEASURED_STEPS)
     self.check_every = max(1, config.log_every_steps)  # projections at logging steps, where the loop syncs anyway
@@ -124,9 +122,28 @@ class ScheduleFit:
     if self.refitting:
       self.refit_reference = self.reference
 
+  @property
+  def enabled(self):
+    """The first decision (the fit) is still to take."""
+    return self.on and not self.bends
+
+  @property
+  def refitting(self):
+    """The fit is taken: what is left is refits."""
+    return self.on and bool(self.bends)
+
   def end(self):
     """The update the run ends after, as the bends so far have it."""
     return self.current.num_train_steps if self.current else self.config.num_train_steps
+
+  def save_every(self):
+    """The regular save interval: the one the fit chose (refits keep it), or the configured one before it."""
+    return checkpoint_every_steps(self.config, self.bends[0] if self.bends else None)
+
+  def _ramp_now(self, step):
+    """The cooldown's factor at update `step` on the schedule in force: where a new bend starts from."""
+    in_force_now = self.current or FittedEnd.unbent(self.config.num_train_steps, self.config.cooldown_steps)
+    return float(cooldown_factor(step, self.config.num_train_steps, self.config.cooldown_steps, in_force_now))
 
   def due(self, step, seconds_left):
     """Whether to decide after `step` updates: a recorded bend's knot; the fit at the configured cooldown start,
@@ -197,11 +214,9 @@ class ScheduleFit:
     end, seconds_per_step = self._measured_end(step, seconds_left, self.reference, now)
     if step < self.fit_step and not self._cooldown_begun(step, end):
       return None  # not yet: asked again at a later logging step, or at the configured cooldown start
-    self.enabled, self.refitting = False, True
     self.refit_reference = (step, now)
-    knot_ramp = float(cooldown_ramp(step, self.config.num_train_steps, self.config.cooldown_steps))
-    fitted = FittedEnd(end, step, knot_ramp)
-    self._record(fitted, seconds_per_step, seconds_left)
+    fitted = FittedEnd(end, step, self._ramp_now(step))
+    self._record(fitted, seconds_per_step, seconds_left)  # from here on, refits
     if end >= self.config.num_train_steps:
       logging.info('The configured %d steps fit config.max_train_minutes (%.2f s a step, %.0f s left at step %d)',
                    end, seconds_per_step, seconds_left, step)
@@ -217,12 +232,10 @@ class ScheduleFit:
     end, seconds_per_step = self._measured_end(step, seconds_left, self.refit_reference, now)
     if not self._moved(step, end):
       return None
-    in_force_now = self.current or FittedEnd.unbent(self.config.num_train_steps, self.config.cooldown_steps)
-    knot_ramp = float(cooldown_factor(step, self.config.num_train_steps, self.config.cooldown_steps, in_force_now))
-    bent = FittedEnd(end, step, knot_ramp)
+    bent = FittedEnd(end, step, self._ramp_now(step))
     logging.info('At %.2f s a step since the fit, %.0f s left hold %d more steps: the cooldown now ends at step %d, '
                  'not %d (a refit, from %.3f of the ramp at step %d; %s)', seconds_per_step, seconds_left, end - step,
-                 end, self.end(), knot_ramp, step, self.workdir / FILE)
+                 end, self.end(), bent.knot_ramp, step, self.workdir / FILE)
     self._record(bent, seconds_per_step, seconds_left)
     return bent
 
@@ -240,8 +253,8 @@ class ScheduleFit:
       record = dict(fields, configured_num_train_steps=self.config.num_train_steps,
                     checkpoint_every_steps=checkpoint_every_steps(self.config, bend))
     else:
-      record = json.loads(path.read_text())
-      record['refits'] = record.get('refits', [])[:len(self.bends) - 2] + [fields]
+      record = json.loads(path.read_text())  # the bends before this one, as load() gave them to this launch
+      record['refits'] = record.get('refits', []) + [fields]
     path.write_text(json.dumps(record, indent=1) + '\n')
 
 

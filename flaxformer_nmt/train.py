@@ -125,8 +125,7 @@ def set_up(config, workdir):
              Profiler(workdir, config.profile_start_step, config.profile_steps), metrics_lib.MetricsLog(workdir),
              tokenizer.sha256, bleu_eval.ValidationBleu(config, tokenizer, workdir, mesh),
              best_lib.BestCheckpoint(workdir, config.best_checkpoint_metric) if config.best_checkpoint_metric else None,
-             schedule_fit.end(), time_budget.checkpoint_every_steps(config, bends[0] if bends else None),
-             schedule_fit, trained_seconds)
+             schedule_fit.end(), schedule_fit.save_every(), schedule_fit, trained_seconds)
 
 
 def restore_or_start(config, state, state_sharding, checkpoints, train_batches, tokenizer):
@@ -199,8 +198,7 @@ def fit_to_time(run, step, decision):
   fitted = run.schedule_fit.fit(step, decision.seconds_left(), run.state)
   if fitted is not None:
     run.num_train_steps = decision.num_steps = fitted.num_train_steps
-    run.checkpoint_every_steps = decision.every_steps = time_budget.checkpoint_every_steps(
-        run.config, run.schedule_fit.bends[0])
+    run.checkpoint_every_steps = decision.every_steps = run.schedule_fit.save_every()
     run.train_fn = run.train_fn.refit(fitted)
 
 
