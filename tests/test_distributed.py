@@ -34,13 +34,14 @@ def start_processes(data_dir, workdir, num_steps, num_processes=2, overrides=())
           for i in range(num_processes)]
 
 
-def run_processes(data_dir, workdir, num_steps, num_processes=2, overrides=(), procs=None):
-  """Starts every process of a job (or takes `procs`, started), waits for all; returns their RESULT lines."""
+def run_processes(data_dir, workdir, num_steps, num_processes=2, overrides=(), procs=None, timeout=900):
+  """Starts every process of a job (or takes `procs`, started), waits for all (`timeout` seconds each: a job whose
+  hosts disagree hangs in a collective); returns their RESULT lines."""
   procs = procs or start_processes(data_dir, workdir, num_steps, num_processes, overrides)
   outputs = []
   for proc in procs:
     try:
-      out, _ = proc.communicate(timeout=900)
+      out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
       for p in procs:
         p.kill()
@@ -134,3 +135,38 @@ def test_cluster_detection_reads_the_launchers_environment(monkeypatch):
   monkeypatch.delenv('OMPI_COMM_WORLD_SIZE')
   monkeypatch.setattr(distributed, 'on_cloud_tpu_vm', lambda: True)
   assert distributed.cluster_from_environment() == 'tpu'
+
+
+@pytest.mark.slow
+def test_each_host_runs_process_0s_fit_and_refit_whatever_its_own_clock_projects(toy_corpus, tmp_path):
+  """config.fit_schedule_to_time on two hosts: each measures its own pace, so their projections differ (pinned
+  here: process 0 projects 40 steps, then 37 from update 25; process 1 50, then 45 from update 20). Every
+  decision is process 0's, broadcast: both fit at its knot, refit at its step, bend the learning rate alike and
+  stop at its end; a host that followed its own projection would train on another schedule or hang in a
+  collective the other never joins. The numbers are those of test_time_budget's single-process run."""
+  from flaxformer_nmt import time_budget
+  from flaxformer_nmt import train_step as ts
+  workdir = tmp_path / 'run'
+  overrides = ('num_train_steps=60', 'cooldown_steps=40', 'warmup_steps=10', 'max_train_minutes=100.0',
+               'fit_schedule_to_time=True', 'log_every_steps=1', 'eval_every_steps=1000',
+               'checkpoint_every_steps=10', 'keep_checkpoints=3', 'average_last_checkpoints=3',
+               'length_buckets=(32,)', 'pinned_ends=40,37,25/50,45,20')
+  results = run_processes(toy_corpus, workdir, 60, overrides=overrides, timeout=240)  # 30 s here when they agree
+  assert [line.split('step=')[1].split()[0] for line in results] == ['37', '37']
+  assert len({line.split('loss=')[1] for line in results}) == 1
+  assert time_budget.load(workdir) == [ts.FittedEnd(40, 13, 1.0), ts.FittedEnd(37, 25, pytest.approx(15 / 27))]
+  assert checkpoints_lib.saved_steps(workdir) == [28, 35, 37]  # saves every 7 steps from the fit on
+  logged = {}
+  for line in (workdir / 'metrics.jsonl').read_text().splitlines():
+    record = json.loads(line)
+    if 'train/learning_rate' in record:
+      logged[record['step']] = record['train/learning_rate']
+  assert sorted(logged) == list(range(1, 38))
+  base = ts.paper_schedule(32, 10, 2.0)  # small_config's d_model and learning_rate_scale
+  for step, lr in logged.items():
+    count = step - 1
+    if count < 25:
+      factor = 1.0 if count <= 13 else (40 - count) / 27
+    else:
+      factor = (40 - 25) / 27 * (37 - count) / 12
+    np.testing.assert_allclose(lr, float(base(count)) * factor, rtol=1e-5)
