@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import subprocess_env, xla_flags_without_device_count
+from conftest import check_pinned_refit_learning_rates, subprocess_env, xla_flags_without_device_count
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import distributed
 
@@ -156,17 +156,4 @@ def test_each_host_runs_process_0s_fit_and_refit_whatever_its_own_clock_projects
   assert len({line.split('loss=')[1] for line in results}) == 1
   assert time_budget.load(workdir) == [ts.FittedEnd(40, 13, 1.0), ts.FittedEnd(37, 25, pytest.approx(15 / 27))]
   assert checkpoints_lib.saved_steps(workdir) == [28, 35, 37]  # saves every 7 steps from the fit on
-  logged = {}
-  for line in (workdir / 'metrics.jsonl').read_text().splitlines():
-    record = json.loads(line)
-    if 'train/learning_rate' in record:
-      logged[record['step']] = record['train/learning_rate']
-  assert sorted(logged) == list(range(1, 38))
-  base = ts.paper_schedule(32, 10, 2.0)  # small_config's d_model and learning_rate_scale
-  for step, lr in logged.items():
-    count = step - 1
-    if count < 25:
-      factor = 1.0 if count <= 13 else (40 - count) / 27
-    else:
-      factor = (40 - 25) / 27 * (37 - count) / 12
-    np.testing.assert_allclose(lr, float(base(count)) * factor, rtol=1e-5)
+  check_pinned_refit_learning_rates(workdir, d_model=32, learning_rate_scale=2.0)  # small_config's

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import in_process
-from conftest import small_config
+from conftest import check_pinned_refit_learning_rates, small_config
 from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import config as config_lib
 from flaxformer_nmt import time_budget
@@ -281,20 +281,7 @@ def test_the_trainer_fits_where_the_fitted_cooldown_begins_refits_inside_it_and_
   assert [a[0] for a in asked] == [11, 12, 13, 13, 23, 24, 25, 25, *range(26, 38)] and {a[3] for a in asked} == {60}
   for _, seconds_left, seconds_per_step, _ in asked:
     assert 0 < seconds_per_step < 60 and 5000 < seconds_left <= 6000
-  logged = {}
-  for line in (workdir / 'metrics.jsonl').read_text().splitlines():
-    record = json.loads(line)
-    if 'train/learning_rate' in record:
-      logged[record['step']] = record['train/learning_rate']
-  assert sorted(logged) == list(range(1, 38))  # stopped at the refitted end
-  base = ts.paper_schedule(config.model.d_model, 10, config.learning_rate_scale)
-  for s, lr in logged.items():  # the update after s - 1 updates
-    count = s - 1
-    if count < 25:
-      factor = 1.0 if count <= 13 else (40 - count) / 27  # from 1 at the fitted knot towards 0 at 40
-    else:
-      factor = (40 - 25) / 27 * (37 - count) / 12  # from there, linearly to 0 at 37
-    np.testing.assert_allclose(lr, float(base(count)) * factor, rtol=1e-5)
+  check_pinned_refit_learning_rates(workdir, config.model.d_model, config.learning_rate_scale)
   assert time_budget.load(workdir) == [ts.FittedEnd(40, 13, 1.0), refitted]
   # Saves every 7 steps from the fit on (the cooldown of 27 steps against the configured 40: 10 x 27/40), so
   # the last 3 averaged span the same share of it as the configured 10-step grid would have.
