@@ -137,8 +137,10 @@ class ScheduleFit:
     return self.current.num_train_steps if self.current else self.config.num_train_steps
 
   def save_every(self):
-    """The regular save interval: the one the fit chose (refits keep it), or the configured one before it."""
-    return checkpoint_every_steps(self.config, self.bends[0] if self.bends else None)
+    """The regular save interval: the one the fit chose (refits keep it) from the fit's knot on, the configured
+    one before it. (A launch resumed before the knot has the fit among its recorded bends, not yet in force: it
+    saves on the configured grid until the replay, as the first launch did.)"""
+    return checkpoint_every_steps(self.config, self.bends[0] if self.current is not None else None)
 
   def _ramp_now(self, step):
     """The cooldown's factor at update `step` on the schedule in force: where a new bend starts from."""

@@ -225,6 +225,25 @@ def test_a_resumed_run_replays_the_recorded_bends_at_their_knots_then_measures_i
   assert time_budget.in_force(bends, 499) is None and time_budget.in_force(bends, 600) == refit
 
 
+def test_a_launch_resumed_before_the_fits_knot_saves_on_the_configured_grid_until_the_replay(tmp_path,
+                                                                                              monkeypatch):
+  """The first launch saved every 500 steps up to the fit at update 500 and every 143 from there (500 x 500 /
+  1,750). A launch resumed from update 300, after the fit was recorded (a later checkpoint lost), must save at 500
+  as the first launch did, and every 143 only once the replayed fit is in force. Catches the interval taken from
+  the recorded bends rather than the bend in force (a save at 429 instead of 500)."""
+  config = fit_config()
+  config.checkpoint_every_steps = 500
+  drifting_fit(tmp_path, monkeypatch)
+  bends = time_budget.load(tmp_path)
+  resumed = time_budget.ScheduleFit(config, tmp_path, first_step=300, bends=bends)
+  assert resumed.current is None and resumed.save_every() == 500 and resumed.end() == 2250
+  resumed.first_step_done(301)
+  assert resumed.due(500, 10.0) and resumed.fit(500, 10.0, state=np.zeros(1)) == bends[0]
+  assert resumed.save_every() == 143 and resumed.end() == 1000
+  # A launch resumed after the knot runs on the fit and its interval from its first step.
+  assert time_budget.ScheduleFit(config, tmp_path, first_step=700, bends=bends).save_every() == 143
+
+
 @pytest.mark.parametrize('field, value', [('max_train_minutes', 0.0), ('cooldown_steps', 0)])
 def test_fitting_without_a_time_limit_or_a_cooldown_is_a_config_error(toy_corpus, field, value):
   config = small_config(toy_corpus)
