@@ -1,58 +1,20 @@
 """Multi30k English->German, the quality recipe: as much BLEU as 150 minutes of two CPU cores give (issue 14,
 item 3; its anchor is fairseq's Transformer-tiny of Wu et al. 2021, 41.02 lowercased tokenized BLEU on
-test2016 after 8k updates of ~8k tokens on GPUs).
-
-One run of the anchor's model, adopted 2026-11-29 (evening) over two members of 70 minutes each decoded as an
-ensemble (--config.ensemble_members=2 --config.num_train_steps=8700 --config.cooldown_steps=4350
---config.checkpoint_every_steps=145 --config.decode_checkpoint=latest --config.length_penalty_alpha=2.0): by
-a rule set on valid (a tie, means of two samples within 0.5, goes to the simpler recipe), the two samples of
-each on valid were 42.67 / 41.89 (two members) and 42.55 / 41.79 (one run). One run also decodes at half the
-cost, and on a float32 CPU (1.55 s a step) a 70-minute member would reach only ~2,700 steps.
-The anchor's model (d_model 128, FFN 256, 4+4 layers, dropout 0.3) and schedule (inverse_sqrt, peak 0.005
-after 2,000 warmup steps), with the findings of the d_model-256 hour (configs/multi30k.py:float32 keeps that
-model; its bf16 variant is this recipe cut to 6,500 steps): lowercased text, bf16 matmul operands where the CPU
-has bf16 dot instructions, packed 64-token rows, label smoothing 0.2, a linear decay to zero over the second
-half; for 12,000 steps. Reads ../shared/data/multi30k when present, else downloads
+test2016 after 8k updates of ~8k tokens on GPUs). Reads ../shared/data/multi30k when present, else downloads
 Multi30k on first use.
 
-Pre-LN since 2026-12-01 (the paper's post-LN before): the same command with --config.model.pre_layer_norm=True
-(AMD EPYC Zen 4, a day when the recipe's step took 0.47-0.51 s: all 12,000 steps in 105 minutes) led the post-LN
-run's greedy validation BLEU by 1.0-2.9 up to step 6,000 and ended level (41.16 against 41.20) with a lower
-validation NLL (1.605 against 1.623). Beam 5 on valid, decode chosen by a rule set before the run (adopt if 0.20
-past 42.55): the trainer's average of the last 5 at alpha 2.0, 42.78 lc-tok. test2016, scored once after the
-decision: 40.55 lc-tok, 40.59 sacreBLEU (case-insensitive), length ratio 1.028: between the post-LN seeds' 40.91
-and 40.33, so the gain on valid is within one seed's spread and issue 14's 42.0 is not reached.
+One run of the anchor's model (d_model 128, FFN 256, 4+4 layers, dropout 0.3) and schedule (inverse_sqrt, peak
+0.005 after 2,000 warmup steps), with what the hour's runs found: lowercased text, bf16 matmul operands where the
+CPU has bf16 dot instructions, packed 64-token rows, label smoothing 0.2, a linear cooldown to zero over the second
+half of 12,000 steps (or of the steps that fit the 140 minutes: fit_schedule_to_time), pre-LN residuals. Each
+choice was made on valid only, most by a rule written before the run (bench/rules/, bench/RESULTS.md); the
+README's lever table lists every choice tried, on and off.
 
-The post-LN run (2026-11-28, AMD EPYC Zen 4, 2 cores, bench/RESULTS.md): the 140-minute limit stopped it at step
-11,908. Greedy valid lc-tok BLEU 24.89 / 32.56 / 37.28 / 38.67 / 41.13 / 41.20 at steps 1,000 / 2,000 /
-4,000 / 6,000 / 10,000 / 11,908. Decode chosen on valid by a rule set before the run: beam 5, the average of
-the last 10 checkpoints, alpha 1.5: 42.55 lc-tok. test2016, scored once for that choice: 40.91 lc-tok, 40.93
-sacreBLEU (case-insensitive), length ratio 1.010. Issue 14's 42.0 is not reached. Its second seed
-(--config.seed=1, 2026-11-29, an Intel Xeon with AMX: 12,000 steps in 96 minutes), the same decode: valid 41.79,
-test2016 40.33 lc-tok, so the two seeds average 40.62 on test2016 (a spread of 0.58; 0.76 on valid).
-The d_model-256 model it replaced (3+3 layers, FFN 1,024, the paper's schedule with 500 warmup steps, 5,800
-steps in 133 minutes on the same machine, lowercased): valid 42.03, test2016 39.82 (cased: 41.33 and 40.26).
-BPE-dropout 0.1 (config.bpe_dropout) set that model back 16 greedy BLEU at step 500 and was left off.
-Where the CPU lacks bf16 dot instructions the matmuls stay float32 and the steps do not fit (1.55 s a step on an
-AMD EPYC Zen 3, 2026-11-29): fit_schedule_to_time then trains the steps that fit in the 140 minutes, the
-cooldown over the second half of them (time_budget.py). This command on that Zen 3 (2026-11-29 night): the fit
-at step 3,250 ran the cooldown to step 6,490 in 139 minutes; the config's decode gave valid 41.56, test2016
-40.05 lc-tok. Pre-LN with the CPU as two devices there (2026-12-02): 7,499 steps in 136 minutes, valid 42.53,
-test2016 39.86 (length ratio 1.031). R-Drop (rdrop_alpha 5 at the same compute a step) fell 2.4 behind on valid
-in a GPU screen of two seeds (2026-11-29) and stays off. A 12k vocabulary (2026-11-30, Zen 4) led greedy up to step 4,000, then fell
-behind: valid 41.72, test2016 39.70; the recipe keeps 8k.
-Two members of the hour's length (--config.ensemble_members=2 --config.num_train_steps=6500
---config.cooldown_steps=3250: the hour's runs of seeds 0 and 1, 57 + 58 minutes on the Zen 4, 2026-12-01), each
-member's average of the last 5 at alpha 2.0: valid 43.18, 0.40 past the one run, short of the 0.50 a rule set
-before asked; one run stays. test2016, scored once as declared: 41.16 lc-tok, the best measured, still short of 42.0.
-The recipe's own command with --config.ensemble_members=2 (pre-LN, an Intel Xeon with AMX, 2026-12-01 evening:
-8,553 + 8,343 steps in 70 + 69 minutes; members alone 42.32 / 42.17 on valid): valid 43.19, the same tie (0.41 past
-the one run); test2016 41.16 lc-tok again. One run stays.
-Right-to-left reranking (2026-12-02, Zen 3, a screen): this command's run with --config.target_right_to_left=True
-(valid alone 40.01) reranking the L2R run's 5 best (rerank.py, w = 0.3) gave valid 43.52, +0.99 over the L2R run,
-at 140 + 140 minutes, test2016 not scored. The 70 + 70 split that fits the issue's 150 (same machine, a rule set
-before: bench/rules/2026-12-02-rerank-split.md) gave valid 42.22 at w = 0.3 (the L2R half alone 41.75), under the
-one run's 42.53: not adopted; test2016, scored once after the decision, 40.69 lc-tok.
+Measured (test2016 scored once, after each decision): on an AMD EPYC Zen 4 (bf16 dot, 2026-12-01) all 12,000
+steps in 105 minutes, valid 42.78, test2016 40.55 lc-tok (post-LN, the recipe until then: 40.91 and 40.33 for two
+seeds); on an AMD EPYC Zen 3 (float32 matmuls, 2026-12-02) 7,499 fitted steps in 136 minutes, valid 42.53, test2016
+39.86. Issue 14's 42.0 is not reached. Two runs of 70 minutes decoded as an ensemble
+(--config.ensemble_members=2) gave 41.16 but tied one run on valid, so the recipe stays one run.
 """
 from flaxformer_nmt import config
 from flaxformer_nmt import download
