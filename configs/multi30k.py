@@ -16,12 +16,12 @@ minutes): valid 41.99 lc-tok against the d_model-256 hour's 41.07 and 41.62 (two
 after the decision, 40.28 lc-tok (the d_model-256 hour on the Zen 4: 40.09, 39.86, 39.68); its second seed
 (--config.seed=1): valid 41.65, test2016 40.48; its third (--config.seed=2): 41.16, 40.50.
 
-float32, where the matmuls stay float32 (a step takes twice as long; 3.0-3.8 s for 4,096 tokens of the d_model-256 model on a
-2-core AMD EPYC Zen 3): the hour as it was measured there, a 3+3-layer, d_model 256 post-LN Transformer with a
-12k vocabulary, half batches (2,048 tokens) and the paper's schedule with a 500-step warmup, then linear to
-zero. On the Zen 3 (2026-11-30): valid 40.52, test2016 39.13 lc-tok; on a faster day there (2026-12-02, 3,103
-steps against 2,113): valid 40.81, test2016 39.45. The tiny model there (2026-12-02, the CPU
-as two devices: 2,859 steps in 57 minutes) reached valid 40.26, test2016 38.56, and was not adopted.
+float32, where the matmuls stay float32 (a step takes twice as long; 3.0-3.8 s for 4,096 tokens of the d_model-256
+model on a 2-core AMD EPYC Zen 3): the hour as it was measured there, a 3+3-layer, d_model 256 post-LN Transformer
+with a 12k vocabulary, half batches (2,048 tokens) and the paper's schedule with a 500-step warmup, then linear to
+zero. On the Zen 3 (2026-11-30): valid 40.52, test2016 39.13 lc-tok; on a faster day there (2026-12-02, 3,103 steps
+against 2,113): valid 40.81, test2016 39.45. The tiny model there (2026-12-02, the CPU as two devices: 2,859 steps
+in 57 minutes) reached valid 40.26, test2016 38.56, and was not adopted.
 
 Either way the run fits its end to the time limit (fit_schedule_to_time): where the cooldown begins it measures
 its step time and, if the steps left do not fit the 58 minutes, ends the cooldown at the last step that does,
