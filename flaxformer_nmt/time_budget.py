@@ -134,7 +134,7 @@ class ScheduleFit:
 
   def end(self):
     """The update the run ends after, as the bends so far have it."""
-    return self.current.num_train_steps if self.current else self.config.num_train_steps
+    return self.current.num_train_steps if self.current is not None else self.config.num_train_steps
 
   def save_every(self):
     """The regular save interval: the one the fit chose (refits keep it) from the fit's knot on, the configured
