@@ -30,15 +30,15 @@ import time
 from absl import app, flags
 from etils import epath
 
-from flaxformer_nmt import best_checkpoint
-from flaxformer_nmt import checkpoints as checkpoints_lib
-from flaxformer_nmt import cli
-from flaxformer_nmt import compare
 from flaxformer_nmt import config as config_lib
-from flaxformer_nmt import data as data_lib
-from flaxformer_nmt import decode
-from flaxformer_nmt import evaluate
-from flaxformer_nmt import workdir as workdir_lib
+from flaxformer_nmt.checkpointing import best as best_checkpoint
+from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
+from flaxformer_nmt.checkpointing import workdir as workdir_lib
+from flaxformer_nmt.data import corpus as data_lib
+from flaxformer_nmt.decoding import translator as decode
+from flaxformer_nmt.evaluation import bleu as evaluate
+from flaxformer_nmt.evaluation import compare
+from flaxformer_nmt.runtime import flags as cli
 
 FLAGS = flags.FLAGS
 

@@ -43,11 +43,12 @@ import numpy as np
 from absl import app, flags
 from etils import epath
 
-from flaxformer_nmt import checkpoints as checkpoints_lib
-from flaxformer_nmt import data as data_lib
-from flaxformer_nmt import decode
-from flaxformer_nmt import sharding
-from flaxformer_nmt.tokenizer import EOS_ID
+from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
+from flaxformer_nmt.data import corpus as data_lib
+from flaxformer_nmt.data.tokenizer import EOS_ID
+from flaxformer_nmt.decoding import translator as decode
+from flaxformer_nmt.runtime import sharding
+from flaxformer_nmt.decoding import search as search_lib
 
 DATA = epath.Path(__file__).resolve().parent.parent.parent / 'shared' / 'data'
 VARIANTS = {
@@ -84,7 +85,7 @@ def define_flags():
 def loop_body_dots(translator, beam_size, cache_cross_kv, length=32):
   """Matrix products inside the compiled decoding loop's body (fusions included), from the optimized HLO: the
   per-step variant must show each decoder layer's two extra key/value projections."""
-  search = jax.jit(functools.partial(decode.search, translator.model),
+  search = jax.jit(functools.partial(search_lib.search, translator.model),
                    static_argnames=('beam_size', 'alpha', 'extra_length', 'cache_cross_kv', 'grow_cache'))
   src = np.full((8, length), 5, np.int32)
   hlo = search.lower(translator.params, src, beam_size=beam_size, alpha=0.6, extra_length=50,

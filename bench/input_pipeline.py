@@ -17,9 +17,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
-from flaxformer_nmt import corpora  # pylint: disable=g-import-not-at-top,wrong-import-position
-from flaxformer_nmt import data as data_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
-from flaxformer_nmt import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from flaxformer_nmt.data import corpora  # pylint: disable=g-import-not-at-top,wrong-import-position
+from flaxformer_nmt.data import corpus as data_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from flaxformer_nmt.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 class Repeated:

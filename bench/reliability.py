@@ -59,7 +59,7 @@ def run(args, timeout=900):
 
 
 def final_params(workdir, step):
-  from flaxformer_nmt import checkpoints as checkpoints_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   return jax.tree_util.tree_leaves(checkpoints_lib.saved_params(workdir, step))
 
@@ -158,7 +158,7 @@ def storage_full_trial(root, source):
   """ENOSPC from orbax's file writes in the middle of a save (in process): the previous checkpoint stays."""
   import jax  # pylint: disable=g-import-not-at-top
   from orbax.checkpoint._src.path import async_path  # pylint: disable=g-import-not-at-top
-  from flaxformer_nmt import checkpoints as checkpoints_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib  # pylint: disable=g-import-not-at-top
   workdir = root / 'storage_full'
   shutil.copytree(source, workdir)
   store = checkpoints_lib.Checkpoints(workdir, keep=3, async_save=False)

@@ -46,12 +46,12 @@ from absl import app, flags
 import op_profile  # bench/op_profile.py, beside this script
 
 from flaxformer_nmt import config as config_lib
-from flaxformer_nmt import flops as flops_lib
-from flaxformer_nmt import host_memory
-from flaxformer_nmt import lm
-from flaxformer_nmt import model as model_lib
-from flaxformer_nmt import sharding
-from flaxformer_nmt import train_step as train_step_lib
+from flaxformer_nmt.models import lm
+from flaxformer_nmt.models import transformer as model_lib
+from flaxformer_nmt.runtime import flops as flops_lib
+from flaxformer_nmt.runtime import host_memory
+from flaxformer_nmt.runtime import sharding
+from flaxformer_nmt.training import step as train_step_lib
 
 _CONFIGS = flags.DEFINE_list('configs', ['base', 'big', 'multi30k'], 'Configs (configs/NAME.py) to time.')
 _LENGTHS = flags.DEFINE_list('lengths', ['32'], 'Padded lengths (per side) to time.')

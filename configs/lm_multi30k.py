@@ -4,7 +4,7 @@ learnt from the German text. About 20 minutes on two CPU cores; validation perpl
 valid.de. Generate with `python -m flaxformer_nmt.generate --workdir W --prompt "Ein Mann"`.
 """
 from flaxformer_nmt import config
-from flaxformer_nmt import download
+from flaxformer_nmt.data import download
 
 
 def get_config():

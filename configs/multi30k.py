@@ -31,8 +31,8 @@ above nothing changes.
 import os
 
 from flaxformer_nmt import config
-from flaxformer_nmt import download
-from flaxformer_nmt import model
+from flaxformer_nmt.data import download
+from flaxformer_nmt.models import transformer as model
 
 
 def get_config(matmuls=None):

@@ -17,7 +17,7 @@ seeds); on an AMD EPYC Zen 3 (float32 matmuls, 2026-12-02) 7,499 fitted steps in
 (--config.ensemble_members=2) gave 41.16 but tied one run on valid, so the recipe stays one run.
 """
 from flaxformer_nmt import config
-from flaxformer_nmt import download
+from flaxformer_nmt.data import download
 
 
 def get_config():

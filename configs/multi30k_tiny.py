@@ -12,7 +12,7 @@ in 4,096 tokens per update (fairseq's --max-tokens 4096 on one GPU, without --up
 CPU step takes twice as long).
 """
 from flaxformer_nmt import config
-from flaxformer_nmt import download
+from flaxformer_nmt.data import download
 
 
 def get_config():

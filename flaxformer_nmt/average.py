@@ -11,8 +11,8 @@ import sys
 
 from absl import app, flags
 
-from flaxformer_nmt import checkpoints as checkpoints_lib
-from flaxformer_nmt import workdir as workdir_lib
+from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
+from flaxformer_nmt.checkpointing import workdir as workdir_lib
 
 
 def define_flags():

@@ -23,21 +23,17 @@ trained on lowercased text (config.lowercase) reads the sources lowercased, and 
 case-insensitive (`case:lc`).
 """
 import sys
-import time
 
-import sacrebleu
 from absl import app, flags
-from etils import epath
 
-from flaxformer_nmt import checkpoints as checkpoints_lib
-from flaxformer_nmt import cli
-from flaxformer_nmt import data as data_lib
-from flaxformer_nmt import decode
-from flaxformer_nmt import evaluate
-from flaxformer_nmt import mbr
-from flaxformer_nmt import rerank
-from flaxformer_nmt import sharding
-from flaxformer_nmt import workdir as workdir_lib
+from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
+from flaxformer_nmt.checkpointing import workdir as workdir_lib
+from flaxformer_nmt.decoding import mbr
+from flaxformer_nmt.decoding import rerank
+from flaxformer_nmt.decoding import translator as decode
+from flaxformer_nmt.evaluation.compare import alpha_values, rerank_rows, score_row, sentences
+from flaxformer_nmt.runtime import cache
+from flaxformer_nmt.runtime import sharding
 
 
 def define_flags():
@@ -63,83 +59,6 @@ def define_flags():
   flags.mark_flags_as_required(['workdir'])
 
 
-def sentences(config, split=None, input_path=None, ref_path=None, tok_ref_path=None):
-  """(description, sources, references, tokenized references or None)."""
-  if input_path:
-    if not ref_path:
-      raise ValueError('--input needs --ref')
-    description = input_path
-  else:
-    split = split or config.eval_split
-    input_path, ref_path = data_lib.split_paths(config.data_dir, split, config.source_lang, config.target_lang)
-    description = f'{split} ({config.data_dir})'
-    if tok_ref_path is None and config.get('eval_bleu_tok_ref_dir'):
-      candidate = epath.Path(config.eval_bleu_tok_ref_dir) / f'{split}.{config.target_lang}'
-      tok_ref_path = candidate if candidate.exists() else None
-  sources, references = evaluate.read_text(input_path), evaluate.read_text(ref_path)
-  tok_references = evaluate.read_text(tok_ref_path) if tok_ref_path else None
-  if len(sources) != len(references) or (tok_references is not None and len(tok_references) != len(sources)):
-    raise ValueError(f'{input_path}, {ref_path}{", " + str(tok_ref_path) if tok_ref_path else ""}: different '
-                     'numbers of lines')
-  return description, sources, references, tok_references
-
-
-def scores(translator, sources, references, tok_references, beam_size, alpha, mbr_utility=None, n_best=1):
-  """(hypotheses, sacrebleu BLEU, lowercased tokenized BLEU or None, decoding seconds, signature) of the
-  translator on the sentences."""
-  start = time.time()
-  hypotheses = translator.translate(sources, beam_size=beam_size, alpha=alpha, mbr=mbr_utility, n_best=n_best)
-  seconds = time.time() - start
-  metric = sacrebleu.BLEU(lowercase=translator.lowercase)  # case-insensitive for a model of config.lowercase
-  bleu = metric.corpus_score(hypotheses, [references])
-  tok = (evaluate.tokenized_bleu(hypotheses, tok_references, translator.config.target_lang)[0]
-         if tok_references is not None else None)
-  return hypotheses, bleu, tok, seconds, str(metric.get_signature())
-
-
-def score_row(name, translator, sources, references, tok_references, beam_size, alpha, mbr_utility=None,
-              n_best=1):
-  """One table row: the checkpoint's scores on the sentences (alpha None: the config's)."""
-  alpha = translator.config.length_penalty_alpha if alpha is None else alpha
-  _, bleu, tok, seconds, signature = scores(translator, sources, references, tok_references, beam_size, alpha,
-                                            mbr_utility, n_best)
-  return table_row(name, translator.checkpoint, alpha, bleu, tok, seconds), signature
-
-
-def table_row(name, parameters, alpha, bleu, tok, seconds):
-  tok = f'{tok:.2f}' if tok is not None else '-'
-  return (f'| {name} | {parameters} | {alpha:g} | {bleu.score:.2f} | {tok} | '
-          f'{bleu.sys_len / bleu.ref_len:.3f} | {bleu.bp:.3f} | {seconds:.0f} |')
-
-
-def rerank_rows(name, translator, rescorer, sentences_, beam_size, alpha, weights):
-  """Table rows of the beam's n best rescored by `rescorer`, one per weight (one search, one rescoring)."""
-  sources, references, tok_references = sentences_
-  start = time.time()
-  reranker, translations = rerank.rerank_sources(translator, rescorer, sources, beam_size=beam_size, alpha=alpha)
-  seconds = time.time() - start
-  rows = []
-  metric = sacrebleu.BLEU(lowercase=translator.lowercase)
-  for weight in weights:
-    hypotheses = translations(weight)
-    bleu = metric.corpus_score(hypotheses, [references])
-    tok = (evaluate.tokenized_bleu(hypotheses, tok_references, translator.config.target_lang)[0]
-           if tok_references is not None else None)
-    rows.append(table_row(f'{name}, reranked by {rescorer.checkpoint} of {rescorer.workdir}, w={weight:g}',
-                          translator.checkpoint, reranker.alpha, bleu, tok, seconds))
-  return rows, str(metric.get_signature())
-
-
-def alpha_values(values, default, flag='--alpha', what='length penalty exponents'):
-  """A list flag's floats (--alpha's by default; several: a row each), or [default]."""
-  if not values:
-    return [default]
-  try:
-    return [float(v) for v in values]
-  except ValueError:
-    raise ValueError(f'{flag}={",".join(values)}: {what} are numbers, e.g. 0.3,0.5') from None
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
@@ -149,7 +68,7 @@ def main(argv):
   if f.n_best and not f.mbr:
     raise app.UsageError('--n_best gives --mbr its candidates: give --mbr too')
   checkpoints_lib.quiet_orbax_logs()
-  cli.use_compilation_cache()  # every checkpoint decodes the same shapes
+  cache.use_compilation_cache()  # every checkpoint decodes the same shapes
   try:
     devices = sharding.local_devices(f.devices)  # before the first computation: it may split the CPU
     # Several workdirs ('A,B') or an ensemble's (config.ensemble_members) compare as one ensemble; the first

@@ -47,7 +47,7 @@ import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 import pytest  # pylint: disable=wrong-import-position
 
-from flaxformer_nmt import model as model_lib
+from flaxformer_nmt.models import transformer as model_lib
 
 
 def tiny_model(vocab_size=16, pre_layer_norm=False, dropout_rate=0.0):
@@ -83,7 +83,7 @@ def subprocess_env(**variables):
 def xla_flags_without_device_count():
   """This process's XLA_FLAGS less a CPU device count: a subprocess given them has JAX's one CPU device, or the
   count its own code asks for."""
-  from flaxformer_nmt import sharding  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.runtime import sharding  # pylint: disable=g-import-not-at-top
   flags = os.environ.get('XLA_FLAGS', '').split()
   return ' '.join(f for f in flags if not f.startswith(sharding.XLA_DEVICE_COUNT_FLAG))
 
@@ -157,7 +157,7 @@ def check_pinned_refit_learning_rates(workdir, d_model, learning_rate_scale, war
   """The trainer's logged learning rates (metrics.jsonl) for the pinned time fit of test_time_budget and
   test_distributed (60 steps configured, cooldown 40: fitted to end at 40 from update 13, refitted to end at
   37 from update 25), each against the paper schedule times the factor worked out by hand."""
-  from flaxformer_nmt import train_step as ts  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.training import step as ts  # pylint: disable=g-import-not-at-top
   logged = {}
   for line in (workdir / 'metrics.jsonl').read_text().splitlines():
     record = json.loads(line)
@@ -191,7 +191,7 @@ def traces():
 @pytest.fixture
 def checkpoint_closes(monkeypatch):
   """The directories of the Checkpoints closed while the test runs, in order (Checkpoints.close still runs)."""
-  from flaxformer_nmt import checkpoints as checkpoints_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib  # pylint: disable=g-import-not-at-top
   closed = []
   close = checkpoints_lib.Checkpoints.close
   monkeypatch.setattr(checkpoints_lib.Checkpoints, 'close', lambda self: (closed.append(self.directory), close(self)))
@@ -202,7 +202,7 @@ def checkpoint_closes(monkeypatch):
 def evaluation_fails_at(monkeypatch):
   """evaluation_fails_at(step): the loop's evaluation after `step` raises RuntimeError('the evaluation failed'),
   the others run as usual (monkeypatch.undo() restores it)."""
-  from flaxformer_nmt import train  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.training import loop as train  # pylint: disable=g-import-not-at-top
   evaluate_step = train.evaluate_step
 
   def fail_at(failing_step):

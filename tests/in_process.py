@@ -18,7 +18,7 @@ import sys
 from absl import app, flags
 from absl import logging as absl_logging  # defines --verbosity
 
-from flaxformer_nmt import host_memory
+from flaxformer_nmt.runtime import host_memory
 
 
 _BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'bench')

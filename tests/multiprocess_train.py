@@ -20,7 +20,7 @@ from conftest import small_config  # pylint: disable=wrong-import-position
 
 
 def pin_time_fit(end, refit_end, refit_step):
-  from flaxformer_nmt import time_budget  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.training import time_budget  # pylint: disable=g-import-not-at-top
   time_budget.fitted_num_train_steps = lambda step, *_: end if step < refit_step else refit_end
   time_budget.MIN_MEASURED_STEPS = 10
 
@@ -28,7 +28,8 @@ def pin_time_fit(end, refit_end, refit_step):
 def main():
   port, process_id, num_processes, data_dir, workdir, num_steps = sys.argv[1:7]
   import jax  # pylint: disable=g-import-not-at-top
-  from flaxformer_nmt import distributed, train  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.runtime import distributed
+  from flaxformer_nmt.training import loop as train  # pylint: disable=g-import-not-at-top
   assert distributed.initialize('auto', f'localhost:{port}', int(num_processes), int(process_id))
   assert jax.process_count() == int(num_processes) and jax.process_index() == int(process_id)
   config = small_config(data_dir)

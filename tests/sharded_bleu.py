@@ -18,12 +18,12 @@ import numpy as np  # pylint: disable=wrong-import-position
 
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import small_config, write_toy_corpus  # pylint: disable=wrong-import-position
-from flaxformer_nmt import bleu_eval  # pylint: disable=wrong-import-position
-from flaxformer_nmt import corpora  # pylint: disable=wrong-import-position
-from flaxformer_nmt import sharding  # pylint: disable=wrong-import-position
-from flaxformer_nmt import tokenizer as tokenizer_lib  # pylint: disable=wrong-import-position
-from flaxformer_nmt import train_step as ts  # pylint: disable=wrong-import-position
-from flaxformer_nmt import workdir as workdir_lib  # pylint: disable=wrong-import-position
+from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=wrong-import-position
+from flaxformer_nmt.data import corpora  # pylint: disable=wrong-import-position
+from flaxformer_nmt.data import tokenizer as tokenizer_lib  # pylint: disable=wrong-import-position
+from flaxformer_nmt.runtime import sharding  # pylint: disable=wrong-import-position
+from flaxformer_nmt.training import step as ts  # pylint: disable=wrong-import-position
+from flaxformer_nmt.training import validation as bleu_eval  # pylint: disable=wrong-import-position
 
 
 def main():

@@ -19,9 +19,9 @@ import numpy as np  # pylint: disable=wrong-import-position
 
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import small_config  # pylint: disable=wrong-import-position
-from flaxformer_nmt import model as model_lib  # pylint: disable=wrong-import-position
-from flaxformer_nmt import sharding  # pylint: disable=wrong-import-position
-from flaxformer_nmt import train_step as ts  # pylint: disable=wrong-import-position
+from flaxformer_nmt.models import transformer as model_lib  # pylint: disable=wrong-import-position
+from flaxformer_nmt.runtime import sharding  # pylint: disable=wrong-import-position
+from flaxformer_nmt.training import step as ts  # pylint: disable=wrong-import-position
 
 STEPS = 3
 

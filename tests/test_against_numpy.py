@@ -12,8 +12,8 @@ import pytest
 
 from conftest import subprocess_env, tiny_model
 from flaxformer_nmt import config as config_lib
-from flaxformer_nmt import model as model_lib
-from flaxformer_nmt import train_step as ts
+from flaxformer_nmt.models import transformer as model_lib
+from flaxformer_nmt.training import step as ts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Every comparison here is with float64 NumPy or an exact search: float32 matmuls at full precision on a GPU too.

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from conftest import tiny_model
-from flaxformer_nmt import beam_search
-from flaxformer_nmt import decode
-from flaxformer_nmt.model import Transformer
-from flaxformer_nmt.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from flaxformer_nmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from flaxformer_nmt.decoding import beam_search
+from flaxformer_nmt.decoding import translator as decode
+from flaxformer_nmt.models.transformer import Transformer
+from flaxformer_nmt.decoding import search as search_lib
 
 SRC = jnp.array([[4, 5, 6, 7, 3], [6, 4, 3, 0, 0]])  # ids < 8, the smallest vocabulary used here
 # Every comparison here is with float64 NumPy or an exact search: float32 matmuls at full precision on a GPU too.
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.usefixtures('full_float32_matmuls')
 
 def cached_step_fn(model, params, src):
   """The decoder run incrementally: one position per step against its self-attention cache, the rows (beams)
-  of a sentence sharing its encoder-decoder keys/values (as decode.search runs it)."""
+  of a sentence sharing its encoder-decoder keys/values (as search_lib.search runs it)."""
   variables = {'params': params}
   encoded = model.apply(variables, src, method=Transformer.encode)
   cross = model.apply(variables, encoded, method=Transformer.decoding_cross_kv)
@@ -381,7 +382,7 @@ def test_beam_scores_are_sorted_and_respect_per_sentence_limits():
 
 
 def jitted_search(model, **static):
-  return jax.jit(functools.partial(decode.search, model), static_argnames=tuple(static))
+  return jax.jit(functools.partial(search_lib.search, model), static_argnames=tuple(static))
 
 
 @pytest.mark.parametrize('beam_size', [0, 4])

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from conftest import small_config, write_toy_corpus
-from flaxformer_nmt import data
-from flaxformer_nmt import tokenizer as tokenizer_lib
-from flaxformer_nmt import train
-from flaxformer_nmt import workdir as workdir_lib
+from flaxformer_nmt.checkpointing import workdir as workdir_lib
+from flaxformer_nmt.data import corpus as data
+from flaxformer_nmt.data import tokenizer as tokenizer_lib
+from flaxformer_nmt.training import loop as train
 
 
 class Pairs:

@@ -3,8 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_nmt import checkpoints as checkpoints_lib
-from flaxformer_nmt.train_step import TrainState
+from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
+from flaxformer_nmt.training.step import TrainState
 
 
 def save(store, step, params):

@@ -67,7 +67,7 @@ def test_the_hour_is_the_quality_recipe_cut_to_an_hour_where_bf16_dots_exist():
 def test_the_hour_halves_its_batch_where_matmuls_stay_float32(monkeypatch):
   from absl import flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  from flaxformer_nmt import model as model_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.models import transformer as model_lib  # pylint: disable=g-import-not-at-top
   slow = load_config_file('multi30k', 'float32')
   # The d_model-256 post-LN hour as measured on the Zen 3, not the tiny recipe of the bf16 variant.
   m = slow.model
@@ -108,7 +108,7 @@ def test_multi30k_tiny_is_the_fairseq_tiny_recipe():
 
 
 def test_multi30k_best_is_the_tiny_recipe_with_a_cooldown_and_trains_from_valid_only():
-  from flaxformer_nmt import bleu_eval  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.training import validation as bleu_eval  # pylint: disable=g-import-not-at-top
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
   c = load_config_file('multi30k_best')
   assert set(c.keys()) == set(config_lib.base_config().keys())
@@ -138,7 +138,7 @@ def test_multi30k_best_is_the_tiny_recipe_with_a_cooldown_and_trains_from_valid_
     assert load_config_file(name).data_download == 'multi30k'
   hour = load_config_file('multi30k')
   # Both end their cooldown within their time limit on a slower machine (a Zen 3 EPYC takes 3.3 s a step).
-  from flaxformer_nmt import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   assert c.fit_schedule_to_time and hour.fit_schedule_to_time
   workdir_lib.validate_config(c)
   workdir_lib.validate_config(hour)
@@ -146,7 +146,7 @@ def test_multi30k_best_is_the_tiny_recipe_with_a_cooldown_and_trains_from_valid_
 
 def test_decode_checkpoint_names_one_the_run_will_have():
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
-  from flaxformer_nmt import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   for name in ('base', 'big', 'multi30k', 'multi30k_best', 'multi30k_tiny', 'wmt14_ende_base', 'wmt14_ende_big'):
     c = load_config_file(name)
     c.data_dir = c.data_dir or '/data'  # base and big name none
@@ -204,7 +204,7 @@ def test_overrides_reach_the_config():
 
 def test_a_workdir_refuses_a_different_model(tmp_path):
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
-  from flaxformer_nmt import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   config = config_lib.base_config()
   workdir_lib.save_or_check_config(config, tmp_path)
   workdir_lib.save_or_check_config(config, tmp_path)  # the same model is fine
@@ -217,7 +217,7 @@ def test_a_workdir_refuses_to_resume_in_the_other_target_order(tmp_path):
   # A right-to-left model resumed left to right (or the reverse) would unlearn what it learnt.
   import json  # pylint: disable=g-import-not-at-top
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
-  from flaxformer_nmt import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   config = config_lib.base_config()
   workdir_lib.save_or_check_config(config, tmp_path)
   saved = json.loads((tmp_path / 'config.json').read_text())
@@ -233,7 +233,7 @@ def test_a_workdir_refuses_to_resume_with_the_other_case(tmp_path):
   # Its vocabulary was learnt on text of one case: resuming on the other would feed it text it never saw.
   import json  # pylint: disable=g-import-not-at-top
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
-  from flaxformer_nmt import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   config = config_lib.base_config()
   workdir_lib.save_or_check_config(config, tmp_path)
   config.lowercase = True
@@ -262,7 +262,7 @@ def test_cudnn_attention_where_cudnn_cannot_run_stops_before_any_work(tmp_path):
                                                  (0.1, 'lm', "not 'lm'")])
 def test_bad_source_word_dropout_settings_are_named(rate, task, message):
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
-  from flaxformer_nmt import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   c = config_lib.base_config()
   c.data_dir = '/data'
   c.model.source_word_dropout, c.task = rate, task
@@ -273,7 +273,7 @@ def test_bad_source_word_dropout_settings_are_named(rate, task, message):
 @pytest.mark.parametrize('epochs, task, message', [(-1, 'translation', 'counts epochs'), (3, 'lm', "not 'lm'")])
 def test_bad_bidirectional_epochs_are_named(epochs, task, message):
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
-  from flaxformer_nmt import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   c = config_lib.base_config()
   c.data_dir = '/data'
   c.bidirectional_epochs, c.task = epochs, task
@@ -285,7 +285,7 @@ def test_rdrop_is_refused_where_it_cannot_work():
   """R-Drop without any dropout compares two equal predictions (a regularizer that does nothing); on the MLM
   the two copies would be masked differently. Both stop at validation, naming the field."""
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
-  from flaxformer_nmt import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   c = config_lib.base_config()
   c.data_dir = '/data'
   c.rdrop_alpha = 5.0
@@ -310,7 +310,7 @@ def test_the_chunked_vocabulary_loss_is_refused_where_it_cannot_work():
   """The chunked loss never holds whole predictions: not with R-Drop (which compares them), and only the
   translation model stops at its decoder states."""
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
-  from flaxformer_nmt import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   c = config_lib.base_config()
   c.data_dir = '/data'
   c.vocabulary_loss_chunk_tokens = 512
@@ -329,7 +329,7 @@ def test_the_chunked_vocabulary_loss_is_refused_where_it_cannot_work():
 def test_prng_impl_is_checked_and_a_workdir_from_before_the_field_resumes_only_on_threefry(tmp_path):
   import json  # pylint: disable=g-import-not-at-top
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
-  from flaxformer_nmt import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   config = config_lib.base_config()
   config.data_dir = '/data'
   config.prng_impl = 'philox'
@@ -349,7 +349,7 @@ def test_prng_impl_is_checked_and_a_workdir_from_before_the_field_resumes_only_o
 @pytest.mark.parametrize('field, value', [('bpe_dropout', 0.1), ('bidirectional_epochs', 2), ('task', 'lm')])
 def test_right_to_left_targets_refuse_what_re_reads_or_swaps_the_targets(field, value):
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
-  from flaxformer_nmt import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   c = config_lib.base_config()
   c.data_dir = '/data'
   c.target_right_to_left = True

@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 from flaxformer_nmt import config as config_lib
-from flaxformer_nmt import corpora
-from flaxformer_nmt import data as data_lib
-from flaxformer_nmt import download
-from flaxformer_nmt import tokenizer as tokenizer_lib
-from flaxformer_nmt.tokenizer import PAD_ID
+from flaxformer_nmt.data import corpora
+from flaxformer_nmt.data import corpus as data_lib
+from flaxformer_nmt.data import download
+from flaxformer_nmt.data import tokenizer as tokenizer_lib
+from flaxformer_nmt.data.tokenizer import PAD_ID
+from flaxformer_nmt.runtime import cache
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_MULTI30K = config_lib.shared_data_dir('multi30k')
@@ -72,7 +73,7 @@ def test_direction_is_chosen_by_language_name(name):
 @pytest.mark.parametrize('config_name', ['wmt14_ende_base', 'wmt14_ende_big'])
 def test_wmt_configs_build_their_pipeline_on_mock_data(config_name, tmp_path):
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  from flaxformer_nmt import pipeline  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.data import pipeline  # pylint: disable=g-import-not-at-top
   config = load_config(config_name)
   # Random mock text cannot fill a 37k vocabulary or 25k-token batches; everything else is the config's.
   config.vocab_size = 200
@@ -256,7 +257,7 @@ def test_first_use_fetches_multi30k_into_the_cache_and_checks_it(file_server, tm
   root, url = file_server
   files = serve_toy_multi30k(root, monkeypatch)
   monkeypatch.setenv(download.URL_ENV, url)
-  monkeypatch.setenv(download.CACHE_ENV, str(tmp_path / 'cache'))
+  monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / 'cache'))
   # Without ../shared/data/multi30k the config reads the user cache.
   monkeypatch.setattr(config_lib, '_SHARED_DATA', tmp_path / 'no_shared')
   data_dir = download.multi30k_data_dir()

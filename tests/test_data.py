@@ -4,9 +4,9 @@ import threading
 import numpy as np
 import pytest
 
-from flaxformer_nmt import data as data_lib
-from flaxformer_nmt import tokenizer as tokenizer_lib
-from flaxformer_nmt.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from flaxformer_nmt.data import corpus as data_lib
+from flaxformer_nmt.data import tokenizer as tokenizer_lib
+from flaxformer_nmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
 def test_whitespace_is_normalized(tmp_path):
@@ -204,7 +204,7 @@ def toy_tokenizer(toy_corpus, workdir):
 
 
 def test_tokenization_is_cached_and_rebuilt_when_the_text_changes(toy_corpus, tmp_path):
-  from flaxformer_nmt import corpora  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.data import corpora  # pylint: disable=g-import-not-at-top
   tokenizer = CountingTokenizer(toy_tokenizer(toy_corpus, tmp_path / 'work'))
   pairs = corpora.TextPairs(toy_corpus, 'train', 'en', 'de')
   cache = tmp_path / 'work' / 'tokenized' / 'train'
@@ -245,7 +245,7 @@ def run_as_hosts(count, fn):
 
 
 def test_hosts_tokenize_disjoint_chunks_and_load_the_same_corpus(toy_corpus, tmp_path):
-  from flaxformer_nmt import corpora  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.data import corpora  # pylint: disable=g-import-not-at-top
   base = toy_tokenizer(toy_corpus, tmp_path / 'work')
   pairs = corpora.TextPairs(toy_corpus, 'train', 'en', 'de')
   tokenizers = [CountingTokenizer(base) for _ in range(3)]
@@ -273,7 +273,7 @@ def test_only_the_leader_trains_the_vocabulary(toy_corpus, tmp_path):
 
 
 def test_vocabulary_sample_respects_the_character_budget(toy_corpus):
-  from flaxformer_nmt import corpora  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.data import corpora  # pylint: disable=g-import-not-at-top
   pairs = corpora.TextPairs(toy_corpus, 'train', 'en', 'de')
   everything = tokenizer_lib.sample_sentences(pairs, max_chars=0)
   assert len(everything) == 600
@@ -375,7 +375,7 @@ def test_bidirectional_epochs_pack_reversed_pairs_as_their_own_examples():
 
 def test_the_pipeline_trains_both_ways_for_the_configured_epochs(toy_corpus, tmp_path):
   from conftest import WORDS, small_config  # pylint: disable=g-import-not-at-top
-  from flaxformer_nmt import pipeline  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.data import pipeline  # pylint: disable=g-import-not-at-top
   config = small_config(toy_corpus)
   config.bidirectional_epochs = 1
   config.prefetch_batches = 0
@@ -428,7 +428,7 @@ def test_right_to_left_targets_reverse_each_target_before_its_eos():
 
 def test_the_pipeline_gives_right_to_left_targets_to_training_and_validation(toy_corpus, tmp_path):
   from conftest import small_config  # pylint: disable=g-import-not-at-top
-  from flaxformer_nmt import pipeline  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.data import pipeline  # pylint: disable=g-import-not-at-top
   pairs = {}
   for right_to_left in (False, True):
     config = small_config(toy_corpus)

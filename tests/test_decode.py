@@ -15,11 +15,12 @@ import pytest
 import conftest
 import in_process
 from conftest import small_config, write_toy_corpus
-from flaxformer_nmt import data as data_lib
-from flaxformer_nmt import decode
-from flaxformer_nmt import train
-from flaxformer_nmt import visualize
-from flaxformer_nmt.tokenizer import BOS_ID
+from flaxformer_nmt.data import corpus as data_lib
+from flaxformer_nmt.data.tokenizer import BOS_ID
+from flaxformer_nmt.decoding import translator as decode
+from flaxformer_nmt.evaluation import attention as visualize
+from flaxformer_nmt.training import loop as train
+from flaxformer_nmt.decoding import search as search_lib
 
 
 @pytest.fixture(scope='module')
@@ -196,7 +197,7 @@ def test_visualize_cli_writes_pngs(workdir, tmp_path):
 
 
 def test_a_source_longer_than_the_positions_is_cut_with_its_line_named(translator, caplog, monkeypatch):
-  from flaxformer_nmt.tokenizer import EOS_ID  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.data.tokenizer import EOS_ID  # pylint: disable=g-import-not-at-top
   lists = [[5] * 10 + [EOS_ID], [6] * 40 + [EOS_ID], [7] * 29 + [EOS_ID], [8] * 5000 + [EOS_ID]]
   cut = decode.fit_to_positions(lists, max_position=80, extra_length=50, first_line=100)
   assert cut[0] == lists[0] and cut[2] == lists[2]  # 30 tokens: exactly the limit, kept whole
@@ -256,7 +257,7 @@ def test_cli_ensemble_of_workdirs_equals_the_api(workdir, mixed, tmp_path):
 
 
 def test_ensemble_with_another_vocabulary_names_both_workdirs(workdir, tmp_path):
-  from flaxformer_nmt import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   other = tmp_path / 'other'
   shutil.copytree(workdir, other)
   (other / 'vocab.model').unlink()
@@ -289,7 +290,7 @@ def test_a_lowercased_model_lowercases_its_inputs_and_scores_case_insensitively(
   assert (tmp_path / 'out.de').read_text().splitlines() == expected
   # (chrF: the toy's translations are too short for 4-grams, so BLEU would be 0 whatever the case)
   assert 'chrF = 100.00  (nrefs:1|case:lc' in result.stdout, result.stdout
-  from flaxformer_nmt import compare  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.evaluation import compare  # pylint: disable=g-import-not-at-top
   sacrebleu_column = lambda refs: compare.score_row('latest', decode.Translator(lowered), shouting, refs, None, 2,
                                                     None)
   (upper, signature), (same, _) = sacrebleu_column([l.upper() for l in expected]), sacrebleu_column(expected)
@@ -345,7 +346,7 @@ def test_cli_max_len_limits_the_output_and_rejects_bad_values(workdir, translato
   for beam_size, keys in ((2, None), (0, None), (0, decode.sample_keys(0, jnp.arange(1), 2))):
     inputs, _ = decode.start_search(translator.model, translator.params, src, keys, beam_size=beam_size,
                                     extra_length=5)
-    step, _ = decode._search_rule(translator.model, translator.params, inputs, beam_size=beam_size, alpha=0.6,
+    step, _ = search_lib._search_rule(translator.model, translator.params, inputs, beam_size=beam_size, alpha=0.6,
                                   min_len=3)
     assert step.keywords['min_length'] == 3
 
@@ -368,7 +369,7 @@ def test_bfloat16_decoding_computes_in_bfloat16(workdir, translator, mixed):
 @pytest.mark.parametrize('mode', ['beam', pytest.param('greedy', marks=pytest.mark.slow),
                                   pytest.param('sampling', marks=pytest.mark.slow)])
 def test_dropping_finished_sentences_gives_the_one_call_search(translator, mixed, mode, monkeypatch):
-  # Translator steps a batch in segments and goes on with its unfinished sentences only; decode.search runs
+  # Translator steps a batch in segments and goes on with its unfinished sentences only; search_lib.search runs
   # the whole batch in one jitted loop. Segments of one step drop sentences as early as possible.
   monkeypatch.setattr(decode, 'SEGMENT_STEPS', 1)
   monkeypatch.setattr(decode, 'FINE_ROWS_FROM', 2)  # rows in eighths (here often exactly the live sentences)
@@ -380,7 +381,7 @@ def test_dropping_finished_sentences_gives_the_one_call_search(translator, mixed
   # long ones searching (the toy model's outputs run ~6 tokens).
   options = dict(beam_size=2 if mode == 'beam' else 0, alpha=0.6, extra_length=1, max_len_a=1.0, temperature=1.0,
                  top_k=0, cache_cross_kv=True, grow_cache=True)
-  one_call = jax.jit(functools.partial(decode.search, translator.model), static_argnames=tuple(options))
+  one_call = jax.jit(functools.partial(search_lib.search, translator.model), static_argnames=tuple(options))
   token_lists = translator.tokenizer.encode([mixed[2]] * 12 + [mixed[1]] * 4 + mixed)
   n = 3 if mode == 'sampling' else options['beam_size'] or 1
   for members, src in translator.batches(token_lists, 256):
@@ -397,7 +398,7 @@ def test_dropping_finished_sentences_gives_the_one_call_search(translator, mixed
 def test_batch_rows_are_the_smallest_allowed_size_that_holds_the_sentences():
   # Allowed: powers of two, and from 64 on the multiples of an eighth of a power of two above its half.
   powers = [2 ** e for e in range(12)]
-  sizes = set(powers) | {j * p // 8 for p in powers if p >= decode.FINE_ROWS_FROM for j in range(5, 8)}
+  sizes = set(powers) | {j * p // 8 for p in powers if p >= search_lib.FINE_ROWS_FROM for j in range(5, 8)}
   for n in range(1, 1025):
     assert decode.batch_rows(n) == min(r for r in sizes if r >= n), n
   assert [decode.batch_rows(n) for n in (20, 33, 65, 150, 161, 200, 255)] == [32, 40, 80, 160, 192, 224, 256]
@@ -410,7 +411,7 @@ def test_segments_end_every_few_steps_and_where_the_cache_grows():
 
 
 def test_commands_keep_compiled_programs_in_the_user_cache(tmp_path):
-  code = ('from flaxformer_nmt import cli; cli.use_compilation_cache(); import jax, jax.numpy as jnp; '
+  code = ('from flaxformer_nmt.runtime import cache; cache.use_compilation_cache(); import jax, jax.numpy as jnp; '
           'jax.jit(lambda x: jnp.tanh(x) @ x)(jnp.ones((8, 8))).block_until_ready(); '
           'print(jax.config.jax_compilation_cache_dir)')
   run = lambda env: subprocess.run([sys.executable, '-c', code], env=env, check=True, timeout=300,
@@ -425,7 +426,8 @@ def test_commands_keep_compiled_programs_in_the_user_cache(tmp_path):
 
 
 def test_mbr_chooses_among_the_n_best_in_the_api_the_cli_and_compare(workdir, translator, mixed, monkeypatch):
-  from flaxformer_nmt import compare, mbr  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.evaluation import compare
+  from flaxformer_nmt.decoding import mbr  # pylint: disable=g-import-not-at-top
   candidates = translator.translate(mixed, beam_size=3, n_best=3)
   chosen = translator.translate(mixed, beam_size=3, n_best=3, mbr='chrf')
   assert chosen == [c[mbr.select(c, 'chrf')] for c in candidates]
@@ -521,14 +523,15 @@ def test_a_right_to_left_model_writes_its_output_back_in_reading_order(workdir, 
   for ltr, rtl, reading in maps:
     assert rtl['target_pieces'] == ltr['target_pieces'] and rtl['translation'] == reading
     np.testing.assert_allclose(rtl['cross'], ltr['cross'], atol=1e-6)
-  from flaxformer_nmt import export  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.serving import ctranslate2 as export  # pylint: disable=g-import-not-at-top
   with pytest.raises(export.ExportError, match='right to left'):
     export.export_ctranslate2(tmp_path / 'r2l', tmp_path / 'ct2')
 
 
 def test_teacher_forced_scores_equal_the_search_and_reverse_for_a_right_to_left_model(workdir, translator, mixed,
                                                                                        tmp_path):
-  from flaxformer_nmt import beam_search, rerank  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.decoding import beam_search
+  from flaxformer_nmt.decoding import rerank  # pylint: disable=g-import-not-at-top
   tokens = translator.tokenizer.encode(translator.prepare(mixed))
   hyps = translator.search_tokens(tokens, beam_size=3, n_best=3, alpha=0.6)
   pairs = [(tokens[i], ids, score) for i, h in enumerate(hyps) for ids, score in h if ids]
@@ -552,7 +555,8 @@ def test_teacher_forced_scores_equal_the_search_and_reverse_for_a_right_to_left_
 
 
 def test_reranking_chooses_by_the_weighted_sum_in_the_api_and_compare(workdir, translator, mixed, tmp_path):
-  from flaxformer_nmt import compare, rerank  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.evaluation import compare
+  from flaxformer_nmt.decoding import rerank  # pylint: disable=g-import-not-at-top
   r2l = decode.Translator(copy_with_config(workdir, tmp_path / 'r2l',
                                            lambda c: c.update(target_right_to_left=True)))
   _, translations = rerank.rerank_sources(translator, r2l, mixed, beam_size=3, alpha=1.0)
@@ -601,7 +605,9 @@ def test_reranking_chooses_by_the_weighted_sum_in_the_api_and_compare(workdir, t
 def test_the_trainers_validation_bleu_reads_a_right_to_left_model_in_reading_order(workdir, tmp_path):
   # The in-training greedy search of a right-to-left model turns its rows around as the translator does (at
   # first it decoded the reversed rows whole, PAD included: every hypothesis came out empty).
-  from flaxformer_nmt import bleu_eval, sharding, workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.training import validation as bleu_eval
+  from flaxformer_nmt.runtime import sharding
+  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   r2l_dir = copy_with_config(workdir, tmp_path / 'r2l', lambda c: c.update(target_right_to_left=True))
   r2l = decode.Translator(r2l_dir)
   config = workdir_lib.load_config(r2l_dir)

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from conftest import tiny_model
-from flaxformer_nmt import decode
-from flaxformer_nmt.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from flaxformer_nmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from flaxformer_nmt.decoding import beam_search
+from flaxformer_nmt.decoding import search as search_lib
 
 SRC = jnp.array([[5, 6, 7, 8, 9, 10, 11, EOS_ID],
                  [12, 4, 9, EOS_ID, 0, 0, 0, 0],
@@ -24,7 +25,7 @@ STATIC = ('beam_size', 'alpha', 'extra_length', 'max_len_a')
 
 def run(model, params, beam_size, **options):
   options = {'alpha': 0.6, 'extra_length': 10, **options}
-  search = jax.jit(functools.partial(decode.search, model), static_argnames=STATIC)
+  search = jax.jit(functools.partial(search_lib.search, model), static_argnames=STATIC)
   tokens, scores = search(params, SRC, beam_size=beam_size, **options)
   return np.asarray(tokens), np.asarray(scores)
 
@@ -93,7 +94,7 @@ def test_ensemble_beam_scores_are_length_normalized_log_mean_probabilities():
 def test_average_probabilities_is_log_of_mean_probability():
   log_probs = jax.nn.log_softmax(jax.random.normal(jax.random.key(0), (3, 4, 16)) * 4)
   expected = np.log(np.exp(np.asarray(log_probs, np.float64)).mean(axis=0))
-  np.testing.assert_allclose(decode.average_probabilities(log_probs), expected, atol=1e-5)
+  np.testing.assert_allclose(beam_search.average_probabilities(log_probs), expected, atol=1e-5)
 
 
 # Each case compiles a search of its own (a and b are static): three limits by default, a fraction rounded down,

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from conftest import check_pinned_refit_learning_rates, subprocess_env, xla_flags_without_device_count
-from flaxformer_nmt import checkpoints as checkpoints_lib
-from flaxformer_nmt import distributed
+from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
+from flaxformer_nmt.runtime import distributed
 
 HERE = os.path.dirname(__file__)
 
@@ -144,8 +144,8 @@ def test_each_host_runs_process_0s_fit_and_refit_whatever_its_own_clock_projects
   decision is process 0's, broadcast: both fit at its knot, refit at its step, bend the learning rate alike and
   stop at its end; a host that followed its own projection would train on another schedule or hang in a
   collective the other never joins. The numbers are those of test_time_budget's single-process run."""
-  from flaxformer_nmt import time_budget
-  from flaxformer_nmt import train_step as ts
+  from flaxformer_nmt.training import time_budget
+  from flaxformer_nmt.training import step as ts
   workdir = tmp_path / 'run'
   overrides = ('num_train_steps=60', 'cooldown_steps=40', 'warmup_steps=10', 'max_train_minutes=100.0',
                'fit_schedule_to_time=True', 'log_every_steps=1', 'eval_every_steps=1000',

@@ -8,9 +8,9 @@ import jax
 import numpy as np
 
 from conftest import small_config
-from flaxformer_nmt import checkpoints as checkpoints_lib
-from flaxformer_nmt import decode
-from flaxformer_nmt import train
+from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
+from flaxformer_nmt.decoding import translator as decode
+from flaxformer_nmt.training import loop as train
 
 
 def params_at(workdir, step):

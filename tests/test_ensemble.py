@@ -12,13 +12,13 @@ import sacrebleu
 import in_process
 import test_resilience as resilience
 from conftest import small_config
-from flaxformer_nmt import checkpoints as checkpoints_lib
-from flaxformer_nmt import compare
-from flaxformer_nmt import decode
-from flaxformer_nmt import ensemble
-from flaxformer_nmt import tokenizer as tokenizer_lib
-from flaxformer_nmt import train
-from flaxformer_nmt.workdir import ConfigError, member_workdir, save_or_check_config, validate_config
+from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
+from flaxformer_nmt.checkpointing.workdir import ConfigError, member_workdir, save_or_check_config, validate_config
+from flaxformer_nmt.data import tokenizer as tokenizer_lib
+from flaxformer_nmt.decoding import translator as decode
+from flaxformer_nmt.evaluation import compare
+from flaxformer_nmt.training import ensemble
+from flaxformer_nmt.training import loop as train
 
 
 def fake_trainer(calls, pause=None):

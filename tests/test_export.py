@@ -13,13 +13,14 @@ from conftest import small_config, tiny_model, write_toy_corpus
 
 ctranslate2 = pytest.importorskip('ctranslate2')
 
-from flaxformer_nmt import decode  # pylint: disable=g-import-not-at-top,wrong-import-position
-from flaxformer_nmt import export  # pylint: disable=g-import-not-at-top,wrong-import-position
-from flaxformer_nmt import model as model_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
-from flaxformer_nmt.tokenizer import BOS_ID, EOS_ID, PAD_ID  # pylint: disable=g-import-not-at-top
+from flaxformer_nmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID  # pylint: disable=g-import-not-at-top
+from flaxformer_nmt.decoding import translator as decode  # pylint: disable=g-import-not-at-top,wrong-import-position
+from flaxformer_nmt.models import transformer as model_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from flaxformer_nmt.serving import ctranslate2 as export  # pylint: disable=g-import-not-at-top,wrong-import-position
+from flaxformer_nmt.decoding import search as search_lib
 
 PIECES = ['<pad>', '<unk>', '<s>', '</s>'] + [f'w{i}' for i in range(12)]  # 16: tiny_model's vocabulary
-SUPPRESS = [['<pad>'], ['<s>']]  # our decoder never emits these (decode.search's forbidden_ids)
+SUPPRESS = [['<pad>'], ['<s>']]  # our decoder never emits these (search_lib.search's forbidden_ids)
 
 
 def save_spec(model, params, directory, quantization=None):
@@ -43,7 +44,7 @@ def padded(sources):
 
 def ours_search(model, params, sources, beam_size, alpha=0.0):
   """Our decoder's best hypothesis per source, as token ids without EOS."""
-  tokens, _ = decode.search(model, params, jnp.asarray(padded(sources)), beam_size=beam_size, alpha=alpha,
+  tokens, _ = search_lib.search(model, params, jnp.asarray(padded(sources)), beam_size=beam_size, alpha=alpha,
                             extra_length=50)
   rows = [[int(t) for t in row] for row in np.asarray(tokens)[:, 0]]
   return [row[:row.index(EOS_ID)] if EOS_ID in row else row for row in rows]
@@ -91,7 +92,7 @@ def workdir(tmp_path_factory):
   exactly), with output lengths from 2 to 20-odd pieces. small_config's learning rate (scale 2.0) is too high to
   get there: after 60 steps at it every beam output was "." (or, on jax 0.12, ran to the length limit), and the
   beam comparison below compared nothing."""
-  from flaxformer_nmt import train  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.training import loop as train  # pylint: disable=g-import-not-at-top
   root = tmp_path_factory.mktemp('export')
   config = small_config(write_toy_corpus(root / 'data'))
   config.learning_rate_scale = 0.5

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from conftest import small_config
-from flaxformer_nmt import flops
-from flaxformer_nmt import model as model_lib
-from flaxformer_nmt import sharding
-from flaxformer_nmt import train_step as ts
+from flaxformer_nmt.models import transformer as model_lib
+from flaxformer_nmt.runtime import flops
+from flaxformer_nmt.runtime import sharding
+from flaxformer_nmt.training import step as ts
 from configs import big as big_config
 
 

@@ -10,8 +10,8 @@ import pytest
 PROBE = r'''
 import ctypes, os, resource, sys, threading
 if sys.argv[1] in ('keep', 'gpu'):  # as train.main does: after all the trainer's imports, before any computation
-  from flaxformer_nmt import train  # noqa: F401
-  from flaxformer_nmt import host_memory
+  from flaxformer_nmt.training import loop as train  # noqa: F401
+  from flaxformer_nmt.runtime import host_memory
   if sys.argv[1] == 'gpu':  # a GPU plugin installed: the step's buffers are on the device, malloc is left alone
     host_memory._accelerator_plugins = lambda: ['jax-cuda13-plugin']
   assert host_memory.keep_freed_memory() == (os.environ.get(host_memory.ENV) != '0' and sys.argv[1] == 'keep')

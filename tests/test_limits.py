@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_nmt import checkpoints as checkpoints_lib
-from flaxformer_nmt import cli
 from flaxformer_nmt import config as config_lib
-from flaxformer_nmt import workdir as workdir_lib
-from flaxformer_nmt.train_step import TrainState
-from flaxformer_nmt.workdir import ConfigError
+from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
+from flaxformer_nmt.checkpointing import workdir as workdir_lib
+from flaxformer_nmt.checkpointing.workdir import ConfigError
+from flaxformer_nmt.runtime import flags as cli
+from flaxformer_nmt.training.step import TrainState
 
 from conftest import subprocess_env
 

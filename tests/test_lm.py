@@ -5,13 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_nmt import data as data_lib
-from flaxformer_nmt import flops as flops_lib
-from flaxformer_nmt import generate
-from flaxformer_nmt import lm
-from flaxformer_nmt import model as model_lib
-from flaxformer_nmt import train_step as train_step_lib
-from flaxformer_nmt.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from flaxformer_nmt.data import corpus as data_lib
+from flaxformer_nmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from flaxformer_nmt.decoding import generator as generate
+from flaxformer_nmt.models import lm
+from flaxformer_nmt.models import transformer as model_lib
+from flaxformer_nmt.runtime import flops as flops_lib
+from flaxformer_nmt.training import step as train_step_lib
 
 VOCAB = 24
 

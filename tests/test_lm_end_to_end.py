@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 from conftest import small_config
-from flaxformer_nmt import corpora
-from flaxformer_nmt import data as data_lib
-from flaxformer_nmt import decode
-from flaxformer_nmt import fill_mask
-from flaxformer_nmt import generate
-from flaxformer_nmt import tokenizer as tokenizer_lib
-from flaxformer_nmt import train
-from flaxformer_nmt import visualize
+from flaxformer_nmt.data import corpora
+from flaxformer_nmt.data import corpus as data_lib
+from flaxformer_nmt.data import tokenizer as tokenizer_lib
+from flaxformer_nmt.decoding import fill_mask
+from flaxformer_nmt.decoding import generator as generate
+from flaxformer_nmt.decoding import translator as decode
+from flaxformer_nmt.evaluation import attention as visualize
+from flaxformer_nmt.training import loop as train
 
 
 def lm_config(toy_corpus, task):

@@ -30,11 +30,11 @@ import jax.numpy as jnp
 import pytest
 from jax._src.cudnn import fused_attention_stablehlo
 
-from flaxformer_nmt import decode
-from flaxformer_nmt import lm
-from flaxformer_nmt import model as model_lib
-from flaxformer_nmt import sharding
-from flaxformer_nmt import train_step
+from flaxformer_nmt.models import lm
+from flaxformer_nmt.models import transformer as model_lib
+from flaxformer_nmt.runtime import sharding
+from flaxformer_nmt.training import step as train_step
+from flaxformer_nmt.decoding import search as search_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLATFORMS = ('cuda', 'tpu')
@@ -201,12 +201,12 @@ def test_train_step_lowers_with_cudnn_attention_and_remat(name, remat):
 
 @functools.lru_cache(maxsize=None)
 def lowered_search(platform, beam_size):
-  """(ModelConfig, StableHLO text) of decode.search on configs/base.py's model built for `platform`."""
+  """(ModelConfig, StableHLO text) of search_lib.search on configs/base.py's model built for `platform`."""
   config = load_config('base')
   model = model_lib.Transformer(model_lib.ModelConfig.from_config(config, config.vocab_size, platform))
   dummy = jax.ShapeDtypeStruct((1, 8), jnp.int32)
   src = jax.ShapeDtypeStruct((16, LENGTH), jnp.int32)
-  search = jax.jit(functools.partial(decode.search, model, beam_size=beam_size, alpha=config.length_penalty_alpha,
+  search = jax.jit(functools.partial(search_lib.search, model, beam_size=beam_size, alpha=config.length_penalty_alpha,
                                      extra_length=config.max_decode_extra_length))
   with cudnn_version_check_answered():
     params = jax.eval_shape(model.init, jax.random.PRNGKey(0), dummy, dummy)['params']

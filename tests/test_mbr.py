@@ -4,7 +4,7 @@ sacreBLEU's sentence functions (the metric is sacreBLEU's; the rule is ours)."""
 import pytest
 import sacrebleu
 
-from flaxformer_nmt import mbr
+from flaxformer_nmt.decoding import mbr
 
 CANDIDATES = [  # the best-scored first, an outlier; the others agree with each other
     'a cat is sleeping on a red sofa .',

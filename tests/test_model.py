@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_model
-from flaxformer_nmt import model as model_lib
+from flaxformer_nmt.models import transformer as model_lib
 
 
 def test_sinusoidal_positions_match_the_paper_formula():

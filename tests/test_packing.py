@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from conftest import tiny_model
-from flaxformer_nmt import data as data_lib
-from flaxformer_nmt import packing
-from flaxformer_nmt import train_step as ts
-from flaxformer_nmt.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from flaxformer_nmt.data import corpus as data_lib
+from flaxformer_nmt.data import packing
+from flaxformer_nmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from flaxformer_nmt.training import step as ts
 
 
 def examples(n, vocab=16, seed=0, max_len=7):

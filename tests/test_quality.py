@@ -9,14 +9,14 @@ import sacrebleu
 
 import in_process
 from conftest import small_config, subprocess_env
-from flaxformer_nmt import best_checkpoint
-from flaxformer_nmt import bleu_eval
-from flaxformer_nmt import checkpoints as checkpoints_lib
-from flaxformer_nmt import decode
-from flaxformer_nmt import evaluate
-from flaxformer_nmt import train
-from flaxformer_nmt import warm_start
-from flaxformer_nmt.workdir import ConfigError
+from flaxformer_nmt.checkpointing import best as best_checkpoint
+from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
+from flaxformer_nmt.checkpointing.workdir import ConfigError
+from flaxformer_nmt.decoding import translator as decode
+from flaxformer_nmt.evaluation import bleu as evaluate
+from flaxformer_nmt.training import loop as train
+from flaxformer_nmt.training import validation as bleu_eval
+from flaxformer_nmt.training import warm_start
 
 
 def read_metrics(workdir):

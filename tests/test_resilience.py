@@ -14,12 +14,12 @@ import pytest
 
 import in_process
 from conftest import small_config, tiny_model
-from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import config as config_lib
-from flaxformer_nmt import metrics as metrics_lib
-from flaxformer_nmt import preemption
-from flaxformer_nmt import train
-from flaxformer_nmt import train_step as ts
+from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
+from flaxformer_nmt.training import loop as train
+from flaxformer_nmt.training import metrics as metrics_lib
+from flaxformer_nmt.training import preemption
+from flaxformer_nmt.training import step as ts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -134,7 +134,7 @@ def test_a_nonfinite_step_is_never_applied():
 
 def test_nonfinite_steps_stop_training_with_the_step_named_or_are_counted():
   flags_ = lambda: [jnp.asarray(f) for f in (0, 0, 1, 0, 1)]
-  with pytest.raises(train.NonFiniteError, match='step 103:'):
+  with pytest.raises(metrics_lib.NonFiniteError, match='step 103:'):
     metrics_lib.check_finite(flags_(), 100, skip_nonfinite_updates=False)
   unchecked = flags_()
   assert metrics_lib.check_finite(unchecked, 100, skip_nonfinite_updates=True) == 2

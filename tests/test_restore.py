@@ -12,13 +12,13 @@ import optax
 import pytest
 
 from conftest import small_config
-from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import config as config_lib
-from flaxformer_nmt import model as model_lib
-from flaxformer_nmt import tokenizer as tokenizer_lib
-from flaxformer_nmt import train
-from flaxformer_nmt import train_step as ts
-from flaxformer_nmt import workdir as workdir_lib
+from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
+from flaxformer_nmt.checkpointing import workdir as workdir_lib
+from flaxformer_nmt.data import tokenizer as tokenizer_lib
+from flaxformer_nmt.models import transformer as model_lib
+from flaxformer_nmt.training import loop as train
+from flaxformer_nmt.training import step as ts
 from test_resilience import cli_args
 
 

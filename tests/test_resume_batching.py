@@ -12,10 +12,10 @@ import pytest
 
 from conftest import small_config, subprocess_env, xla_flags_without_device_count
 from test_resilience import cli_args
-from flaxformer_nmt import checkpoints as checkpoints_lib
-from flaxformer_nmt import data as data_lib
-from flaxformer_nmt import train
-from flaxformer_nmt.tokenizer import EOS_ID, PAD_ID
+from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
+from flaxformer_nmt.data import corpus as data_lib
+from flaxformer_nmt.data.tokenizer import EOS_ID, PAD_ID
+from flaxformer_nmt.training import loop as train
 
 BUCKETS = (8, 16, 32, 48)
 

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import subprocess_env, xla_flags_without_device_count
 
-from flaxformer_nmt import sharding
+from flaxformer_nmt.runtime import sharding
 
 HERE = os.path.dirname(__file__)
 
@@ -54,7 +54,7 @@ def test_split_host_cpu_gives_jax_the_devices_unless_xla_flags_set_them(xla_devi
   flags = xla_flags_without_device_count()
   if xla_device_count:
     flags += f' {sharding.XLA_DEVICE_COUNT_FLAG}={xla_device_count}'
-  code = ('from flaxformer_nmt import sharding; applied = sharding.split_host_cpu(2); import jax; '
+  code = ('from flaxformer_nmt.runtime import sharding; applied = sharding.split_host_cpu(2); import jax; '
           'print(applied, len(jax.devices()))')
   out = subprocess.run([sys.executable, '-c', code], env=subprocess_env(JAX_PLATFORMS='cpu', XLA_FLAGS=flags),
                        capture_output=True, text=True, timeout=120, check=False)

@@ -9,12 +9,12 @@ import pytest
 
 import in_process
 from conftest import check_pinned_refit_learning_rates, small_config
-from flaxformer_nmt import checkpoints as checkpoints_lib
 from flaxformer_nmt import config as config_lib
-from flaxformer_nmt import time_budget
-from flaxformer_nmt import train
-from flaxformer_nmt import train_step as ts
-from flaxformer_nmt.workdir import ConfigError, validate_config
+from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
+from flaxformer_nmt.checkpointing.workdir import ConfigError, validate_config
+from flaxformer_nmt.training import loop as train
+from flaxformer_nmt.training import step as ts
+from flaxformer_nmt.training import time_budget
 
 
 def test_fitted_steps_are_the_time_left_at_the_measured_rate_never_more_than_configured():

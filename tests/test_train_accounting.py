@@ -5,10 +5,10 @@ import jax
 import pytest
 
 from conftest import small_config
-from flaxformer_nmt import flops
-from flaxformer_nmt import model as model_lib
-from flaxformer_nmt import train
-from flaxformer_nmt import workdir as workdir_lib
+from flaxformer_nmt.checkpointing import workdir as workdir_lib
+from flaxformer_nmt.models import transformer as model_lib
+from flaxformer_nmt.runtime import flops
+from flaxformer_nmt.training import loop as train
 
 
 @pytest.mark.profiler

@@ -7,10 +7,10 @@ import pytest
 
 from conftest import tiny_model
 from flaxformer_nmt import config as config_lib
-from flaxformer_nmt import lm
-from flaxformer_nmt import model as model_lib
-from flaxformer_nmt import sharding
-from flaxformer_nmt import train_step as ts
+from flaxformer_nmt.models import lm
+from flaxformer_nmt.models import transformer as model_lib
+from flaxformer_nmt.runtime import sharding
+from flaxformer_nmt.training import step as ts
 
 
 def numpy_label_smoothed_loss(logits, targets, eps):

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from conftest import small_config
-from flaxformer_nmt import checkpoints as checkpoints_lib
-from flaxformer_nmt import tokenizer as tokenizer_lib
-from flaxformer_nmt import train
-from flaxformer_nmt import train_step as ts
-from flaxformer_nmt import warm_start
-from flaxformer_nmt.workdir import build_model
+from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
+from flaxformer_nmt.checkpointing.workdir import build_model
+from flaxformer_nmt.data import tokenizer as tokenizer_lib
+from flaxformer_nmt.training import loop as train
+from flaxformer_nmt.training import step as ts
+from flaxformer_nmt.training import warm_start
 
 
 def deterministic_config(toy_corpus):

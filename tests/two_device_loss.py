@@ -14,8 +14,8 @@ import numpy as np  # pylint: disable=wrong-import-position
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_against_numpy import two_device_setup  # pylint: disable=wrong-import-position
-from flaxformer_nmt import sharding  # pylint: disable=wrong-import-position
-from flaxformer_nmt import train_step as ts  # pylint: disable=wrong-import-position
+from flaxformer_nmt.runtime import sharding  # pylint: disable=wrong-import-position
+from flaxformer_nmt.training import step as ts  # pylint: disable=wrong-import-position
 
 
 def main():

@@ -17,10 +17,10 @@ import numpy as np
 from absl import logging
 from etils import epath
 
-from flaxformer_nmt import best_checkpoint
-from flaxformer_nmt import checkpoints as checkpoints_lib
-from flaxformer_nmt import distributed
-from flaxformer_nmt.tokenizer import VOCAB_FILENAME
+from flaxformer_nmt.checkpointing import best as best_checkpoint
+from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
+from flaxformer_nmt.data.tokenizer import VOCAB_FILENAME
+from flaxformer_nmt.runtime import distributed
 
 
 class WarmStartError(ValueError):

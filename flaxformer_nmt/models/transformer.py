@@ -34,7 +34,7 @@ from flax import linen as nn
 from flax import struct
 
 from flaxformer_nmt.config import ConfigError
-from flaxformer_nmt.tokenizer import PAD_ID
+from flaxformer_nmt.models.tokens import PAD_ID
 
 xavier_uniform = nn.initializers.xavier_uniform()
 

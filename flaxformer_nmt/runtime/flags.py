@@ -4,18 +4,15 @@ ml_collections reports an override of a field the config does not have as a 30-l
 `AttributeError: "'no_such_field'"`. `parse_flags` (for `app.run(main, flags_parser=parse_flags)`) turns it
 into one line naming the override and the nearest valid fields, and exits with status 1.
 
-`use_compilation_cache` keeps XLA's compiled programs on disk between runs of a command.
 """
 import difflib
 import os
 import sys
 
-import jax
 import ml_collections
-from absl import app, logging
+from absl import app
 
 from flaxformer_nmt import config as config_lib
-from flaxformer_nmt import download
 
 
 def _config_file(argv):
@@ -71,20 +68,3 @@ def parse_flags(argv):
     hint = f'; did you mean {" or ".join(f"--config.{n}" for n in nearest)}?' if nearest else ''
     sys.exit(f'error: --config.{name}: the config of {path} has no field {name!r}{hint} (every field is '
              'described in flaxformer_nmt/config.py)')
-
-
-def use_compilation_cache():
-  """Keeps compiled programs in JAX's persistent cache, `{download.cache_dir()}/jax_compilation` unless
-  $JAX_COMPILATION_CACHE_DIR names another (empty: off), so that the next run of the same command with the
-  same shapes loads them instead of compiling again (decoding test2016 compiles ~25 loop shapes, ~1 s each on
-  a 2-core CPU)."""
-  if 'JAX_COMPILATION_CACHE_DIR' in os.environ:  # JAX reads it itself
-    return
-  directory = download.cache_dir() / 'jax_compilation'
-  try:
-    directory.mkdir(parents=True, exist_ok=True)
-  except OSError as e:
-    logging.warning('No compilation cache (%s): every run compiles again.', e)
-    return
-  jax.config.update('jax_compilation_cache_dir', str(directory))
-  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)  # the small programs too

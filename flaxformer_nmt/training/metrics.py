@@ -12,8 +12,8 @@ import time
 import jax
 from etils import epath
 
-from flaxformer_nmt import distributed
-from flaxformer_nmt import flops as flops_lib
+from flaxformer_nmt.runtime import distributed
+from flaxformer_nmt.runtime import flops as flops_lib
 
 
 class MetricsLog:

@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 
-from flaxformer_nmt import checkpoints as checkpoints_lib
+from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
 
 BEST_DIR = 'best'
 INFO_FILENAME = 'best.json'

@@ -1,10 +1,6 @@
 """One joint sentencepiece vocabulary for source and target (the paper's shared source-target vocabulary).
 
-Reserved ids, the same in every vocabulary this project trains:
-  0 = <pad>  (padding; never a training target, never generated)
-  1 = <unk>
-  2 = <s>    (BOS: the first decoder input)
-  3 = </s>   (EOS: appended to every source and target sentence)
+Its reserved ids are models/tokens.py's (pad 0, unk 1, BOS 2, EOS 3) in every vocabulary this project trains.
 The model is stored as `vocab.model` in the workdir and reused when training restarts or decoding loads it.
 """
 import hashlib
@@ -17,9 +13,9 @@ import sentencepiece as spm
 from absl import logging
 from etils import epath
 
-PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+from flaxformer_nmt.models.tokens import BOS_ID, EOS_ID, MASK_PIECE, PAD_ID, UNK_ID
+
 VOCAB_FILENAME = 'vocab.model'
-MASK_PIECE = '<mask>'
 
 
 # One BPE-dropout sampler at a time: it sets sentencepiece's process-wide seed.

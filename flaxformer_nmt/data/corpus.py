@@ -15,8 +15,10 @@ array has the same shape at every step, as the sharded train step needs.
 """
 import dataclasses
 import io
+import itertools
 import json
 import queue
+import sys
 import threading
 import time
 
@@ -24,9 +26,9 @@ import numpy as np
 from absl import logging
 from etils import epath
 
-from flaxformer_nmt import packing
-from flaxformer_nmt.tokenizer import EOS_ID
-from flaxformer_nmt import tokenizer as tokenizer_lib
+from flaxformer_nmt.data import packing
+from flaxformer_nmt.data import tokenizer as tokenizer_lib
+from flaxformer_nmt.data.tokenizer import EOS_ID
 
 
 class DataError(ValueError):
@@ -50,6 +52,26 @@ def read_lines(path):
       raise DataError(f'{path}:{number}: invalid UTF-8 ({e.reason} at byte {e.start})') from None
     out.append(tokenizer_lib.normalize_whitespace(text))
   return out
+
+
+def read_chunks(path, size):
+  """Lists of up to `size` lines of a file or stdin (-), read as they arrive; bad UTF-8 names the line."""
+  name = '<stdin>' if path == '-' else path
+  stream = sys.stdin.buffer if path == '-' else epath.Path(path).open('rb')  # gs:// too
+  number = 0
+  try:
+    while raw_lines := list(itertools.islice(stream, size)):
+      chunk = []
+      for raw in raw_lines:
+        number += 1
+        try:
+          chunk.append(raw.decode('utf-8').rstrip('\r\n'))
+        except UnicodeDecodeError as e:
+          raise DataError(f'{name}:{number}: invalid UTF-8 ({e.reason} at byte {e.start})') from None
+      yield chunk
+  finally:
+    if stream is not sys.stdin.buffer:
+      stream.close()
 
 
 def split_paths(data_dir, split, source_lang, target_lang):

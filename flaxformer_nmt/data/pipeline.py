@@ -8,12 +8,12 @@ import jax
 from absl import logging
 from etils import epath
 
-from flaxformer_nmt import corpora
-from flaxformer_nmt import data as data_lib
-from flaxformer_nmt import distributed
-from flaxformer_nmt import download
-from flaxformer_nmt import lm
-from flaxformer_nmt import tokenizer as tokenizer_lib
+from flaxformer_nmt.data import corpora
+from flaxformer_nmt.data import corpus as data_lib
+from flaxformer_nmt.data import download
+from flaxformer_nmt.data import tokenizer as tokenizer_lib
+from flaxformer_nmt.models import lm
+from flaxformer_nmt.runtime import distributed
 
 
 def input_pipeline(config, workdir, num_devices):

@@ -18,14 +18,12 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from flaxformer_nmt import model as model_lib
-from flaxformer_nmt import tokenizer as tokenizer_lib
-from flaxformer_nmt.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from flaxformer_nmt.models import transformer as model_lib
+from flaxformer_nmt.models.tokens import BOS_ID, EOS_ID, MASK_PIECE, PAD_ID
 
 TASKS = ('translation', 'lm', 'mlm')
 # model.ModelConfig.architecture of each task (flops.py counts by it).
 ARCHITECTURES = {'translation': 'encoder_decoder', 'lm': 'decoder_only', 'mlm': 'encoder_only'}
-MASK_PIECE = tokenizer_lib.MASK_PIECE
 
 
 def task_of(config):

@@ -8,13 +8,13 @@ import json
 import ml_collections
 from etils import epath
 
-from flaxformer_nmt import checkpoints as checkpoints_lib
-from flaxformer_nmt import distributed
-from flaxformer_nmt import lm
-from flaxformer_nmt import model as model_lib
-from flaxformer_nmt import tokenizer as tokenizer_lib
-from flaxformer_nmt.config import DEFAULT_PRNG_IMPL, PRNG_IMPLS
+from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
 from flaxformer_nmt.config import ConfigError  # callers catch it as workdir.ConfigError
+from flaxformer_nmt.config import DEFAULT_PRNG_IMPL, PRNG_IMPLS
+from flaxformer_nmt.data import tokenizer as tokenizer_lib
+from flaxformer_nmt.models import lm
+from flaxformer_nmt.models import transformer as model_lib
+from flaxformer_nmt.runtime import distributed
 
 CONFIG_FILENAME = 'config.json'
 MEMBER_PREFIX = 'member'  # {workdir}/member0, member1, ...: the runs of an ensemble (config.ensemble_members)

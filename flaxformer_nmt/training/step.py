@@ -9,12 +9,12 @@ import numpy as np
 import optax
 from flax import struct
 
-from flaxformer_nmt import lm
-from flaxformer_nmt import model as model_lib
-from flaxformer_nmt import sharding
 from flaxformer_nmt.config import DEFAULT_PRNG_IMPL
+from flaxformer_nmt.models import lm
+from flaxformer_nmt.models import transformer as model_lib
+from flaxformer_nmt.runtime import sharding
 
-from flaxformer_nmt.tokenizer import PAD_ID
+from flaxformer_nmt.data.tokenizer import PAD_ID
 
 
 @struct.dataclass

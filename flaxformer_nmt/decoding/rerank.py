@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_nmt import beam_search
-from flaxformer_nmt import data as data_lib
-from flaxformer_nmt.tokenizer import PAD_ID
+from flaxformer_nmt.data import corpus as data_lib
+from flaxformer_nmt.data.tokenizer import PAD_ID
+from flaxformer_nmt.decoding import beam_search
 
 NO_CANDIDATE = -1e30  # the score of an empty slot (an empty source): finite, so that 0 times it is 0
 

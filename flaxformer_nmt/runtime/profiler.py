@@ -3,7 +3,7 @@ import jax
 from absl import logging
 from etils import epath
 
-from flaxformer_nmt import distributed
+from flaxformer_nmt.runtime import distributed
 
 
 class Profiler:

@@ -31,7 +31,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
-from flaxformer_nmt import model as model_lib
+from flaxformer_nmt.models import transformer as model_lib
 
 CHECKPOINT_DIR = 'checkpoints'
 AVERAGED_DIR = 'averaged'

@@ -9,7 +9,7 @@ the `*_positions` arrays, so a packed example is computed exactly as it would be
 """
 import numpy as np
 
-from flaxformer_nmt.tokenizer import BOS_ID, PAD_ID
+from flaxformer_nmt.data.tokenizer import BOS_ID, PAD_ID
 
 PACKED_KEYS = ('src', 'tgt_in', 'tgt_out', 'src_segments', 'tgt_segments', 'src_positions', 'tgt_positions')
 

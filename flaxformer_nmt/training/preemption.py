@@ -30,7 +30,7 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-from flaxformer_nmt import metrics as metrics_lib
+from flaxformer_nmt.training import metrics as metrics_lib
 
 
 class StepsInFlight:

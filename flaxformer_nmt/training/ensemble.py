@@ -27,12 +27,12 @@ import jax
 from absl import logging
 from etils import epath
 
-from flaxformer_nmt import compare
-from flaxformer_nmt import decode
-from flaxformer_nmt import distributed
-from flaxformer_nmt import workdir as workdir_lib
-from flaxformer_nmt.bleu_eval import HYPOTHESES_DIR
-from flaxformer_nmt.tokenizer import VOCAB_FILENAME
+from flaxformer_nmt.checkpointing import workdir as workdir_lib
+from flaxformer_nmt.data.tokenizer import VOCAB_FILENAME
+from flaxformer_nmt.decoding import translator as decode
+from flaxformer_nmt.evaluation import compare
+from flaxformer_nmt.runtime import distributed
+from flaxformer_nmt.training.validation import HYPOTHESES_DIR
 
 FINISHED_FILE = 'finished.json'
 VALIDATION_FILE = 'ensemble_bleu.json'  # the members' validation BLEU together, after the last one

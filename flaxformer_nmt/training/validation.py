@@ -1,7 +1,7 @@
 """Validation BLEU while training: translate the validation split with the parameters in memory and score it.
 
 Every `config.eval_bleu_every_steps` the trainer calls `ValidationBleu.evaluate(step, params)`: the first
-`eval_bleu_max_sentences` pairs of `eval_split` are translated with decode.py's search (beam
+`eval_bleu_max_sentences` pairs of `eval_split` are translated with decoding.search's search (beam
 `eval_bleu_beam_size`, 0 = greedy, the config's length penalty) jitted once over the training parameters as
 they lie on the devices (replicated or FSDP-sharded: no checkpoint is read, no parameter gathered on a host),
 then scored with cased sacreBLEU (13a) and, where `{eval_bleu_tok_ref_dir}/{eval_split}.{target_lang}` exists,
@@ -21,15 +21,16 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
-from flaxformer_nmt import best_checkpoint
-from flaxformer_nmt import corpora
-from flaxformer_nmt import data as data_lib
-from flaxformer_nmt import decode
-from flaxformer_nmt import distributed
-from flaxformer_nmt import evaluate
-from flaxformer_nmt import sharding
-from flaxformer_nmt import tokenizer as tokenizer_lib
-from flaxformer_nmt import workdir as workdir_lib
+from flaxformer_nmt.checkpointing import best as best_checkpoint
+from flaxformer_nmt.checkpointing import workdir as workdir_lib
+from flaxformer_nmt.data import corpora
+from flaxformer_nmt.data import corpus as data_lib
+from flaxformer_nmt.data import tokenizer as tokenizer_lib
+from flaxformer_nmt.decoding import search as search_lib
+from flaxformer_nmt.decoding import translator as translator_lib
+from flaxformer_nmt.evaluation import bleu as evaluate
+from flaxformer_nmt.runtime import distributed
+from flaxformer_nmt.runtime import sharding
 
 HYPOTHESES_DIR = 'eval'
 # Numeric results, in the order they are broadcast from process 0.
@@ -70,7 +71,7 @@ class ValidationBleu:
       logging.info('No %s.%s in %s: validation BLEU is cased sacreBLEU only', config.eval_split,
                    config.target_lang, config.eval_bleu_tok_ref_dir)
     self.token_lists = tokenizer.encode(sources)
-    # The model as decode.Translator builds it: attention and remat chosen for decoding on this machine (the
+    # The model as translator_lib.Translator builds it: attention and remat chosen for decoding on this machine (the
     # parameters are the same whatever the training run chose).
     decode_config = config.copy_and_resolve_references()
     decode_config.model.attention_impl, decode_config.model.remat = 'auto', 'none'
@@ -84,9 +85,9 @@ class ValidationBleu:
     self.replicated = sharding.replicated(mesh)
     self.options = dict(beam_size=config.eval_bleu_beam_size, alpha=np.float32(config.length_penalty_alpha),
                         extra_length=config.max_decode_extra_length)
-    # decode.search with the model static and alpha an input: runs of an equal model in one process (an
+    # search_lib.search with the model static and alpha an input: runs of an equal model in one process (an
     # ensemble's members, the tests) trace it once.
-    self._search = jax.jit(decode.search, static_argnums=0, static_argnames=('beam_size', 'extra_length'),
+    self._search = jax.jit(search_lib.search, static_argnums=0, static_argnames=('beam_size', 'extra_length'),
                            out_shardings=self.replicated)
     self.batches = list(self._plan())
 
@@ -98,8 +99,8 @@ class ValidationBleu:
     return self.enabled and (step % self.every == 0 or done)
 
   def _plan(self):
-    """(members, padded sources) batches as decode.Translator makes them (decode.source_batches)."""
-    return decode.source_batches(self.token_lists, self.config.length_buckets, self.config.decode_tokens_per_batch)
+    """(members, padded sources) batches as translator_lib.Translator makes them (search_lib.source_batches)."""
+    return search_lib.source_batches(self.token_lists, self.config.length_buckets, self.config.decode_tokens_per_batch)
 
   def translate(self, params):
     """Detokenized translations of the validation sources, in order (the same on every host)."""
@@ -112,7 +113,7 @@ class ValidationBleu:
       tokens, _ = self._search(self.model, params, src, **self.options)
       tokens = np.asarray(tokens.addressable_data(0))  # replicated: the local copy is the whole result
       for row, index in enumerate(members):
-        hypotheses[index] = self.tokenizer.decode(decode.reading_order(self.config, tokens[row, 0]))
+        hypotheses[index] = self.tokenizer.decode(translator_lib.reading_order(self.config, tokens[row, 0]))
     return hypotheses
 
   def score(self, hypotheses):

@@ -32,8 +32,8 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
-from flaxformer_nmt.checkpoints import FITTED_SCHEDULE_FILE as FILE
-from flaxformer_nmt.train_step import FittedEnd, cooldown_factor
+from flaxformer_nmt.checkpointing.checkpoints import FITTED_SCHEDULE_FILE as FILE
+from flaxformer_nmt.training.step import FittedEnd, cooldown_factor
 
 # Steps measured before deciding: enough for the step time to settle after the first (compiling) step.
 MIN_MEASURED_STEPS = 100

@@ -1,0 +1,1 @@
+"""Orbax checkpoints, averaging, the best checkpoint and the workdir."""

@@ -1,0 +1,1 @@
+"""Text, tokenizer, corpora, downloads and the batches that feed training."""

@@ -1,0 +1,1 @@
+"""Search (beam, greedy, sampling), the Translator, MBR, reranking, generation and fill-mask."""

@@ -1,0 +1,158 @@
+r"""Text generation with a trained language model (a workdir trained with config.task=lm).
+
+  python -m flaxformer_nmt.generate --workdir runs/lm_m30k --prompt "Ein Mann" --prompt "Zwei Hunde"
+  python -m flaxformer_nmt.generate --workdir runs/lm_m30k --input prompts.txt --top_p=0.9 --num_samples=3
+  echo "Eine Frau" | python -m flaxformer_nmt.generate --workdir runs/lm_m30k --greedy
+
+Each prompt (an empty one generates unconditionally, from BOS alone) is continued token by token until EOS
+or --max_new_tokens; one output line per sample, prompt and continuation together, prompts in order and
+each prompt's samples together. Tokens are drawn from softmax(logits / temperature), restricted to the
+--top_k most likely tokens and then to the smallest set whose probability reaches --top_p (the order of
+Hugging Face's and nanoGPT's samplers); --greedy takes the most likely token. Sample j of prompt i depends
+only on (--seed, i, j), whatever the batching.
+
+Decoding runs the decoder one position at a time against its self-attention key/value cache (the prompt
+too, one position per step, through the same loop as beam_search's greedy and sampled search); --nocache
+reruns the whole prefix at every step instead (same tokens, to check and to measure the cache).
+
+Python API:
+  generator = Generator('runs/lm_m30k')
+  generator.generate(['Ein Mann'], max_new_tokens=30, top_p=0.9, num_samples=2, seed=1)  # [[text, text]]
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from etils import epath
+
+from flaxformer_nmt.checkpointing import workdir as workdir_lib
+from flaxformer_nmt.data import corpus as data_lib
+from flaxformer_nmt.data import tokenizer as tokenizer_lib
+from flaxformer_nmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from flaxformer_nmt.decoding import beam_search
+from flaxformer_nmt.decoding import translator as decode
+from flaxformer_nmt.models import lm
+
+NEG_INF = beam_search.NEG_INF
+
+
+def top_k_filter(log_probs, top_k):
+  """Keeps the `top_k` largest entries of each row (ties with the k-th included); 0 keeps everything."""
+  if top_k <= 0 or top_k >= log_probs.shape[-1]:
+    return log_probs
+  kth = jax.lax.top_k(log_probs, top_k)[0][..., -1:]
+  return jnp.where(log_probs >= kth, log_probs, NEG_INF)
+
+
+def top_p_filter(log_probs, top_p):
+  """Nucleus sampling's cut: per row of log probabilities, keeps exactly the smallest set of most likely
+  tokens whose probabilities sum to at least `top_p` (a token is kept when the tokens more likely than it
+  sum to less than top_p), the rest get NEG_INF. top_p >= 1 keeps everything."""
+  if top_p >= 1.0:
+    return log_probs
+  order = jnp.argsort(-log_probs, axis=-1)
+  probs = jnp.exp(jnp.take_along_axis(log_probs, order, axis=-1))
+  keep_sorted = jnp.cumsum(probs, axis=-1) - probs < top_p
+  keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
+  return jnp.where(keep, log_probs, NEG_INF)
+
+
+def _step_functions(model, params, rows, max_length, use_cache):
+  """(step_fn, initial cache) for beam_search's loop: the KV cache, or the whole prefix rerun per step."""
+  variables = {'params': params}
+  if use_cache:
+    cache = model.apply(variables, rows, max_length + 1, method=lm.DecoderOnlyLM.init_cache)
+
+    def cached_step(tokens, index, cache):
+      return model.apply(variables, tokens, index, cache, method=lm.DecoderOnlyLM.decode_step)
+    return cached_step, cache
+
+  def full_step(tokens, index, prefix):
+    # The "cache" is the token sequence so far; later positions hold PAD, which no query attends to.
+    prefix = prefix.at[:, index].set(tokens)
+    logits = model.apply(variables, prefix, True)
+    return jax.lax.dynamic_index_in_dim(logits, index, axis=1, keepdims=False), prefix
+  return full_step, jnp.zeros((rows, max_length + 1), jnp.int32)
+
+
+def generate_tokens(model, params, prompts, prompt_lengths, keys, *, max_new_tokens, greedy, temperature, top_k,
+                    top_p, use_cache=True):
+  """Generated sequences [N, W - 1 + max_new_tokens + 1] (prompt tokens, then the continuation, EOS, PAD).
+
+  prompts: [N, W] BOS + prompt tokens, PAD after; prompt_lengths: [N] BOS + prompt tokens; keys: [N] PRNG
+  keys (token t of row r uses fold_in(keys[r], t)). The prompt's positions are forced, the rest chosen.
+  """
+  rows, width = prompts.shape
+  max_length = width - 1 + max_new_tokens + 1  # static: room for the longest prompt, the new tokens and EOS
+  step_fn, cache = _step_functions(model, params, rows, max_length, use_cache)
+
+  def choose(log_probs, index):
+    if greedy:
+      picked = jnp.argmax(log_probs, axis=-1)
+    else:
+      filtered = top_p_filter(jax.nn.log_softmax(top_k_filter(log_probs / temperature, top_k)), top_p)
+      picked = jax.vmap(lambda key, row: jax.random.categorical(jax.random.fold_in(key, index), row))(keys, filtered)
+    prompt_token = jax.lax.dynamic_index_in_dim(prompts, jnp.minimum(index + 1, width - 1), axis=1, keepdims=False)
+    return jnp.where(index + 1 < prompt_lengths, prompt_token, picked)
+
+  # Row r may produce positions up to prompt_lengths[r] - 1 + max_new_tokens; EOS is forced after them.
+  tokens, _ = beam_search.token_by_token(
+      step_fn, cache, choose, batch_size=rows, max_length=max_length,
+      max_lengths=prompt_lengths + max_new_tokens, bos_id=BOS_ID, eos_id=EOS_ID, forbidden_ids=(PAD_ID, BOS_ID))
+  return tokens
+
+
+class Generator:
+  """A trained language model, loaded once, continuing lists of prompts."""
+
+  def __init__(self, workdir, checkpoint='latest'):
+    self.config = workdir_lib.load_config(workdir)
+    if lm.task_of(self.config) != 'lm':
+      raise ValueError(f'{workdir} was trained with config.task={lm.task_of(self.config)!r}: generate needs a '
+                       "language model (config.task='lm')")
+    self.config.model.attention_impl, self.config.model.remat = 'auto', 'none'
+    self.tokenizer = tokenizer_lib.Tokenizer(epath.Path(workdir) / tokenizer_lib.VOCAB_FILENAME)
+    self.model = workdir_lib.build_model(self.config, self.tokenizer)
+    self.params, self.checkpoint = decode.load_params(workdir, checkpoint)
+    self._generate = jax.jit(functools.partial(generate_tokens, self.model),
+                             static_argnames=('max_new_tokens', 'greedy', 'temperature', 'top_k', 'top_p',
+                                              'use_cache'))
+
+  def generate_ids(self, prompt_ids, *, max_new_tokens=50, greedy=False, temperature=1.0, top_k=0, top_p=1.0,
+                   num_samples=1, seed=0, use_cache=True, first_prompt=0):
+    """For each prompt (token ids, no EOS), `num_samples` lists of generated ids (EOS excluded)."""
+    if temperature <= 0 or top_k < 0 or not 0 < top_p <= 1 or max_new_tokens < 1 or num_samples < 1:
+      raise ValueError(f'need temperature > 0, top_k >= 0, 0 < top_p <= 1, max_new_tokens >= 1, num_samples >= 1; '
+                       f'got {temperature}, {top_k}, {top_p}, {max_new_tokens}, {num_samples}')
+    if not prompt_ids:
+      return []
+    # Prompt widths rounded up to a multiple of 16 (few shapes to compile); the longest prompt plus the new
+    # tokens must fit the positional table.
+    width = -(-(1 + max(len(p) for p in prompt_ids)) // 16) * 16
+    if width + max_new_tokens > self.config.model.max_position:
+      raise ValueError(f'a prompt of {width - 1} tokens + {max_new_tokens} new tokens exceed the model\'s '
+                       f'{self.config.model.max_position} positions')
+    rows = [[BOS_ID] + list(p) for p in prompt_ids for _ in range(num_samples)]
+    prompts = data_lib.pad_rows(rows, len(rows), width)
+    lengths = np.array([len(r) for r in rows], np.int32)
+    keys = decode.sample_keys(seed, jnp.arange(first_prompt, first_prompt + len(prompt_ids), dtype=jnp.int32),
+                              num_samples).reshape(-1)
+    tokens = jax.device_get(self._generate(
+        self.params, prompts, lengths, keys, max_new_tokens=int(max_new_tokens), greedy=bool(greedy),
+        temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), use_cache=bool(use_cache)))
+    out = []
+    for r, n in enumerate(lengths):
+      new = [int(t) for t in tokens[r, n - 1:]]
+      out.append(new[:new.index(EOS_ID)] if EOS_ID in new else new)
+    return [out[i * num_samples:(i + 1) * num_samples] for i in range(len(prompt_ids))]
+
+  def encode_prompt(self, texts):
+    lowercase = tokenizer_lib.lowercase_of(self.config)  # a model of config.lowercase learnt lowercased text
+    return [ids[:-1] for ids in self.tokenizer.encode([tokenizer_lib.prepare_text(t, lowercase) for t in texts])]
+
+  def generate(self, prompts, **options):
+    """For each prompt (str), a list of `num_samples` texts: the prompt continued. Options as generate_ids."""
+    prompt_ids = self.encode_prompt(prompts)
+    results = self.generate_ids(prompt_ids, **options)
+    return [[self.tokenizer.decode(p + ids) for ids in samples] for p, samples in zip(prompt_ids, results)]

@@ -1,0 +1,1 @@
+"""BLEU, checkpoint comparison and attention maps."""

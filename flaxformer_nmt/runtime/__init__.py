@@ -1,0 +1,1 @@
+"""Sharding, multi-host set-up, FLOP accounting, host memory, profiling, caches and flag parsing."""

@@ -1,0 +1,1 @@
+"""Export (CTranslate2) and serving."""

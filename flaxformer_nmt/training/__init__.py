@@ -1,0 +1,1 @@
+"""The train loop, its step, schedules, validation, preemption, ensembles and warm starts."""

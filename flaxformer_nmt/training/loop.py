@@ -1,0 +1,268 @@
+r"""Trains a Transformer: `python -m flaxformer_nmt.train --config configs/multi30k.py --workdir runs/m30k`.
+
+Fields of the config are overridden with `--config.field=value` (e.g. `--config.num_train_steps=500`). The
+workdir receives the vocabulary (vocab.model), the config (config.json), checkpoints, TensorBoard event files
+(tensorboard/) and the logged metrics (metrics.jsonl). Rerunning the same command resumes from the newest
+checkpoint. With config.ensemble_members > 1 the command trains that many runs in turn, in
+{workdir}/member0, member1, ... (ensemble.py).
+
+This module is the training loop; what it reports (metrics.py), when it saves and stops (preemption.py), its
+input (pipeline.py), the step itself (train_step.py) and checkpoints (checkpoints.py) live beside it.
+"""
+import dataclasses
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from absl import logging
+from etils import epath
+
+from flaxformer_nmt.checkpointing import best as best_lib
+from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
+from flaxformer_nmt.checkpointing.workdir import build_model, save_or_check_config, validate_config
+from flaxformer_nmt.data import corpus as data_lib
+from flaxformer_nmt.data.pipeline import input_pipeline
+from flaxformer_nmt.models import transformer as model_lib
+from flaxformer_nmt.runtime import flops as flops_lib
+from flaxformer_nmt.runtime import sharding
+from flaxformer_nmt.runtime.profiler import Profiler
+from flaxformer_nmt.training import ensemble
+from flaxformer_nmt.training import metrics as metrics_lib
+from flaxformer_nmt.training import preemption
+from flaxformer_nmt.training import step as train_step_lib
+from flaxformer_nmt.training import time_budget
+from flaxformer_nmt.training import validation as bleu_eval
+from flaxformer_nmt.training import warm_start
+
+
+# The run's training time at a checkpoint, saved beside its data position.
+TRAINED_SECONDS = 'trained_seconds'
+
+
+@dataclasses.dataclass
+class Run:
+  """What the loop works with: built by `set_up`, the state advanced by the loop."""
+  config: Any
+  workdir: epath.Path
+  batch_sharding: Any
+  train_batches: data_lib.TrainBatches
+  eval_batches: Callable
+  state: train_step_lib.TrainState
+  train_fn: train_step_lib.TrainStep  # refit(fitted) bends its schedule: the same compiled program
+  eval_fn: Callable
+  checkpoints: checkpoints_lib.Checkpoints
+  throughput: metrics_lib.Throughput
+  profiler: Profiler
+  log: metrics_lib.MetricsLog
+  vocab_sha256: str  # recorded with each checkpoint, checked on restore
+  validation_bleu: bleu_eval.ValidationBleu
+  best: Any  # best_checkpoint.BestCheckpoint, or None (config.best_checkpoint_metric off)
+  num_train_steps: int  # config.num_train_steps, or the end fitted to the time limit (time_budget.py)
+  checkpoint_every_steps: int  # config.checkpoint_every_steps, or closer after a fit (time_budget.py)
+  schedule_fit: time_budget.ScheduleFit
+  # Training time before this launch, saved with each checkpoint (0 for a new run): config.max_train_minutes and
+  # the logged elapsed_seconds count the run's training time across resumes, not the time between them.
+  trained_seconds: float = 0.0
+
+  def close(self, last_state=None):
+    """Closes what the run holds: a profile window still open (after `last_state` has run on the device; none
+    after an error, whose state may be the failure's), the input thread, the checkpoint manager once the save in
+    flight is written, the metrics writers."""
+    self.profiler.close(last_state)
+    self.train_batches.close()
+    self.checkpoints.wait()
+    self.checkpoints.close()
+    self.log.close()
+
+
+def check_config(config):
+  """Every check of the config alone that the trainer makes before it reads or writes anything (bench/sweep.py
+  --check_only runs it on each run of a screen before a lease)."""
+  validate_config(config)
+  bleu_eval.validate_config(config)
+
+
+def set_up(config, workdir):
+  """Checks the config against the workdir, then builds the input, the model, the train state (fresh or
+  restored from the newest good checkpoint, with the data position) and the compiled steps."""
+  check_config(config)
+  workdir = epath.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  save_or_check_config(config, workdir)
+
+  mesh = sharding.mesh_from_config(config)
+  num_devices = mesh.devices.size
+  logging.info('Mesh %s over %d devices (%s) in %d processes', dict(mesh.shape), num_devices,
+               jax.devices()[0].device_kind, jax.process_count())
+  warm_start.adopt_vocabulary(config, workdir)  # a fine-tuning run starts with its source's vocabulary
+  # The global batches are planned without looking at the machine; each is padded with empty rows to a
+  # multiple of the device count times the microbatches, so every device gets the same rows per microbatch.
+  train_batches, eval_batches, tokenizer = input_pipeline(
+      config, workdir, num_devices=sharding.rows_multiple(mesh) * config.grad_accumulation_steps)
+
+  model = build_model(config, tokenizer)
+  bends = time_budget.load(workdir)  # the end fitted to the time limit by earlier launches of this workdir
+  state, state_sharding = train_step_lib.create_state(model, config, mesh)
+  logging.info('Model: %s parameters, %s', f'{model_lib.count_params(state.params):,}', model.config)
+  checkpoints = checkpoints_lib.Checkpoints(workdir, keep=config.keep_checkpoints)
+  with preemption.closed_on_error(train_batches, checkpoints):  # a refused resume leaves no thread behind
+    state, trained_seconds = restore_or_start(config, state, state_sharding, checkpoints, train_batches, tokenizer)
+  train_fn, eval_fn = train_step_lib.jit_steps(model, config, mesh, state_sharding)
+  schedule_fit = time_budget.ScheduleFit(config, workdir, int(state.step), bends)
+  fitted = schedule_fit.current  # the bend the next update runs on
+  train_fn = train_fn.refit(fitted) if fitted else train_fn
+  peak = flops_lib.peak_flops_per_device(override=config.peak_flops_per_device)
+  return Run(config, workdir, sharding.batch_sharded(mesh), train_batches, eval_batches, state, train_fn, eval_fn,
+             checkpoints, metrics_lib.Throughput(model.config, tokenizer.vocab_size, num_devices, peak),
+             Profiler(workdir, config.profile_start_step, config.profile_steps), metrics_lib.MetricsLog(workdir),
+             tokenizer.sha256, bleu_eval.ValidationBleu(config, tokenizer, workdir, mesh),
+             best_lib.BestCheckpoint(workdir, config.best_checkpoint_metric) if config.best_checkpoint_metric else None,
+             schedule_fit.end(), schedule_fit.save_every(), schedule_fit, trained_seconds)
+
+
+def restore_or_start(config, state, state_sharding, checkpoints, train_batches, tokenizer):
+  """(state, training seconds before this launch): the newest good checkpoint with its data position, else
+  config.init_from's parameters (a warm start), else the fresh `state`."""
+  restored = checkpoints.restore_newest_good(checkpoints_lib.abstract_like(state), tokenizer.sha256)
+  if restored is None:
+    if config.init_from:
+      state = warm_start.load_params(state, state_sharding, config, tokenizer)
+    return state, 0.0
+  state, data_state = restored
+  trained_seconds = float(data_state.pop(TRAINED_SECONDS, 0.0))  # absent from checkpoints before 2026-11-27
+  train_batches.restore(data_state, allow_batching_change=config.allow_batching_change)
+  if config.init_from:
+    logging.info('Resuming this workdir; config.init_from=%s is ignored (it only starts new runs)', config.init_from)
+  return state, trained_seconds
+
+
+def evaluate(eval_fn, params, batches, batch_sharding):
+  """Validation loss (label-smoothed cross entropy), NLL and perplexity per target token."""
+  sums = None
+  for batch in batches:
+    metrics = eval_fn(params, sharding.put_batch(batch, batch_sharding))
+    sums = metrics if sums is None else jax.tree_util.tree_map(lambda a, b: a + b, sums, metrics)
+  sums = jax.device_get(sums)
+  nll = float(sums['nll_sum'] / sums['target_tokens'])
+  out = {'eval/loss': float(sums['loss_sum'] / sums['target_tokens']), 'eval/nll': nll,
+         'eval/perplexity': float(np.exp(nll))}
+  if 'correct' in sums:  # MLM: accuracy on the masked tokens
+    out['eval/accuracy'] = float(sums['correct'] / sums['target_tokens'])
+  return out
+
+
+def log_train(run, interval, step, start_time, decision):
+  """Writes the interval's metrics and the log line; returns the metrics."""
+  metrics = interval.summarize(start_time, run.train_batches.epoch)
+  eta = min((run.num_train_steps - step) * metrics['train/step_time'], decision.seconds_left())
+  logging.info('%s', metrics_lib.train_log_line(step, run.num_train_steps, metrics, eta, interval.skipped))
+  run.log.write(step, metrics)
+  return metrics
+
+
+def log_eval(run, step, start_time):
+  metrics = evaluate(run.eval_fn, run.state.params, run.eval_batches(), run.batch_sharding)
+  metrics['elapsed_seconds'] = time.time() - start_time
+  logging.info('%s', metrics_lib.eval_log_line(step, metrics))
+  run.log.write(step, metrics)
+  return metrics
+
+
+def evaluate_step(run, step, start_time, done):
+  """The validation metrics due at this step (loss, BLEU: bleu_eval.py), logged and offered to the best
+  checkpoint; returns them (empty when none is due)."""
+  evaluated = {}
+  if step % run.config.eval_every_steps == 0 or done:
+    evaluated.update(log_eval(run, step, start_time))
+  if run.validation_bleu.due(step, done):
+    bleu_metrics = run.validation_bleu.evaluate(step, run.state.params)
+    run.log.write(step, bleu_metrics)
+    evaluated.update(bleu_metrics)
+  if evaluated and run.best is not None:
+    run.best.update(step, run.state.params, evaluated)
+  return evaluated
+
+
+def fit_to_time(run, step, decision):
+  """config.fit_schedule_to_time: where the (fitted) cooldown begins, and again inside it where the pace has
+  changed, moves the run's end to what the time left holds (time_budget.py), saves at the interval the first
+  fit shrank, and runs the step on the bent schedule (its numbers change; the compiled program does not)."""
+  fitted = run.schedule_fit.fit(step, decision.seconds_left(), run.state)
+  if fitted is not None:
+    run.num_train_steps = decision.num_steps = fitted.num_train_steps
+    run.checkpoint_every_steps = decision.every_steps = run.schedule_fit.save_every()
+    run.train_fn = run.train_fn.refit(fitted)
+
+
+def train_and_evaluate(config, workdir):
+  """Trains to config.num_train_steps (or the end fitted to max_train_minutes, or until max_train_minutes or a
+  stop signal); returns the last metrics."""
+  launch_time = time.time()
+  run = set_up(config, workdir)
+  start_time = launch_time - run.trained_seconds  # the clock of the run's training time, resumes included
+  step = first_step = int(run.state.step)
+  logging.info('Starting at step %d of %d; %d batches per epoch%s', step, run.num_train_steps,
+               run.train_batches.batches_per_epoch(),
+               f'; {metrics_lib.duration(run.trained_seconds)} trained before' if run.trained_seconds else '')
+  # Where this launch's clock starts (bench/bleu_curve.py reads it to join the minutes of resumed launches).
+  run.log.write(step, {'run/trained_seconds_at_start': run.trained_seconds})
+  interval = metrics_lib.TrainInterval(run.throughput, config.skip_nonfinite_updates)
+  last = {}
+  preemption_sync = preemption.preemption_sync_available(step)
+  # An error that escapes the loop (a failed evaluation, a device out of memory) first lets the save in flight
+  # finish: rerunning the command resumes from it.
+  with (preemption.closed_on_error(run),
+        preemption.StopSignal(handle_sigterm=not preemption_sync) as stop_signal):
+    decision = preemption.StopDecision(config, start_time, stop_signal, preemption_sync,
+                                       num_steps=run.num_train_steps, every_steps=run.checkpoint_every_steps)
+    in_flight = preemption.StepsInFlight()
+    spent = step < run.num_train_steps and decision.spent_before_start(run.trained_seconds)
+    while step < run.num_train_steps and not spent:
+      batch = interval.next_batch(run.train_batches)
+      run.profiler.before_step(step)
+      run.state, step_metrics = run.train_fn(run.state, sharding.put_batch(batch, run.batch_sharding))
+      if step == first_step:  # the call compiles the step; the rest runs asynchronously
+        run.schedule_fit.first_step_done(step + 1)
+      interval.add(step_metrics, batch)  # device arrays: read only at log/save time
+      in_flight.add(step_metrics)  # stop decisions below are for a step the device is about to reach
+      step += 1
+      run.profiler.after_step(step, run.state)
+      save, done = decision.after_step(step)
+      if step % config.log_every_steps == 0 or save:
+        interval.check_finite(step)
+      if step % config.log_every_steps == 0 or done:
+        last = log_train(run, interval, step, start_time, decision)
+      if save:  # before evaluating: a kill during a long validation decode loses nothing; the write is async
+        position = {**run.train_batches.state(), TRAINED_SECONDS: time.time() - start_time}
+        run.checkpoints.save(step, run.state, position, force=True, vocab_sha256=run.vocab_sha256)
+        decision.saved()
+      if not decision.signalled:  # a preempted run exits at once (its grace period is short); no evaluation
+        evaluated = evaluate_step(run, step, start_time, done)
+        if evaluated:
+          last.update(evaluated)
+          interval.restart()  # keep evaluation out of the next interval's tokens/s
+      if run.schedule_fit.due(step, decision.seconds_left()) and not done:
+        fit_to_time(run, step, decision)
+      if done:
+        logging.info('Stopping at step %d after %s (%s)', step, metrics_lib.duration(time.time() - start_time),
+                     decision.reason)
+        break
+  if decision.reason == 'config.max_train_minutes' and config.cooldown_steps > 0:
+    time_budget.warn_cooldown_cut(step, run.num_train_steps, fitted=run.num_train_steps < config.num_train_steps)
+  finish(run, step, decision)
+  logging.info('Trained steps %d..%d in %s (%s of training in all)', first_step, step,
+               metrics_lib.duration(time.time() - launch_time), metrics_lib.duration(time.time() - start_time))
+  return last
+
+
+def finish(run, step, decision):
+  """Waits for the last save and closes everything; a run that ended (by steps or time), not one paused by a
+  stop signal, averages its last checkpoints for decoding and is marked finished (ensemble.py)."""
+  run.close(last_state=run.state)
+  if decision.signalled:
+    return
+  if run.config.average_last_checkpoints > 0:
+    checkpoints_lib.average_last(run.workdir, last=run.config.average_last_checkpoints,
+                                 every_steps=run.checkpoint_every_steps)
+  ensemble.mark_finished(run.workdir, run.config, step, decision.reason or 'its end, reached before this launch')
