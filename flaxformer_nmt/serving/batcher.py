@@ -30,7 +30,7 @@ from absl import logging
 from etils import epath
 
 from flaxformer_nmt.data import corpus as data_lib
-from flaxformer_nmt.data.tokenizer import BOS_ID, EOS_ID
+from flaxformer_nmt.models.tokens import BOS_ID, EOS_ID
 from flaxformer_nmt.decoding.search import batch_rows
 from flaxformer_nmt.decoding.translator import Translator
 from flaxformer_nmt.evaluation import attention as attention_lib
@@ -240,6 +240,7 @@ class JaxBackend:
     self.config, self.tokenizer = self.translator.config, self.translator.tokenizer
     self.source_lang, self.target_lang = self.config.source_lang, self.config.target_lang
     self.workdir, self.checkpoint = str(workdir), self.translator.checkpoint
+    self.max_position = int(self.config.model.max_position)
 
   @property
   def max_source_tokens(self):
@@ -298,13 +299,15 @@ class JaxBackend:
         answers[i].attention = weights
     return answers
 
-  def warm_up(self, lengths, rows, options, tokens_per_batch):
-    """Compiles the searches of `rows` sentences of each source length in `lengths` (EOS included)."""
+  def warm_up(self, level, max_source_tokens, options, tokens_per_batch):
+    """Compiles the searches of `options` for sources of every length bucket up to max_source_tokens: one
+    sentence each ('light'), or batches of 1, 2, 4, ... sentences up to the token budget ('full')."""
+    buckets = self.config.length_buckets
+    top = data_lib.bucket_length(max_source_tokens + 1, buckets)
     vocab = self.tokenizer.vocab_size
-    for length in lengths:
-      for count in rows:
-        if count * length > tokens_per_batch and count > 1:
-          continue
+    for length in [b for b in buckets if b <= top]:
+      rows = [1] if level == 'light' else [1 << k for k in range(16) if (1 << k) * length <= tokens_per_batch]
+      for count in rows or [1]:
         token_lists = [[4 + (i * 7 + j * 3) % (vocab - 4) for j in range(length - 1)] + [EOS_ID]
                        for i in range(count)]
         self.translator.warm_up(token_lists, tokens_per_batch=tokens_per_batch, **options)

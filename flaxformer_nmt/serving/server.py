@@ -1,0 +1,600 @@
+"""The translation server's application: its own API, a LibreTranslate-compatible one, status, metrics, the page.
+
+  POST /v1/translate  {"model", "text": [...], "beam_size", "n_best", "alpha", "max_length", "return_scores",
+                       "return_attention"} -> {"model", "translations": [{"text", "score", "n_best", "attention"}]}
+  POST /translate     LibreTranslate's {"q", "source", "target", "format", "alternatives", "api_key"}
+                      -> {"translatedText"} (JSON or form-encoded, as LibreTranslate's clients send it)
+  GET  /languages     LibreTranslate's [{"code", "name", "targets"}]
+  GET  /v1/models     the models served, their checkpoints, sizes, decode settings and validation BLEU
+  GET  /health        200 while the process runs (no key needed)
+  GET  /ready         200 once the warm-up has compiled the searches, 503 before
+  GET  /metrics       Prometheus text format
+  GET  /              the page: translate, n best, cross-attention heatmap (static/, no external resources)
+  GET  /docs          FastAPI's OpenAPI page
+
+Each text is split into lines and each line into sentences; the sentences of all requests are batched
+(batcher.py) and every translation is rejoined in place (one space between sentences, lines as they were).
+An empty text translates to an empty string. See docs/serving.md.
+"""
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import pathlib
+import re
+import time
+import urllib.parse
+from typing import Optional, Union
+
+import fastapi
+import numpy as np
+import prometheus_client
+import pydantic
+from absl import logging as absl_logging
+from fastapi import exceptions as fastapi_exceptions
+from fastapi import responses, staticfiles
+from starlette.datastructures import Headers
+from starlette.middleware.cors import CORSMiddleware
+
+from flaxformer_nmt.serving import argos
+from flaxformer_nmt.serving import batcher as batcher_lib
+
+STATIC_DIR = pathlib.Path(__file__).parent / 'static'
+LIBRE_PATHS = ('/translate', '/languages')
+PUBLIC_PATHS = ('/health', '/', '/favicon.ico', '/docs', '/docs/oauth2-redirect', '/openapi.json', '/redoc')
+WARMUP_LEVELS = ('none', 'light', 'full')
+
+
+@dataclasses.dataclass
+class Settings:
+  """The server's limits and batching (serve.py's flags)."""
+  max_batch_tokens: int = 2048
+  max_wait_ms: float = 10.0
+  max_queue_sentences: int = 2048
+  timeout_s: float = 30.0
+  max_input_tokens: int = 256
+  max_sentences: int = 128
+  max_body_bytes: int = 1 << 20
+  max_beam_size: int = 8
+  api_keys: tuple = ()
+  cors_origins: tuple = ()
+  warmup: str = 'full'
+
+
+class ApiError(Exception):
+  """An answer other than 200: its status, message and headers."""
+
+  def __init__(self, status, message, headers=None):
+    super().__init__(message)
+    self.status, self.message, self.headers = status, message, headers
+
+
+def error_response(path, status, message, headers=None):
+  """LibreTranslate's {"error": message} on its routes, FastAPI's {"detail": message} on the others."""
+  body = {'error': message} if path in LIBRE_PATHS else {'detail': message}
+  return responses.JSONResponse(body, status, headers=headers)
+
+
+_SENTENCE_END = re.compile(r'[.!?\u2026]+["\'\u201d\u2019)\]]*\s+')
+ABBREVIATIONS = frozenset('mr mrs ms dr prof st sr jr vs etc e.g i.e no nr ca bzw z.b usw'.split())
+
+
+def split_sentences(line):
+  """The sentences of one line of text: a break after . ! ? (and closing quotes) followed by white space and an
+  upper-case letter, digit or opening quote, but not after a short abbreviation (Mr., Dr., z.B., ...)."""
+  sentences, start = [], 0
+  for match in _SENTENCE_END.finditer(line):
+    following = line[match.end():match.end() + 2]
+    words = line[start:match.start() + 1].split()
+    word = words[-1].rstrip('.').lower() if words else ''
+    starts = following[:1].isupper() or following[:1].isdigit() or (
+        following[:1] in '"\'\u201c\u201e(' and following[1:2].isupper())
+    if starts and word not in ABBREVIATIONS and len(word) > 1:
+      sentences.append(line[start:match.end()].strip())
+      start = match.end()
+  sentences.append(line[start:].strip())
+  return sentences
+
+
+def split_text(text):
+  """A text as lines of sentences: [[sentence, ...], ...]."""
+  return [split_sentences(line) for line in text.split('\n')]
+
+
+class TranslateRequest(pydantic.BaseModel):
+  """POST /v1/translate."""
+  model_config = pydantic.ConfigDict(extra='forbid', strict=True)
+  model: Optional[str] = pydantic.Field(None, description='A served model\'s name (GET /v1/models); default: the '
+                                        'first.')
+  text: Union[list[str], str] = pydantic.Field(..., description='Texts to translate; each may hold several '
+                                               'sentences and lines.')
+  beam_size: Optional[int] = pydantic.Field(None, ge=0, description='0: greedy; default: the model\'s.')
+  n_best: int = pydantic.Field(1, ge=1, description='Translations per text, best first (at most beam_size).')
+  alpha: Optional[float] = pydantic.Field(None, ge=0, description='Length penalty exponent; default: the '
+                                          'model\'s.')
+  max_length: Optional[int] = pydantic.Field(None, ge=1, description='At most this many target pieces per '
+                                             'sentence (default: source length + the model\'s extra length).')
+  return_scores: bool = False
+  return_attention: bool = False
+
+
+class Metrics:
+  """The server's Prometheus metrics, in a registry of its own."""
+
+  def __init__(self):
+    self.registry = r = prometheus_client.CollectorRegistry()
+    prefix = 'flaxformer_nmt_'
+    self.requests = prometheus_client.Counter(f'{prefix}requests', 'HTTP requests by route and status',
+                                              ['route', 'status'], registry=r)
+    self.latency = prometheus_client.Histogram(f'{prefix}request_seconds', 'HTTP request latency', ['route'],
+                                               buckets=(.01, .025, .05, .1, .25, .5, 1, 2, 4, 8, 15, 30, 60),
+                                               registry=r)
+    self.batch_sentences = prometheus_client.Histogram(
+        f'{prefix}batch_sentences', 'Sentences per decoded batch', buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+        registry=r)
+    self.batch_tokens = prometheus_client.Histogram(
+        f'{prefix}batch_source_tokens', 'Source tokens per decoded batch',
+        buckets=(16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384), registry=r)
+    self.batch_seconds = prometheus_client.Histogram(f'{prefix}batch_seconds', 'Decoding time per batch',
+                                                     buckets=(.01, .05, .1, .25, .5, 1, 2, 4, 8, 16), registry=r)
+    self.queue = prometheus_client.Gauge(f'{prefix}queue_sentences', 'Sentences waiting for a batch', registry=r)
+    self.target_tokens = prometheus_client.Counter(f'{prefix}target_tokens', 'Target tokens generated', registry=r)
+    self.tokens_per_second = prometheus_client.Gauge(f'{prefix}target_tokens_per_second',
+                                                     'Target tokens per second of the latest batch', registry=r)
+
+  def request(self, route, status, seconds):
+    self.requests.labels(route, str(status)).inc()
+    self.latency.labels(route).observe(seconds)
+
+  def queue_depth(self, sentences):
+    self.queue.set(sentences)
+
+  def batch(self, sentences, source_tokens, target_tokens, seconds):
+    self.batch_sentences.observe(sentences)
+    self.batch_tokens.observe(source_tokens)
+    self.batch_seconds.observe(seconds)
+    self.target_tokens.inc(target_tokens)
+    self.tokens_per_second.set(target_tokens / max(seconds, 1e-9))
+
+  def render(self):
+    return prometheus_client.generate_latest(self.registry)
+
+
+class Keys:
+  """API keys (constant-time comparison against every key); none: every request is let in."""
+
+  def __init__(self, keys):
+    self.keys = [k.encode('utf-8') for k in keys]
+
+  def accepts(self, key):
+    if key is None:
+      return False
+    given, found = key.encode('utf-8'), False
+    for k in self.keys:
+      found |= hmac.compare_digest(given, k)
+    return found
+
+  def bearer(self, headers):
+    scheme, _, key = headers.get('authorization', '').partition(' ')
+    return self.accepts(key.strip()) if scheme.lower() == 'bearer' else False
+
+
+def libre_api_key(body, headers, query_string):
+  """LibreTranslate's api_key field: from a JSON or form body, or the query string."""
+  content_type = headers.get('content-type', '')
+  try:
+    if body and 'json' in content_type:
+      data = json.loads(body)
+      key = data.get('api_key') if isinstance(data, dict) else None
+      return key if isinstance(key, str) else None
+    if body and 'x-www-form-urlencoded' in content_type:
+      return urllib.parse.parse_qs(body.decode('utf-8')).get('api_key', [None])[0]
+  except (ValueError, UnicodeDecodeError):
+    return None
+  return urllib.parse.parse_qs(query_string.decode('latin-1')).get('api_key', [None])[0]
+
+
+class Guard:
+  """ASGI middleware in front of every route: the API key, the request body's size limit and its UTF-8."""
+
+  def __init__(self, app, max_body_bytes, keys):
+    self.app, self.max_body_bytes, self.keys = app, max_body_bytes, keys
+
+  async def __call__(self, scope, receive, send):
+    if scope['type'] != 'http':
+      return await self.app(scope, receive, send)
+    path, headers = scope['path'], Headers(scope=scope)
+    needs_key = bool(self.keys.keys) and path not in PUBLIC_PATHS and not path.startswith('/static/')
+    unauthorized = ('a valid API key is required: send the header "Authorization: Bearer KEY"'
+                    + (' or the api_key field' if path in LIBRE_PATHS else ''))
+    if needs_key and path not in LIBRE_PATHS and not self.keys.bearer(headers):
+      return await error_response(path, 401, unauthorized, {'WWW-Authenticate': 'Bearer'})(scope, receive, send)
+    body = b''
+    if scope['method'] in ('POST', 'PUT', 'PATCH'):
+      body, error = await self._read_body(headers, receive)
+      if error is not None:
+        return await error_response(path, *error)(scope, receive, send)
+    if needs_key and path in LIBRE_PATHS and not (
+        self.keys.bearer(headers) or self.keys.accepts(libre_api_key(body, headers, scope['query_string']))):
+      return await error_response(path, 401, unauthorized, {'WWW-Authenticate': 'Bearer'})(scope, receive, send)
+    replayed = False
+
+    async def replay():
+      nonlocal replayed
+      if not replayed:
+        replayed = True
+        return {'type': 'http.request', 'body': body, 'more_body': False}
+      return await receive()
+    return await self.app(scope, replay, send)
+
+  async def _read_body(self, headers, receive):
+    """(the body, None) or (b'', (status, message)) where it is too large or not UTF-8."""
+    too_large = (413, f'the request body is over the limit of {self.max_body_bytes} bytes (--max_body_bytes)')
+    length = headers.get('content-length')
+    if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+      return b'', too_large
+    chunks, size = [], 0
+    while True:
+      message = await receive()
+      if message['type'] == 'http.disconnect':
+        break
+      chunk = message.get('body', b'')
+      size += len(chunk)
+      if size > self.max_body_bytes:
+        return b'', too_large
+      chunks.append(chunk)
+      if not message.get('more_body', False):
+        break
+    body = b''.join(chunks)
+    try:
+      body.decode('utf-8')
+    except UnicodeDecodeError as e:
+      return b'', (400, f'the request body is not valid UTF-8 ({e.reason} at byte {e.start})')
+    return body, None
+
+
+class RequestMetrics:
+  """ASGI middleware counting every request by route and status, and timing it."""
+
+  def __init__(self, app, metrics, routes):
+    self.app, self.metrics, self.routes = app, metrics, routes
+
+  async def __call__(self, scope, receive, send):
+    if scope['type'] != 'http':
+      return await self.app(scope, receive, send)
+    start, status = time.perf_counter(), [500]
+
+    async def send_status(message):
+      if message['type'] == 'http.response.start':
+        status[0] = message['status']
+      await send(message)
+    try:
+      await self.app(scope, receive, send_status)
+    finally:
+      path = scope['path']
+      route = path if path in self.routes else '/static' if path.startswith('/static/') else 'other'
+      self.metrics.request(route, status[0], time.perf_counter() - start)
+
+
+class Service:
+  """The models served (name -> backend, the first the default) and the batcher their searches share."""
+
+  def __init__(self, backends, settings, metrics):
+    if not backends:
+      raise ValueError('no model to serve')
+    self.backends, self.settings = dict(backends), settings
+    self.batcher = batcher_lib.Batcher(self._run_batch, max_batch_tokens=settings.max_batch_tokens,
+                                       max_wait_s=settings.max_wait_ms / 1000,
+                                       max_queue_sentences=settings.max_queue_sentences, observer=metrics)
+    self.ready, self.warmup_error = False, None
+    # Never more than the model translates whole: a longer source is refused, not cut.
+    self.input_limits = {name: min(settings.max_input_tokens, b.max_source_tokens) for name, b in backends.items()}
+
+  def _run_batch(self, key, token_lists, n_best, attention):
+    name, options = key[0], dict(key[1])
+    answers = self.backends[name].run(options, token_lists, n_best, attention, self.settings.max_batch_tokens)
+    return answers, sum(len(a.hypotheses[0][0]) for a in answers)
+
+  def served(self):
+    return ', '.join(f'{n} ({b.source_lang}->{b.target_lang})' for n, b in self.backends.items())
+
+  def resolve(self, name):
+    """(name, backend) of a request's model (None: the first served); 404 naming those served."""
+    name = next(iter(self.backends)) if name is None else name
+    if name not in self.backends:
+      raise ApiError(404, f'model {name!r} is not served; this server serves {self.served()}')
+    return name, self.backends[name]
+
+  def by_languages(self, source, target):
+    """The first model from `source` ('auto': any) to `target`; 404 naming those served."""
+    for name, backend in self.backends.items():
+      if backend.target_lang == target and source in ('auto', backend.source_lang):
+        return name, backend
+    raise ApiError(404, f'no model translates {source} to {target}; this server serves {self.served()}')
+
+  def options(self, backend, beam_size=None, n_best=1, alpha=None, max_length=None):
+    """The search options of a request with the model's defaults filled in; 400 naming the field or limit."""
+    options = backend.defaults()
+    if beam_size is not None:
+      if beam_size > self.settings.max_beam_size:
+        raise ApiError(400, f'beam_size={beam_size} is over the server\'s limit --max_beam_size='
+                       f'{self.settings.max_beam_size}')
+      options['beam_size'] = beam_size
+    if alpha is not None:
+      options['alpha'] = float(alpha)
+    if max_length is not None:
+      if max_length >= backend.max_position:
+        raise ApiError(400, f'max_length={max_length} is over the model\'s limit of {backend.max_position - 1} '
+                       'target pieces')
+      options['max_len_a'], options['max_len_b'] = 0.0, int(max_length)
+    if not 1 <= n_best <= max(options['beam_size'], 1):
+      raise ApiError(400, f'n_best={n_best} must be between 1 and the beam size ({options["beam_size"]})')
+    try:
+      backend.check_options(dict(options, n_best=n_best))
+    except ValueError as e:
+      raise ApiError(400, str(e)) from None
+    return options
+
+  def _encode(self, name, backend, texts):
+    """(per text its lines of sentence indices, the sentences' token ids); 413 naming a limit."""
+    layout, sentences = [], []
+    for text in texts:
+      lines = []
+      for line in split_text(text):
+        lines.append(list(range(len(sentences), len(sentences) + len(line))))
+        sentences += line
+      layout.append(lines)
+    if len(sentences) > self.settings.max_sentences:
+      raise ApiError(413, f'the request holds {len(sentences)} sentences; the limit is --max_sentences='
+                     f'{self.settings.max_sentences}')
+    token_lists = backend.encode(sentences)
+    limit = self.input_limits[name]
+    for text_index, lines in enumerate(layout):
+      for i in (i for line in lines for i in line):
+        if len(token_lists[i]) - 1 > limit:
+          raise ApiError(413, f'text[{text_index}] has a sentence of {len(token_lists[i]) - 1} tokens; the limit is '
+                         f'{limit} (--max_input_tokens={self.settings.max_input_tokens}, and what the model holds)')
+    return layout, token_lists
+
+  async def translate(self, name, texts, options, n_best=1, scores=False, attention=False):
+    """The answer entries of `texts`, in order (see the module docstring)."""
+    if not self.ready:
+      raise ApiError(503, 'the server is warming up (compiling its searches): see GET /ready', {'Retry-After': '5'})
+    backend = self.backends[name]
+    layout, token_lists = self._encode(name, backend, texts)
+    nonempty = [i for i, tokens in enumerate(token_lists) if len(tokens) > 1]
+    key = (name, tuple(sorted(options.items())))
+    try:
+      found = await self.batcher.submit(key, [token_lists[i] for i in nonempty], n_best=n_best, attention=attention,
+                                        timeout=self.settings.timeout_s) if nonempty else []
+    except batcher_lib.Overloaded as e:
+      raise ApiError(503, str(e), {'Retry-After': str(e.retry_after)}) from None
+    except batcher_lib.DeadlineExceeded as e:
+      raise ApiError(504, str(e)) from None
+    except batcher_lib.BatchFailed as e:
+      raise ApiError(500, str(e)) from None
+    answers = [None] * len(token_lists)
+    for i, answer in zip(nonempty, found):
+      answers[i] = answer
+    return [text_answer(backend, lines, token_lists, answers, n_best, scores, attention) for lines in layout]
+
+
+def text_answer(backend, lines, token_lists, answers, n_best, scores, attention):
+  """One text's entry of /v1/translate: its sentences' translations rejoined in place."""
+  def candidate(k):
+    text = '\n'.join(' '.join(t for t in (backend.decode(answers[i].hypotheses[k][0]) for i in line
+                                          if answers[i] is not None) if t) for line in lines)
+    score = sum(answers[i].hypotheses[k][1] for line in lines for i in line if answers[i] is not None)
+    return {'text': text, 'score': float(score)}
+  candidates = [candidate(k) for k in range(n_best)]
+  entry = {'text': candidates[0]['text']}
+  if scores:
+    entry['score'] = candidates[0]['score']
+  if n_best > 1:
+    entry['n_best'] = candidates
+  if attention:
+    entry['attention'] = attention_entry(backend, [(token_lists[i], answers[i]) for line in lines for i in line
+                                                   if answers[i] is not None])
+  return entry
+
+
+def attention_entry(backend, pairs):
+  """{'source_tokens', 'target_tokens', 'weights' [layers][target][source]} of a text's sentences: each
+  sentence's cross-attention (averaged over heads) on the diagonal, zero between sentences."""
+  source_tokens, target_tokens, blocks = [], [], []
+  for source_ids, answer in pairs:
+    source_tokens += backend.pieces(source_ids)
+    target_tokens += backend.pieces(answer.hypotheses[0][0])
+    blocks.append(answer.attention)
+  layers = blocks[0].shape[0] if blocks else 0
+  weights = np.zeros((layers, len(target_tokens), len(source_tokens)), np.float32)
+  row = column = 0
+  for block in blocks:
+    weights[:, row:row + block.shape[1], column:column + block.shape[2]] = block
+    row, column = row + block.shape[1], column + block.shape[2]
+  return {'source_tokens': source_tokens, 'target_tokens': target_tokens,
+          'weights': np.round(weights.astype(np.float64), 6).tolist()}
+
+
+async def warm_up(service):
+  """Compiles each model's searches (Settings.warmup), then marks the service ready."""
+  settings = service.settings
+  try:
+    for name, backend in service.backends.items():
+      if settings.warmup == 'none':
+        continue
+      start = time.perf_counter()
+      await service.batcher.run_exclusive(backend.warm_up, settings.warmup, service.input_limits[name],
+                                          service.options(backend), settings.max_batch_tokens)
+      absl_logging.info('Warmed up model %s (%s) in %.1f s', name, settings.warmup, time.perf_counter() - start)
+    service.ready = True
+  except Exception as e:  # pylint: disable=broad-except  (/ready reports it)
+    absl_logging.exception('The warm-up failed')
+    service.warmup_error = f'the warm-up failed: {type(e).__name__}: {e}'
+
+
+def validation_error(request, error):
+  """422 naming each field that is missing, of the wrong type or out of range, or where the JSON breaks."""
+  messages = []
+  for e in error.errors():
+    location = [str(part) for part in e.get('loc', ()) if part != 'body']
+    if e.get('type') == 'json_invalid':
+      messages.append(f'the body is not valid JSON ({e.get("ctx", {}).get("error", e.get("msg"))} at position '
+                      f'{location[-1] if location else "?"})')
+    else:
+      messages.append(f'{".".join(location) or "body"}: {e.get("msg")}')
+  return error_response(request.url.path, 422, '; '.join(messages))
+
+
+async def libre_fields(request):
+  """LibreTranslate's request fields, from a JSON object or a form-encoded body."""
+  content_type = request.headers.get('content-type', '')
+  body = await request.body()
+  if 'x-www-form-urlencoded' in content_type:
+    return {k: v[0] for k, v in urllib.parse.parse_qs(body.decode('utf-8'), keep_blank_values=True).items()}
+  if 'json' in content_type or not content_type:
+    try:
+      data = json.loads(body) if body else {}
+    except ValueError as e:
+      raise ApiError(422, f'the body is not valid JSON ({e})') from None
+    if not isinstance(data, dict):
+      raise ApiError(422, 'the body must be a JSON object')
+    return data
+  raise ApiError(415, f'send JSON or application/x-www-form-urlencoded, not {content_type}')
+
+
+def libre_request(data):
+  """(texts, whether q was one string, source, target, alternatives) of a LibreTranslate request."""
+  for field in ('q', 'source', 'target'):
+    if data.get(field) in (None, ''):
+      raise ApiError(400, f'Invalid request: missing {field} parameter')
+  q = data['q']
+  if not (isinstance(q, str) or (isinstance(q, list) and all(isinstance(t, str) for t in q))):
+    raise ApiError(422, 'q: must be a string or a list of strings')
+  for field in ('source', 'target', 'format'):
+    if not isinstance(data.get(field, 'text'), str):
+      raise ApiError(422, f'{field}: must be a string')
+  if data.get('format', 'text') != 'text':
+    raise ApiError(400, f'format {data["format"]!r} is not supported: only "text"')
+  alternatives = data.get('alternatives', 0)
+  if isinstance(alternatives, str) and alternatives.isdigit():
+    alternatives = int(alternatives)
+  if isinstance(alternatives, bool) or not isinstance(alternatives, int) or alternatives < 0:
+    raise ApiError(422, 'alternatives: must be a whole number >= 0')
+  return [q] if isinstance(q, str) else q, isinstance(q, str), data['source'], data['target'], alternatives
+
+
+def add_api_routes(app, service):
+  """POST /v1/translate and GET /v1/models."""
+  @app.post('/v1/translate')
+  async def translate(request: TranslateRequest):
+    """Translates each text (sentences split and rejoined); optional fields only when asked for."""
+    name, backend = service.resolve(request.model)
+    options = service.options(backend, request.beam_size, request.n_best, request.alpha, request.max_length)
+    texts = [request.text] if isinstance(request.text, str) else request.text
+    translations = await service.translate(name, texts, options, request.n_best, request.return_scores,
+                                           request.return_attention)
+    return {'model': name, 'translations': translations}
+
+  @app.get('/v1/models')
+  async def models():
+    """The models served: languages, checkpoint, parameters, config, decode defaults, validation BLEU."""
+    return {'models': [dict(name=name, backend=b.name, source_lang=b.source_lang, target_lang=b.target_lang,
+                            **b.describe(), defaults=b.defaults(),
+                            limits={'max_input_tokens': service.input_limits[name],
+                                    'max_sentences': service.settings.max_sentences,
+                                    'max_beam_size': service.settings.max_beam_size})
+                       for name, b in service.backends.items()]}
+
+
+def add_libretranslate_routes(app, service):
+  """LibreTranslate's POST /translate and GET /languages."""
+  @app.post('/translate')
+  async def libre_translate(request: fastapi.Request):
+    """LibreTranslate's translate: {"q", "source", "target", "format": "text"} -> {"translatedText"}."""
+    texts, single, source, target, alternatives = libre_request(await libre_fields(request))
+    name, backend = service.by_languages(source, target)
+    options = service.options(backend, n_best=alternatives + 1)
+    found = await service.translate(name, texts, options, n_best=alternatives + 1)
+    translated = [t['text'] for t in found]
+    body = {'translatedText': translated[0] if single else translated}
+    if alternatives:
+      others = [[c['text'] for c in t['n_best'][1:]] for t in found]
+      body['alternatives'] = others[0] if single else others
+    if source == 'auto':
+      detected = {'confidence': 100.0, 'language': backend.source_lang}
+      body['detectedLanguage'] = detected if single else [detected] * len(texts)
+    return body
+
+  @app.get('/languages')
+  async def languages():
+    """LibreTranslate's languages: every language served, with the targets it translates to."""
+    targets = {}
+    for backend in service.backends.values():
+      targets.setdefault(backend.source_lang, set()).add(backend.target_lang)
+      targets.setdefault(backend.target_lang, set())
+    return [{'code': code, 'name': argos.language_name(code), 'targets': sorted(t)}
+            for code, t in sorted(targets.items())]
+
+
+def add_status_routes(app, service, metrics):
+  """GET /health, /ready, /metrics, and the page."""
+  @app.get('/health')
+  async def health():
+    return {'status': 'ok'}
+
+  @app.get('/ready')
+  async def ready():
+    if service.ready:
+      return {'ready': True}
+    reason = service.warmup_error or 'warming up: compiling the searches'
+    return responses.JSONResponse({'ready': False, 'reason': reason}, 503)
+
+  @app.get('/metrics')
+  async def prometheus_metrics():
+    return responses.Response(metrics.render(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+  @app.get('/', include_in_schema=False)
+  async def page():
+    return responses.FileResponse(STATIC_DIR / 'index.html')
+
+  app.mount('/static', staticfiles.StaticFiles(directory=STATIC_DIR), name='static')
+
+
+def create_app(backends, settings=None):
+  """The FastAPI application serving `backends` ({name: backend}, batcher.JaxBackend or
+  argos.CTranslate2Backend); its lifespan starts the batcher and the warm-up, and drains the queue at the end."""
+  settings = settings or Settings()
+  if settings.warmup not in WARMUP_LEVELS:
+    raise ValueError(f'warmup must be one of {WARMUP_LEVELS}, not {settings.warmup!r}')
+  metrics = Metrics()
+  service = Service(backends, settings, metrics)
+
+  @contextlib.asynccontextmanager
+  async def lifespan(app):
+    del app
+    service.batcher.start()
+    warming = asyncio.get_running_loop().create_task(warm_up(service))
+    try:
+      yield
+    finally:
+      await service.batcher.close()
+      await warming
+
+  app = fastapi.FastAPI(title='flaxformer_nmt translation server', lifespan=lifespan,
+                        description='Translations of the models served, batched across requests.')
+  app.state.service, app.state.metrics = service, metrics
+  app.add_exception_handler(ApiError, lambda request, e: error_response(request.url.path, e.status, e.message,
+                                                                        e.headers))
+  app.add_exception_handler(fastapi_exceptions.RequestValidationError, validation_error)
+  add_api_routes(app, service)
+  add_libretranslate_routes(app, service)
+  add_status_routes(app, service, metrics)
+  app.add_middleware(Guard, max_body_bytes=settings.max_body_bytes, keys=Keys(settings.api_keys))
+  if settings.cors_origins:
+    app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=['GET', 'POST'],
+                       allow_headers=['Authorization', 'Content-Type'])
+  routes = {route.path for route in app.routes if hasattr(route, 'path') and route.path != '/static'}
+  app.add_middleware(RequestMetrics, metrics=metrics, routes=routes)
+  return app
