@@ -1,14 +1,15 @@
 r"""BLEU against training minutes: validation and test2016 BLEU of the checkpoints of a run, its averaged and
 its best checkpoint; trains the run first when given a config.
 
-  # Train (resumes if the workdir exists), keeping every checkpoint, then score (issue 14, items 3 and 4):
+  # Train (resumes if the workdir exists), keeping every checkpoint, then score:
   python bench/bleu_curve.py --config configs/multi30k_best.py --workdir runs/m30k_best
-  python bench/bleu_curve.py --config configs/multi30k.py --workdir runs/m30k_default
+  python bench/bleu_curve.py --config configs/multi30k.py --workdir runs/m30k
   # Score an existing workdir only (its kept checkpoints):
   python bench/bleu_curve.py --workdir runs/m30k --splits valid,test2016 [--beam_size 4] [--curve_every_steps 500]
 
 Reads `{data_dir}/{split}.{src,tgt}` from the workdir's config and the lowercased tokenized references from
-config.eval_bleu_tok_ref_dir (else ../shared/data/multi30k_tok); prints Markdown tables (also written to
+config.eval_bleu_tok_ref_dir (the download's multi30k_tok for the Multi30k configs) or --tok_dir; prints
+Markdown tables (also written to
 {workdir}/bleu_curve.md):
 1. the validation BLEU logged during training (metrics.jsonl: step, minutes, BLEU, lc-tok BLEU, length ratio);
 2. per checkpoint: training minutes, then per split cased sacreBLEU, lc-tok BLEU and length ratio, decoded
@@ -30,7 +31,6 @@ import time
 from absl import app, flags
 from etils import epath
 
-from flaxformer_nmt import config as config_lib
 from flaxformer_nmt.checkpointing import best as best_checkpoint
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
 from flaxformer_nmt.checkpointing import workdir as workdir_lib
@@ -52,7 +52,7 @@ def define_flags():
   flags.DEFINE_integer('beam_size', None, 'Beam width (default: the config\'s); 0 is greedy.')
   flags.DEFINE_float('alpha', None, 'Length penalty exponent (default: the config\'s).')
   flags.DEFINE_string('tok_dir', None, 'Lowercased Moses-tokenized references ({split}.{lang}); default: '
-                      'config.eval_bleu_tok_ref_dir, else ../shared/data/multi30k_tok.')
+                      'config.eval_bleu_tok_ref_dir.')
   flags.DEFINE_list('steps', None, 'Only these checkpoints (default: all kept, then averaged and best).')
   flags.DEFINE_integer('curve_every_steps', 0, 'Score only checkpoints at multiples of this (0: all).')
   flags.mark_flags_as_required(['workdir'])
@@ -71,7 +71,7 @@ def read_log(workdir):
 
   Each launch of the trainer logs where its clock starts ('run/trained_seconds_at_start'): the training time
   saved with the checkpoint it resumed from, so its elapsed_seconds continue the run's minutes. A launch that
-  starts from 0 after earlier ones (a checkpoint written before the clock was saved, 2026-11-27), or logs no
+  starts from 0 after earlier ones (a checkpoint written by a trainer that did not save its clock), or logs no
   start at all (older trainers), started its clock again: the earlier launches' last reading is added to it.
   """
   elapsed, bleu = {}, []
@@ -108,9 +108,9 @@ def logged_bleu_table(records, elapsed):
 
 def split_data(config, split, tok_dir):
   src_path, ref_path = data_lib.split_paths(config.data_dir, split, config.source_lang, config.target_lang)
-  tok_path = epath.Path(tok_dir) / f'{split}.{config.target_lang}'
+  tok_path = epath.Path(tok_dir) / f'{split}.{config.target_lang}' if tok_dir else None
   return (data_lib.read_lines(src_path), evaluate.read_text(ref_path),
-          evaluate.read_text(tok_path) if tok_path.exists() else None)
+          evaluate.read_text(tok_path) if tok_path is not None and tok_path.exists() else None)
 
 
 def checkpoint_names(workdir):
@@ -182,7 +182,7 @@ def main(_):
   checkpoints_lib.quiet_orbax_logs()
   cli.use_compilation_cache()  # every checkpoint decodes the same shapes
   config = workdir_lib.load_config(workdir)
-  tok_dir = FLAGS.tok_dir or config.get('eval_bleu_tok_ref_dir') or config_lib.shared_data_dir('multi30k_tok')
+  tok_dir = FLAGS.tok_dir or config.eval_bleu_tok_ref_dir
   beam = config.beam_size if FLAGS.beam_size is None else FLAGS.beam_size
   alpha = config.length_penalty_alpha if FLAGS.alpha is None else FLAGS.alpha
   splits = [FLAGS.split] if FLAGS.split else FLAGS.splits
