@@ -1,7 +1,11 @@
-r"""Exports a trained workdir to CTranslate2 for serving.
+r"""Exports a trained workdir to CTranslate2 for serving, or as an Argos Translate package.
 
   python -m flaxformer_nmt.export --workdir runs/m30k --checkpoint averaged --format ctranslate2 \
       --output_dir m30k_ct2 [--quantization int8]
+  python -m flaxformer_nmt.export --workdir runs/m30k --format argos --output_dir packages
+
+--format argos writes {output_dir}/translate-SRC_TGT-1_0.argosmodel, the package Argos Translate and
+LibreTranslate install (serving/argos.py): metadata.json, the CTranslate2 model in model/, sentencepiece.model.
 
 writes a CTranslate2 model directory (model.bin, config.json, shared_vocabulary.json) built through
 CTranslate2's own spec API, plus the sentencepiece model (`vocab.model`) and a README.md with the lines that
@@ -24,6 +28,7 @@ import sys
 from absl import app, flags, logging
 
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
+from flaxformer_nmt.serving import argos
 from flaxformer_nmt.serving.ctranslate2 import FORMATS, QUANTIZATIONS, export_ctranslate2
 
 
@@ -31,8 +36,10 @@ def define_flags():
   flags.DEFINE_string('workdir', None, 'Training workdir (config.json, vocab.model, checkpoints/).')
   flags.DEFINE_string('checkpoint', None, 'latest, averaged (see flaxformer_nmt.average), best, last:K or a step '
                       '(default: the config\'s decode_checkpoint).')
-  flags.DEFINE_enum('format', 'ctranslate2', list(FORMATS), 'Export format.')
+  flags.DEFINE_enum('format', 'ctranslate2', list(FORMATS) + ['argos'], 'Export format: a CTranslate2 model '
+                    'directory, or an Argos Translate package (.argosmodel) written into --output_dir.')
   flags.DEFINE_string('output_dir', None, 'Directory for the exported model (created).')
+  flags.DEFINE_string('package_version', '1.0', '--format argos: the package\'s version (in its name and metadata).')
   flags.DEFINE_enum('quantization', None, list(QUANTIZATIONS),
                     'Weight type of the saved model (default float32); CTranslate2 can still load it with '
                     'another compute_type.')
@@ -46,6 +53,12 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   checkpoints_lib.quiet_orbax_logs()
   try:
+    if FLAGS.format == 'argos':
+      path, description = argos.export_argos(FLAGS.workdir, FLAGS.output_dir, FLAGS.checkpoint, FLAGS.quantization,
+                                             FLAGS.force, FLAGS.package_version)
+      logging.info('Exported %s of %s to %s (Argos Translate package, %s)', description, FLAGS.workdir, path,
+                   FLAGS.quantization or 'float32')
+      return
     description = export_ctranslate2(FLAGS.workdir, FLAGS.output_dir, FLAGS.checkpoint, FLAGS.quantization,
                                      FLAGS.force)
   except (OSError, ValueError) as e:
