@@ -3,8 +3,9 @@
 Trains a tiny model for a few steps on one device and on meshes (data, fsdp) = (4, 1), (1, 4) and (2, 2), the
 last with gradient accumulation (and once more with the chunked vocabulary loss too), and prints a JSON report
 of how far each run's parameters and metrics are from the single-device run's. A wrong data-parallel reduction,
-FSDP gather or accumulation each shows in one of them; (2, 2) without accumulation and accumulation on one
-device were run too until 2026-11-30 (each layout compiles its own step: ~7 s of CI's 2-core machine).
+FSDP gather or accumulation each shows in one of them. The gradient norms are compared too: Adam divides each
+update by the gradient's own scale, so gradients summed over devices where they should be averaged (4x too
+large) move the parameters almost as the right ones do, and only the norm shows it.
 """
 import json
 import os
@@ -47,16 +48,17 @@ def run(config, mesh):
   state, shardings = ts.create_state(model, config, mesh)
   train_fn, eval_fn = ts.jit_steps(model, config, mesh, shardings)
   batch_sharding = sharding.batch_sharded(mesh)
-  losses = []
+  losses, grad_norms = [], []
   for batch in batches(config.vocab_size):
     state, metrics = train_fn(state, sharding.put_batch(batch, batch_sharding))
     losses.append(float(metrics['loss_sum'] / metrics['target_tokens']))
+    grad_norms.append(float(metrics['grad_norm']))
   evaluation = eval_fn(state.params, sharding.put_batch(batches(config.vocab_size, seed=1)[0], batch_sharding))
   split = sorted({str(leaf.sharding.spec) for leaf in jax.tree_util.tree_leaves(state.params)})
   shard_rows = [leaf.addressable_shards[0].data.shape for leaf in jax.tree_util.tree_leaves(state.opt_state)
                 if leaf.ndim == 2]
   full_rows = [leaf.shape for leaf in jax.tree_util.tree_leaves(state.opt_state) if leaf.ndim == 2]
-  return {'params': jax.device_get(state.params), 'losses': losses,
+  return {'params': jax.device_get(state.params), 'losses': losses, 'grad_norms': grad_norms,
           'eval_loss': float(evaluation['loss_sum'] / evaluation['target_tokens']), 'specs': split,
           'optimizer_state_sharded': any(a != b for a, b in zip(shard_rows, full_rows))}
 
@@ -77,7 +79,7 @@ def main():
   config.learning_rate_scale = 0.5
   config.warmup_steps = 3
   reference = run(config, sharding.make_mesh(devices=jax.devices()[:1]))
-  report = {'reference_losses': reference['losses']}
+  report = {'reference_losses': reference['losses'], 'reference_grad_norms': reference['grad_norms']}
   # The last: the chunked vocabulary loss (config.vocabulary_loss_chunk_tokens) against the reference's whole
   # logits, its embedding gradient summed over the data-parallel rows and its chunks over positions per device.
   for data, fsdp, accumulate, chunk in ((4, 1, 1, 0), (1, 4, 1, 0), (2, 2, 2, 0), (2, 2, 2, 16)):
@@ -88,6 +90,7 @@ def main():
     report[f'data={data},fsdp={fsdp},accumulate={accumulate}' + (f',chunk={chunk}' if chunk else '')] = {
         'param_max_abs_diff': max_difference(result['params'], reference['params']),
         'loss_max_abs_diff': max(abs(a - b) for a, b in zip(result['losses'], reference['losses'])),
+        'grad_norm_max_rel_diff': max(abs(a - b) / b for a, b in zip(result['grad_norms'], reference['grad_norms'])),
         'eval_loss_abs_diff': abs(result['eval_loss'] - reference['eval_loss']),
         'specs': result['specs'], 'optimizer_state_sharded': result['optimizer_state_sharded'],
     }
