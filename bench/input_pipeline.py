@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from flaxformer_nmt.data import batching
 from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from flaxformer_nmt.data import corpora  # pylint: disable=g-import-not-at-top,wrong-import-position
 from flaxformer_nmt.data import corpus as data_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -81,7 +82,7 @@ def main():
     max_length = min(config.max_length, config.packed_length) if config.packed_length else config.max_length
     examples = corpus.usable(max_length)
     for prefetch in (0, config.prefetch_batches):  # the config's batches, packed where it packs
-      batches = data_lib.TrainBatches(corpus, examples=examples, tokens_per_batch=config.tokens_per_batch,
+      batches = batching.TrainBatches(corpus, examples=examples, tokens_per_batch=config.tokens_per_batch,
                                       buckets=config.length_buckets, seed=config.seed, prefetch=prefetch,
                                       packed_length=config.packed_length,
                                       packing_open_rows=config.packing_open_rows, max_length=max_length)

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from conftest import small_config, write_toy_corpus
+from flaxformer_nmt.data import batching
 from flaxformer_nmt.checkpointing import workdir as workdir_lib
 from flaxformer_nmt.data import corpus as data
 from flaxformer_nmt.data import tokenizer as tokenizer_lib
@@ -118,7 +119,7 @@ def make_batches(toy, dropout, packed_length, directory=None, sample=None, max_l
     sample = sample or (lambda epoch: data.sample_segmentation(
         corpus, pairs, tokenizer, dropout=dropout, seed=5, epoch=epoch, examples=examples, max_length=max_length))
     resegment = data.SavedSegmentations(directory, sample, fingerprint={'bpe_dropout': dropout})
-  return data.TrainBatches(corpus, examples=examples, tokens_per_batch=256, buckets=(16, 32), seed=5, prefetch=0,
+  return batching.TrainBatches(corpus, examples=examples, tokens_per_batch=256, buckets=(16, 32), seed=5, prefetch=0,
                            packed_length=packed_length, max_length=max_length, bpe_dropout=dropout,
                            resegment=resegment)
 
@@ -190,13 +191,13 @@ def test_pairs_sampled_past_the_length_limit_keep_their_deterministic_pieces(toy
 
 def test_a_resume_with_another_bpe_dropout_is_refused_by_name(toy, tmp_path):
   saved = make_batches(toy, 0.1, 0, tmp_path).state()
-  with pytest.raises(data.BatchingError, match='config.bpe_dropout was 0.1, now 0.0'):
+  with pytest.raises(batching.BatchingError, match='config.bpe_dropout was 0.1, now 0.0'):
     make_batches(toy, 0.0, 0).restore(saved)
   # A position saved before the field existed was planned with the deterministic pieces.
   older = make_batches(toy, 0.0, 0).state()
   del older['batching']['bpe_dropout']
   make_batches(toy, 0.0, 0).restore(older)
-  with pytest.raises(data.BatchingError, match='config.bpe_dropout was 0.0, now 0.2'):
+  with pytest.raises(batching.BatchingError, match='config.bpe_dropout was 0.0, now 0.2'):
     make_batches(toy, 0.2, 0, tmp_path).restore(older)
 
 

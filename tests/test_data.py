@@ -4,6 +4,7 @@ import threading
 import numpy as np
 import pytest
 
+from flaxformer_nmt.data import batching
 from flaxformer_nmt.data import corpus as data_lib
 from flaxformer_nmt.data import tokenizer as tokenizer_lib
 from flaxformer_nmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
@@ -71,7 +72,7 @@ def corpus_of_lengths(lengths):
 def test_batches_respect_the_token_budget_and_shift_targets():
   rng = np.random.default_rng(0)
   corpus = corpus_of_lengths(rng.integers(2, 40, size=500))
-  batches = data_lib.TrainBatches(corpus, tokens_per_batch=256, buckets=(8, 16, 32, 48), seed=1)
+  batches = batching.TrainBatches(corpus, tokens_per_batch=256, buckets=(8, 16, 32, 48), seed=1)
   seen = 0
   for _ in range(batches.batches_per_epoch()):
     batch = next(batches)
@@ -91,8 +92,8 @@ def test_batches_respect_the_token_budget_and_shift_targets():
 
 def test_epochs_are_shuffled_differently_and_reproducibly():
   corpus = corpus_of_lengths(np.random.default_rng(0).integers(2, 40, size=300))
-  a = data_lib.TrainBatches(corpus, tokens_per_batch=128, buckets=(8, 16, 32, 48), seed=3)
-  b = data_lib.TrainBatches(corpus, tokens_per_batch=128, buckets=(8, 16, 32, 48), seed=3)
+  a = batching.TrainBatches(corpus, tokens_per_batch=128, buckets=(8, 16, 32, 48), seed=3)
+  b = batching.TrainBatches(corpus, tokens_per_batch=128, buckets=(8, 16, 32, 48), seed=3)
   first = [a.plan(0)[i][2].tolist() for i in range(5)]
   assert first == [b.plan(0)[i][2].tolist() for i in range(5)]
   assert first != [a.plan(1)[i][2].tolist() for i in range(5)]
@@ -100,7 +101,7 @@ def test_epochs_are_shuffled_differently_and_reproducibly():
 
 def test_iterator_resumes_exactly_from_a_saved_position():
   corpus = corpus_of_lengths(np.random.default_rng(0).integers(2, 40, size=200))
-  make = lambda: data_lib.TrainBatches(corpus, tokens_per_batch=128, buckets=(8, 16, 32, 48), seed=7)
+  make = lambda: batching.TrainBatches(corpus, tokens_per_batch=128, buckets=(8, 16, 32, 48), seed=7)
   uninterrupted = make()
   reference = [next(uninterrupted) for _ in range(60)]  # crosses an epoch boundary
   first = make()
@@ -116,7 +117,7 @@ def test_iterator_resumes_exactly_from_a_saved_position():
 
 def test_eval_batches_cover_everything_once_in_a_fixed_order():
   corpus = corpus_of_lengths(np.random.default_rng(0).integers(2, 40, size=100))
-  runs = [list(data_lib.eval_batches(corpus, tokens_per_batch=128, buckets=(8, 16, 32, 48))) for _ in range(2)]
+  runs = [list(batching.eval_batches(corpus, tokens_per_batch=128, buckets=(8, 16, 32, 48))) for _ in range(2)]
   assert sum(int((b['src'] != PAD_ID).any(axis=1).sum()) for b in runs[0]) == 100
   for x, y in zip(*runs):
     np.testing.assert_array_equal(x['src'], y['src'])
@@ -136,14 +137,14 @@ def test_length_filter_drops_long_and_empty_pairs(toy_corpus, tmp_path):
 def test_host_shards_are_disjoint_equal_shaped_and_cover_every_example(hosts):
   corpus = corpus_of_lengths(np.random.default_rng(0).integers(2, 40, size=400))
   usable = np.arange(0, 400, 3)  # a subset, as a length filter would leave
-  make = lambda p: data_lib.TrainBatches(corpus, examples=usable, tokens_per_batch=256, buckets=(8, 16, 32, 48),
+  make = lambda p: batching.TrainBatches(corpus, examples=usable, tokens_per_batch=256, buckets=(8, 16, 32, 48),
                                          seed=5, multiple_of=hosts, process_index=p, process_count=hosts)
   shards = [make(p) for p in range(hosts)]
-  single = data_lib.TrainBatches(corpus, examples=usable, tokens_per_batch=256, buckets=(8, 16, 32, 48), seed=5,
+  single = batching.TrainBatches(corpus, examples=usable, tokens_per_batch=256, buckets=(8, 16, 32, 48), seed=5,
                                  multiple_of=hosts)
   seen = []
   for b in range(single.batches_per_epoch()):
-    per_host = [set(s.host_members(0, b)[0].tolist()) for s in shards]
+    per_host = [set(s.plans.host_members(0, b)[0].tolist()) for s in shards]
     for i in range(hosts):
       for j in range(i):
         assert not per_host[i] & per_host[j]
@@ -159,7 +160,7 @@ def test_host_shards_are_disjoint_equal_shaped_and_cover_every_example(hosts):
 
 def test_sharded_iteration_resumes_exactly_with_and_without_prefetch():
   corpus = corpus_of_lengths(np.random.default_rng(1).integers(2, 40, size=200))
-  make = lambda prefetch: data_lib.TrainBatches(corpus, tokens_per_batch=128, buckets=(8, 16, 32, 48), seed=2,
+  make = lambda prefetch: batching.TrainBatches(corpus, tokens_per_batch=128, buckets=(8, 16, 32, 48), seed=2,
                                                 multiple_of=2, process_index=1, process_count=2, prefetch=prefetch)
   reference = make(0)
   expected = [next(reference) for _ in range(70)]
@@ -180,8 +181,8 @@ def test_sharded_iteration_resumes_exactly_with_and_without_prefetch():
 def test_eval_batches_split_rows_over_hosts():
   corpus = corpus_of_lengths(np.random.default_rng(2).integers(2, 40, size=90))
   kwargs = dict(tokens_per_batch=128, buckets=(8, 16, 32, 48), multiple_of=2)
-  whole = list(data_lib.eval_batches(corpus, **kwargs))
-  halves = [list(data_lib.eval_batches(corpus, process_index=p, process_count=2, **kwargs)) for p in range(2)]
+  whole = list(batching.eval_batches(corpus, **kwargs))
+  halves = [list(batching.eval_batches(corpus, process_index=p, process_count=2, **kwargs)) for p in range(2)]
   for batch, first, second in zip(whole, *halves):
     np.testing.assert_array_equal(np.concatenate([first['src'], second['src']]), batch['src'])
 
@@ -288,7 +289,7 @@ def test_vocabulary_sample_respects_the_character_budget(toy_corpus):
 def test_packed_batches_hold_every_example_once_per_epoch_split_over_hosts():
   lengths = np.random.default_rng(3).integers(2, 20, size=300)
   corpus = corpus_of_lengths(lengths)
-  make = lambda p: data_lib.TrainBatches(corpus, tokens_per_batch=256, buckets=(8,), seed=4, multiple_of=2,
+  make = lambda p: batching.TrainBatches(corpus, tokens_per_batch=256, buckets=(8,), seed=4, multiple_of=2,
                                          process_index=p, process_count=2, packed_length=32)
   hosts = [make(0), make(1)]
   real_tokens = 0
@@ -306,7 +307,7 @@ def test_packed_batches_hold_every_example_once_per_epoch_split_over_hosts():
   for h in hosts:
     h.close()
   with pytest.raises(ValueError, match='longer than packed_length=16'):
-    data_lib.TrainBatches(corpus, tokens_per_batch=256, buckets=(8,), seed=4, packed_length=16)
+    batching.TrainBatches(corpus, tokens_per_batch=256, buckets=(8,), seed=4, packed_length=16)
 
 
 def _pairs_of(batch):
@@ -326,7 +327,7 @@ def _named_pairs(lengths):
 def test_bidirectional_epochs_hold_every_pair_both_ways_then_one_way():
   source, target, corpus = _named_pairs(np.random.default_rng(5).integers(2, 30, size=120))
   examples = np.arange(1, 120)  # pair 0 left out, as `usable` would
-  batches = data_lib.TrainBatches(corpus, examples=examples, tokens_per_batch=256, buckets=(8, 16, 32, 48),
+  batches = batching.TrainBatches(corpus, examples=examples, tokens_per_batch=256, buckets=(8, 16, 32, 48),
                                   seed=3, prefetch=0, bidirectional_epochs=2)
   forward = sorted((tuple(source[i]), tuple(target[i])) for i in examples)
   reverse = sorted((t, s) for s, t in forward)
@@ -341,9 +342,9 @@ def test_bidirectional_epochs_hold_every_pair_both_ways_then_one_way():
   # A position saved before the field was one-directional; one saved with another value belongs to other batches.
   old = batches.state()
   old['batching'] = {k: v for k, v in old['batching'].items() if k != 'bidirectional_epochs'}
-  one_way = data_lib.TrainBatches(corpus, examples=examples, tokens_per_batch=256, buckets=(8, 16, 32, 48), seed=3)
+  one_way = batching.TrainBatches(corpus, examples=examples, tokens_per_batch=256, buckets=(8, 16, 32, 48), seed=3)
   one_way.restore(old)
-  with pytest.raises(data_lib.BatchingError, match='config.bidirectional_epochs was 2, now 0'):
+  with pytest.raises(batching.BatchingError, match='config.bidirectional_epochs was 2, now 0'):
     one_way.restore(batches.state())
 
 
@@ -361,7 +362,7 @@ def test_bidirectional_epochs_pack_reversed_pairs_as_their_own_examples():
   # As above, in packed rows (the recipe's batches): a reversed pair is one segment whose source is the
   # pair's target, never a forward source cut or joined to another example's target.
   source, target, corpus = _named_pairs(np.random.default_rng(6).integers(2, 30, size=90))
-  batches = data_lib.TrainBatches(corpus, tokens_per_batch=256, buckets=(8,), seed=2, prefetch=0,
+  batches = batching.TrainBatches(corpus, tokens_per_batch=256, buckets=(8,), seed=2, prefetch=0,
                                   packed_length=32, bidirectional_epochs=1)
   forward = sorted((tuple(s), tuple(t)) for s, t in zip(source, target))
   seen = {0: [], 1: []}
@@ -397,7 +398,7 @@ def test_bidirectional_epochs_reverse_each_epochs_own_pieces_under_bpe_dropout()
     return data_lib.TokenizedCorpus(
         data_lib.Ragged(np.where(corpus.source.tokens == EOS_ID, EOS_ID, corpus.source.tokens + 10 * (epoch + 1)),
                         corpus.source.offsets), corpus.target)
-  batches = data_lib.TrainBatches(corpus, tokens_per_batch=64, buckets=(16,), seed=0, prefetch=0, bpe_dropout=0.1,
+  batches = batching.TrainBatches(corpus, tokens_per_batch=64, buckets=(16,), seed=0, prefetch=0, bpe_dropout=0.1,
                                   resegment=resegment, bidirectional_epochs=1)
   seen = {0: [], 1: []}
   while not (batches.epoch == 1 and batches.batch == batches.batches_per_epoch()):

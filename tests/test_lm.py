@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flaxformer_nmt.data import batching
 from flaxformer_nmt.data import corpus as data_lib
 from flaxformer_nmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from flaxformer_nmt.decoding import generator as generate
@@ -163,7 +164,7 @@ def test_the_train_steps_masking_changes_with_the_step():
 
 def _generate(model, params, prompts, seeds, **options):
   width = 8
-  rows = data_lib.pad_rows([[BOS_ID] + p for p in prompts], len(prompts), width)
+  rows = batching.pad_rows([[BOS_ID] + p for p in prompts], len(prompts), width)
   lengths = np.array([1 + len(p) for p in prompts], np.int32)
   keys = jax.vmap(jax.random.key)(jnp.asarray(seeds))
   defaults = dict(max_new_tokens=10, greedy=False, temperature=1.0, top_k=0, top_p=1.0)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_model
-from flaxformer_nmt.data import corpus as data_lib
+from flaxformer_nmt.data import batching
 from flaxformer_nmt.data import packing
 from flaxformer_nmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from flaxformer_nmt.training import step as ts
@@ -69,7 +69,7 @@ def test_packed_loss_equals_unpacked_loss(attention_impl):
   assert len(packed) == 1
   packed = packed[0]
   assert (packed['src_segments'].max(axis=1) > 1).any()  # some rows really hold several examples
-  unpacked = data_lib.make_batch(src, tgt, rows=len(src), length=8)
+  unpacked = batching.make_batch(src, tgt, rows=len(src), length=8)
 
   def sums(batch):
     logits = ts.apply_model(model, params, {k: jnp.asarray(v) for k, v in batch.items()}, deterministic=True)

@@ -12,6 +12,7 @@ import pytest
 
 from conftest import small_config, subprocess_env, xla_flags_without_device_count
 from test_resilience import cli_args
+from flaxformer_nmt.data import batching
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
 from flaxformer_nmt.data import corpus as data_lib
 from flaxformer_nmt.data.tokenizer import EOS_ID, PAD_ID
@@ -37,7 +38,7 @@ def global_rows(hosts_batches):
 @pytest.mark.parametrize('packed_length', [0, 32])
 def test_global_batches_are_the_same_for_any_devices_hosts_and_accumulation(packed_length):
   corpus = numbered_corpus(np.random.default_rng(0).integers(2, 30, size=300))
-  make = lambda pad_rows_to, p=0, hosts=1: data_lib.TrainBatches(
+  make = lambda pad_rows_to, p=0, hosts=1: batching.TrainBatches(
       corpus, tokens_per_batch=200, buckets=BUCKETS, seed=3, pad_rows_to=pad_rows_to, process_index=p,
       process_count=hosts, prefetch=0, packed_length=packed_length)
   reference = make(1)
@@ -57,14 +58,14 @@ def test_packed_positions_saved_before_first_fit_resume_only_with_next_fit():
   """Checkpoints of packed runs from before config.packing_open_rows planned next fit: resuming one with
   first fit would train on other batches, so it is refused, and packing_open_rows=1 resumes it exactly."""
   corpus = numbered_corpus(np.random.default_rng(2).integers(2, 30, size=300))
-  make = lambda **kw: data_lib.TrainBatches(corpus, **{**dict(tokens_per_batch=256, buckets=BUCKETS, seed=3,
+  make = lambda **kw: batching.TrainBatches(corpus, **{**dict(tokens_per_batch=256, buckets=BUCKETS, seed=3,
                                                               prefetch=0, packed_length=32), **kw})
   next_fit = make(packing_open_rows=1)
   for _ in range(next_fit.batches_per_epoch() + 2):
     next(next_fit)
   state = json.loads(json.dumps(next_fit.state()))
   del state['batching']['packing_open_rows']  # as an older checkpoint stored it
-  with pytest.raises(data_lib.BatchingError, match='config.packing_open_rows was 1, now 16'):
+  with pytest.raises(batching.BatchingError, match='config.packing_open_rows was 1, now 16'):
     make().restore(state)
   resumed = make(packing_open_rows=1)
   resumed.restore(state)
@@ -78,7 +79,7 @@ def test_packed_positions_saved_before_first_fit_resume_only_with_next_fit():
 
 def test_a_changed_batching_is_refused_naming_the_setting_or_continued_in_the_same_epoch_when_allowed(caplog):
   corpus = numbered_corpus(np.random.default_rng(1).integers(2, 30, size=300))
-  make = lambda **kw: data_lib.TrainBatches(corpus, **{**dict(tokens_per_batch=200, buckets=BUCKETS, seed=3,
+  make = lambda **kw: batching.TrainBatches(corpus, **{**dict(tokens_per_batch=200, buckets=BUCKETS, seed=3,
                                                               prefetch=0, max_length=64), **kw})
   first = make()
   for _ in range(first.batches_per_epoch() + 4):
@@ -93,9 +94,9 @@ def test_a_changed_batching_is_refused_naming_the_setting_or_continued_in_the_sa
                         (dict(buckets=(8, 16, 48)), 'config.length_buckets was [8, 16, 32, 48], now [8, 16, 48]'),
                         (dict(max_length=32), 'config.max_length was 64, now 32'),
                         (dict(multiple_of=8), 'config.batch_rows_multiple was 1, now 8')):
-    with pytest.raises(data_lib.BatchingError, match=field.replace('[', r'\[').replace(']', r'\]')):
+    with pytest.raises(batching.BatchingError, match=field.replace('[', r'\[').replace(']', r'\]')):
       make(**change).restore(state)
-  with pytest.raises(data_lib.BatchingError, match='config.seed=3, now 4'):
+  with pytest.raises(batching.BatchingError, match='config.seed=3, now 4'):
     make(seed=4).restore(state)
   # Allowed: the same epoch, at the same fraction of it (4 of the old epoch's batches), with a warning.
   doubled = make(tokens_per_batch=400)
@@ -176,7 +177,7 @@ def test_a_changed_token_budget_stops_the_resume_unless_allowed(toy_corpus, tmp_
   config.num_train_steps = 5
   config.tokens_per_batch = 1024
   closes_before = len(checkpoint_closes)
-  with pytest.raises(data_lib.BatchingError, match='config.tokens_per_batch was 512, now 1024'):
+  with pytest.raises(batching.BatchingError, match='config.tokens_per_batch was 512, now 1024'):
     train.train_and_evaluate(config, workdir)
   assert len(checkpoint_closes) == closes_before + 1  # the refusal closed the checkpoint manager it had opened
   assert checkpoints_lib.saved_steps(workdir) == [3]  # nothing trained, nothing lost

@@ -8,6 +8,7 @@ import jax
 from absl import logging
 from etils import epath
 
+from flaxformer_nmt.data import batching
 from flaxformer_nmt.data import corpora
 from flaxformer_nmt.data import corpus as data_lib
 from flaxformer_nmt.data import download
@@ -48,7 +49,7 @@ def input_pipeline(config, workdir, num_devices):
         fingerprint={'vocabulary_sha256': tokenizer.sha256, 'bpe_dropout': config.bpe_dropout, 'seed': config.seed,
                      'pairs': train_pairs.fingerprint, 'max_length': max_length},
         is_leader=distributed.is_leader())
-  train_batches = data_lib.TrainBatches(
+  train_batches = batching.TrainBatches(
       train_corpus, examples=train_examples, tokens_per_batch=config.tokens_per_batch,
       buckets=config.length_buckets, seed=config.seed, multiple_of=config.batch_rows_multiple,
       pad_rows_to=num_devices, prefetch=config.prefetch_batches, packed_length=config.packed_length,
@@ -62,7 +63,7 @@ def input_pipeline(config, workdir, num_devices):
                  'with empty rows to a multiple of %d (devices x microbatches); a batch_rows_multiple that '
                  '%d divides avoids the padding (a new plan: set it when starting a run).',
                  config.batch_rows_multiple, num_devices, num_devices)
-  eval_batches = functools.partial(data_lib.eval_batches, eval_corpus, tokens_per_batch=config.tokens_per_batch,
+  eval_batches = functools.partial(batching.eval_batches, eval_corpus, tokens_per_batch=config.tokens_per_batch,
                                    buckets=config.length_buckets, multiple_of=num_devices, **hosts)
   return train_batches, eval_batches, tokenizer
 

@@ -25,8 +25,8 @@ import functools
 import jax
 from etils import epath
 
+from flaxformer_nmt.data import batching
 from flaxformer_nmt.checkpointing import workdir as workdir_lib
-from flaxformer_nmt.data import corpus as data_lib
 from flaxformer_nmt.data import tokenizer as tokenizer_lib
 from flaxformer_nmt.decoding import translator as decode
 from flaxformer_nmt.models import lm
@@ -68,10 +68,10 @@ class FillMask:
     token_lists = [list(t) for t in token_lists]
     if not token_lists:
       return []
-    width = data_lib.bucket_length(max(len(t) for t in token_lists), self.config.length_buckets)
+    width = batching.bucket_length(max(len(t) for t in token_lists), self.config.length_buckets)
     if width > self.config.model.max_position:
       raise ValueError(f'a text of {width} tokens exceeds the model\'s {self.config.model.max_position} positions')
-    tokens = data_lib.pad_rows(token_lists, len(token_lists), width)
+    tokens = batching.pad_rows(token_lists, len(token_lists), width)
     probs, ids = jax.device_get(self._predict(self.params, tokens, top_k=int(top_k)))
     return [[[(int(ids[b, t, j]), float(probs[b, t, j])) for j in range(top_k)]
              for t, token in enumerate(row) if token == self.mask_id]

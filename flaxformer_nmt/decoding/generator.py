@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from etils import epath
 
+from flaxformer_nmt.data import batching
 from flaxformer_nmt.checkpointing import workdir as workdir_lib
-from flaxformer_nmt.data import corpus as data_lib
 from flaxformer_nmt.data import tokenizer as tokenizer_lib
 from flaxformer_nmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from flaxformer_nmt.decoding import beam_search
@@ -134,7 +134,7 @@ class Generator:
       raise ValueError(f'a prompt of {width - 1} tokens + {max_new_tokens} new tokens exceed the model\'s '
                        f'{self.config.model.max_position} positions')
     rows = [[BOS_ID] + list(p) for p in prompt_ids for _ in range(num_samples)]
-    prompts = data_lib.pad_rows(rows, len(rows), width)
+    prompts = batching.pad_rows(rows, len(rows), width)
     lengths = np.array([len(r) for r in rows], np.int32)
     keys = decode.sample_keys(seed, jnp.arange(first_prompt, first_prompt + len(prompt_ids), dtype=jnp.int32),
                               num_samples).reshape(-1)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flaxformer_nmt.data import batching
 from flaxformer_nmt.data import corpus as data_lib
 from flaxformer_nmt.data.tokenizer import PAD_ID
 from flaxformer_nmt.decoding import beam_search
@@ -54,10 +55,10 @@ def score_pairs(translator, source_lists, target_lists, tokens_per_batch=None):
   order = sorted(range(len(lengths)), key=lengths.__getitem__)
   tokens_per_batch = tokens_per_batch or translator.config.decode_tokens_per_batch
   scores = np.zeros(len(lengths), np.float64)
-  for length, rows, members in data_lib.plan_batches(lengths, translator.config.length_buckets, tokens_per_batch,
+  for length, rows, members in batching.plan_batches(lengths, translator.config.length_buckets, tokens_per_batch,
                                                      1, order):
     rows = min(rows, 1 << (len(members) - 1).bit_length())  # a short batch in a power of two of rows
-    batch = data_lib.make_batch([source_lists[i] for i in members], [targets[i] for i in members], rows, length)
+    batch = batching.make_batch([source_lists[i] for i in members], [targets[i] for i in members], rows, length)
     log_probs = target_log_probs(translator.models, translator.member_params, batch['src'], batch['tgt_in'],
                                  batch['tgt_out'])
     scores[members] = np.asarray(log_probs)[:len(members)]

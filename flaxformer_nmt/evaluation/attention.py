@@ -27,6 +27,7 @@ import jax
 import numpy as np
 from etils import epath
 
+from flaxformer_nmt.data import batching
 from flaxformer_nmt.checkpointing import workdir as workdir_lib
 from flaxformer_nmt.data import corpus as data_lib
 from flaxformer_nmt.data.tokenizer import BOS_ID
@@ -77,10 +78,10 @@ def attention_maps(translator, sentences, beam_size=None):
     target_ids = [data_lib.reverse_before_eos(ids) for ids in reading_ids]
   # One padded batch (one compilation): sources, and BOS + translation as the decoder input.
   buckets = translator.config.length_buckets
-  src_len = data_lib.bucket_length(max(map(len, source_ids)), buckets)
-  tgt_len = data_lib.bucket_length(max(map(len, target_ids)), buckets)
-  src = data_lib.pad_rows(source_ids, len(sources), src_len)
-  tgt_in = data_lib.pad_rows(target_ids, len(sources), tgt_len, prefix=BOS_ID)
+  src_len = batching.bucket_length(max(map(len, source_ids)), buckets)
+  tgt_len = batching.bucket_length(max(map(len, target_ids)), buckets)
+  src = batching.pad_rows(source_ids, len(sources), src_len)
+  tgt_in = batching.pad_rows(target_ids, len(sources), tgt_len, prefix=BOS_ID)
   found = find_attention_weights(jax.device_get(_sown(translator.model, translator.params, src, tgt_in)))
   cross, encoder = _stack(found, 'decoder', 'cross_attention'), _stack(found, 'encoder', 'self_attention')
   maps = []
@@ -109,8 +110,8 @@ def self_attention_maps(workdir, sentences, checkpoint='latest'):
     token_lists = [runner.encode(text) for text in sentences]
   else:
     raise ValueError(f'{workdir} is a translation workdir: use attention_maps')
-  length = data_lib.bucket_length(max(map(len, token_lists)), runner.config.length_buckets)
-  tokens = data_lib.pad_rows(token_lists, len(token_lists), length)
+  length = batching.bucket_length(max(map(len, token_lists)), runner.config.length_buckets)
+  tokens = batching.pad_rows(token_lists, len(token_lists), length)
   found = find_attention_weights(jax.device_get(_sown_self(runner.model, runner.params, tokens)))
   stack = 'decoder' if task == 'lm' else 'encoder'
   weights = _stack(found, stack, 'self_attention')

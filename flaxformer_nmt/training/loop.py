@@ -18,10 +18,11 @@ import numpy as np
 from absl import logging
 from etils import epath
 
+from flaxformer_nmt.data import batching
+from flaxformer_nmt import config as config_lib
 from flaxformer_nmt.checkpointing import best as best_lib
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
-from flaxformer_nmt.checkpointing.workdir import build_model, save_or_check_config, validate_config
-from flaxformer_nmt.data import corpus as data_lib
+from flaxformer_nmt.checkpointing.workdir import build_model, save_or_check_config
 from flaxformer_nmt.data.pipeline import input_pipeline
 from flaxformer_nmt.models import transformer as model_lib
 from flaxformer_nmt.runtime import flops as flops_lib
@@ -31,7 +32,6 @@ from flaxformer_nmt.training import ensemble
 from flaxformer_nmt.training import metrics as metrics_lib
 from flaxformer_nmt.training import preemption
 from flaxformer_nmt.training import step as train_step_lib
-from flaxformer_nmt.training import time_budget
 from flaxformer_nmt.training import validation as bleu_eval
 from flaxformer_nmt.training import warm_start
 
@@ -46,10 +46,10 @@ class Run:
   config: Any
   workdir: epath.Path
   batch_sharding: Any
-  train_batches: data_lib.TrainBatches
+  train_batches: batching.TrainBatches
   eval_batches: Callable
   state: train_step_lib.TrainState
-  train_fn: train_step_lib.TrainStep  # refit(fitted) bends its schedule: the same compiled program
+  train_fn: train_step_lib.TrainStep
   eval_fn: Callable
   checkpoints: checkpoints_lib.Checkpoints
   throughput: metrics_lib.Throughput
@@ -58,9 +58,6 @@ class Run:
   vocab_sha256: str  # recorded with each checkpoint, checked on restore
   validation_bleu: bleu_eval.ValidationBleu
   best: Any  # best_checkpoint.BestCheckpoint, or None (config.best_checkpoint_metric off)
-  num_train_steps: int  # config.num_train_steps, or the end fitted to the time limit (time_budget.py)
-  checkpoint_every_steps: int  # config.checkpoint_every_steps, or closer after a fit (time_budget.py)
-  schedule_fit: time_budget.ScheduleFit
   # Training time before this launch, saved with each checkpoint (0 for a new run): config.max_train_minutes and
   # the logged elapsed_seconds count the run's training time across resumes, not the time between them.
   trained_seconds: float = 0.0
@@ -76,17 +73,12 @@ class Run:
     self.log.close()
 
 
-def check_config(config):
-  """Every check of the config alone that the trainer makes before it reads or writes anything (bench/sweep.py
-  --check_only runs it on each run of a screen before a lease)."""
-  validate_config(config)
-  bleu_eval.validate_config(config)
-
-
 def set_up(config, workdir):
   """Checks the config against the workdir, then builds the input, the model, the train state (fresh or
   restored from the newest good checkpoint, with the data position) and the compiled steps."""
-  check_config(config)
+  config_lib.validate(config)
+  # Whether this machine runs the model (its dtype and attention: cuDNN's rules), before any data is prepared.
+  model_lib.ModelConfig.from_config(config, config.vocab_size)
   workdir = epath.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   save_or_check_config(config, workdir)
@@ -102,23 +94,19 @@ def set_up(config, workdir):
       config, workdir, num_devices=sharding.rows_multiple(mesh) * config.grad_accumulation_steps)
 
   model = build_model(config, tokenizer)
-  bends = time_budget.load(workdir)  # the end fitted to the time limit by earlier launches of this workdir
   state, state_sharding = train_step_lib.create_state(model, config, mesh)
   logging.info('Model: %s parameters, %s', f'{model_lib.count_params(state.params):,}', model.config)
   checkpoints = checkpoints_lib.Checkpoints(workdir, keep=config.keep_checkpoints)
   with preemption.closed_on_error(train_batches, checkpoints):  # a refused resume leaves no thread behind
     state, trained_seconds = restore_or_start(config, state, state_sharding, checkpoints, train_batches, tokenizer)
   train_fn, eval_fn = train_step_lib.jit_steps(model, config, mesh, state_sharding)
-  schedule_fit = time_budget.ScheduleFit(config, workdir, int(state.step), bends)
-  fitted = schedule_fit.current  # the bend the next update runs on
-  train_fn = train_fn.refit(fitted) if fitted else train_fn
   peak = flops_lib.peak_flops_per_device(override=config.peak_flops_per_device)
   return Run(config, workdir, sharding.batch_sharded(mesh), train_batches, eval_batches, state, train_fn, eval_fn,
              checkpoints, metrics_lib.Throughput(model.config, tokenizer.vocab_size, num_devices, peak),
              Profiler(workdir, config.profile_start_step, config.profile_steps), metrics_lib.MetricsLog(workdir),
              tokenizer.sha256, bleu_eval.ValidationBleu(config, tokenizer, workdir, mesh),
              best_lib.BestCheckpoint(workdir, config.best_checkpoint_metric) if config.best_checkpoint_metric else None,
-             schedule_fit.end(), schedule_fit.save_every(), schedule_fit, trained_seconds)
+             trained_seconds)
 
 
 def restore_or_start(config, state, state_sharding, checkpoints, train_batches, tokenizer):
@@ -130,7 +118,7 @@ def restore_or_start(config, state, state_sharding, checkpoints, train_batches, 
       state = warm_start.load_params(state, state_sharding, config, tokenizer)
     return state, 0.0
   state, data_state = restored
-  trained_seconds = float(data_state.pop(TRAINED_SECONDS, 0.0))  # absent from checkpoints before 2026-11-27
+  trained_seconds = float(data_state.pop(TRAINED_SECONDS))
   train_batches.restore(data_state, allow_batching_change=config.allow_batching_change)
   if config.init_from:
     logging.info('Resuming this workdir; config.init_from=%s is ignored (it only starts new runs)', config.init_from)
@@ -155,8 +143,8 @@ def evaluate(eval_fn, params, batches, batch_sharding):
 def log_train(run, interval, step, start_time, decision):
   """Writes the interval's metrics and the log line; returns the metrics."""
   metrics = interval.summarize(start_time, run.train_batches.epoch)
-  eta = min((run.num_train_steps - step) * metrics['train/step_time'], decision.seconds_left())
-  logging.info('%s', metrics_lib.train_log_line(step, run.num_train_steps, metrics, eta, interval.skipped))
+  eta = min((run.config.num_train_steps - step) * metrics['train/step_time'], decision.seconds_left())
+  logging.info('%s', metrics_lib.train_log_line(step, run.config.num_train_steps, metrics, eta, interval.skipped))
   run.log.write(step, metrics)
   return metrics
 
@@ -184,25 +172,14 @@ def evaluate_step(run, step, start_time, done):
   return evaluated
 
 
-def fit_to_time(run, step, decision):
-  """config.fit_schedule_to_time: where the (fitted) cooldown begins, and again inside it where the pace has
-  changed, moves the run's end to what the time left holds (time_budget.py), saves at the interval the first
-  fit shrank, and runs the step on the bent schedule (its numbers change; the compiled program does not)."""
-  fitted = run.schedule_fit.fit(step, decision.seconds_left(), run.state)
-  if fitted is not None:
-    run.num_train_steps = decision.num_steps = fitted.num_train_steps
-    run.checkpoint_every_steps = decision.every_steps = run.schedule_fit.save_every()
-    run.train_fn = run.train_fn.refit(fitted)
-
-
 def train_and_evaluate(config, workdir):
-  """Trains to config.num_train_steps (or the end fitted to max_train_minutes, or until max_train_minutes or a
-  stop signal); returns the last metrics."""
+  """Trains to config.num_train_steps (or until config.max_train_minutes or a stop signal); returns the last
+  metrics."""
   launch_time = time.time()
   run = set_up(config, workdir)
   start_time = launch_time - run.trained_seconds  # the clock of the run's training time, resumes included
   step = first_step = int(run.state.step)
-  logging.info('Starting at step %d of %d; %d batches per epoch%s', step, run.num_train_steps,
+  logging.info('Starting at step %d of %d; %d batches per epoch%s', step, config.num_train_steps,
                run.train_batches.batches_per_epoch(),
                f'; {metrics_lib.duration(run.trained_seconds)} trained before' if run.trained_seconds else '')
   # Where this launch's clock starts (bench/bleu_curve.py reads it to join the minutes of resumed launches).
@@ -214,16 +191,13 @@ def train_and_evaluate(config, workdir):
   # finish: rerunning the command resumes from it.
   with (preemption.closed_on_error(run),
         preemption.StopSignal(handle_sigterm=not preemption_sync) as stop_signal):
-    decision = preemption.StopDecision(config, start_time, stop_signal, preemption_sync,
-                                       num_steps=run.num_train_steps, every_steps=run.checkpoint_every_steps)
+    decision = preemption.StopDecision(config, start_time, stop_signal, preemption_sync)
     in_flight = preemption.StepsInFlight()
-    spent = step < run.num_train_steps and decision.spent_before_start(run.trained_seconds)
-    while step < run.num_train_steps and not spent:
+    spent = step < config.num_train_steps and decision.spent_before_start(run.trained_seconds)
+    while step < config.num_train_steps and not spent:
       batch = interval.next_batch(run.train_batches)
       run.profiler.before_step(step)
       run.state, step_metrics = run.train_fn(run.state, sharding.put_batch(batch, run.batch_sharding))
-      if step == first_step:  # the call compiles the step; the rest runs asynchronously
-        run.schedule_fit.first_step_done(step + 1)
       interval.add(step_metrics, batch)  # device arrays: read only at log/save time
       in_flight.add(step_metrics)  # stop decisions below are for a step the device is about to reach
       step += 1
@@ -242,14 +216,12 @@ def train_and_evaluate(config, workdir):
         if evaluated:
           last.update(evaluated)
           interval.restart()  # keep evaluation out of the next interval's tokens/s
-      if run.schedule_fit.due(step, decision.seconds_left()) and not done:
-        fit_to_time(run, step, decision)
       if done:
         logging.info('Stopping at step %d after %s (%s)', step, metrics_lib.duration(time.time() - start_time),
                      decision.reason)
         break
-  if decision.reason == 'config.max_train_minutes' and config.cooldown_steps > 0:
-    time_budget.warn_cooldown_cut(step, run.num_train_steps, fitted=run.num_train_steps < config.num_train_steps)
+  if decision.reason == 'config.max_train_minutes' and step < config.num_train_steps:
+    warn_time_cut(config, step)
   finish(run, step, decision)
   logging.info('Trained steps %d..%d in %s (%s of training in all)', first_step, step,
                metrics_lib.duration(time.time() - launch_time), metrics_lib.duration(time.time() - start_time))
@@ -264,5 +236,16 @@ def finish(run, step, decision):
     return
   if run.config.average_last_checkpoints > 0:
     checkpoints_lib.average_last(run.workdir, last=run.config.average_last_checkpoints,
-                                 every_steps=run.checkpoint_every_steps)
+                                 every_steps=run.config.checkpoint_every_steps)
   ensemble.mark_finished(run.workdir, run.config, step, decision.reason or 'its end, reached before this launch')
+
+
+def warn_time_cut(config, step):
+  """The warning of a run that config.max_train_minutes stopped at `step`, before config.num_train_steps: the
+  learning rate never finished its schedule (the cooldown, where there is one, was cut)."""
+  schedule = ('its learning-rate cooldown (the last %d steps) was cut short' % config.cooldown_steps
+              if config.cooldown_steps else 'its learning-rate schedule did not reach its end')
+  logging.warning('config.max_train_minutes=%g stopped the run at step %d of config.num_train_steps=%d: %s. Size '
+                  'num_train_steps to the time (`python bench/train_throughput.py --fit_minutes M` prints the steps '
+                  'that fit M minutes on this machine), or pass a larger --config.max_train_minutes to train on.',
+                  config.max_train_minutes, step, config.num_train_steps, schedule)
