@@ -3,12 +3,12 @@ r"""BLEU of detokenized translations, two ways.
 1. sacreBLEU (cased, 13a tokenization) against the raw references: the WMT standard, reported with its
    signature.
 2. Paper-comparable Multi30k BLEU: most multimodal-MT papers score lowercased, Moses-tokenized text against
-   the official `*.lc.norm.tok.*` references (../shared/data/multi30k_tok). The hypotheses go through the same
+   the official `*.lc.norm.tok.*` references (the download command fetches them with Multi30k). The hypotheses go through the same
    pipeline as those references: Moses punctuation normalization (normalize-punctuation.perl -l LANG), Moses
    tokenization with XML escaping (tokenizer.perl -l LANG, as `&quot;` in the references shows), lowercasing;
    then sacreBLEU with tokenize='none' against the tokenized references.
 
-  python -m flaxformer_nmt.evaluate --hyp hyp.de --ref test2016.de [--tok_ref ../shared/data/multi30k_tok/test2016.de]
+  python -m flaxformer_nmt.evaluate --hyp hyp.de --ref test2016.de [--tok_ref ~/.cache/flaxformer_nmt/multi30k_tok/test2016.de]
 
 A model trained on lowercased text (config.lowercase) writes lowercase translations: with --lowercase, 1. is
 case-insensitive (sacreBLEU's own option; its signature says case:lc); 2. lowercases anyway.
@@ -22,7 +22,7 @@ from etils import epath
 @functools.lru_cache(maxsize=None)
 def _moses(lang):
   # Imported here: sacremoses compiles its regular expressions on import (0.6 s of the decode command's 3 s
-  # start on a 2-core CPU, 2026-11-30), and only tokenized BLEU needs it.
+  # start on a 2-core CPU), and only tokenized BLEU needs it.
   from sacremoses import MosesPunctNormalizer, MosesTokenizer  # pylint: disable=g-import-not-at-top
   return MosesPunctNormalizer(lang=lang), MosesTokenizer(lang=lang)
 

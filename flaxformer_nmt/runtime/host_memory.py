@@ -7,8 +7,7 @@ over 8,000 pieces and their gradients dominate). glibc serves an allocation that
 mmap threshold, at most 32 MB; and from a thread's own arena, which cannot hold it, whatever the threshold)
 and returns it with munmap when it is freed. So every step touched ~244,000 fresh pages, each a page fault
 and a page zeroed by the kernel: on a 2-core Intel Xeon, ~290,000 faults a second, a quarter of the CPU time
-in the kernel, and the recipe's step took 810 ms against 572 ms with the buffer kept (bench/RESULTS.md,
-2026-11-28).
+in the kernel, and configs/multi30k.py's step took 810 ms against 572 ms with the buffer kept.
 
 `keep_freed_memory()` asks glibc (mallopt) to serve every thread from the main heap (M_ARENA_MAX 1), never
 with mmap (M_MMAP_MAX 0), and to give the heap's top back only beyond 2 GiB free (M_TRIM_THRESHOLD): the

@@ -36,9 +36,8 @@ def split_host_cpu(count, setting='config.cpu_devices'):
   Why: a small model's CPU step is some 2,000 small operations, most too small for XLA's intra-op threads to
   split, so one device leaves the second core idle much of the step. With a device per core each half-batch's
   operations run side by side; the gradients are summed across them as on any data-parallel mesh, so the
-  update is the same (the tests compare the losses). Measured on a 2-core AMD EPYC Zen 3, float32 (the
-  recipe's tiny model, 4,096 tokens a step): 1.35-1.60 s a step on one device, 1.03-1.21 s on two
-  (bench/RESULTS.md, 2026-12-02).
+  update is the same (the tests compare the losses). On a 2-core AMD EPYC Zen 3, float32 (configs/multi30k.py's
+  model, 4,096 tokens a step): 1.35-1.60 s a step on one device, 1.03-1.21 s on two.
 
   It fixes JAX's CPU client, so it runs before the first computation (train.main does it first). A device
   count already asked of XLA (XLA_DEVICE_COUNT_FLAG in XLA_FLAGS) is left as it is; where the
