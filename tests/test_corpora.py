@@ -1,28 +1,19 @@
-"""Corpora: TFDS WMT builders (on tfds.testing.mock_data), the translation direction, text export and the
-Multi30k download helper (on a local HTTP server)."""
-import functools
-import gzip
-import hashlib
-import http.server
+"""Corpora: TFDS WMT builders (on tfds.testing.mock_data), the translation direction and text export (the Multi30k
+download: test_download.py)."""
 import importlib.util
 import os
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
 
 from flaxformer_nmt import config as config_lib
 from flaxformer_nmt.data import corpora
-from flaxformer_nmt.data import corpus as data_lib
-from flaxformer_nmt.data import download
 from flaxformer_nmt.data import tokenizer as tokenizer_lib
 from flaxformer_nmt.data.tokenizer import PAD_ID
-from flaxformer_nmt.runtime import cache
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHARED_MULTI30K = config_lib.shared_data_dir('multi30k')
 
 # The WMT builders need TensorFlow to load, even under mock_data (the `tfds` extra). Looked up, not imported: a
 # subprocess importing it took 10 s of every test session on the 2-core CPU.
@@ -176,143 +167,3 @@ def test_export_cli_writes_text_splits(toy_corpus, tmp_path):
       capture_output=True, text=True, timeout=120)
   assert result.returncode == 0, result.stderr
   assert (tmp_path / 'out' / 'valid.en').read_text() == (toy_corpus / 'valid.en').read_text()
-
-
-# --- The Multi30k download helper, against a local HTTP server --------------------------------------------
-
-@pytest.fixture
-def file_server(tmp_path):
-  """An HTTP server on localhost serving tmp_path/'remote'."""
-  root = tmp_path / 'remote'
-  root.mkdir()
-  handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
-  handler.log_message = lambda *args: None
-  server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), handler)
-  thread = threading.Thread(target=server.serve_forever, daemon=True)
-  thread.start()
-  yield root, f'http://127.0.0.1:{server.server_address[1]}'
-  server.shutdown()
-
-
-def test_download_gunzips_renames_and_checks(file_server, tmp_path):
-  root, url = file_server
-  files = {}
-  for name, remote in (('train.en', 'train.en.gz'), ('valid.de', 'val.de.gz')):
-    text = ''.join(f'{name} line {i}\n' for i in range(7)).encode()
-    (root / remote).write_bytes(gzip.compress(text))
-    files[name] = (remote, hashlib.sha256(text).hexdigest(), 7)
-  paths = download.download_multi30k(tmp_path / 'data', base_url=url, files=files)
-  assert [p.name for p in paths] == ['train.en', 'valid.de']
-  assert (tmp_path / 'data' / 'valid.de').read_text().splitlines()[6] == 'valid.de line 6'
-  # Present and correct: not fetched again (the server no longer has it).
-  (root / 'train.en.gz').unlink()
-  download.download_multi30k(tmp_path / 'data', base_url=url, files=files)
-  # A changed upstream file is refused by name, and nothing is written.
-  (root / 'train.en.gz').write_bytes(gzip.compress(b'tampered\n'))
-  (tmp_path / 'data' / 'train.en').unlink()
-  with pytest.raises(download.DownloadError, match=r'train.en.gz: sha256 .* differs'):
-    download.download_multi30k(tmp_path / 'data', base_url=url, files=files)
-  assert not (tmp_path / 'data' / 'train.en').exists()
-  with pytest.raises(download.DownloadError, match=r'missing.gz: HTTP 404'):
-    download.download_multi30k(tmp_path / 'data', base_url=url, files={'x.en': ('missing.gz', '', 1)})
-
-
-@pytest.mark.skipif(not os.path.isdir(SHARED_MULTI30K), reason='../shared/data/multi30k not present')
-def test_download_cli_reproduces_the_shared_multi30k_files(file_server, tmp_path):
-  """Serves gzipped copies of ../shared/data/multi30k under the repository's names; the CLI must rebuild
-  byte-identical files (the pinned checksums are those of the real upstream files)."""
-  root, url = file_server
-  for name, (remote, _, _) in download.MULTI30K_FILES.items():
-    with open(os.path.join(SHARED_MULTI30K, name), 'rb') as f:
-      (root / remote).write_bytes(gzip.compress(f.read()))
-  result = subprocess.run([sys.executable, '-m', 'flaxformer_nmt.download', '--data_dir', str(tmp_path / 'm30k'),
-                           '--base_url', url], capture_output=True, text=True, timeout=120)
-  assert result.returncode == 0, result.stderr
-  for name in download.MULTI30K_FILES:
-    with open(os.path.join(SHARED_MULTI30K, name), 'rb') as f:
-      assert (tmp_path / 'm30k' / name).read_bytes() == f.read()
-
-
-# --- Multi30k fetched on first use --------------------------------------------------------------------------
-
-def serve_toy_multi30k(root, monkeypatch, names=('train.en', 'train.de', 'valid.en', 'valid.de')):
-  """Gzipped toy files under Multi30k's remote names, and download.MULTI30K_FILES pinned to their hashes."""
-  files = {}
-  for name in names:
-    text = ''.join(f'{name} sentence {i}\n' for i in range(5)).encode()
-    remote = download.MULTI30K_FILES[name][0]
-    (root / remote).write_bytes(gzip.compress(text))
-    files[name] = (remote, hashlib.sha256(text).hexdigest(), 5)
-  monkeypatch.setattr(download, 'MULTI30K_FILES', files)
-  return files
-
-
-def multi30k_config(data_dir):
-  c = config_lib.base_config()
-  c.data_dir, c.data_download = str(data_dir), 'multi30k'
-  return c
-
-
-def test_first_use_fetches_multi30k_into_the_cache_and_checks_it(file_server, tmp_path, monkeypatch):
-  root, url = file_server
-  files = serve_toy_multi30k(root, monkeypatch)
-  monkeypatch.setenv(download.URL_ENV, url)
-  monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / 'cache'))
-  # Without ../shared/data/multi30k the config reads the user cache.
-  monkeypatch.setattr(config_lib, '_SHARED_DATA', tmp_path / 'no_shared')
-  data_dir = download.multi30k_data_dir()
-  assert data_dir == str(tmp_path / 'cache' / 'multi30k')
-  download.ensure_corpus(multi30k_config(data_dir))
-  for name in files:
-    assert (tmp_path / 'cache' / 'multi30k' / name).read_text().splitlines()[4] == f'{name} sentence 4'
-  # Present: nothing is fetched again (the server has nothing left), and a local edit is left alone.
-  for path in root.iterdir():
-    path.unlink()
-  (tmp_path / 'cache' / 'multi30k' / 'valid.de').write_text('edited\n')
-  download.ensure_corpus(multi30k_config(data_dir))
-  assert (tmp_path / 'cache' / 'multi30k' / 'valid.de').read_text() == 'edited\n'
-  # With the shared corpus present, that is where the config reads.
-  (tmp_path / 'shared' / 'multi30k').mkdir(parents=True)
-  (tmp_path / 'shared' / 'multi30k' / 'train.en').write_text('x\n')
-  monkeypatch.setattr(config_lib, '_SHARED_DATA', tmp_path / 'shared')
-  assert download.multi30k_data_dir() == str(tmp_path / 'shared' / 'multi30k')
-
-
-def test_a_data_dir_holding_the_runs_own_splits_is_not_downloaded_into(tmp_path, monkeypatch):
-  """--config.data_dir with the user's own train/valid files: a config with data_download never fetches
-  (here any fetch would fail: the mirror is a closed address)."""
-  for name in ('train.en', 'train.de', 'valid.en', 'valid.de'):
-    (tmp_path / name).write_text('a line\n')
-  monkeypatch.setenv(download.URL_ENV, 'http://127.0.0.1:9')
-  download.ensure_corpus(multi30k_config(tmp_path))
-  assert sorted(p.name for p in tmp_path.iterdir()) == ['train.de', 'train.en', 'valid.de', 'valid.en']
-  (tmp_path / 'valid.de').unlink()  # a split of the run missing: the fetch is tried, and fails in one error
-  with pytest.raises(data_lib.DataError, match='--config.data_dir=DIR'):
-    download.ensure_corpus(multi30k_config(tmp_path))
-
-
-def test_a_corrupted_download_is_rejected_and_not_written(file_server, tmp_path, monkeypatch):
-  root, url = file_server
-  serve_toy_multi30k(root, monkeypatch)
-  (root / 'val.de.gz').write_bytes(gzip.compress(b'valid.de sentence 0\ncorrupted\n'))
-  monkeypatch.setenv(download.URL_ENV, url)
-  with pytest.raises(data_lib.DataError, match=r'val.de.gz: sha256 .* differs.*--config.data_dir=DIR'):
-    download.ensure_corpus(multi30k_config(tmp_path / 'm30k'))
-  assert not (tmp_path / 'm30k' / 'valid.de').exists()
-  assert not list((tmp_path / 'm30k').glob('.*.tmp'))
-
-
-def test_training_offline_stops_with_one_error_naming_the_flag(tmp_path):
-  """The README command on a machine without the corpus and without internet (a closed local port)."""
-  import socket  # pylint: disable=g-import-not-at-top
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    closed = f'http://127.0.0.1:{s.getsockname()[1]}'
-  env = dict(os.environ, **{download.URL_ENV: closed})
-  result = subprocess.run(
-      [sys.executable, '-m', 'flaxformer_nmt.train', '--config', os.path.join(REPO, 'configs', 'multi30k.py'),
-       f'--config.data_dir={tmp_path / "absent"}', f'--workdir={tmp_path / "run"}'],
-      capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
-  assert result.returncode != 0
-  last = result.stderr.strip().splitlines()[-1]
-  assert last.startswith('error: Multi30k is not in') and 'pass --config.data_dir=DIR' in last, result.stderr[-2000:]

@@ -1,0 +1,266 @@
+"""The Multi30k download (data/download.py, python -m flaxformer_nmt.download) against a local HTTP server laid out
+as the upstream repository, and the Multi30k configs' data fields."""
+import functools
+import gzip
+import hashlib
+import http.server
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from flaxformer_nmt import config as config_lib
+from flaxformer_nmt.data import corpus as data_lib
+from flaxformer_nmt.data import download
+from flaxformer_nmt.runtime import cache
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED = os.path.join(os.path.dirname(REPO), 'shared', 'data')
+MULTI30K_CONFIGS = ('multi30k', 'multi30k_best', 'multi30k_tiny', 'lm_multi30k', 'mlm_multi30k')
+
+
+class TruncatingHandler(http.server.SimpleHTTPRequestHandler):
+  """Serves files from `directory`; a file named in `truncated` is announced whole (Content-Length) but only its
+  first half is sent before the connection closes, as a dropped connection does."""
+  truncated = ()
+
+  def do_GET(self):  # pylint: disable=invalid-name
+    name = self.path.lstrip('/')
+    if name not in self.truncated:
+      return super().do_GET()
+    data = open(os.path.join(self.directory, name), 'rb').read()
+    self.send_response(200)
+    self.send_header('Content-Length', str(len(data)))
+    self.end_headers()
+    self.wfile.write(data[:len(data) // 2])
+    self.close_connection = True
+    return None
+
+  def log_message(self, *args):
+    pass
+
+
+@pytest.fixture
+def file_server(tmp_path):
+  """(root, url, handler): an HTTP server on 127.0.0.1 serving tmp_path/'remote'."""
+  root = tmp_path / 'remote'
+  root.mkdir()
+  handler = type('Handler', (TruncatingHandler,), {'truncated': set()})
+  server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), functools.partial(handler, directory=str(root)))
+  thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+  thread.start()
+  yield root, f'http://127.0.0.1:{server.server_address[1]}', handler
+  server.shutdown()
+
+
+def toy_text(name, tok, lines=5):
+  return ''.join(f'{name} {"tok " if tok else ""}sentence {i}\n' for i in range(lines)).encode()
+
+
+def serve_toy_multi30k(root, monkeypatch):
+  """Toy files under the upstream paths (raw gzipped, tok plain), and both pinned tables set to their hashes.
+  Returns {(tok, name): text}."""
+  texts = {}
+  for tok, table_name in ((False, 'MULTI30K_FILES'), (True, 'MULTI30K_TOK_FILES')):
+    table = {}
+    for name, (remote, _, _) in getattr(download, table_name).items():
+      text = toy_text(name, tok)
+      (root / remote).parent.mkdir(parents=True, exist_ok=True)
+      (root / remote).write_bytes(gzip.compress(text) if remote.endswith('.gz') else text)
+      table[name] = (remote, hashlib.sha256(text).hexdigest(), 5)
+      texts[tok, name] = text
+    monkeypatch.setattr(download, table_name, table)
+  return texts
+
+
+def test_download_writes_raw_and_tokenized_text_from_a_mirror_laid_out_as_upstream(file_server, tmp_path,
+                                                                                      monkeypatch):
+  """Catches: the tokenized files not fetched, fetched into the raw directory, gunzipped though plain, or renamed
+  to the wrong split; a correct file fetched again."""
+  root, url, _ = file_server
+  texts = serve_toy_multi30k(root, monkeypatch)
+  paths = download.download_multi30k(tmp_path / 'm30k', tmp_path / 'm30k_tok', url)
+  assert len(paths) == 12
+  for (tok, name), text in texts.items():
+    assert (tmp_path / ('m30k_tok' if tok else 'm30k') / name).read_bytes() == text
+  # Present and correct: nothing is fetched again (the server has nothing left).
+  for path in sorted(root.rglob('*'), reverse=True):
+    path.rmdir() if path.is_dir() else path.unlink()
+  download.download_multi30k(tmp_path / 'm30k', tmp_path / 'm30k_tok', url)
+  assert sorted(p.name for p in (tmp_path / 'm30k').iterdir()) == sorted(download.MULTI30K_FILES)
+
+
+@pytest.mark.parametrize('tok', [False, True])
+def test_a_file_that_differs_from_its_checksum_is_refused_by_name_and_not_written(file_server, tmp_path,
+                                                                                   monkeypatch, tok):
+  root, url, _ = file_server
+  serve_toy_multi30k(root, monkeypatch)
+  remote = (download.MULTI30K_TOK_FILES if tok else download.MULTI30K_FILES)['valid.de'][0]
+  changed = b'valid.de sentence 0\ncorrupted\n'
+  (root / remote).write_bytes(changed if tok else gzip.compress(changed))
+  with pytest.raises(download.DownloadError, match=rf'{remote}: sha256 {hashlib.sha256(changed).hexdigest()} '
+                                                   'differs from the expected'):
+    download.download_multi30k(tmp_path / 'm30k', tmp_path / 'm30k_tok', url)
+  target = tmp_path / ('m30k_tok' if tok else 'm30k')
+  assert not (target / 'valid.de').exists()
+  assert not list(target.glob('.*'))  # no temporary file left either
+
+
+def test_a_connection_dropped_mid_file_leaves_no_file(file_server, tmp_path, monkeypatch):
+  """Catches: http.client.IncompleteRead escaping as a traceback, or half a file written under its name."""
+  root, url, handler = file_server
+  serve_toy_multi30k(root, monkeypatch)
+  remote = download.MULTI30K_TOK_FILES['train.de'][0]
+  handler.truncated.add(remote)
+  monkeypatch.setattr(download.time, 'sleep', lambda seconds: None)  # the retries' backoff
+  with pytest.raises(download.DownloadError, match=rf'{remote}: .*IncompleteRead.*after 3 attempts'):
+    download.download_multi30k(tmp_path / 'm30k', tmp_path / 'm30k_tok', url)
+  assert not (tmp_path / 'm30k_tok' / 'train.de').exists()
+  assert not list((tmp_path / 'm30k_tok').glob('.*'))
+
+
+def test_a_write_that_fails_midway_leaves_no_file(file_server, tmp_path, monkeypatch):
+  """A file-size limit makes the write fail after 50 bytes, as a full disk does. Catches: the temporary file
+  left behind, or a half-written file under the final name."""
+  root, url, _ = file_server
+  serve_toy_multi30k(root, monkeypatch)
+  script = (
+      'import resource, signal, sys\n'
+      'from flaxformer_nmt.data import download\n'
+      'download.MULTI30K_FILES = {"train.en": ("data/task1/raw/train.en.gz", sys.argv[2], 5)}\n'
+      'signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n'
+      'resource.setrlimit(resource.RLIMIT_FSIZE, (50, 50))\n'
+      'try:\n'
+      '  download.download_files(sys.argv[1], download.MULTI30K_FILES, sys.argv[3])\n'
+      'except download.DownloadError as e:\n'
+      '  sys.exit(f"error: {e}")\n')
+  expected = download.MULTI30K_FILES['train.en'][1]
+  assert len(toy_text('train.en', False)) > 50
+  result = subprocess.run([sys.executable, '-c', script, str(tmp_path / 'm30k'), expected, url],
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1 and f'{tmp_path / "m30k" / "train.en"}: cannot write' in result.stderr, (
+      result.stderr[-2000:])
+  assert list((tmp_path / 'm30k').iterdir()) == []
+
+
+def test_download_cli_fills_both_directories_beside_each_other(tmp_path, monkeypatch, file_server):
+  """`--data_dir DIR` writes DIR and DIR_tok (file:// mirror from the environment, as offline copies are served).
+  Catches: the tokenized text written elsewhere than where the docs tell --config.eval_bleu_tok_ref_dir to look."""
+  root, _, _ = file_server
+  texts = serve_toy_multi30k(root, monkeypatch)
+  tables = {'MULTI30K_FILES': download.MULTI30K_FILES, 'MULTI30K_TOK_FILES': download.MULTI30K_TOK_FILES}
+  script = ('import sys\n'
+            'from absl import app\n'
+            'from flaxformer_nmt import download as command\n'
+            'from flaxformer_nmt.data import download\n'
+            f'download.MULTI30K_FILES, download.MULTI30K_TOK_FILES = {tables["MULTI30K_FILES"]!r}, '
+            f'{tables["MULTI30K_TOK_FILES"]!r}\n'
+            'command.define_flags()\n'
+            'app.run(command.main)\n')
+  env = dict(os.environ, **{download.URL_ENV: root.as_uri()})
+  result = subprocess.run([sys.executable, '-c', script, '--data_dir', str(tmp_path / 'data' / 'm30k') + '/'],
+                          capture_output=True, text=True, timeout=120, env=env)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert len(result.stdout.splitlines()) == 12
+  for (tok, name), text in texts.items():
+    assert (tmp_path / 'data' / ('m30k_tok' if tok else 'm30k') / name).read_bytes() == text
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(SHARED, 'multi30k_tok')), reason='../shared/data absent')
+def test_the_pinned_checksums_are_those_of_the_shared_copies_of_upstream(file_server, tmp_path):
+  """Serves ../shared/data/multi30k (gzipped) and multi30k_tok (as they are) under the upstream paths; the CLI
+  must accept every file against the pinned sha256 values and rebuild them byte for byte. Catches: a wrong
+  pinned hash, line count or upstream path."""
+  root, url, _ = file_server
+  for directory, table in (('multi30k', download.MULTI30K_FILES), ('multi30k_tok', download.MULTI30K_TOK_FILES)):
+    for name, (remote, _, _) in table.items():
+      data = open(os.path.join(SHARED, directory, name), 'rb').read()
+      (root / remote).parent.mkdir(parents=True, exist_ok=True)
+      (root / remote).write_bytes(gzip.compress(data) if remote.endswith('.gz') else data)
+  result = subprocess.run([sys.executable, '-m', 'flaxformer_nmt.download', '--data_dir', str(tmp_path / 'm30k'),
+                           '--base_url', url], capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr[-2000:]
+  for directory in ('multi30k', 'multi30k_tok'):
+    for name in download.MULTI30K_FILES:
+      written = tmp_path / directory.replace('multi30k', 'm30k') / name
+      assert written.read_bytes() == open(os.path.join(SHARED, directory, name), 'rb').read()
+
+
+# --- Multi30k fetched by training on first use ----------------------------------------------------------------
+
+def load_config(name='multi30k'):
+  """configs/NAME.py (its directories follow $FLAXFORMER_NMT_CACHE as set when it is loaded)."""
+  return config_lib.load_config_file(os.path.join(REPO, 'configs', f'{name}.py'))
+
+
+@pytest.mark.parametrize('name', MULTI30K_CONFIGS)
+def test_the_multi30k_configs_read_the_download_cache(name, tmp_path, monkeypatch):
+  """Catches: a config reading ../shared (absent from a user's clone) or a tokenized-reference directory other
+  than the one the download fills."""
+  monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / 'cache'))
+  c = load_config(name)
+  assert (c.data_dir, c.eval_bleu_tok_ref_dir, c.data_download) == (
+      str(tmp_path / 'cache' / 'multi30k'), str(tmp_path / 'cache' / 'multi30k_tok'), 'multi30k')
+  assert (c.source_lang, c.target_lang, c.train_split, c.eval_split) == ('en', 'de', 'train', 'valid')
+
+
+def test_first_use_fetches_raw_and_tokenized_multi30k_into_the_cache(file_server, tmp_path, monkeypatch):
+  root, url, _ = file_server
+  texts = serve_toy_multi30k(root, monkeypatch)
+  monkeypatch.setenv(download.URL_ENV, url)
+  monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / 'cache'))
+  config = load_config()
+  download.ensure_corpus(config)
+  for (tok, name), text in texts.items():
+    assert (tmp_path / 'cache' / ('multi30k_tok' if tok else 'multi30k') / name).read_bytes() == text
+  # Present: nothing is fetched again (the server has nothing left), and a local edit is left alone.
+  for path in sorted(root.rglob('*'), reverse=True):
+    path.rmdir() if path.is_dir() else path.unlink()
+  (tmp_path / 'cache' / 'multi30k' / 'valid.de').write_text('edited\n')
+  download.ensure_corpus(config)
+  assert (tmp_path / 'cache' / 'multi30k' / 'valid.de').read_text() == 'edited\n'
+
+
+def test_a_data_dir_holding_the_runs_own_splits_is_not_downloaded_into(tmp_path, monkeypatch):
+  """--config.data_dir with the user's own train/valid files: a config with data_download never fetches
+  (here any fetch would fail: the mirror is a closed address)."""
+  for name in ('train.en', 'train.de', 'valid.en', 'valid.de'):
+    (tmp_path / name).write_text('a line\n')
+  monkeypatch.setenv(download.URL_ENV, 'http://127.0.0.1:9')
+  monkeypatch.setattr(download.time, 'sleep', lambda seconds: None)  # the retries' backoff
+  monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / 'cache'))
+  config = load_config()
+  config.data_dir = str(tmp_path)
+  download.ensure_corpus(config)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['train.de', 'train.en', 'valid.de', 'valid.en']
+  (tmp_path / 'valid.de').unlink()  # a split of the run missing: the fetch is tried, and fails in one error
+  with pytest.raises(data_lib.DataError, match='--config.data_dir=DIR'):
+    download.ensure_corpus(config)
+
+
+def test_a_corrupted_download_stops_training_with_one_error(file_server, tmp_path, monkeypatch):
+  root, url, _ = file_server
+  serve_toy_multi30k(root, monkeypatch)
+  (root / 'data/task1/raw/val.de.gz').write_bytes(gzip.compress(b'valid.de sentence 0\ncorrupted\n'))
+  monkeypatch.setenv(download.URL_ENV, url)
+  monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / 'cache'))
+  with pytest.raises(data_lib.DataError, match=r'val.de.gz: sha256 .* differs.*--config.data_dir=DIR'):
+    download.ensure_corpus(load_config())
+  assert not (tmp_path / 'cache' / 'multi30k' / 'valid.de').exists()
+
+
+def test_training_offline_stops_with_one_error_naming_the_flag(tmp_path):
+  """The README command on a machine without the corpus and without internet (a closed local port)."""
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    closed = f'http://127.0.0.1:{s.getsockname()[1]}'
+  env = dict(os.environ, **{download.URL_ENV: closed, cache.CACHE_ENV: str(tmp_path / 'cache')})
+  result = subprocess.run(
+      [sys.executable, '-m', 'flaxformer_nmt.train', '--config', os.path.join(REPO, 'configs', 'multi30k.py'),
+       f'--workdir={tmp_path / "run"}'], capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+  assert result.returncode != 0
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith('error: Multi30k is not in') and 'pass --config.data_dir=DIR' in last, result.stderr[-2000:]
