@@ -1,30 +1,20 @@
-"""A decoder-only language model (GPT-style, config.task=lm) on the German side of Multi30k (29k sentences),
-sized like configs/multi30k.py's decoder: 3 layers, d_model 256, 4 heads, an 8k sentencepiece vocabulary
-learnt from the German text. About 20 minutes on two CPU cores; validation perplexity per token on
-valid.de. Generate with `python -m flaxformer_nmt.generate --workdir W --prompt "Ein Mann"`.
+"""A decoder-only language model (GPT-style, config.task=lm) on the German side of Multi30k: 3 layers, d_model
+256, 4 heads, 4.4M parameters, 900 steps of 4,096 tokens in packed 64-token rows, an 8k vocabulary.
+
+  python -m flaxformer_nmt.train --config configs/lm_multi30k.py --workdir runs/lm_m30k
+  python -m flaxformer_nmt.generate --workdir runs/lm_m30k --prompt "Ein Mann"
+
+Measured on 2 cores of an AMD EPYC: 20 minutes, perplexity 32.5 per piece on valid.de.
 """
 from flaxformer_nmt import config
 from flaxformer_nmt.data import download
 
 
 def get_config():
-  c = config.base_config()
+  c = download.use_multi30k(config.base_config())  # reads {split}.de (target_lang); 8k vocabulary
   c.task = 'lm'
-  # Reads {split}.de (target_lang) from ../shared/data/multi30k when present, else from the user cache,
-  # downloading Multi30k there on first use, as configs/multi30k.py does.
-  c.data_dir = download.multi30k_data_dir()
-  c.data_download = 'multi30k'
-  c.source_lang, c.target_lang = 'en', 'de'
-  c.eval_split = 'valid'
-  c.max_length = 128
-  c.tokens_per_batch = 4096
-  # Sentences packed into rows of 64 tokens (as nanoGPT and the Flax lm1b example pack): one batch shape,
-  # one compilation of the train step, little padding.
-  c.packed_length = 64
-  # Validation rows padded to 64 as well: one more compilation (the eval step), not one per length bucket.
-  c.length_buckets = (64,)
-  c.vocab_size = 8000
-  c.sentencepiece_max_chars = 0
+  c.lowercase = False  # cased text
+  c.length_buckets = (64,)  # validation rows padded to 64 as well: one eval-step compilation
 
   c.model.num_encoder_layers = 0
   c.model.num_decoder_layers = 3
@@ -35,8 +25,9 @@ def get_config():
 
   c.label_smoothing = 0.0  # the loss is the perplexity's NLL, as nanoGPT and the Flax lm1b example train
   c.warmup_steps = 500
-  c.num_train_steps = 100_000
-  c.max_train_minutes = 20.0
+  c.num_train_steps = 900
+  c.max_train_minutes = 30.0  # a guard: the run stops here with a final checkpoint and the average
+
   c.log_every_steps = 50
   c.eval_every_steps = 200
   c.checkpoint_every_steps = 100

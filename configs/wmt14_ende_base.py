@@ -12,6 +12,7 @@ is the builder's `test` split:
 The first run downloads and prepares the corpus (TensorFlow is needed for that step: pip install
 "flaxformer_nmt[tfds]"); --config.tfds_data_dir=gs://... keeps it in a bucket. The same settings serve
 `wmt17_translate/de-en` (--config.tfds_name) and, with --config.target_lang=fr, `wmt14_translate/fr-en`.
+No BLEU measured with it yet.
 """
 from flaxformer_nmt import config
 
