@@ -3,8 +3,12 @@
 Every field the trainer, the model and the decoder read lives here; configs/*.py start from `base_config()` and
 change what differs, so `--config.field=value` overrides work the same everywhere and an unknown field is
 an error.
+
+`validate(config)` holds every rule a config must follow before training starts, each error naming the field and
+the values it takes. This module imports nothing from the package: every other layer may read its constants.
 """
 import importlib.util
+import re
 
 import ml_collections
 from etils import epath
@@ -14,7 +18,7 @@ _SHARED_DATA = epath.Path(__file__).resolve().parent.parent.parent / 'shared' / 
 
 
 class ConfigError(ValueError):
-  """A config that cannot be trained, or that does not match the workdir."""
+  """A config that cannot be trained, or that does not match the workdir: the message names the field."""
 
 
 def shared_data_dir(name):
@@ -31,9 +35,25 @@ def load_config_file(path, *args):
   return module.get_config(*args)
 
 
-# JAX's key generators (config.prng_impl); the default is JAX's own, and that of every run before the field.
+# The values of the fields that take a name, in the order the errors list them.
+TASKS = ('translation', 'lm', 'mlm')  # config.task
+DATA_SOURCES = ('text', 'tfds')  # config.data_source
+SCHEDULES = ('paper', 'inverse_sqrt')  # config.learning_rate_schedule
+BEST_CHECKPOINT_METRICS = ('bleu', 'tok_bleu', 'loss', 'nll')  # config.best_checkpoint_metric, or '' (off)
+MODEL_DTYPES = ('auto', 'float32', 'bfloat16', 'float16')  # config.model.dtype
+ATTENTION_IMPLS = ('auto', 'xla', 'cudnn', 'einsum')  # config.model.attention_impl
+REMAT_POLICIES = ('none', 'full', 'dots')  # config.model.remat
+MATMUL_PRECISIONS = ('auto', 'float32', 'bfloat16')  # config.model.matmul_precision
+# JAX's key generators (config.prng_impl); the default is JAX's own.
 PRNG_IMPLS = ('threefry2x32', 'rbg', 'unsafe_rbg')
 DEFAULT_PRNG_IMPL = 'threefry2x32'
+# The names of one set of parameters of a workdir: config.decode_checkpoint, decode's and export's --checkpoint.
+CHECKPOINT_NAMES = 'latest, averaged, best, last:K or a step'
+
+
+def is_checkpoint_name(name):
+  """Whether `name` is one of CHECKPOINT_NAMES (last:K with K >= 1)."""
+  return re.fullmatch(r'latest|averaged|best|last:[1-9][0-9]*|[0-9]+', str(name)) is not None
 
 
 def base_config():
@@ -95,8 +115,8 @@ def _data_fields(c):
   # padding. 0: one example per row, rows grouped by length bucket. Validation batches are never packed.
   c.packed_length = 0
   # Packed rows still open to new examples (packing.plan_rows): an example joins the oldest open row it fits.
-  # 1 fills one row at a time (next fit, the rule before 2026-11-25: 85% real target tokens on Multi30k at 64
-  # tokens); 16 gives 94% while the shuffle still decides which examples share a row.
+  # 1 fills one row at a time (next fit: 85% real target tokens on Multi30k at 64 tokens); 16 gives 94% while
+  # the shuffle still decides which examples share a row.
   c.packing_open_rows = 16
   # Padded lengths are rounded up to one of these, so the train step compiles once per bucket.
   c.length_buckets = (8, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
@@ -104,7 +124,7 @@ def _data_fields(c):
   # The generator of the dropout keys (and of the initial parameters): JAX's default 'threefry2x32' (the same
   # bits on every backend and sharding), or 'rbg' / 'unsafe_rbg' (XLA's RngBitGenerator, cheaper to draw):
   # configs/multi30k_best.py's CPU step 601 ms with threefry, 569 ms with 'rbg' (an Intel Xeon with AMX,
-  # 2026-11-29, bench/RESULTS.md). A run keeps its generator: resuming with another is refused.
+  # bench/RESULTS.md). A run keeps its generator: resuming with another is refused.
   c.prng_impl = DEFAULT_PRNG_IMPL
   # Rows of every planned training batch are a multiple of this. The plan (and so an exact resume) depends on
   # it, never on the machine: batches are padded with empty rows to a multiple of devices x microbatches,
@@ -228,16 +248,12 @@ def _optimization_fields(c):
   # workdir or checkpoint directory; init_checkpoint picks latest, averaged, best or a step of a workdir.
   c.init_from = ''
   c.init_checkpoint = 'latest'
-  # > 0: also stop (and checkpoint) after this much training time. It is counted across resumes (saved with each
-  # checkpoint, as fairseq's --stop-time-hours counts its cumulative training time); the time between a stop
-  # and its resume is not. A larger value on resume trains on.
+  # > 0: also stop after this much training time, with a final checkpoint and (if configured) the average; a
+  # warning then says the cooldown was cut. It is counted across resumes (saved with each checkpoint, as
+  # fairseq's --stop-time-hours counts its cumulative training time); the time between a stop and its resume is
+  # not. A larger value on resume trains on. `bench/train_throughput.py --fit_minutes M` prints the
+  # num_train_steps that fit M minutes on this machine.
   c.max_train_minutes = 0.0
-  # True (with max_train_minutes and cooldown_steps > 0): where the cooldown begins, measure the step time on
-  # this machine and, if num_train_steps do not fit in the time left, end the cooldown at the last step that
-  # does, so a slower machine still brings the learning rate to zero (time_budget.py); inside the cooldown,
-  # measure again and move the end where the pace has changed (refits). Never past num_train_steps.
-  # False (the default): the time limit only stops the run.
-  c.fit_schedule_to_time = False
   # > 1: train this many independent runs in turn, one command, into {workdir}/member0, member1, ... (seeds
   # seed, seed+1, ...; one vocabulary, member0's; each member gets max_train_minutes / ensemble_members), and
   # decode {workdir} as their ensemble (the members' probabilities averaged at every step: ensemble.py). Rerunning
@@ -338,3 +354,154 @@ def use_wmt14_ende(c):
   c.checkpoint_every_steps = 1_000_000  # time decides, as in the paper
   c.eval_every_steps = 2000
   return c
+
+
+# --- Validation ---------------------------------------------------------------------------------------------
+
+def validate(config):
+  """Raises ConfigError, naming the field and the values it takes, for a config that cannot be trained. The
+  trainer calls it before it reads or writes anything. (Whether this machine can run the model, e.g. cuDNN
+  attention, is the model's to say when it is built.)"""
+  _validate_fields(config)
+  _validate_names(config)
+  _validate_counts(config)
+  _validate_data(config)
+  _validate_schedule(config)
+  _validate_checkpoints(config)
+  _validate_regularizers(config)
+  _validate_translation_options(config)
+
+
+def _validate_fields(config):
+  """Every field is one of base_config's: a config file that sets another (a misspelt or retired name) would be
+  trained without it doing anything."""
+  base = base_config()
+  for section, fields, known in (('', config, base), ('model.', config.model, base.model)):
+    for field in fields:
+      if field not in known:
+        raise ConfigError(f'config.{section}{field} is not a field of base_config (every config starts from it): '
+                          'remove it or correct its name')
+
+
+def _validate_names(config):
+  for field, allowed in (('task', TASKS), ('data_source', DATA_SOURCES), ('learning_rate_schedule', SCHEDULES),
+                         ('prng_impl', PRNG_IMPLS), ('best_checkpoint_metric', ('',) + BEST_CHECKPOINT_METRICS),
+                         ('model.dtype', MODEL_DTYPES), ('model.attention_impl', ATTENTION_IMPLS),
+                         ('model.remat', REMAT_POLICIES), ('model.matmul_precision', MATMUL_PRECISIONS)):
+    value = config.model[field[len('model.'):]] if field.startswith('model.') else config[field]
+    if value not in allowed:
+      raise ConfigError(f'config.{field}={value!r}: use one of {allowed}')
+  if not is_checkpoint_name(config.decode_checkpoint):
+    raise ConfigError(f'config.decode_checkpoint={config.decode_checkpoint!r}: use {CHECKPOINT_NAMES}')
+
+
+def _validate_counts(config):
+  for field in ('tokens_per_batch', 'log_every_steps', 'eval_every_steps', 'checkpoint_every_steps',
+                'grad_accumulation_steps', 'batch_rows_multiple'):
+    if config[field] <= 0:
+      raise ConfigError(f'config.{field}={config[field]!r}: use a positive number')
+  for field in ('eval_bleu_every_steps', 'eval_bleu_beam_size', 'eval_bleu_max_sentences', 'bidirectional_epochs',
+                'vocabulary_loss_chunk_tokens'):
+    if not isinstance(config[field], int) or config[field] < 0:
+      raise ConfigError(f'config.{field}={config[field]!r} counts: use 0 (off) or more')
+  if not isinstance(config.ensemble_members, int) or config.ensemble_members < 1:
+    raise ConfigError(f'config.ensemble_members={config.ensemble_members!r} counts the runs trained and decoded '
+                      'together: use 1 (one model) or more')
+
+
+def _validate_data(config):
+  if config.data_source == 'text' and not config.data_dir:
+    raise ConfigError('config.data_dir is empty: pass --config.data_dir=DIR holding {split}.{lang} files')
+  if config.data_source == 'tfds' and not config.tfds_name:
+    raise ConfigError("config.tfds_name is empty: name a TFDS builder, e.g. 'wmt14_translate/de-en'")
+  for field in ('max_length', 'packed_length'):
+    if config[field] > config.model.max_position:
+      raise ConfigError(f'config.{field}={config[field]} exceeds config.model.max_position='
+                        f'{config.model.max_position}: positions past it would all share its encoding. Lower '
+                        f'{field} or raise model.max_position (a new model).')
+  if not 0.0 <= config.bpe_dropout <= 1.0:
+    raise ConfigError(f'config.bpe_dropout={config.bpe_dropout} is a probability: use 0 (off) to 1')
+  if config.bpe_dropout and (config.sentencepiece_model_type != 'bpe' or config.task != 'translation'):
+    raise ConfigError(f'config.bpe_dropout={config.bpe_dropout} needs a translation task with a BPE vocabulary '
+                      f"(config.sentencepiece_model_type='bpe'; now {config.sentencepiece_model_type!r}, task "
+                      f'{config.task!r})')
+
+
+def _validate_schedule(config):
+  if config.learning_rate_schedule == 'inverse_sqrt' and config.learning_rate <= 0:
+    raise ConfigError(f"config.learning_rate={config.learning_rate}: config.learning_rate_schedule='inverse_sqrt' "
+                      'needs a peak learning rate > 0')
+  if not 0 <= config.cooldown_steps <= config.num_train_steps:
+    raise ConfigError(f'config.cooldown_steps={config.cooldown_steps}: use 0 (no cooldown) to config.num_train_steps='
+                      f'{config.num_train_steps} (the ramp ends at the last update)')
+
+
+def _validate_checkpoints(config):
+  """config.decode_checkpoint names a checkpoint the run will have, and what keeps one exists."""
+  if config.decode_checkpoint == 'averaged' and config.average_last_checkpoints <= 0:
+    raise ConfigError("config.decode_checkpoint='averaged' needs config.average_last_checkpoints > 0 (now "
+                      f'{config.average_last_checkpoints}): nothing would be averaged')
+  if config.decode_checkpoint == 'best' and not config.best_checkpoint_metric:
+    raise ConfigError("config.decode_checkpoint='best' needs config.best_checkpoint_metric (now ''): no best "
+                      'checkpoint would be kept')
+  if config.average_last_checkpoints > config.keep_checkpoints > 0:
+    raise ConfigError(f'config.average_last_checkpoints={config.average_last_checkpoints} needs '
+                      f'config.keep_checkpoints >= it (now {config.keep_checkpoints})')
+  metric = config.best_checkpoint_metric
+  if metric in ('bleu', 'tok_bleu') and config.eval_bleu_every_steps <= 0:
+    raise ConfigError(f'config.best_checkpoint_metric={metric!r} needs validation BLEU: set '
+                      'config.eval_bleu_every_steps > 0')
+  reference = tokenized_reference(config)
+  if metric == 'tok_bleu' and not (reference and epath.Path(reference).exists()):
+    raise ConfigError(f"config.best_checkpoint_metric='tok_bleu' needs the tokenized validation reference "
+                      f'{reference or "(config.eval_bleu_tok_ref_dir is empty)"}')
+
+
+def tokenized_reference(config):
+  """`{eval_bleu_tok_ref_dir}/{eval_split}.{target_lang}`, the reference of lowercased tokenized validation
+  BLEU; None where eval_bleu_tok_ref_dir is empty."""
+  if not config.eval_bleu_tok_ref_dir:
+    return None
+  return str(epath.Path(config.eval_bleu_tok_ref_dir) / f'{config.eval_split}.{config.target_lang}')
+
+
+def _validate_regularizers(config):
+  word_dropout = config.model.source_word_dropout
+  if not 0.0 <= word_dropout < 1.0:
+    raise ConfigError(f'config.model.source_word_dropout={word_dropout} is a probability: use 0 (off) to below 1')
+  alpha = config.rdrop_alpha
+  if alpha < 0:
+    raise ConfigError(f'config.rdrop_alpha={alpha} is a weight: use 0 (off) or more')
+  if alpha and config.task == 'mlm':
+    raise ConfigError(f'config.rdrop_alpha={alpha} is not for the MLM: its two copies of an example would be '
+                      'masked differently')
+  m = config.model
+  if alpha and not any((m.dropout_rate, m.attention_dropout_rate, m.relu_dropout_rate, m.source_word_dropout)):
+    raise ConfigError(f'config.rdrop_alpha={alpha} needs dropout (config.model.dropout_rate, attention_dropout_rate, '
+                      'relu_dropout_rate or source_word_dropout > 0): without it both predictions are the same')
+  if config.vocabulary_loss_chunk_tokens and alpha:
+    raise ConfigError(f'config.vocabulary_loss_chunk_tokens={config.vocabulary_loss_chunk_tokens} cannot go with '
+                      f'config.rdrop_alpha={alpha}: R-Drop compares whole predictions, which the chunked loss never '
+                      'holds')
+
+
+def _validate_translation_options(config):
+  """Options only the translation task has, and those right-to-left targets cannot go with."""
+  translation_only = {
+      'model.source_word_dropout': (config.model.source_word_dropout, 'needs a source'),
+      'bidirectional_epochs': (config.bidirectional_epochs, 'reverses translation pairs'),
+      'vocabulary_loss_chunk_tokens': (config.vocabulary_loss_chunk_tokens, "projects the translation decoder's "
+                                       'states'),
+      'ensemble_members': (config.ensemble_members > 1 and config.ensemble_members, 'decodes the members together '
+                           '(generate and fill_mask take one model)'),
+      'target_right_to_left': (config.target_right_to_left, 'reverses the targets'),
+  }
+  if config.task != 'translation':
+    for field, (value, what) in translation_only.items():
+      if value:
+        raise ConfigError(f'config.{field}={value!r} {what}: it is for the translation task, not {config.task!r}')
+  if config.target_right_to_left:
+    for field in ('bpe_dropout', 'bidirectional_epochs'):
+      if config[field]:
+        raise ConfigError(f'config.target_right_to_left trains on reversed targets; config.{field}='
+                          f'{config[field]!r} cannot go with it (it re-reads or swaps the targets)')

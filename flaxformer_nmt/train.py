@@ -15,7 +15,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
-from flaxformer_nmt.checkpointing.workdir import ConfigError
+from flaxformer_nmt.config import ConfigError
 from flaxformer_nmt.data import corpus as data_lib
 from flaxformer_nmt.data import tokenizer as tokenizer_lib
 from flaxformer_nmt.runtime import distributed
@@ -47,14 +47,14 @@ def main(argv):
   checkpoints_lib.quiet_orbax_logs()
   try:
     # Before anything starts the backend: it fixes the CPU client's devices.
-    if sharding.split_host_cpu(flags.FLAGS.config.get('cpu_devices', 0)):
+    if sharding.split_host_cpu(flags.FLAGS.config.cpu_devices):
       logging.info('Host CPU split into %d devices (config.cpu_devices)', flags.FLAGS.config.cpu_devices)
   except sharding.MeshError as e:
     sys.exit(f'error: {e}')
   distributed.initialize(flags.FLAGS.distributed, flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
                          flags.FLAGS.process_id)
   try:
-    if flags.FLAGS.config.get('ensemble_members', 1) > 1:  # several runs in turn, in member directories
+    if flags.FLAGS.config.ensemble_members > 1:  # several runs in turn, in member directories
       ensemble.train_members(flags.FLAGS.config, flags.FLAGS.workdir, train_and_evaluate)
       ensemble.score_on_validation(flags.FLAGS.config, flags.FLAGS.workdir)  # once all members have finished
     else:

@@ -1,6 +1,5 @@
 """Shared fixtures: a tiny random Transformer and a small synthetic parallel corpus."""
 import functools
-import json
 import os
 import random
 import shutil
@@ -151,27 +150,6 @@ def small_config(data_dir):
   c.decode_tokens_per_batch = 256
   c.max_decode_extra_length = 10
   return c
-
-
-def check_pinned_refit_learning_rates(workdir, d_model, learning_rate_scale, warmup_steps=10):
-  """The trainer's logged learning rates (metrics.jsonl) for the pinned time fit of test_time_budget and
-  test_distributed (60 steps configured, cooldown 40: fitted to end at 40 from update 13, refitted to end at
-  37 from update 25), each against the paper schedule times the factor worked out by hand."""
-  from flaxformer_nmt.training import step as ts  # pylint: disable=g-import-not-at-top
-  logged = {}
-  for line in (workdir / 'metrics.jsonl').read_text().splitlines():
-    record = json.loads(line)
-    if 'train/learning_rate' in record:
-      logged[record['step']] = record['train/learning_rate']
-  assert sorted(logged) == list(range(1, 38))  # stopped at the refitted end
-  base = ts.paper_schedule(d_model, warmup_steps, learning_rate_scale)
-  for step, lr in logged.items():  # the update after step - 1 updates
-    count = step - 1
-    if count < 25:
-      factor = 1.0 if count <= 13 else (40 - count) / 27  # from 1 at the fitted knot towards 0 at 40
-    else:
-      factor = (40 - 25) / 27 * (37 - count) / 12  # from there, linearly to 0 at 37
-    np.testing.assert_allclose(lr, float(base(count)) * factor, rtol=1e-5)
 
 
 @pytest.fixture

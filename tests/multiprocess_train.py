@@ -2,12 +2,8 @@
 jax.distributed as the hosts of a cluster are (distributed.initialize with an explicit coordinator).
 
   python tests/multiprocess_train.py PORT PROCESS_ID NUM_PROCESSES DATA_DIR WORKDIR NUM_STEPS [FIELD=VALUE ...]
-      [pinned_ends=END,REFIT_END,REFIT_STEP/...]
 
-FIELD=VALUE: a config field and a Python literal. pinned_ends: this process's own time fit, one triple per
-process: time_budget.fitted_num_train_steps gives END before update REFIT_STEP and REFIT_END from it on, and
-MIN_MEASURED_STEPS is 10, so each host projects other ends than the others (as hosts whose clocks differ do).
-Prints `RESULT process=I devices=D step=S loss=L`, S being the newest checkpoint's step.
+FIELD=VALUE: a config field and a Python literal. Prints `RESULT process=I devices=D step=S loss=L`, S being the newest checkpoint's step.
 """
 import ast
 import os
@@ -17,12 +13,6 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import small_config  # pylint: disable=wrong-import-position
-
-
-def pin_time_fit(end, refit_end, refit_step):
-  from flaxformer_nmt.training import time_budget  # pylint: disable=g-import-not-at-top
-  time_budget.fitted_num_train_steps = lambda step, *_: end if step < refit_step else refit_end
-  time_budget.MIN_MEASURED_STEPS = 10
 
 
 def main():
@@ -37,10 +27,7 @@ def main():
   config.average_last_checkpoints = 2  # the collective averaging at the end
   for override in sys.argv[7:]:
     field, value = override.split('=')
-    if field == 'pinned_ends':
-      pin_time_fit(*map(int, value.split('/')[int(process_id)].split(',')))
-    else:
-      config[field] = ast.literal_eval(value)
+    config[field] = ast.literal_eval(value)
   metrics = train.train_and_evaluate(config, workdir)
   step = max(int(p) for p in os.listdir(os.path.join(workdir, 'checkpoints')) if p.isdigit())
   print(f'RESULT process={jax.process_index()} devices={jax.device_count()} step={step} '

@@ -1,5 +1,6 @@
 """Config files, command-line overrides and their errors, through the real entry point."""
 import os
+import re
 import subprocess
 import sys
 
@@ -52,9 +53,9 @@ def flat(c, prefix=''):
   return out
 
 
-def test_the_hour_is_the_quality_recipe_cut_to_an_hour_where_bf16_dots_exist():
-  hour, recipe = flat(load_config_file('multi30k', 'bfloat16')), flat(load_config_file('multi30k_best'))
-  # The recipe's model, data, schedule shape and decoding (adopted on valid, 2026-12-01): only its length differs.
+def test_the_hour_is_the_longer_recipe_cut_to_an_hour():
+  hour, recipe = flat(load_config_file('multi30k')), flat(load_config_file('multi30k_best'))
+  # The recipe's model, data, schedule shape and decoding: only its length differs.
   assert {k for k in hour.keys() | recipe.keys() if hour.get(k) != recipe.get(k)} == {
       'num_train_steps', 'cooldown_steps', 'max_train_minutes'}
   assert (hour['model.d_model'], hour['model.pre_layer_norm'], hour['vocab_size']) == (128, True, 8000)
@@ -64,36 +65,16 @@ def test_the_hour_is_the_quality_recipe_cut_to_an_hour_where_bf16_dots_exist():
   assert hour['keep_checkpoints'] >= hour['average_last_checkpoints']
 
 
-def test_the_hour_halves_its_batch_where_matmuls_stay_float32(monkeypatch):
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+def test_a_config_is_the_same_on_every_machine(monkeypatch):
+  """One command trains one model: nothing in a config branches on the CPU it is loaded on (a run resumed on
+  another machine would otherwise meet another model)."""
   from flaxformer_nmt.models import transformer as model_lib  # pylint: disable=g-import-not-at-top
-  slow = load_config_file('multi30k', 'float32')
-  # The d_model-256 post-LN hour as measured on the Zen 3, not the tiny recipe of the bf16 variant.
-  m = slow.model
-  assert (m.d_model, m.d_ff, m.num_encoder_layers, m.num_decoder_layers, m.pre_layer_norm) == (256, 1024, 3, 3, False)
-  assert (slow.vocab_size, slow.learning_rate_schedule, slow.beam_size) == (12000, 'paper', 4)
-  # Twice the steps of half the 4,096-token batch: the warmup, the whole run, and the spacing of evaluations
-  # and saves cover the tokens of the full batch's 500 / 2,250 / 250 / 500 / 100 steps; the cooldown still
-  # starts where the warmup ends.
-  assert (slow.tokens_per_batch, slow.warmup_steps, slow.num_train_steps) == (2048, 1000, 4500)
-  assert (slow.eval_every_steps, slow.eval_bleu_every_steps, slow.checkpoint_every_steps) == (500, 1000, 200)
-  assert slow.cooldown_steps == slow.num_train_steps - slow.warmup_steps
-  # The regularization, peak learning rate and decoding chosen on valid for the fewer tokens it sees.
-  assert (m.dropout_rate, slow.learning_rate_scale, slow.label_smoothing) == (0.1, 1.414, 0.2)
-  assert (slow.decode_checkpoint, slow.length_penalty_alpha, slow.lowercase) == ('averaged', 1.5, True)
-  # By default the CPU's instructions choose; configs/multi30k.py:float32 chooses from the command line.
-  for has_bf16, expected in ((True, (4096, 128)), (False, (2048, 256))):
-    monkeypatch.setattr(model_lib, 'cpu_has_bfloat16_dot', lambda has=has_bf16: has)
-    c = load_config_file('multi30k')
-    assert (c.tokens_per_batch, c.model.d_model) == expected
-  argv = ['prog', '--config', os.path.join(REPO, 'configs', 'multi30k.py') + ':float32']
-  values = flags.FlagValues()
-  config_flags.DEFINE_config_file('config', None, flag_values=values, lock_config=True, sys_argv=argv)
-  values(argv)
-  assert values.config.tokens_per_batch == 2048
-  with pytest.raises(ValueError, match='multi30k.py:fp16'):
-    load_config_file('multi30k', 'fp16')
+  for name in ('multi30k', 'multi30k_best', 'multi30k_tiny'):
+    loaded = []
+    for has_bf16 in (True, False):
+      monkeypatch.setattr(model_lib, 'cpu_has_bfloat16_dot', lambda has=has_bf16: has)
+      loaded.append(flat(load_config_file(name)))
+    assert loaded[0] == loaded[1], name
 
 
 def test_multi30k_tiny_is_the_fairseq_tiny_recipe():
@@ -108,7 +89,6 @@ def test_multi30k_tiny_is_the_fairseq_tiny_recipe():
 
 
 def test_multi30k_best_is_the_tiny_recipe_with_a_cooldown_and_trains_from_valid_only():
-  from flaxformer_nmt.training import validation as bleu_eval  # pylint: disable=g-import-not-at-top
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
   c = load_config_file('multi30k_best')
   assert set(c.keys()) == set(config_lib.base_config().keys())
@@ -133,37 +113,32 @@ def test_multi30k_best_is_the_tiny_recipe_with_a_cooldown_and_trains_from_valid_
   assert c.max_train_minutes <= 150 and c.average_last_checkpoints <= c.keep_checkpoints
   # Selection sees validation data only.
   assert c.eval_split == 'valid' and c.best_checkpoint_metric == 'bleu' and c.eval_bleu_every_steps > 0
-  bleu_eval.validate_config(c)
   for name in ('multi30k', 'multi30k_best', 'multi30k_tiny', 'lm_multi30k', 'mlm_multi30k'):
     assert load_config_file(name).data_download == 'multi30k'
-  hour = load_config_file('multi30k')
-  # Both end their cooldown within their time limit on a slower machine (a Zen 3 EPYC takes 3.3 s a step).
-  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
-  assert c.fit_schedule_to_time and hour.fit_schedule_to_time
-  workdir_lib.validate_config(c)
-  workdir_lib.validate_config(hour)
+  config_lib.validate(c)
+  config_lib.validate(load_config_file('multi30k'))
 
 
-def test_decode_checkpoint_names_one_the_run_will_have():
+def test_every_config_is_valid_and_decode_checkpoint_names_one_the_run_will_have():
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
-  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
-  for name in ('base', 'big', 'multi30k', 'multi30k_best', 'multi30k_tiny', 'wmt14_ende_base', 'wmt14_ende_big'):
+  for name in ('base', 'big', 'multi30k', 'multi30k_best', 'multi30k_tiny', 'lm_multi30k', 'mlm_multi30k',
+               'wmt14_ende_base', 'wmt14_ende_big'):
     c = load_config_file(name)
     c.data_dir = c.data_dir or '/data'  # base and big name none
-    workdir_lib.validate_config(c)
+    config_lib.validate(c)
   c = config_lib.base_config()
   c.data_dir = '/data'
   for good in ('latest', 'averaged', 'last:3', '1200'):
     c.decode_checkpoint = good
-    workdir_lib.validate_config(c)
+    config_lib.validate(c)
   for bad, average, metric, match in (('avg', 5, '', 'use latest'), ('last:0', 5, '', 'use latest'),
                                       ('averaged', 0, '', 'average_last_checkpoints > 0'),
                                       ('best', 5, '', 'best_checkpoint_metric')):
     c.decode_checkpoint, c.average_last_checkpoints, c.best_checkpoint_metric = bad, average, metric
-    with pytest.raises(workdir_lib.ConfigError, match=match):
-      workdir_lib.validate_config(c)
-  c.decode_checkpoint, c.best_checkpoint_metric = 'best', 'bleu'
-  workdir_lib.validate_config(c)
+    with pytest.raises(config_lib.ConfigError, match=match):
+      config_lib.validate(c)
+  c.decode_checkpoint, c.best_checkpoint_metric, c.eval_bleu_every_steps = 'best', 'bleu', 100
+  config_lib.validate(c)
 
 
 def test_unknown_field_is_a_clear_error(tmp_path):
@@ -191,14 +166,14 @@ def test_missing_data_is_one_clear_line(tmp_path):
 def test_overrides_reach_the_config():
   from absl import flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  argv = ['prog', '--config', os.path.join(REPO, 'configs', 'multi30k.py') + ':float32', '--config.model.d_model=128',
-          '--config.length_buckets=(8,16)', '--config.model.pre_layer_norm=true', '--config.data_dir=/data/x']
+  argv = ['prog', '--config', os.path.join(REPO, 'configs', 'multi30k.py'), '--config.model.d_model=64',
+          '--config.length_buckets=(8,16)', '--config.model.pre_layer_norm=false', '--config.data_dir=/data/x']
   values = flags.FlagValues()
   # The override flags are found in the argv (sys.argv when run as a program).
   config_flags.DEFINE_config_file('config', None, flag_values=values, lock_config=True, sys_argv=argv)
   values(argv)
   c = values.config
-  assert c.model.d_model == 128 and c.model.pre_layer_norm and tuple(c.length_buckets) == (8, 16)
+  assert c.model.d_model == 64 and not c.model.pre_layer_norm and tuple(c.length_buckets) == (8, 16)
   assert c.data_dir == '/data/x' and c.model.num_heads == 4
 
 
@@ -208,43 +183,87 @@ def test_a_workdir_refuses_a_different_model(tmp_path):
   config = config_lib.base_config()
   workdir_lib.save_or_check_config(config, tmp_path)
   workdir_lib.save_or_check_config(config, tmp_path)  # the same model is fine
+  config.beam_size, config.model.attention_impl = 7, 'einsum'  # decoding and runtime fields may change
+  workdir_lib.save_or_check_config(config, tmp_path)
   config.model.d_model = 64
-  with pytest.raises(workdir_lib.ConfigError, match='holds a different model: config.model was'):
+  with pytest.raises(workdir_lib.ConfigError, match='trained with config.model.d_model=512, now 64'):
     workdir_lib.save_or_check_config(config, tmp_path)
 
 
-def test_a_workdir_refuses_to_resume_in_the_other_target_order(tmp_path):
-  # A right-to-left model resumed left to right (or the reverse) would unlearn what it learnt.
-  import json  # pylint: disable=g-import-not-at-top
+@pytest.mark.parametrize('field, value', [('target_right_to_left', True), ('lowercase', True),
+                                          ('prng_impl', 'rbg')])
+def test_a_workdir_refuses_to_resume_with_another_target_order_case_or_key_generator(tmp_path, field, value):
+  """A right-to-left model resumed left to right would unlearn what it learnt; a vocabulary learnt on text of one
+  case would meet text it never saw; checkpoints hold the key data of one generator (2 or 4 words)."""
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
   from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   config = config_lib.base_config()
   workdir_lib.save_or_check_config(config, tmp_path)
-  saved = json.loads((tmp_path / 'config.json').read_text())
-  del saved['target_right_to_left']  # a workdir written before the field reads as left to right
-  (tmp_path / 'config.json').write_text(json.dumps(saved))
-  workdir_lib.save_or_check_config(config, tmp_path)
-  config.target_right_to_left = True
-  with pytest.raises(workdir_lib.ConfigError, match='config.target_right_to_left was False, now True'):
+  before = config[field]
+  config[field] = value
+  with pytest.raises(workdir_lib.ConfigError, match=f'config.{field}={before!r}, now {value!r}'):
     workdir_lib.save_or_check_config(config, tmp_path)
 
 
-def test_a_workdir_refuses_to_resume_with_the_other_case(tmp_path):
-  # Its vocabulary was learnt on text of one case: resuming on the other would feed it text it never saw.
+def test_a_saved_config_is_read_onto_base_config(tmp_path):
+  """config.json is merged onto base_config(): its values win (a reader that kept base_config's would decode
+  with another beam), a field it lacks takes base_config's value, lists come back as the tuples they were."""
   import json  # pylint: disable=g-import-not-at-top
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
   from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   config = config_lib.base_config()
+  config.beam_size, config.length_buckets, config.model.d_model = 9, (8, 16), 64
   workdir_lib.save_or_check_config(config, tmp_path)
-  config.lowercase = True
-  with pytest.raises(workdir_lib.ConfigError, match='config.lowercase was False, now True'):
-    workdir_lib.save_or_check_config(config, tmp_path)
-  # A config.json written before the field existed describes cased text: resuming it cased is fine.
   saved = json.loads((tmp_path / 'config.json').read_text())
-  del saved['lowercase']
+  del saved['length_penalty_alpha'], saved['model']['remat']
+  saved['max_decode_extra_length'] = 7
   (tmp_path / 'config.json').write_text(json.dumps(saved))
-  config.lowercase = False
-  workdir_lib.save_or_check_config(config, tmp_path)
+  loaded = workdir_lib.load_config(tmp_path)
+  assert (loaded.beam_size, loaded.length_buckets, loaded.model.d_model, loaded.max_decode_extra_length) == (
+      9, (8, 16), 64, 7)
+  assert (loaded.length_penalty_alpha, loaded.model.remat) == (0.6, 'none')  # base_config's
+  assert set(loaded.keys()) == set(config.keys())
+
+
+@pytest.mark.parametrize('edit, message', [
+    (lambda saved: saved.pop('vocab_size'), r'lacks config.vocab_size, which names the trained model'),
+    (lambda saved: saved['model'].pop('num_heads'), r'lacks config.model.num_heads, which names the trained model'),
+    (lambda saved: saved.update(fit_schedule_to_time=True), r'config.fit_schedule_to_time is not a field'),
+    (lambda saved: saved['model'].update(old_field=1), r'config.model.old_field is not a field'),
+    (lambda saved: saved.update(beam_size='wide'), r"config.beam_size='wide' is not of its type"),
+])
+def test_a_saved_config_of_another_version_is_refused_naming_the_field_and_the_file(tmp_path, edit, message):
+  import json  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  workdir_lib.save_or_check_config(config_lib.base_config(), tmp_path)
+  saved = json.loads((tmp_path / 'config.json').read_text())
+  edit(saved)
+  (tmp_path / 'config.json').write_text(json.dumps(saved))
+  for read in (workdir_lib.load_config, lambda w: workdir_lib.save_or_check_config(config_lib.base_config(), w)):
+    with pytest.raises(workdir_lib.ConfigError, match=re.escape(str(tmp_path / 'config.json')) + '.*' + message):
+      read(tmp_path)
+
+
+def test_the_validators_names_are_those_the_code_takes():
+  """config.py lists the values of named fields (it imports nothing from the package); each list must be the one
+  the code that reads the field accepts, or a valid config would fail later (or an invalid one pass)."""
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import best  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.models import lm  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.models import transformer as model_lib  # pylint: disable=g-import-not-at-top
+  assert set(config_lib.BEST_CHECKPOINT_METRICS) == set(best.METRICS)
+  assert config_lib.TASKS == lm.TASKS and set(config_lib.TASKS) == set(lm.ARCHITECTURES)
+  assert config_lib.ATTENTION_IMPLS == model_lib.ATTENTION_IMPLEMENTATIONS
+  assert config_lib.MATMUL_PRECISIONS == model_lib.MATMUL_PRECISIONS
+  assert set(config_lib.REMAT_POLICIES) == set(model_lib.REMAT_POLICIES)
+  for dtype in config_lib.MODEL_DTYPES:
+    model_lib.resolve_dtype(dtype, 'gpu')  # a name jax takes
+  c = config_lib.base_config()
+  c.data_dir = '/data'
+  c.fit_schedule_to_time = True  # a retired field a config file still sets
+  with pytest.raises(config_lib.ConfigError, match='config.fit_schedule_to_time is not a field of base_config'):
+    config_lib.validate(c)
 
 
 def test_cudnn_attention_where_cudnn_cannot_run_stops_before_any_work(tmp_path):
@@ -262,98 +281,88 @@ def test_cudnn_attention_where_cudnn_cannot_run_stops_before_any_work(tmp_path):
                                                  (0.1, 'lm', "not 'lm'")])
 def test_bad_source_word_dropout_settings_are_named(rate, task, message):
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
-  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   c = config_lib.base_config()
   c.data_dir = '/data'
   c.model.source_word_dropout, c.task = rate, task
-  with pytest.raises(workdir_lib.ConfigError, match=f'config.model.source_word_dropout=.*{message}'):
-    workdir_lib.validate_config(c)
+  with pytest.raises(config_lib.ConfigError, match=f'config.model.source_word_dropout=.*{message}'):
+    config_lib.validate(c)
 
 
-@pytest.mark.parametrize('epochs, task, message', [(-1, 'translation', 'counts epochs'), (3, 'lm', "not 'lm'")])
+@pytest.mark.parametrize('epochs, task, message', [(-1, 'translation', r'counts: use 0 \(off\) or more'),
+                                                   (3, 'lm', "not 'lm'")])
 def test_bad_bidirectional_epochs_are_named(epochs, task, message):
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
-  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   c = config_lib.base_config()
   c.data_dir = '/data'
   c.bidirectional_epochs, c.task = epochs, task
-  with pytest.raises(workdir_lib.ConfigError, match=f'config.bidirectional_epochs=.*{message}'):
-    workdir_lib.validate_config(c)
+  with pytest.raises(config_lib.ConfigError, match=f'config.bidirectional_epochs=.*{message}'):
+    config_lib.validate(c)
 
 
 def test_rdrop_is_refused_where_it_cannot_work():
   """R-Drop without any dropout compares two equal predictions (a regularizer that does nothing); on the MLM
   the two copies would be masked differently. Both stop at validation, naming the field."""
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
-  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   c = config_lib.base_config()
   c.data_dir = '/data'
   c.rdrop_alpha = 5.0
-  workdir_lib.validate_config(c)  # dropout 0.1: fine
+  config_lib.validate(c)  # dropout 0.1: fine
   c.model.dropout_rate = 0.0
-  with pytest.raises(workdir_lib.ConfigError, match='config.rdrop_alpha=5.0 needs dropout'):
-    workdir_lib.validate_config(c)
+  with pytest.raises(config_lib.ConfigError, match='config.rdrop_alpha=5.0 needs dropout'):
+    config_lib.validate(c)
   c.model.source_word_dropout = 0.1  # source words dropped: the two predictions differ
-  workdir_lib.validate_config(c)
+  config_lib.validate(c)
   c.model.source_word_dropout = 0.0
   c.model.relu_dropout_rate = 0.1
-  workdir_lib.validate_config(c)
+  config_lib.validate(c)
   c.task = 'mlm'
-  with pytest.raises(workdir_lib.ConfigError, match='not for the MLM'):
-    workdir_lib.validate_config(c)
+  with pytest.raises(config_lib.ConfigError, match='not for the MLM'):
+    config_lib.validate(c)
   c.task, c.rdrop_alpha = 'translation', -1.0
-  with pytest.raises(workdir_lib.ConfigError, match='is a weight'):
-    workdir_lib.validate_config(c)
+  with pytest.raises(config_lib.ConfigError, match='is a weight'):
+    config_lib.validate(c)
 
 
 def test_the_chunked_vocabulary_loss_is_refused_where_it_cannot_work():
   """The chunked loss never holds whole predictions: not with R-Drop (which compares them), and only the
   translation model stops at its decoder states."""
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
-  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   c = config_lib.base_config()
   c.data_dir = '/data'
   c.vocabulary_loss_chunk_tokens = 512
-  workdir_lib.validate_config(c)
+  config_lib.validate(c)
   c.rdrop_alpha = 5.0
-  with pytest.raises(workdir_lib.ConfigError, match='vocabulary_loss_chunk_tokens=512 cannot go with config.rdrop'):
-    workdir_lib.validate_config(c)
+  with pytest.raises(config_lib.ConfigError, match='vocabulary_loss_chunk_tokens=512 cannot go with config.rdrop'):
+    config_lib.validate(c)
   c.rdrop_alpha, c.task = 0.0, 'lm'
-  with pytest.raises(workdir_lib.ConfigError, match="for the translation task, not 'lm'"):
-    workdir_lib.validate_config(c)
+  with pytest.raises(config_lib.ConfigError, match="for the translation task, not 'lm'"):
+    config_lib.validate(c)
   c.task, c.vocabulary_loss_chunk_tokens = 'translation', -1
-  with pytest.raises(workdir_lib.ConfigError, match='counts tokens'):
-    workdir_lib.validate_config(c)
+  with pytest.raises(config_lib.ConfigError, match=r'vocabulary_loss_chunk_tokens=-1 counts'):
+    config_lib.validate(c)
 
 
-def test_prng_impl_is_checked_and_a_workdir_from_before_the_field_resumes_only_on_threefry(tmp_path):
-  import json  # pylint: disable=g-import-not-at-top
+def test_bad_names_are_refused_with_the_values_they_take():
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
-  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
-  config = config_lib.base_config()
-  config.data_dir = '/data'
-  config.prng_impl = 'philox'
-  with pytest.raises(workdir_lib.ConfigError, match=r"config.prng_impl='philox': use one of"):
-    workdir_lib.validate_config(config)
-  config.prng_impl = 'threefry2x32'
-  workdir_lib.save_or_check_config(config, tmp_path)
-  saved = json.loads((tmp_path / 'config.json').read_text())
-  del saved['prng_impl']  # as every config.json written before the field: those runs drew threefry keys
-  (tmp_path / 'config.json').write_text(json.dumps(saved))
-  workdir_lib.save_or_check_config(config, tmp_path)
-  config.prng_impl = 'rbg'
-  with pytest.raises(workdir_lib.ConfigError, match=r"config.prng_impl='threefry2x32', now 'rbg'"):
-    workdir_lib.save_or_check_config(config, tmp_path)
+  for field, value in (('prng_impl', 'philox'), ('task', 'nmt'), ('data_source', 'csv'),
+                       ('best_checkpoint_metric', 'accuracy'), ('model.remat', 'some')):
+    c = config_lib.base_config()
+    c.data_dir = '/data'
+    section, _, name = field.rpartition('.')
+    (c[section] if section else c)[name] = value
+    with pytest.raises(config_lib.ConfigError, match=re.escape(f'config.{field}={value!r}: use one of (')):
+      config_lib.validate(c)
 
 
 @pytest.mark.parametrize('field, value', [('bpe_dropout', 0.1), ('bidirectional_epochs', 2), ('task', 'lm')])
 def test_right_to_left_targets_refuse_what_re_reads_or_swaps_the_targets(field, value):
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
-  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   c = config_lib.base_config()
   c.data_dir = '/data'
   c.target_right_to_left = True
-  workdir_lib.validate_config(c)  # alone it trains
+  config_lib.validate(c)  # alone it trains
   c[field] = value
-  with pytest.raises(workdir_lib.ConfigError, match=f'config.target_right_to_left .*config.{field}='):
-    workdir_lib.validate_config(c)
+  message = (f'config.target_right_to_left=True .* not {value!r}' if field == 'task'
+             else f'config.target_right_to_left trains on reversed targets; config.{field}=')
+  with pytest.raises(config_lib.ConfigError, match=message):
+    config_lib.validate(c)

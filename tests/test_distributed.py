@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import check_pinned_refit_learning_rates, subprocess_env, xla_flags_without_device_count
+from conftest import subprocess_env, xla_flags_without_device_count
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
 from flaxformer_nmt.runtime import distributed
 
@@ -135,25 +135,3 @@ def test_cluster_detection_reads_the_launchers_environment(monkeypatch):
   monkeypatch.delenv('OMPI_COMM_WORLD_SIZE')
   monkeypatch.setattr(distributed, 'on_cloud_tpu_vm', lambda: True)
   assert distributed.cluster_from_environment() == 'tpu'
-
-
-@pytest.mark.slow
-def test_each_host_runs_process_0s_fit_and_refit_whatever_its_own_clock_projects(toy_corpus, tmp_path):
-  """config.fit_schedule_to_time on two hosts: each measures its own pace, so their projections differ (pinned
-  here: process 0 projects 40 steps, then 37 from update 25; process 1 50, then 45 from update 20). Every
-  decision is process 0's, broadcast: both fit at its knot, refit at its step, bend the learning rate alike and
-  stop at its end; a host that followed its own projection would train on another schedule or hang in a
-  collective the other never joins. The numbers are those of test_time_budget's single-process run."""
-  from flaxformer_nmt.training import time_budget
-  from flaxformer_nmt.training import step as ts
-  workdir = tmp_path / 'run'
-  overrides = ('num_train_steps=60', 'cooldown_steps=40', 'warmup_steps=10', 'max_train_minutes=100.0',
-               'fit_schedule_to_time=True', 'log_every_steps=1', 'eval_every_steps=1000',
-               'checkpoint_every_steps=10', 'keep_checkpoints=3', 'average_last_checkpoints=3',
-               'length_buckets=(32,)', 'pinned_ends=40,37,25/50,45,20')
-  results = run_processes(toy_corpus, workdir, 60, overrides=overrides, timeout=240)  # 30 s here when they agree
-  assert [line.split('step=')[1].split()[0] for line in results] == ['37', '37']
-  assert len({line.split('loss=')[1] for line in results}) == 1
-  assert time_budget.load(workdir) == [ts.FittedEnd(40, 13, 1.0), ts.FittedEnd(37, 25, pytest.approx(15 / 27))]
-  assert checkpoints_lib.saved_steps(workdir) == [28, 35, 37]  # saves every 7 steps from the fit on
-  check_pinned_refit_learning_rates(workdir, d_model=32, learning_rate_scale=2.0)  # small_config's

@@ -12,8 +12,9 @@ import sacrebleu
 import in_process
 import test_resilience as resilience
 from conftest import small_config
+from flaxformer_nmt import config as config_lib
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
-from flaxformer_nmt.checkpointing.workdir import ConfigError, member_workdir, save_or_check_config, validate_config
+from flaxformer_nmt.checkpointing.workdir import ConfigError, member_workdir, save_or_check_config
 from flaxformer_nmt.data import tokenizer as tokenizer_lib
 from flaxformer_nmt.decoding import translator as decode
 from flaxformer_nmt.evaluation import compare
@@ -68,7 +69,7 @@ def test_an_ensemble_workdir_is_not_resumed_as_one_run_nor_the_reverse(tmp_path)
     save_or_check_config(config, tmp_path / 'one')
   config.ensemble_members = 0
   with pytest.raises(ConfigError, match='config.ensemble_members=0'):
-    validate_config(config)
+    config_lib.validate(config)
 
 
 def test_the_command_stops_resumes_and_decodes_the_members_together(toy_corpus, tmp_path):

@@ -1,14 +1,19 @@
-"""What the training loop logs about speed (tokens/s, FLOP/s, MFU, step time) and the profiler option."""
+"""What the training loop logs about speed (tokens/s, FLOP/s, MFU, step time) and the profiler option; the
+training time it counts across resumes, and config.max_train_minutes, the guard that stops a run on time."""
 import json
+import time
 
 import jax
 import pytest
 
+import in_process
 from conftest import small_config
-from flaxformer_nmt.checkpointing import workdir as workdir_lib
+from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
 from flaxformer_nmt.models import transformer as model_lib
 from flaxformer_nmt.runtime import flops
+from flaxformer_nmt.training import ensemble
 from flaxformer_nmt.training import loop as train
+from flaxformer_nmt.training import preemption
 
 
 @pytest.mark.profiler
@@ -40,19 +45,6 @@ def test_log_carries_throughput_flops_mfu_and_the_profile_is_written(toy_corpus,
   assert traces, 'no profiler trace written'
 
 
-def test_a_workdir_with_pre_fused_checkpoints_is_refused_not_moved_aside(toy_corpus, tmp_path):
-  workdir = tmp_path / 'old'
-  (workdir / 'checkpoints' / '100').mkdir(parents=True)
-  config = small_config(toy_corpus)
-  saved = json.loads(config.to_json_best_effort())
-  for field in ('attention_impl', 'remat'):
-    del saved['model'][field]
-  (workdir / 'config.json').write_text(json.dumps(saved))
-  with pytest.raises(workdir_lib.ConfigError, match='cannot resume'):
-    train.train_and_evaluate(config, workdir)
-  assert (workdir / 'checkpoints' / '100').exists()
-
-
 @pytest.mark.profiler
 @pytest.mark.parametrize('ending', ['end', 'error'])
 def test_a_profile_window_the_run_stops_inside_is_written_and_closed(toy_corpus, tmp_path, evaluation_fails_at,
@@ -72,3 +64,99 @@ def test_a_profile_window_the_run_stops_inside_is_written_and_closed(toy_corpus,
   assert list((tmp_path / 'run' / 'profile').rglob('*.xplane.pb')), 'the traced steps were not written'
   jax.profiler.start_trace(str(tmp_path / 'again'))  # raises while another trace is running
   jax.profiler.stop_trace()
+
+
+class _FastClock:
+  """time.time() for preemption.py's stop decisions: real time plus `seconds` more at every reading, so a run
+  reaches its time limit within a few steps without sleeping."""
+
+  def __init__(self, seconds):
+    self.seconds, self.readings = seconds, 0
+
+  def time(self):
+    self.readings += 1
+    return time.time() + self.seconds * self.readings
+
+
+def test_the_time_limit_stops_with_a_final_checkpoint_and_the_average_and_warns_the_cooldown_was_cut(
+    toy_corpus, tmp_path, monkeypatch, caplog):
+  """config.max_train_minutes is a guard, not a schedule: the run stops where the time runs out, saves that step
+  (off the regular grid), averages its last regular checkpoints, is marked finished, and warns that its cooldown
+  was cut, naming the step and the configured num_train_steps. Catches a stop without a save (the last steps
+  lost), a stop that skips the average, one that goes on to num_train_steps, and a silent cut."""
+  config = small_config(toy_corpus)
+  config.num_train_steps, config.cooldown_steps, config.warmup_steps = 40, 20, 5
+  config.checkpoint_every_steps, config.keep_checkpoints, config.average_last_checkpoints = 2, 10, 2
+  config.log_every_steps, config.eval_every_steps, config.length_buckets = 1000, 1000, (32,)
+  config.max_train_minutes = 100.0  # 6,000 s: the clock below gets there within the first few steps
+  monkeypatch.setattr(preemption, 'time', _FastClock(seconds=700.0))
+  workdir = tmp_path / 'run'
+  with caplog.at_level('WARNING'):
+    train.train_and_evaluate(config, workdir)
+  steps = checkpoints_lib.saved_steps(workdir)
+  stopped = steps[-1]  # the final save is the step the guard stopped at
+  assert 2 <= stopped < 10, steps
+  assert json.loads((workdir / ensemble.FINISHED_FILE).read_text())['reason'] == 'config.max_train_minutes'
+  regular = [s for s in steps if s % 2 == 0][-2:]
+  assert json.loads((workdir / 'averaged' / 'averaged.json').read_text()) == {'steps': regular}
+  logged = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+  assert max(r['step'] for r in logged) == stopped
+  assert (f'config.max_train_minutes=100 stopped the run at step {stopped} of config.num_train_steps=40: its '
+          'learning-rate cooldown (the last 20 steps) was cut short') in caplog.text
+
+
+def test_max_train_minutes_counts_training_time_across_resumes(toy_corpus, tmp_path):
+  """Each checkpoint records the run's training time; a resume continues that clock (fairseq's cumulative
+  --stop-time-hours), so a run resumed past its limit takes no step, and later saves add to the earlier time."""
+  config = small_config(toy_corpus)
+  config.num_train_steps, config.checkpoint_every_steps, config.max_train_minutes = 4, 4, 60.0
+  config.log_every_steps, config.eval_every_steps = 1, 1000
+  config.length_buckets = (32,)
+  workdir = tmp_path / 'run'
+
+  def trained_seconds(step):
+    return json.loads((workdir / 'checkpoints' / str(step) / 'data' / 'metadata').read_text())['trained_seconds']
+
+  def set_trained_seconds(step, seconds):
+    path = workdir / 'checkpoints' / str(step) / 'data' / 'metadata'
+    path.write_text(json.dumps({**json.loads(path.read_text()), 'trained_seconds': seconds}))
+
+  started = time.time()
+  train.train_and_evaluate(config, workdir)
+  assert 0 < trained_seconds(4) <= time.time() - started
+  set_trained_seconds(4, 3600.0)  # as if the first 4 steps had taken the whole hour
+
+  config.num_train_steps = 6
+  train.train_and_evaluate(config, workdir)  # resumed past its 60 minutes: no step
+  assert checkpoints_lib.saved_steps(workdir) == [4]
+
+  config.max_train_minutes = 90.0  # a larger limit trains on, from the hour already spent
+  started = time.time()
+  train.train_and_evaluate(config, workdir)
+  assert checkpoints_lib.saved_steps(workdir) == [4, 6]
+  assert 3600 < trained_seconds(6) <= 3600 + time.time() - started
+  records = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+  # The logged minutes continue the same clock.
+  assert [r['elapsed_seconds'] for r in records if 'elapsed_seconds' in r][-1] > 3600
+
+
+def test_the_bleu_curve_joins_resumed_launches_minutes_whichever_clock_they_logged(tmp_path):
+  def minutes(*records):
+    (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in records))
+    return in_process.bench_script('bleu_curve').read_log(str(tmp_path))[0]
+
+  def start(step, seconds):
+    return {'step': step, 'run/trained_seconds_at_start': seconds}
+
+  def at(step, seconds):
+    return {'step': step, 'elapsed_seconds': seconds}
+
+  # This trainer: resumed from the checkpoint at step 20 (its clock read 20 s there); the 10 s after it that the
+  # kill lost are trained again, not added.
+  assert minutes(start(0, 0), at(10, 10), at(20, 20), at(30, 30), start(20, 20), at(25, 25), at(30, 30)) == {
+      10: 10, 20: 20, 25: 25, 30: 30}
+  # An older trainer's launches (no start logged): each resume started its clock again.
+  assert minutes(at(10, 10), at(20, 20), at(25, 5)) == {10: 10, 20: 20, 25: 25}
+  # Both: this trainer resuming an older checkpoint (no clock saved: starts at 0), then resumed again.
+  assert minutes(at(10, 10), at(20, 20), start(20, 0), at(25, 5), start(25, 5), at(28, 8)) == {
+      10: 10, 20: 20, 25: 25, 28: 28}

@@ -125,12 +125,24 @@ def test_inverse_sqrt_schedule_equals_fairseqs_formula():
     np.testing.assert_allclose(schedule(step - 1), expected, rtol=1e-5)  # optax counts updates from 0
   np.testing.assert_allclose(schedule(1999), 0.005, rtol=1e-6)  # the peak, at the end of warmup
   np.testing.assert_allclose(schedule(7999), 0.0025, rtol=1e-5)  # half the peak at 4x warmup
-  c.learning_rate = 0.0
-  with pytest.raises(ValueError, match='learning_rate'):
-    ts.make_schedule(c)
+
+
+def test_schedule_settings_that_cannot_train_are_refused_by_name():
+  """A peakless inverse_sqrt trains at learning rate 0; an unknown schedule would silently run another; a
+  cooldown longer than the run starts below 1 (a jump at the first update)."""
+  c = config_lib.base_config()
+  c.data_dir = '/data'
+  c.learning_rate_schedule, c.learning_rate = 'inverse_sqrt', 0.0
+  with pytest.raises(config_lib.ConfigError, match=r'config.learning_rate=0.0: .*needs a peak'):
+    config_lib.validate(c)
   c.learning_rate_schedule = 'cosine'
-  with pytest.raises(ValueError, match="'cosine'"):
-    ts.make_schedule(c)
+  with pytest.raises(config_lib.ConfigError, match=r"config.learning_rate_schedule='cosine': use one of \('paper'"):
+    config_lib.validate(c)
+  c.learning_rate_schedule, c.num_train_steps, c.cooldown_steps = 'paper', 100, 101
+  with pytest.raises(config_lib.ConfigError, match=r'config.cooldown_steps=101: use 0 .* to config.num_train_steps=100'):
+    config_lib.validate(c)
+  c.cooldown_steps = 100  # the whole run
+  config_lib.validate(c)
 
 
 def _first_update(c, params, grads):
@@ -202,43 +214,7 @@ def test_cooldown_ramps_the_schedule_linearly_to_zero_over_the_last_steps(name):
   np.testing.assert_allclose(ts.make_schedule(c)(999), base(999), rtol=1e-6)  # off by default
 
 
-def test_a_fitted_end_bends_the_cooldown_at_its_knot_to_reach_zero_at_its_end():
-  """A 1,000-update run (cooldown 300) fitted after update 750 to end at 850: the configured ramp up to the
-  knot, then from its value there ((1000 - 750) / 300) linearly to 0 at 850, written out per update. Catches a
-  bend that starts from 1 (a jump up at the knot), one anchored at the cooldown's start, one that still ends at
-  1,000, or a knot one update off."""
-  c = config_lib.base_config()
-  c.model.d_model, c.warmup_steps, c.num_train_steps, c.cooldown_steps = 64, 100, 1000, 300
-  base = ts.paper_schedule(64, 100)
-  knot_ramp = (1000 - 750) / 300
-  bent = ts.make_schedule(c, ts.FittedEnd(num_train_steps=850, knot_step=750, knot_ramp=knot_ramp))
-  for count in (0, 99, 500, 699, 700, 749, 750, 751, 800, 848, 849, 850, 900):
-    if count <= 750:
-      factor = min(1.0, (1000 - count) / 300)
-    else:
-      factor = knot_ramp * max(0.0, (850 - count) / (850 - 750))
-    np.testing.assert_allclose(bent(count), base(count) * factor, rtol=1e-5, atol=1e-12)
-  assert float(bent(850)) == 0.0 and float(bent(849)) > 0.0  # the fitted run's last update still moves
-
-
-def test_a_refit_bends_the_bent_cooldown_again_from_its_own_value_at_the_new_knot():
-  """The run above refitted after update 800 (the machine slowed again: 880 fit) bends the first bend: from
-  its value at 800 (half of the first knot's ramp), not the configured ramp's there ((1000 - 800) / 300, a jump
-  up by 0.46 of the learning rate), linearly to 0 at 880. Catches a knot that is exclusive (the update at the
-  knot runs on the configured ramp) and a factor computed elsewhere than cooldown_factor."""
-  c = config_lib.base_config()
-  c.model.d_model, c.warmup_steps, c.num_train_steps, c.cooldown_steps = 64, 100, 1000, 300
-  base = ts.paper_schedule(64, 100)
-  first = ts.FittedEnd(num_train_steps=850, knot_step=750, knot_ramp=(1000 - 750) / 300)
-  at_800 = first.knot_ramp * (850 - 800) / (850 - 750)
-  np.testing.assert_allclose(ts.cooldown_factor(800, 1000, 300, first), at_800, rtol=1e-6)
-  again = ts.make_schedule(c, ts.FittedEnd(num_train_steps=880, knot_step=800, knot_ramp=at_800))
-  for count in (799, 800, 801, 840, 879, 880):
-    factor = min(1.0, (1000 - count) / 300) if count < 800 else at_800 * (880 - count) / 80
-    np.testing.assert_allclose(again(count), base(count) * factor, rtol=1e-5, atol=1e-12)
-
-
-def tiny_run(fitted=None, **fields):
+def tiny_run(**fields):
   """(fresh state, train step, eval step, a batch) of a 1+1-layer model on one device, config fields overridden;
   every call builds a new, equal model object."""
   c = config_lib.base_config()
@@ -251,22 +227,19 @@ def tiny_run(fitted=None, **fields):
   state, shardings = ts.create_state(model, c, mesh)
   train_fn, eval_fn = ts.jit_steps(model, c, mesh, shardings)
   tokens = np.full((2, 8), 5, np.int32)
-  return state, train_fn.refit(fitted) if fitted else train_fn, eval_fn, {'src': tokens, 'tgt_in': tokens,
-                                                                         'tgt_out': tokens}
+  return state, train_fn, eval_fn, {'src': tokens, 'tgt_in': tokens, 'tgt_out': tokens}
 
 
 def test_runs_differing_only_in_the_schedules_numbers_compile_to_one_program():
   """The schedule's numbers are an input of the compiled step, not constants in it: runs that differ only in
-  warmup, peak, length or a fitted end lower to the same program (JAX's persistent cache serves them all), and
-  the time fit's bent schedule runs on the step already compiled. Which schedule, and whether it has a
-  cooldown, is the program's."""
-  def lowered(fitted=None, **fields):
-    state, train_fn, _, batch = tiny_run(fitted, **fields)
+  warmup, peak or length lower to the same program (JAX's persistent cache serves them all). Which schedule,
+  and whether it has a cooldown, is the program's."""
+  def lowered(**fields):
+    state, train_fn, _, batch = tiny_run(**fields)
     return train_fn.lower(state, batch).as_text()
 
   program = lowered()
   assert lowered(warmup_steps=7, learning_rate_scale=0.3, num_train_steps=500, cooldown_steps=123) == program
-  assert lowered(fitted=ts.FittedEnd(num_train_steps=900, knot_step=400, knot_ramp=0.5)) == program
   assert lowered(cooldown_steps=0) != program
   assert lowered(learning_rate_schedule='inverse_sqrt', learning_rate=0.005) != program
 
@@ -289,13 +262,6 @@ def test_a_second_run_of_an_equal_model_and_options_traces_nothing(traces):
   traces.clear()
   run(label_smoothing=0.3)
   assert {'_train', '_evaluate'} <= set(traces)
-
-
-def test_cooldown_longer_than_the_run_is_refused():
-  c = config_lib.base_config()
-  c.num_train_steps, c.cooldown_steps = 100, 101
-  with pytest.raises(ValueError, match='cooldown_steps=101'):
-    ts.make_schedule(c)
 
 
 def numpy_rdrop_divergence(logits, targets):

@@ -22,7 +22,7 @@ from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
 
 BEST_DIR = 'best'
 INFO_FILENAME = 'best.json'
-# config.best_checkpoint_metric -> (the logged metric, True if higher is better).
+# config.best_checkpoint_metric (config.BEST_CHECKPOINT_METRICS) -> (the logged metric, True if higher is better).
 METRICS = {'bleu': ('eval/bleu', True), 'tok_bleu': ('eval/tok_bleu', True), 'loss': ('eval/loss', False),
            'nll': ('eval/nll', False)}
 
@@ -43,15 +43,13 @@ def load_best(workdir):
   if info is None:
     raise FileNotFoundError(f'{directory(workdir) / INFO_FILENAME} not found: train with '
                             '--config.best_checkpoint_metric=bleu (or tok_bleu, loss, nll) to keep a best checkpoint')
-  return checkpoints_lib.read_model_params(directory(workdir) / info['params']), info
+  return checkpoints_lib.read_params(directory(workdir) / info['params']), info
 
 
 class BestCheckpoint:
   """Tracks the best value of one validation metric and saves the parameters that reach it."""
 
   def __init__(self, workdir, metric):
-    if metric not in METRICS:
-      raise ValueError(f'config.best_checkpoint_metric={metric!r}: use one of {sorted(METRICS)} or \'\' (off)')
     self.workdir, self.metric = workdir, metric
     self.key, self.higher_is_better = METRICS[metric]
     info = read_info(workdir)

@@ -21,7 +21,6 @@ time, into a float32 running sum, and writes `{workdir}/averaged/` with the step
 import functools
 import json
 import logging as std_logging
-import re
 import time
 
 import jax
@@ -31,7 +30,8 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
-from flaxformer_nmt.models import transformer as model_lib
+# The names decode and export take for a checkpoint (--checkpoint), as config.decode_checkpoint takes them.
+from flaxformer_nmt.config import CHECKPOINT_NAMES, is_checkpoint_name  # pylint: disable=unused-import
 
 CHECKPOINT_DIR = 'checkpoints'
 AVERAGED_DIR = 'averaged'
@@ -40,15 +40,6 @@ COMMIT_MARKER = 'commit_success.txt'  # written by orbax as the last file of a f
 # Tensorstore statuses of a store that cannot be reached or refuses us now (not of bytes that are wrong).
 _STORAGE_STATUSES = ('UNAVAILABLE', 'DEADLINE_EXCEEDED', 'RESOURCE_EXHAUSTED', 'ABORTED', 'CANCELLED',
                      'PERMISSION_DENIED', 'UNAUTHENTICATED')
-
-
-# The names of one set of parameters of a workdir: decode's --checkpoint, export's, config.decode_checkpoint.
-CHECKPOINT_NAMES = 'latest, averaged, best, last:K or a step'
-
-
-def is_checkpoint_name(name):
-  """Whether `name` is one of CHECKPOINT_NAMES (last:K with K >= 1)."""
-  return re.fullmatch(r'latest|averaged|best|last:[1-9][0-9]*|[0-9]+', str(name)) is not None
 
 
 class CheckpointMismatchError(ValueError):
@@ -334,9 +325,8 @@ def state_directory(workdir, step):
 
 def saved_params(workdir, step):
   """The parameters of checkpoint `step` in `workdir` as host arrays, read from its files alone: no manager is
-  opened and nothing but the parameters is read (checkpoints from before the fused attention projections are
-  converted to today's layout)."""
-  return read_model_params(state_directory(workdir, step), subtree='params')
+  opened and nothing but the parameters is read."""
+  return read_params(state_directory(workdir, step), subtree='params')
 
 
 def abstract_like(tree):
@@ -366,12 +356,6 @@ def read_params(path, subtree=None):
   finally:
     absl_logger.removeFilter(_not_step_metadata_notice)
   return restored[subtree] if subtree is not None else restored
-
-
-def read_model_params(path, subtree=None):
-  """Model parameters saved at `path` (or its `subtree` item) by any version of this project, in today's layout
-  (checkpoints from before the fused attention projections are converted)."""
-  return model_lib.upgrade_legacy_params(read_params(path, subtree))
 
 
 class AveragingError(ValueError):
@@ -416,20 +400,11 @@ def averaging_window(steps, last, every_steps=None):
   return steps[-last:]
 
 
-# Written by a run whose end was fitted to its time limit (time_budget.py); its checkpoint_every_steps is the
-# spacing of the regular saves from the fit on.
-FITTED_SCHEDULE_FILE = 'fitted_schedule.json'
-
-
 def regular_save_interval(workdir):
-  """The spacing of the workdir's regular saves: a fitted run's (fitted_schedule.json), else config.json's."""
-  for name in (FITTED_SCHEDULE_FILE, 'config.json'):
-    path = absolute(workdir) / name
-    if path.exists():
-      every_steps = json.loads(path.read_text()).get('checkpoint_every_steps')
-      if every_steps:
-        return every_steps
-  return None
+  """The spacing of the workdir's regular saves, config.checkpoint_every_steps of its config.json (None where it
+  has none)."""
+  path = absolute(workdir) / 'config.json'
+  return json.loads(path.read_text())['checkpoint_every_steps'] if path.exists() else None
 
 
 def average_last(workdir, last=None, steps=None, every_steps=None):
@@ -485,4 +460,4 @@ def load_averaged(workdir):
   directory = absolute(workdir) / AVERAGED_DIR
   if not (directory / 'averaged.json').exists():
     raise FileNotFoundError(f'{directory} not found: run `python -m flaxformer_nmt.average --workdir {workdir}` first')
-  return read_model_params(directory / 'params'), json.loads((directory / 'averaged.json').read_text())
+  return read_params(directory / 'params'), json.loads((directory / 'averaged.json').read_text())

@@ -758,22 +758,5 @@ class Transformer(TransformerStacks):
                        tgt_positions=tgt_positions, project=project)
 
 
-def upgrade_legacy_params(params, module_name=''):
-  """Parameters saved before the fused projections (separate `query`/`key`/`value` kernels [d, d] in every
-  attention module) -> today's layout: self-attention `qkv` [d, 3d], encoder-decoder `query` + `kv` [d, 2d].
-  The concatenation order is the order the fused outputs are split in, so the model computes the same
-  function. Parameters already in today's layout come back unchanged."""
-  if not isinstance(params, dict):
-    return params
-  if {'query', 'key', 'value', 'output'} <= set(params):
-    kernel = lambda name: np.asarray(params[name]['kernel'])
-    if module_name == 'cross_attention':
-      return {'query': params['query'], 'kv': {'kernel': np.concatenate([kernel('key'), kernel('value')], axis=1)},
-              'output': params['output']}
-    return {'qkv': {'kernel': np.concatenate([kernel('query'), kernel('key'), kernel('value')], axis=1)},
-            'output': params['output']}
-  return {name: upgrade_legacy_params(value, name) for name, value in params.items()}
-
-
 def count_params(params):
   return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))

@@ -5,8 +5,7 @@ r"""Training an ensemble (config.ensemble_members > 1): independent runs of one 
 
 Member k is a run of its own in {workdir}/member{k} (its config.json, checkpoints, metrics and TensorBoard
 files; decode, average and export take it alone too), with config.seed + k and an equal share of the time
-limit, config.max_train_minutes / ensemble_members, so the whole ensemble keeps to the limit (with
-config.fit_schedule_to_time each member fits its cooldown to its share). Every member reads member0's
+limit, config.max_train_minutes / ensemble_members, so the whole ensemble keeps to the limit. Every member reads member0's
 vocabulary, copied in before member k starts: one vocabulary is what lets the members' probabilities be
 averaged, and a vocabulary sampled from a character budget (config.sentencepiece_max_chars) follows the seed.
 A vocab.model placed in {workdir} beforehand becomes member0's.
@@ -18,8 +17,8 @@ have finished, the command scores them together on the validation split with the
 (score_on_validation: {workdir}/ensemble_bleu.json).
 
 Why: two independently trained Transformer-tiny runs decoded together gain 1.0-1.6 valid BLEU on Multi30k
-over each of them alone, more than one run's seed spread (bench/RESULTS.md, 2026-11-29); checkpoints of one
-run barely do (+0.06).
+over each of them alone, more than one run's seed spread (bench/RESULTS.md); checkpoints of one run barely do
+(+0.06).
 """
 import json
 import shutil
@@ -27,6 +26,7 @@ import jax
 from absl import logging
 from etils import epath
 
+from flaxformer_nmt import config as config_lib
 from flaxformer_nmt.checkpointing import workdir as workdir_lib
 from flaxformer_nmt.data.tokenizer import VOCAB_FILENAME
 from flaxformer_nmt.decoding import translator as decode
@@ -64,7 +64,7 @@ def finished(workdir, config):
   if not path.exists():
     return False
   record = json.loads(path.read_text())
-  return all(record.get(field) == config[field] for field in _EXTENT_FIELDS)
+  return all(record[field] == config[field] for field in _EXTENT_FIELDS)
 
 
 def share_vocabulary(workdir, k):
@@ -88,7 +88,7 @@ def train_members(config, workdir, train_one):
   train_and_evaluate); returns the last metrics it returned. Stops after a member that did not finish (a stop
   signal): rerunning resumes it."""
   workdir = epath.Path(workdir)
-  workdir_lib.validate_config(config)
+  config_lib.validate(config)
   workdir.mkdir(parents=True, exist_ok=True)
   workdir_lib.save_or_check_config(config, workdir)
   last = {}

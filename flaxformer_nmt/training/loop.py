@@ -18,11 +18,11 @@ import numpy as np
 from absl import logging
 from etils import epath
 
-from flaxformer_nmt.data import batching
 from flaxformer_nmt import config as config_lib
 from flaxformer_nmt.checkpointing import best as best_lib
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
 from flaxformer_nmt.checkpointing.workdir import build_model, save_or_check_config
+from flaxformer_nmt.data import batching
 from flaxformer_nmt.data.pipeline import input_pipeline
 from flaxformer_nmt.models import transformer as model_lib
 from flaxformer_nmt.runtime import flops as flops_lib

@@ -117,13 +117,8 @@ class StopDecision:
   `preemption_sync`: a preemption sync manager serves this job (see preemption_sync_available).
   """
 
-  def __init__(self, config, start_time, stop_signal, preemption_sync=False, agree_every_steps=None,
-               num_steps=None, every_steps=None):
-    # num_steps, every_steps: where the run ends and how often it saves, if not as configured (an end fitted to
-    # the time limit, time_budget.py); the trainer moves both when it fits the end during the run.
-    self.num_steps = num_steps or config.num_train_steps
-    self.every_steps = every_steps or config.checkpoint_every_steps
-    self.configured_steps = config.num_train_steps
+  def __init__(self, config, start_time, stop_signal, preemption_sync=False, agree_every_steps=None):
+    self.num_steps, self.every_steps = config.num_train_steps, config.checkpoint_every_steps
     self.agree_every = agree_every_steps or config.log_every_steps
     self.start_time, self.last_save = start_time, time.time()
     self.time_limit = config.max_train_minutes * 60 if config.max_train_minutes > 0 else float('inf')
@@ -171,8 +166,7 @@ class StopDecision:
     save = step % self.every_steps == 0 or save_by_time or done
     if done:
       self.reason = ('a stop signal' if signalled else 'config.max_train_minutes' if out_of_time
-                     else 'config.num_train_steps' if step >= self.configured_steps
-                     else 'the end fitted to config.max_train_minutes')
+                     else 'config.num_train_steps')
     return save, done
 
   def saved(self):

@@ -47,99 +47,49 @@ def inverse_sqrt_schedule(peak, warmup_steps):
   return schedule
 
 
-@dataclasses.dataclass(frozen=True)
-class FittedEnd:
-  """A cooldown moved to end elsewhere (time_budget.py fits it to config.max_train_minutes): from update
-  `knot_step` on, where the ramp stood at `knot_ramp` (the configured ramp's value there, or an earlier
-  bend's), the ramp falls linearly to 0 at update `num_train_steps` instead of config.num_train_steps."""
-  num_train_steps: int
-  knot_step: int
-  knot_ramp: float
-
-  @classmethod
-  def unbent(cls, num_train_steps, cooldown_steps):
-    """The configured ramp as a FittedEnd: its knot where the cooldown begins, at 1 (the same values exactly)."""
-    return cls(num_train_steps, num_train_steps - cooldown_steps, 1.0)
-
-
-def cooldown_ramp(count, num_train_steps, cooldown_steps):
-  """The factor of update `count` (from 0): 1 until the last `cooldown_steps` updates, then linearly to 0."""
-  return jnp.clip((num_train_steps - count) / cooldown_steps, 0.0, 1.0)
-
-
-def cooldown_factor(count, num_train_steps, cooldown_steps, fitted):
-  """The ramp's factor at update `count` (from 0) with the cooldown bent at `fitted` (a FittedEnd): the
-  configured ramp before its knot, from the knot on a line from knot_ramp down to 0 at its end. At the knot
-  both give knot_ramp (the fit takes it from the ramp in force there), so the learning rate is continuous."""
-  count = jnp.asarray(count, jnp.float32)
-  ramp = cooldown_ramp(count, num_train_steps, cooldown_steps)
-  span = fitted.num_train_steps - fitted.knot_step
-  bent = fitted.knot_ramp * jnp.clip((fitted.num_train_steps - count) / span, 0.0, 1.0)
-  return jnp.where(count >= fitted.knot_step, bent, ramp)
-
-
-def with_cooldown(schedule, num_train_steps, cooldown_steps, fitted=None):
+def with_cooldown(schedule, num_train_steps, cooldown_steps):
   """`schedule` times a linear ramp from 1 down to 0 over the last `cooldown_steps` updates of a
   `num_train_steps` run (the decay stage of fairseq's tri_stage and of warmup-stable-decay schedules): update
   num_train_steps - cooldown_steps + i (counted from 0) runs at (1 - i / cooldown_steps) times the schedule,
   so the last one runs at 1 / cooldown_steps of it. A short run ends at a low learning rate instead of where
-  the slow inverse square root has left it. `fitted` (a FittedEnd) bends the ramp at its knot to reach 0 at
-  its end; the learning rate is continuous there. Unfitted, the ramp is the bent one with its knot where the
-  cooldown begins (the same numbers, exactly), so that fitting changes the schedule's numbers, not its
-  program."""
-  fitted = fitted or FittedEnd.unbent(num_train_steps, cooldown_steps)
-
+  the slow inverse square root has left it."""
   def cooled(count):
-    return schedule(count) * cooldown_factor(count, num_train_steps, cooldown_steps, fitted)
+    ramp = jnp.clip((num_train_steps - jnp.asarray(count, jnp.float32)) / cooldown_steps, 0.0, 1.0)
+    return schedule(count) * ramp
   return cooled
 
 
-SCHEDULES = ('paper', 'inverse_sqrt')
-
-
-def schedule_numbers(config, fitted=None):
-  """The numbers of the learning-rate schedule of `config` (and of `fitted`, a FittedEnd): what make_schedule
+def schedule_numbers(config):
+  """The numbers of the learning-rate schedule of `config` (checked by config.validate): what make_schedule
   computes with. jit_steps passes them to the compiled train step as an input rather than baking them in as
-  constants, so that runs that differ only in them (a warmup, a peak, a length, a fitted end) run one
-  compiled program, and the time fit (time_budget.py) bends the schedule without compiling the step again."""
+  constants, so that runs that differ only in them (a warmup, a peak, a length) run one compiled program."""
   if config.learning_rate_schedule == 'paper':
     numbers = dict(d_model=config.model.d_model, warmup_steps=config.warmup_steps, peak=config.learning_rate_scale)
-  elif config.learning_rate_schedule == 'inverse_sqrt':
-    if config.learning_rate <= 0:
-      raise ValueError("config.learning_rate_schedule='inverse_sqrt' needs a peak config.learning_rate > 0")
-    numbers = dict(warmup_steps=config.warmup_steps, peak=config.learning_rate)
   else:
-    raise ValueError(f'config.learning_rate_schedule={config.learning_rate_schedule!r}: use one of {SCHEDULES}')
-  cooldown = config.cooldown_steps
-  if cooldown <= 0:
-    return numbers
-  if cooldown > config.num_train_steps:
-    raise ValueError(f'config.cooldown_steps={cooldown} must lie in [1, config.num_train_steps='
-                     f'{config.num_train_steps}]: the ramp ends at the last update')
-  end = fitted or FittedEnd.unbent(config.num_train_steps, cooldown)
-  return dict(numbers, num_train_steps=config.num_train_steps, cooldown_steps=cooldown,
-              fitted_end=end.num_train_steps, knot_step=end.knot_step, knot_ramp=end.knot_ramp)
+    numbers = dict(warmup_steps=config.warmup_steps, peak=config.learning_rate)
+  if config.cooldown_steps > 0:
+    numbers.update(num_train_steps=config.num_train_steps, cooldown_steps=config.cooldown_steps)
+  return numbers
 
 
-def make_schedule(config, fitted=None, numbers=None):
-  """The learning rate as a function of the update count: config.learning_rate_schedule, then the cooldown
-  (bent to end at `fitted`, a FittedEnd, when the run's end was fitted to its time limit). `numbers`: the
-  schedule_numbers to compute with (traced inside the compiled step); default: those of config and fitted."""
-  numbers = schedule_numbers(config, fitted) if numbers is None else numbers
+def make_schedule(config, numbers=None):
+  """The learning rate as a function of the update count: config.learning_rate_schedule ('paper' or
+  'inverse_sqrt'), then the cooldown. `numbers`: the schedule_numbers to compute with (traced inside the
+  compiled step); default: those of config."""
+  numbers = schedule_numbers(config) if numbers is None else numbers
   if config.learning_rate_schedule == 'paper':
     schedule = paper_schedule(numbers['d_model'], numbers['warmup_steps'], numbers['peak'])
   else:
     schedule = inverse_sqrt_schedule(numbers['peak'], numbers['warmup_steps'])
   if 'cooldown_steps' not in numbers:
     return schedule
-  return with_cooldown(schedule, numbers['num_train_steps'], numbers['cooldown_steps'],
-                       FittedEnd(numbers['fitted_end'], numbers['knot_step'], numbers['knot_ramp']))
+  return with_cooldown(schedule, numbers['num_train_steps'], numbers['cooldown_steps'])
 
 
-def make_optimizer(config, fitted=None, numbers=None):
-  """(Adam on the configured schedule, the schedule): see adam_of and make_schedule; `fitted` and `numbers`
-  change the schedule only, never the optimizer state."""
-  schedule = make_schedule(config, fitted, numbers)
+def make_optimizer(config, numbers=None):
+  """(Adam on the configured schedule, the schedule): see adam_of and make_schedule; `numbers` change the
+  schedule only, never the optimizer state."""
+  schedule = make_schedule(config, numbers)
   return adam_of(config, schedule), schedule
 
 
@@ -247,7 +197,7 @@ def chunked_vocabulary_loss(states, embedding, targets, smoothing, chunk_tokens,
   The vocabulary projection, the loss and its gradient run a chunk of about `chunk_tokens` target positions at
   a time (lax.scan), the gradients computed in the same pass, so neither the float32 logits nor their gradient
   ([tokens, V] each: 2.4 GB apiece at 16,384 tokens and 37k pieces) is ever held whole. Same sums, same
-  gradients (to float32 rounding). What it buys is memory (bench/RESULTS.md, 2026-11-29: Transformer base at
+  gradients (to float32 rounding). What it buys is memory (bench/RESULTS.md: Transformer base at
   16,384 tokens, 19.9 -> 13.7 GiB of temporaries with 1,024-token chunks, XLA:CPU); on a 2-core CPU the step
   took as long as with whole logits.
 
@@ -449,7 +399,7 @@ class StepOptions:
     return cls(model=model, task=lm.task_of(config), label_smoothing=float(config.label_smoothing),
                grad_accumulation_steps=int(config.grad_accumulation_steps), rdrop_alpha=float(config.rdrop_alpha),
                prng_impl=config.prng_impl,
-               vocabulary_loss_chunk_tokens=int(config.get('vocabulary_loss_chunk_tokens', 0)),
+               vocabulary_loss_chunk_tokens=int(config.vocabulary_loss_chunk_tokens),
                learning_rate_schedule=config.learning_rate_schedule, weight_decay=float(config.weight_decay),
                adam_b1=float(config.adam_b1), adam_b2=float(config.adam_b2), adam_eps=float(config.adam_eps),
                grad_clip_norm=float(config.grad_clip_norm))
@@ -494,12 +444,11 @@ def create_state(model, config, mesh):
 
 class TrainStep:
   """The compiled train step with its schedule's numbers (schedule_numbers, an input of the program):
-  step(state, batch) -> (state, metrics). refit(fitted) is the same program on a schedule bent to end at
-  `fitted` (a FittedEnd); lower and trace, as jax.jit's, take (state, batch)."""
+  step(state, batch) -> (state, metrics); lower and trace, as jax.jit's, take (state, batch)."""
 
-  def __init__(self, jitted, options, config, replicated, fitted=None):
-    self.jitted, self.options, self.config, self.replicated, self.fitted = jitted, options, config, replicated, fitted
-    self.numbers = {name: np.float32(value) for name, value in schedule_numbers(config, fitted).items()}
+  def __init__(self, jitted, options, config, replicated):
+    self.jitted, self.options, self.config, self.replicated = jitted, options, config, replicated
+    self.numbers = {name: np.float32(value) for name, value in schedule_numbers(config).items()}
     self._on_devices = None
 
   def __call__(self, state, batch):
@@ -518,9 +467,6 @@ class TrainStep:
 
   def trace(self, state, batch):
     return self.jitted.trace(state, batch, self._abstract_numbers(), self.options)
-
-  def refit(self, fitted):
-    return TrainStep(self.jitted, self.options, self.config, self.replicated, fitted)
 
 
 def jit_steps(model, config, mesh, state_sharding=None):

@@ -21,11 +21,10 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
-from flaxformer_nmt.checkpointing import best as best_checkpoint
+from flaxformer_nmt import config as config_lib
 from flaxformer_nmt.checkpointing import workdir as workdir_lib
 from flaxformer_nmt.data import corpora
 from flaxformer_nmt.data import corpus as data_lib
-from flaxformer_nmt.data import tokenizer as tokenizer_lib
 from flaxformer_nmt.decoding import search as search_lib
 from flaxformer_nmt.decoding import translator as translator_lib
 from flaxformer_nmt.evaluation import bleu as evaluate
@@ -43,10 +42,8 @@ def hypotheses_path(workdir, step):
 
 def tokenized_reference_path(config):
   """`{eval_bleu_tok_ref_dir}/{eval_split}.{target_lang}`, or None when not configured or absent."""
-  if not config.eval_bleu_tok_ref_dir:
-    return None
-  path = epath.Path(config.eval_bleu_tok_ref_dir) / f'{config.eval_split}.{config.target_lang}'
-  return path if path.exists() else None
+  path = config_lib.tokenized_reference(config)
+  return epath.Path(path) if path and epath.Path(path).exists() else None
 
 
 class ValidationBleu:
@@ -78,7 +75,7 @@ class ValidationBleu:
     self.model = workdir_lib.build_model(decode_config, tokenizer)
     # One process: the search runs on one device. Replicated over the mesh it would run whole on every device,
     # the same search twice on a CPU split into two (config.cpu_devices): 5.7 s for Multi30k's valid against 4.2 s
-    # on one (bench/RESULTS.md, 2026-12-02). Several hosts: every host runs the same global program.
+    # on one (bench/RESULTS.md). Several hosts: every host runs the same global program.
     self.to_search_device = jax.process_count() == 1 and mesh.devices.size > 1
     if self.to_search_device:
       mesh = sharding.make_mesh(devices=[mesh.devices.flat[0]])
@@ -120,7 +117,7 @@ class ValidationBleu:
     """({metric name: number}, sacreBLEU signature) of `hypotheses` against the validation references."""
     # The references were read as the model reads text: lowercased for a model of config.lowercase, whose
     # sacreBLEU the signature then marks case-insensitive (case:lc).
-    bleu = sacrebleu.BLEU(lowercase=tokenizer_lib.lowercase_of(self.config))
+    bleu = sacrebleu.BLEU(lowercase=self.config.lowercase)
     result = bleu.corpus_score(hypotheses, [self.references])
     numbers = {'eval/bleu': result.score, 'eval/tok_bleu': float('nan'),
                'eval/bleu_length_ratio': result.sys_len / max(result.ref_len, 1),
@@ -154,22 +151,3 @@ class ValidationBleu:
                  'greedy' if not self.options['beam_size'] else f'beam {self.options["beam_size"]}',
                  metrics['eval/bleu_seconds'], signature)
     return metrics
-
-
-def validate_config(config):
-  """Config errors of the validation-BLEU and best-checkpoint fields, named (raised before any work)."""
-  for field in ('eval_bleu_every_steps', 'eval_bleu_beam_size', 'eval_bleu_max_sentences'):
-    if config[field] < 0:
-      raise workdir_lib.ConfigError(f'config.{field} must be >= 0, not {config[field]}')
-  metric = config.best_checkpoint_metric
-  if metric and metric not in best_checkpoint.METRICS:
-    raise workdir_lib.ConfigError(f'config.best_checkpoint_metric={metric!r}: use one of '
-                                  f'{sorted(best_checkpoint.METRICS)} or \'\' (off)')
-  if metric in ('bleu', 'tok_bleu') and config.eval_bleu_every_steps <= 0:
-    raise workdir_lib.ConfigError(f'config.best_checkpoint_metric={metric!r} needs validation BLEU: set '
-                                  'config.eval_bleu_every_steps > 0')
-  if metric == 'tok_bleu' and tokenized_reference_path(config) is None:
-    raise workdir_lib.ConfigError(
-        f"config.best_checkpoint_metric='tok_bleu' needs the tokenized validation reference "
-        f'{config.eval_bleu_tok_ref_dir or "(config.eval_bleu_tok_ref_dir is empty)"}/{config.eval_split}.'
-        f'{config.target_lang}')

@@ -104,7 +104,7 @@ def load_params(state, state_sharding, config, tokenizer):
         f'config.init_from: {description} was trained with another vocabulary ({source / VOCAB_FILENAME} '
         f'sha256 {_sha256(source / VOCAB_FILENAME)[:12]}..., this run {tokenizer.sha256[:12]}...): its '
         'embeddings do not fit. Start the new run in an empty --workdir (it copies the source vocabulary).')
-  params = checkpoints_lib.read_model_params(directory, subtree)
+  params = checkpoints_lib.read_params(directory, subtree)
   expected = {f'params.{k}': v for k, v in checkpoints_lib.tree_signature(state.params).items()}
   differences = checkpoints_lib.describe_mismatch(
       {f'params.{k}': v for k, v in checkpoints_lib.tree_signature(params).items()}, expected)
