@@ -26,6 +26,18 @@ column: the variant, attention/remat, then /prng_impl where given):
 A budget that runs out of device memory prints a row saying so and ends that config's list (the larger ones
 would not fit either).
 
+Sizing a run to a time budget on this machine: --fit_minutes M times each config's train step at its own token
+budget (config.tokens_per_batch, rows of config.packed_length or --lengths tokens), one checkpoint save and one
+validation (the loss over --valid_sentences, and validation BLEU's search where the config has it), and prints the
+num_train_steps that fit M minutes with their evaluations and saves, the cooldown in proportion (warmup unchanged):
+
+  python bench/train_throughput.py --configs multi30k --fit_minutes 60 --steps 20
+  ...
+  --config.num_train_steps=4210 --config.cooldown_steps=2105
+
+The untrained model's searches run to their length limit, so the validation time is an upper bound; start-up
+(reading the corpus, the vocabulary) is not counted.
+
 Each config trains its task's model (config.task: translation, lm, mlm). tok/s counts the tokens of one
 side: translation reads as many source tokens again; the LM and the MLM read only these.
 
@@ -36,6 +48,7 @@ table in flops.py for GPUs/TPUs, or --peak (per device); on CPU it is left out.
 """
 import itertools
 import os
+import tempfile
 import time
 
 import jax
@@ -46,6 +59,8 @@ from absl import app, flags
 import op_profile  # bench/op_profile.py, beside this script
 
 from flaxformer_nmt import config as config_lib
+from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
+from flaxformer_nmt.decoding import search as search_lib
 from flaxformer_nmt.models import lm
 from flaxformer_nmt.models import transformer as model_lib
 from flaxformer_nmt.runtime import flops as flops_lib
@@ -86,6 +101,11 @@ _ALTERNATE = flags.DEFINE_bool('alternate', False, 'Compare the --attention_impl
                                'each config by single steps in turn (medians), not one variant after the other.')
 _PROFILE_TOP = flags.DEFINE_integer('profile_top', 25, 'Operations printed per profile.')
 _PEAK = flags.DEFINE_float('peak', 0.0, 'Per-device peak FLOP/s for MFU (default: flops.py table; none on CPU).')
+_FIT_MINUTES = flags.DEFINE_float('fit_minutes', 0.0, 'Instead of the table: print the num_train_steps (and a '
+                                  'proportional cooldown_steps) of each config that fit this many minutes of '
+                                  'training on this machine, validation and saves included.')
+_VALID_SENTENCES = flags.DEFINE_integer('valid_sentences', 1014, 'Sentences of the validation split, for '
+                                        "--fit_minutes (Multi30k's valid: 1,014).")
 
 
 def time_fn(fn, *args, steps):
@@ -277,10 +297,91 @@ def time_steps(train_fn, state, rng, shape, vocab, mesh, analytic, profile_dir='
   return state, seconds
 
 
+def seconds_of(fn, *args):
+  """Wall seconds of fn(*args) until its outputs are ready, and the outputs."""
+  start = time.perf_counter()
+  out = jax.block_until_ready(fn(*args))
+  return time.perf_counter() - start, out
+
+
+def validation_seconds(model, params, config, mesh, vocab, length):
+  """Seconds of one validation of --valid_sentences sentences of `length` tokens: (the loss pass (eval step),
+  validation BLEU's search (beam config.eval_bleu_beam_size, up to the length limit) where the config has it,
+  else 0)."""
+  sentences, rng = _VALID_SENTENCES.value, np.random.default_rng(1)
+  _, eval_fn = train_step_lib.jit_steps(model, config, mesh)
+  rows = max(config.tokens_per_batch // length // sharding.rows_multiple(mesh), 1) * sharding.rows_multiple(mesh)
+  batch = sharding.put_batch(synthetic_batch(rng, (rows, length), vocab, 0), sharding.batch_sharded(mesh))
+  seconds_of(eval_fn, params, batch)  # compile
+  loss = seconds_of(eval_fn, params, batch)[0] * -(-sentences // rows)
+  if not config.eval_bleu_every_steps or lm.task_of(config) != 'translation':
+    return loss, 0.0
+  search = jax.jit(search_lib.search, static_argnums=0, static_argnames=('beam_size', 'extra_length'))
+  rows = max(config.decode_tokens_per_batch // length, 1)
+  src = jnp.asarray(rng.integers(4, vocab, (min(rows, sentences), length), dtype=np.int32))
+  options = dict(beam_size=config.eval_bleu_beam_size, alpha=np.float32(config.length_penalty_alpha),
+                 extra_length=config.max_decode_extra_length)
+  params = jax.device_put(params, jax.devices()[0])
+  seconds_of(lambda: search(model, params, src, **options))  # compile
+  return loss, seconds_of(lambda: search(model, params, src, **options))[0] * -(-sentences // src.shape[0])
+
+
+def save_seconds(state):
+  """Seconds of one checkpoint save of `state`, written synchronously (the trainer's are asynchronous: less)."""
+  with tempfile.TemporaryDirectory() as directory:
+    with checkpoints_lib.Checkpoints(directory, keep=1, async_save=False) as store:
+      start = time.perf_counter()
+      store.save(1, state, {}, force=True)
+      return time.perf_counter() - start
+
+
+def steps_that_fit(config, minutes, step, first_step, loss, bleu, save):
+  """The most steps whose training (`step` seconds each), evaluations (`loss` seconds every eval_every_steps,
+  `bleu` every eval_bleu_every_steps) and saves (`save` every checkpoint_every_steps), plus the first step's
+  `first_step` (compilation) and the final evaluation and save, fit `minutes`."""
+  per_step = step + save / config.checkpoint_every_steps + loss / config.eval_every_steps
+  if config.eval_bleu_every_steps:
+    per_step += bleu / config.eval_bleu_every_steps
+  fixed = first_step - step + loss + bleu + save
+  return max(int((minutes * 60 - fixed) / per_step), 0)
+
+
+def fit_to_minutes(name, minutes):
+  """Measures config `name` on this machine and prints the num_train_steps (and the cooldown in proportion) that
+  fit `minutes`, as overrides to paste."""
+  model, state, train_fn, mesh, vocab, config = build(name, '', '')
+  length = config.packed_length or int(_LENGTHS.value[0])
+  rows = max(config.tokens_per_batch // length // sharding.rows_multiple(mesh), 1) * sharding.rows_multiple(mesh)
+  batch = sharding.put_batch(synthetic_batch(np.random.default_rng(0), (rows, length), vocab, _SEGMENTS.value),
+                             sharding.batch_sharded(mesh))
+  first_step, (state, _) = seconds_of(train_fn, state, batch)  # compiles
+  start = time.perf_counter()
+  for _ in range(_STEPS.value):
+    state, _ = train_fn(state, batch)
+  jax.block_until_ready(state)
+  step = (time.perf_counter() - start) / _STEPS.value
+  (loss, bleu), save = validation_seconds(model, state.params, config, mesh, vocab, length), save_seconds(state)
+  steps = steps_that_fit(config, minutes, step, first_step, loss, bleu, save)
+  cooldown = round(config.cooldown_steps * steps / config.num_train_steps)
+  print(f'# {name}: {rows} x {length} tokens a step in {step * 1e3:.1f} ms (the first {first_step:.1f} s); '
+        f'validation loss {loss:.1f} s every {config.eval_every_steps} steps, BLEU {bleu:.1f} s every '
+        f'{config.eval_bleu_every_steps or "-"}, a save {save:.2f} s every {config.checkpoint_every_steps}: '
+        f'{steps} steps fit {minutes:g} minutes (configured: {config.num_train_steps}, cooldown '
+        f'{config.cooldown_steps}, warmup {config.warmup_steps})')
+  if steps < config.warmup_steps:
+    print(f'# {steps} steps do not reach the end of the {config.warmup_steps}-step warmup: a shorter warmup or '
+          'more minutes')
+  print(f'--config.num_train_steps={steps} --config.cooldown_steps={cooldown}', flush=True)
+  return steps, cooldown
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   host_memory.keep_freed_memory()  # as the trainer does, before the first computation
+  if _FIT_MINUTES.value > 0:  # the devices the trainer runs the first config on (config.cpu_devices)
+    sharding.split_host_cpu(load_config(_CONFIGS.value[0], '', '').cpu_devices)
+    checkpoints_lib.quiet_orbax_logs()
   backend = jax.default_backend()
   peak = flops_lib.peak_flops_per_device(override=_PEAK.value)
   matmul = matmul_rate() if backend == 'cpu' else None
@@ -291,6 +392,10 @@ def main(argv):
           f'accumulation and result): {matmul_rate(jnp.bfloat16) / 1e9:.1f} GFLOP/s')
   print(f'# {"config":>7} {"len":>5} {"rows":>5} {"step ms":>9} {"tok/s":>10} {"TFLOP/s":>8} {"MFU":>7} '
         f'{"/matmul":>8}')
+  if _FIT_MINUTES.value > 0:
+    for name in _CONFIGS.value:
+      fit_to_minutes(name, _FIT_MINUTES.value)
+    return
   first = _CHECK_XLA.value
   for name in _CONFIGS.value:
     if _ALTERNATE.value:
