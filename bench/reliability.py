@@ -50,7 +50,7 @@ def command(data_dir, workdir, steps, *extra):
                    keep_checkpoints=3, average_last_checkpoints=0, warmup_steps=20, prefetch_batches=0,
                    **{'model.num_encoder_layers': 1, 'model.num_decoder_layers': 1, 'model.d_model': 32,
                       'model.d_ff': 64, 'model.num_heads': 2, 'model.dtype': 'float32'})
-  return ([sys.executable, '-m', 'flaxformer_nmt.train', f'--config={REPO}/configs/multi30k.py',
+  return ([sys.executable, '-m', 'flaxformer_nmt.train', f'--config={REPO}/configs/base.py',
            f'--workdir={workdir}'] + [f'--config.{k}={v}' for k, v in overrides.items()] + list(extra))
 
 
