@@ -198,8 +198,7 @@ def variant_flags():
 def alternate_variants(name, peak, matmul):
   """Every --attention_impl x --remat x --prng_impl x --vocabulary_loss_chunk_tokens variant of one config, timed
   by single steps in turn (the order reversed every round) and reported as medians: in one process the step keeps
-  getting faster for minutes, so variants timed one after the other favour the later ones (bench/RESULTS.md,
-  2026-11-26)."""
+  getting faster for minutes, so variants timed one after the other favour the later ones (bench/RESULTS.md)."""
   variants = [(f'{a or "-"}/{r or "-"}' + (f'/{p}' if p else '') + (f'/c{c}' if c else ''), *build(name, a, r, p, c))
               for a, r, p, c in variant_flags()]
   rng = np.random.default_rng(0)
