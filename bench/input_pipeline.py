@@ -48,7 +48,7 @@ def write_smoke_corpus(directory, pairs=300):
   rng = random.Random(0)
   os.makedirs(directory, exist_ok=True)
   for split in ('train', 'valid'):
-    sentences = [[rng.choice(list(words)) for _ in range(rng.randint(2, 12))] for _ in range(pairs)]
+    sentences = [[rng.choice(list(words)) for _ in range(rng.randint(2, 8))] for _ in range(pairs)]
     for lang, line in (('en', lambda s: ' '.join(s)), ('de', lambda s: ' '.join(words[w] for w in s))):
       with open(os.path.join(directory, f'{split}.{lang}'), 'w', encoding='utf-8') as f:
         f.writelines(line(s) + ' .\n' for s in sentences)

@@ -13,6 +13,8 @@ at the signal, estimated from the logged step time (after_step + delay / step ti
 steps the loop had dispatched ahead (meaningful when the device step dominates: for a toy model of a few ms per
 step, Python's per-step work sets the pace and the estimate runs far past the real step). Extra
 --config.FIELD=VALUE arguments go to the trainer. Measured with it and by hand: bench/RESULTS.md.
+
+  python bench/stop_latency.py --smoke    # seconds: a tiny model on a generated corpus, SIGTERM after step 5
 """
 import argparse
 import os
@@ -25,6 +27,13 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# A model of a few milliseconds a step that trains until the signal, for --smoke.
+SMOKE_OVERRIDES = {'vocab_size': 64, 'tokens_per_batch': 512, 'length_buckets': '(32,)',
+                   'num_train_steps': 1_000_000, 'log_every_steps': 5, 'eval_every_steps': 1_000_000,
+                   'checkpoint_every_steps': 1_000_000, 'average_last_checkpoints': 0,
+                   'model.num_encoder_layers': 1, 'model.num_decoder_layers': 1, 'model.d_model': 32,
+                   'model.d_ff': 64, 'model.num_heads': 2, 'model.dtype': 'float32'}
 STEP_LINE = re.compile(r'step (\d+)/\d+ \|.* (\d+) ms/step')
 STOP_LINE = re.compile(r'Stopping at step (\d+) after')
 
@@ -68,8 +77,16 @@ def main():
   parser.add_argument('--trials', type=int, default=1)
   parser.add_argument('--timeout', type=float, default=900)
   parser.add_argument('--keep', action='store_true', help='Keep the workdirs and logs (printed).')
+  parser.add_argument('--smoke', action='store_true', help='A tiny model on a generated corpus (configs/base.py '
+                      'with SMOKE_OVERRIDES), SIGTERM 1 s after step 5: the whole path in seconds.')
   args, extra = parser.parse_known_args()
   root = tempfile.mkdtemp(prefix='stop_latency_')
+  if args.smoke:
+    from input_pipeline import write_smoke_corpus  # pylint: disable=g-import-not-at-top  (bench/, beside this)
+    write_smoke_corpus(os.path.join(root, 'data'))
+    args.config, args.after_step, args.delay, args.timeout = os.path.join(REPO, 'configs/base.py'), 5, 1.0, 300
+    extra = [f'--config.data_dir={os.path.join(root, "data")}', '--config.data_download='] + [
+        f'--config.{name}={value}' for name, value in SMOKE_OVERRIDES.items()] + extra
   print(f'{os.path.relpath(args.config, REPO)}: SIGTERM {args.delay:g} s after step {args.after_step}\'s log line\n')
   print('| trial | seconds to exit | stopped at step | device step at the signal (est.) | steps ahead | ms/step |')
   print('|---:|---:|---:|---:|---:|---:|')
