@@ -1,17 +1,8 @@
-r"""BLEU of detokenized translations, two ways.
+r"""Scores translations: sacreBLEU (13a, cased or --lowercase) against raw references, and with --tok_ref the
+lowercased, Moses-tokenized BLEU that Multi30k papers report, against the official tokenized references.
 
-1. sacreBLEU (cased, 13a tokenization) against the raw references: the WMT standard, reported with its
-   signature.
-2. Paper-comparable Multi30k BLEU: most multimodal-MT papers score lowercased, Moses-tokenized text against
-   the official `*.lc.norm.tok.*` references (../shared/data/multi30k_tok). The hypotheses go through the same
-   pipeline as those references: Moses punctuation normalization (normalize-punctuation.perl -l LANG), Moses
-   tokenization with XML escaping (tokenizer.perl -l LANG, as `&quot;` in the references shows), lowercasing;
-   then sacreBLEU with tokenize='none' against the tokenized references.
-
-  python -m flaxformer_nmt.evaluate --hyp hyp.de --ref test2016.de [--tok_ref ../shared/data/multi30k_tok/test2016.de]
-
-A model trained on lowercased text (config.lowercase) writes lowercase translations: with --lowercase, 1. is
-case-insensitive (sacreBLEU's own option; its signature says case:lc); 2. lowercases anyway.
+  python -m flaxformer_nmt.evaluate --hyp hyp.de --ref ~/.cache/flaxformer_nmt/multi30k/test2016.de \
+      --tok_ref ~/.cache/flaxformer_nmt/multi30k_tok/test2016.de --lowercase
 """
 import sys
 
