@@ -7,6 +7,7 @@ lowercased, Moses-tokenized BLEU that Multi30k papers report, against the offici
 import sys
 
 from absl import app, flags
+
 from flaxformer_nmt.evaluation.bleu import read_text, report
 
 
