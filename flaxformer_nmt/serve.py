@@ -12,6 +12,7 @@ Open http://127.0.0.1:8000/ for the page, /docs for the API. Requests from all c
 Ctrl-C) stops accepting connections, answers the requests already received, then exits 0. Needs the serve
 extra: pip install -e ".[serve]". See docs/serving.md.
 """
+import signal
 import sys
 
 from absl import app, flags, logging
@@ -48,8 +49,9 @@ def define_flags():
                       '/health and the page then needs "Authorization: Bearer KEY".')
   flags.DEFINE_multi_string('cors_origin', [], 'An origin allowed to call the API from a browser (repeatable; '
                             'default: none, CORS off).')
-  flags.DEFINE_enum('warmup', d.warmup, ['none', 'light', 'full'], 'What to compile before /ready: nothing, one '
-                    'sentence per length bucket, or batches of 1, 2, 4, ... sentences per bucket.')
+  flags.DEFINE_enum('warmup', d.warmup, ['none', 'full'], 'full: compile (or load from the compilation cache) '
+                    'every program the default search of up to --max_input_tokens pieces may run, before /ready; '
+                    'none: compile on first use.')
   flags.DEFINE_float('graceful_timeout_s', 60.0, 'On SIGTERM, how long to wait for the requests in flight.')
 
 
@@ -122,7 +124,11 @@ def main(argv):
   config = uvicorn.Config(application, host=FLAGS.host, port=FLAGS.port, log_level='info',
                           timeout_graceful_shutdown=FLAGS.graceful_timeout_s)
   logging.info('Listening on http://%s:%d/', FLAGS.host, FLAGS.port)
+  # uvicorn drains on SIGTERM, restores the handler it found and raises the signal again: with this one the
+  # drained server then exits 0 instead of dying of the signal.
+  signal.signal(signal.SIGTERM, lambda signum, frame: None)
   uvicorn.Server(config).run()
+  logging.info('Stopped.')
 
 
 if __name__ == '__main__':

@@ -232,8 +232,8 @@ class CTranslate2Backend:
     rows[:len(given)] = given
     return rows[None]
 
-  def warm_up(self, level, max_source_tokens, options, tokens_per_batch):
-    del level, max_source_tokens
+  def warm_up(self, max_source_tokens, options, tokens_per_batch):
+    del max_source_tokens
     self.run(options, [self.encode(['warm up'])[0]], 1, [True], tokens_per_batch)
 
   def describe(self):

@@ -29,9 +29,9 @@ import numpy as np
 from absl import logging
 from etils import epath
 
+from flaxformer_nmt.data import batching
 from flaxformer_nmt.data import corpus as data_lib
-from flaxformer_nmt.models.tokens import BOS_ID, EOS_ID
-from flaxformer_nmt.decoding.search import batch_rows
+from flaxformer_nmt.models.tokens import BOS_ID, PAD_ID
 from flaxformer_nmt.decoding.translator import Translator
 from flaxformer_nmt.evaluation import attention as attention_lib
 
@@ -272,10 +272,8 @@ class JaxBackend:
     model teacher-forced on BOS + target, rows in reading order (as the target ids)."""
     right_to_left = data_lib.right_to_left(self.config)
     model_order = [data_lib.reverse_before_eos(t) if right_to_left else t for t in target_lists]
-    buckets, rows = self.config.length_buckets, batch_rows(len(token_lists))
-    src = data_lib.pad_rows(token_lists, rows, data_lib.bucket_length(max(map(len, token_lists)), buckets))
-    tgt_in = data_lib.pad_rows(model_order, rows, data_lib.bucket_length(max(map(len, model_order)), buckets),
-                               prefix=BOS_ID)
+    src = padded(token_lists)
+    tgt_in = padded([[BOS_ID] + list(t) for t in model_order], rows=len(src))
     found = attention_lib.find_attention_weights(
         jax.device_get(_sown(self.translator.model, self.translator.params, src, tgt_in)))
     layers = sorted(layer for stack, layer, kind in found if (stack, kind) == ('decoder', 'cross_attention'))
@@ -299,18 +297,11 @@ class JaxBackend:
         answers[i].attention = weights
     return answers
 
-  def warm_up(self, level, max_source_tokens, options, tokens_per_batch):
-    """Compiles the searches of `options` for sources of every length bucket up to max_source_tokens: one
-    sentence each ('light'), or batches of 1, 2, 4, ... sentences up to the token budget ('full')."""
-    buckets = self.config.length_buckets
-    top = data_lib.bucket_length(max_source_tokens + 1, buckets)
-    vocab = self.tokenizer.vocab_size
-    for length in [b for b in buckets if b <= top]:
-      rows = [1] if level == 'light' else [1 << k for k in range(16) if (1 << k) * length <= tokens_per_batch]
-      for count in rows or [1]:
-        token_lists = [[4 + (i * 7 + j * 3) % (vocab - 4) for j in range(length - 1)] + [EOS_ID]
-                       for i in range(count)]
-        self.translator.warm_up(token_lists, tokens_per_batch=tokens_per_batch, **options)
+  def warm_up(self, max_source_tokens, options, tokens_per_batch):
+    """Compiles (or loads from the compilation cache) every program the search of sources of up to
+    max_source_tokens pieces may run with these options (Translator.warm_up_ladder)."""
+    self.translator.warm_up_ladder(max_source_length=max_source_tokens + 1, tokens_per_batch=tokens_per_batch,
+                                   **options)
 
   def describe(self):
     """What /v1/models tells of the model."""
@@ -349,6 +340,17 @@ def recorded_bleu(workdir, steps):
   newest = max(steps) if steps else math.inf
   before = [r for r in records if r['step'] <= newest]
   return before[-1] if before else None
+
+
+def padded(token_lists, rows=None):
+  """[rows, length] int32 of token lists padded with PAD: rows and length powers of two (length at least 16),
+  so that few shapes are compiled."""
+  rows = rows or 1 << (len(token_lists) - 1).bit_length()
+  length = max(16, 1 << (max(map(len, token_lists)) - 1).bit_length())
+  array = np.full((rows, length), PAD_ID, np.int32)
+  for r, tokens in enumerate(token_lists):
+    array[r, :len(tokens)] = tokens
+  return array
 
 
 @functools.partial(jax.jit, static_argnums=0)

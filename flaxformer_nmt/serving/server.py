@@ -25,7 +25,7 @@ import pathlib
 import re
 import time
 import urllib.parse
-from typing import Optional, Union
+from typing import Optional
 
 import fastapi
 import numpy as np
@@ -43,7 +43,7 @@ from flaxformer_nmt.serving import batcher as batcher_lib
 STATIC_DIR = pathlib.Path(__file__).parent / 'static'
 LIBRE_PATHS = ('/translate', '/languages')
 PUBLIC_PATHS = ('/health', '/', '/favicon.ico', '/docs', '/docs/oauth2-redirect', '/openapi.json', '/redoc')
-WARMUP_LEVELS = ('none', 'light', 'full')
+WARMUP_LEVELS = ('none', 'full')
 
 
 @dataclasses.dataclass
@@ -82,7 +82,8 @@ ABBREVIATIONS = frozenset('mr mrs ms dr prof st sr jr vs etc e.g i.e no nr ca bz
 
 def split_sentences(line):
   """The sentences of one line of text: a break after . ! ? (and closing quotes) followed by white space and an
-  upper-case letter, digit or opening quote, but not after a short abbreviation (Mr., Dr., z.B., ...)."""
+  upper-case letter, digit or opening quote, but not after an abbreviation (Mr., Dr., z.B., ...) or an initial
+  (J. Smith); a mark standing alone ("runs . The") always ends a sentence."""
   sentences, start = [], 0
   for match in _SENTENCE_END.finditer(line):
     following = line[match.end():match.end() + 2]
@@ -90,7 +91,7 @@ def split_sentences(line):
     word = words[-1].rstrip('.').lower() if words else ''
     starts = following[:1].isupper() or following[:1].isdigit() or (
         following[:1] in '"\'\u201c\u201e(' and following[1:2].isupper())
-    if starts and word not in ABBREVIATIONS and len(word) > 1:
+    if starts and (not word or (word not in ABBREVIATIONS and len(word) > 1)):
       sentences.append(line[start:match.end()].strip())
       start = match.end()
   sentences.append(line[start:].strip())
@@ -107,8 +108,8 @@ class TranslateRequest(pydantic.BaseModel):
   model_config = pydantic.ConfigDict(extra='forbid', strict=True)
   model: Optional[str] = pydantic.Field(None, description='A served model\'s name (GET /v1/models); default: the '
                                         'first.')
-  text: Union[list[str], str] = pydantic.Field(..., description='Texts to translate; each may hold several '
-                                               'sentences and lines.')
+  text: list[str] = pydantic.Field(..., description='Texts to translate; each may hold several sentences and '
+                                   'lines.')
   beam_size: Optional[int] = pydantic.Field(None, ge=0, description='0: greedy; default: the model\'s.')
   n_best: int = pydantic.Field(1, ge=1, description='Translations per text, best first (at most beam_size).')
   alpha: Optional[float] = pydantic.Field(None, ge=0, description='Length penalty exponent; default: the '
@@ -425,8 +426,8 @@ async def warm_up(service):
       if settings.warmup == 'none':
         continue
       start = time.perf_counter()
-      await service.batcher.run_exclusive(backend.warm_up, settings.warmup, service.input_limits[name],
-                                          service.options(backend), settings.max_batch_tokens)
+      await service.batcher.run_exclusive(backend.warm_up, service.input_limits[name], service.options(backend),
+                                          settings.max_batch_tokens)
       absl_logging.info('Warmed up model %s (%s) in %.1f s', name, settings.warmup, time.perf_counter() - start)
     service.ready = True
   except Exception as e:  # pylint: disable=broad-except  (/ready reports it)
@@ -492,8 +493,7 @@ def add_api_routes(app, service):
     """Translates each text (sentences split and rejoined); optional fields only when asked for."""
     name, backend = service.resolve(request.model)
     options = service.options(backend, request.beam_size, request.n_best, request.alpha, request.max_length)
-    texts = [request.text] if isinstance(request.text, str) else request.text
-    translations = await service.translate(name, texts, options, request.n_best, request.return_scores,
+    translations = await service.translate(name, request.text, options, request.n_best, request.return_scores,
                                            request.return_attention)
     return {'model': name, 'translations': translations}
 

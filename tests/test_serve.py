@@ -1,0 +1,464 @@
+"""The translation server (serving/server.py, batcher.py) on a toy trained workdir: every answer equals the offline
+decode of the same sentences and options, also when many requests are batched together; each error has its
+status and message; keys, CORS, LibreTranslate's API, metrics, readiness and the SIGTERM drain."""
+import concurrent.futures
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import conftest
+import in_process
+from conftest import small_config, write_toy_corpus
+
+fastapi = pytest.importorskip('fastapi')
+httpx = pytest.importorskip('httpx')
+pytest.importorskip('prometheus_client')
+
+from fastapi.testclient import TestClient  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+from flaxformer_nmt import decode as decode_command  # pylint: disable=g-import-not-at-top,wrong-import-position
+from flaxformer_nmt.evaluation import attention as attention_lib  # pylint: disable=g-import-not-at-top
+from flaxformer_nmt.serving import batcher as batcher_lib  # pylint: disable=g-import-not-at-top
+from flaxformer_nmt.serving import server  # pylint: disable=g-import-not-at-top,wrong-import-position
+from flaxformer_nmt.training import loop as train  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+SENTENCES = ['a big dog runs .', 'the small red cat sleeps .', 'a man sees the ball .', 'the cat runs .',
+             'a red ball', 'the big man sleeps . a dog sees the small cat .', 'dog', 'a small man sees a big red dog .']
+
+
+@pytest.fixture(scope='module')
+def workdir(tmp_path_factory):
+  """A toy model trained long enough that different sentences translate differently."""
+  root = tmp_path_factory.mktemp('serve')
+  config = small_config(write_toy_corpus(root / 'data'))
+  config.num_train_steps = config.checkpoint_every_steps = config.eval_every_steps = 60
+  train.train_and_evaluate(config, str(root / 'run'))
+  return root / 'run'
+
+
+@pytest.fixture(scope='module')
+def backend(workdir):
+  return batcher_lib.JaxBackend(workdir)
+
+
+@pytest.fixture(scope='module')
+def translator(backend):
+  return backend.translator
+
+
+def client(backends, **settings):
+  """A TestClient (use it in `with`: the lifespan starts the batcher) of an app with no warm-up."""
+  settings.setdefault('warmup', 'none')
+  return TestClient(server.create_app(backends, server.Settings(**settings)))
+
+
+def expected(translator, sentences, beam_size=None, alpha=None, n_best=1, max_length=None):
+  """The offline decode of `sentences` with a request's options: [(text, score)] or [[(text, score)]]."""
+  lengths = {} if max_length is None else {'max_len_a': 0, 'max_len_b': max_length}
+  return translator.translate(sentences, beam_size=beam_size, alpha=alpha, n_best=n_best, return_scores=True,
+                              **lengths)
+
+
+def test_the_toy_model_translates_sentences_differently(translator):
+  # Otherwise a server that swapped answers between sentences or requests would still pass.
+  assert len(set(translator.translate(SENTENCES[:5]))) >= 4
+
+
+REQUEST_OPTIONS = [{}, {'beam_size': 2}, {'beam_size': 0}, {'beam_size': 3, 'n_best': 2}, {'alpha': 0.0},
+                   {'max_length': 3, 'beam_size': 2}, {'beam_size': 2, 'alpha': 1.5, 'n_best': 2}]
+
+
+def check_answers(translator, payloads, answers):
+  """Each /v1/translate answer against the offline decode of its texts (single sentences) with its options."""
+  offline = {}
+  for payload in payloads:
+    options = tuple(sorted((k, payload[k]) for k in ('beam_size', 'alpha', 'n_best', 'max_length') if k in payload))
+    if options not in offline:
+      offline[options] = dict(zip(SINGLE, expected(translator, SINGLE, **dict(options))))
+    n_best = dict(options).get('n_best', 1)
+    assert len(answers[payloads.index(payload)]['translations']) == len(payload['text'])
+    for entry, text in zip(answers[payloads.index(payload)]['translations'], payload['text']):
+      hyps = offline[options][text] if n_best > 1 else [offline[options][text]]
+      assert entry['text'] == hyps[0][0]
+      assert entry['score'] == pytest.approx(hyps[0][1], abs=1e-4)
+      if n_best > 1:
+        assert [c['text'] for c in entry['n_best']] == [t for t, _ in hyps]
+        np.testing.assert_allclose([c['score'] for c in entry['n_best']], [s for _, s in hyps], atol=1e-4)
+      else:
+        assert 'n_best' not in entry
+
+
+SINGLE = [s for s in SENTENCES if s.count('.') <= 1]
+
+
+def test_many_concurrent_mixed_requests_get_the_offline_decode(backend, translator):
+  rng = np.random.default_rng(0)
+  payloads = []
+  for i in range(28):
+    texts = [SINGLE[j] for j in rng.choice(len(SINGLE), size=rng.integers(1, 4))]
+    payloads.append(dict(REQUEST_OPTIONS[i % len(REQUEST_OPTIONS)], text=texts, return_scores=True))
+  # The first requests compile their searches: a long timeout.
+  with client({'en-de': backend}, max_wait_ms=300, timeout_s=600, max_batch_tokens=64) as c:
+    with concurrent.futures.ThreadPoolExecutor(len(payloads)) as pool:
+      answers = list(pool.map(lambda p: c.post('/v1/translate', json=p), payloads))
+    metrics = c.get('/metrics').text
+  assert [a.status_code for a in answers] == [200] * len(payloads), [a.text for a in answers if a.status_code != 200]
+  assert {a.json()['model'] for a in answers} == {'en-de'}
+  check_answers(translator, payloads, [a.json() for a in answers])
+  batches = metric(metrics, 'flaxformer_nmt_batch_sentences_count')
+  assert batches < len(payloads) - 10  # requests shared batches
+  assert metric(metrics, 'flaxformer_nmt_batch_sentences_sum') == sum(len(p['text']) for p in payloads)
+
+
+def test_default_answers_equal_the_decode_command(workdir, backend):
+  result = in_process.run(decode_command, [f'--workdir={workdir}'], stdin=''.join(s + '\n' for s in SENTENCES[:5]))
+  assert result.returncode == 0, result.stderr[-2000:]
+  with client({'en-de': backend}) as c:
+    answer = c.post('/v1/translate', json={'text': SENTENCES[:5]})
+  assert [t['text'] for t in answer.json()['translations']] == result.stdout.splitlines()
+  assert answer.json()['translations'][0].keys() == {'text'}  # optional fields only when asked for
+
+
+def test_paragraphs_are_split_into_sentences_and_rejoined_and_empty_texts_stay_empty(backend, translator):
+  texts = ['a big dog runs . The small cat sleeps .', '', '   ', 'a red ball\nthe cat runs .\n\ndog']
+  with client({'en-de': backend}) as c:
+    answer = c.post('/v1/translate', json={'text': texts, 'return_scores': True}).json()['translations']
+  first = expected(translator, ['a big dog runs .', 'The small cat sleeps .'])
+  assert answer[0]['text'] == f'{first[0][0]} {first[1][0]}'
+  assert answer[0]['score'] == pytest.approx(first[0][1] + first[1][1], abs=1e-4)
+  assert answer[1] == {'text': '', 'score': 0.0} and answer[2] == {'text': '', 'score': 0.0}
+  lines = [text for text, _ in expected(translator, ['a red ball', 'the cat runs .', 'dog'])]
+  assert answer[3]['text'] == f'{lines[0]}\n{lines[1]}\n\n{lines[2]}'
+
+
+def test_split_sentences_keeps_abbreviations_and_lower_case_continuations():
+  assert server.split_text('Mr. Smith runs. He sees it! "Yes," she says.\nno. break here') == [
+      ['Mr. Smith runs.', 'He sees it!', '"Yes," she says.'], ['no. break here']]
+  assert server.split_text('') == [['']]
+
+
+def test_attention_is_the_teacher_forced_cross_attention_of_the_answer(backend, translator):
+  sentence = 'a small man sees a big red dog .'
+  with client({'en-de': backend}) as c:
+    one = c.post('/v1/translate', json={'text': [sentence], 'return_attention': True}).json()['translations'][0]
+    two = c.post('/v1/translate', json={'text': ['a red ball . ' + sentence.capitalize()],
+                                        'return_attention': True}).json()['translations'][0]
+  reference = attention_lib.attention_maps(translator, [sentence])[0]
+  assert one['text'] == reference['translation']
+  attention = one['attention']
+  assert attention['source_tokens'] == reference['source_pieces']
+  assert attention['target_tokens'] == reference['target_pieces']
+  np.testing.assert_allclose(attention['weights'], reference['cross'].mean(axis=1), atol=2e-6)
+  # Two sentences: each one's map on the diagonal, nothing between them.
+  first = attention_lib.attention_maps(translator, ['a red ball .'])[0]
+  weights = np.asarray(two['attention']['weights'])
+  t, s = len(first['target_pieces']), len(first['source_pieces'])
+  assert two['attention']['source_tokens'][:s] == first['source_pieces']
+  np.testing.assert_allclose(weights[:, :t, :s], first['cross'].mean(axis=1), atol=2e-6)
+  assert not weights[:, :t, s:].any() and not weights[:, t:, :s].any()
+  np.testing.assert_allclose(weights[:, t:, s:].sum(axis=-1), 1.0, atol=1e-4)
+
+
+def metric(text, name, **labels):
+  """The value of one sample of the Prometheus text `text` (0 where absent)."""
+  wanted = ','.join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+  for line in text.splitlines():
+    match = re.fullmatch(r'([a-z_]+)(?:\{(.*)\})? (\S+)', line)
+    if match and match.group(1) == name and ','.join(sorted((match.group(2) or '').split(','))).strip(',') == wanted:
+      return float(match.group(3))
+  return 0.0
+
+
+BAD_REQUESTS = [  # (body, status, message)
+    (b'{"text": [', 422, 'the body is not valid JSON (Expecting value at position 10)'),
+    (json.dumps({'text': ['a dog'], 'beam_size': 'four'}), 422, 'beam_size: Input should be a valid integer'),
+    (json.dumps({'text': ['a dog', 3]}), 422, 'text.1: Input should be a valid string'),
+    (json.dumps({'text': 'a dog'}), 422, 'text: Input should be a valid list'),
+    (json.dumps({'text': ['a dog'], 'beam': 2}), 422, 'beam: Extra inputs are not permitted'),
+    (json.dumps({'beam_size': 2}), 422, 'text: Field required'),
+    (json.dumps({'text': ['a dog'], 'beam_size': -1}), 422, 'beam_size: Input should be greater than or equal to 0'),
+    (b'{"text": ["a \xff dog"]}', 400, 'the request body is not valid UTF-8 (invalid start byte at byte 13)'),
+    (json.dumps({'text': ['a dog'], 'beam_size': 9}), 400, 'beam_size=9 is over the server\'s limit '
+     '--max_beam_size=8'),
+    (json.dumps({'text': ['a dog'], 'beam_size': 2, 'n_best': 3}), 400, 'n_best=3 must be between 1 and the beam '
+     'size (2)'),
+    (json.dumps({'text': ['a dog'], 'max_length': 1024}), 400, 'max_length=1024 is over the model\'s limit of '
+     '1023 target pieces'),
+    (json.dumps({'text': ['a .', 'b .', 'c . D .']}), 413, 'the request holds 4 sentences; the limit is '
+     '--max_sentences=3'),
+    (json.dumps({'model': 'fr-en', 'text': ['a dog']}), 404, 'model \'fr-en\' is not served; this server serves '
+     'en-de (en->de)'),
+    (json.dumps({'text': ['a dog' * 60]}), 413, 'the request body is over the limit of 200 bytes (--max_body_bytes)'),
+]
+
+
+@pytest.mark.parametrize('body,status,message', BAD_REQUESTS)
+def test_bad_requests_get_one_clear_error(backend, body, status, message):
+  with client({'en-de': backend}, max_input_tokens=12, max_sentences=3, max_body_bytes=200) as c:
+    answer = c.post('/v1/translate', content=body, headers={'Content-Type': 'application/json'})
+    assert (answer.status_code, answer.json()) == (status, {'detail': message})
+    assert c.post('/v1/translate', json={'text': ['a dog']}).status_code == 200  # and the server goes on
+
+
+def test_the_token_limit_counts_the_model_pieces_and_a_longer_sentence_is_refused_not_cut(backend):
+  pieces = len(backend.encode(['a big red dog sees the small cat .'])[0]) - 1
+  with client({'en-de': backend}, max_input_tokens=pieces) as c:
+    assert c.post('/v1/translate', json={'text': ['a big red dog sees the small cat .']}).status_code == 200
+    answer = c.post('/v1/translate', json={'text': ['dog', 'a big red dog sees the small cat . .']})
+  assert (answer.status_code, answer.json()) == (413, {'detail': (
+      f'text[1] has a sentence of {pieces + 1} tokens; the limit is {pieces} (--max_input_tokens={pieces}, and what '
+      'the model holds)')})
+
+
+class Gate:
+  """A backend whose batches wait until released (and whose first batches may raise)."""
+
+  def __init__(self, backend, failures=0):
+    self.backend, self.failures = backend, failures
+    self.entered, self.release = threading.Event(), threading.Event()
+    self.warm_release = threading.Event()
+
+  def __getattr__(self, name):
+    return getattr(self.backend, name)
+
+  def run(self, *args):
+    self.entered.set()
+    assert self.release.wait(30)
+    if self.failures:
+      self.failures -= 1
+      raise RuntimeError('the device fell over')
+    return self.backend.run(*args)
+
+  def warm_up(self, *args):
+    assert self.warm_release.wait(30)
+
+
+def wait_until(condition, timeout=20):
+  deadline = time.time() + timeout
+  while not condition():
+    assert time.time() < deadline, 'timed out'
+    time.sleep(0.01)
+
+
+def test_a_full_queue_answers_503_with_retry_after_and_the_queued_requests_still_get_answers(backend, translator):
+  gate = Gate(backend)
+  with client({'en-de': gate}, max_queue_sentences=2, max_wait_ms=0) as c, \
+       concurrent.futures.ThreadPoolExecutor(2) as pool:
+    first = pool.submit(c.post, '/v1/translate', json={'text': ['a big dog runs .']})
+    assert gate.entered.wait(20)  # decoding, blocked
+    second = pool.submit(c.post, '/v1/translate', json={'text': ['the cat runs .', 'a red ball']})
+    service = c.app.state.service
+    wait_until(lambda: service.batcher.queued_sentences == 2)
+    refused = c.post('/v1/translate', json={'text': ['dog']})
+    assert refused.status_code == 503
+    assert refused.json()['detail'] == 'the queue is full (2 sentences waiting, at most 2)'
+    assert int(refused.headers['Retry-After']) >= 1
+    gate.release.set()
+    assert first.result().json()['translations'][0]['text'] == expected(translator, ['a big dog runs .'])[0][0]
+    assert [t['text'] for t in second.result().json()['translations']] == [
+        text for text, _ in expected(translator, ['the cat runs .', 'a red ball'])]
+
+
+def test_a_request_past_the_timeout_gets_504_and_leaves_the_queue(backend):
+  gate = Gate(backend)
+  with client({'en-de': gate}, timeout_s=0.5, max_wait_ms=0) as c, concurrent.futures.ThreadPoolExecutor(1) as pool:
+    decoding = pool.submit(c.post, '/v1/translate', json={'text': ['a big dog runs .']})
+    assert gate.entered.wait(20)
+    queued = c.post('/v1/translate', json={'text': ['the cat runs .']})  # waits behind the blocked batch
+    assert (queued.status_code, queued.json()) == (504, {'detail': 'not answered within the server\'s timeout of '
+                                                                   '0.5 s'})
+    assert c.app.state.service.batcher.queued_sentences == 0
+    assert decoding.result().status_code == 504
+    gate.release.set()
+    assert c.post('/v1/translate', json={'text': ['dog']}).status_code == 200
+
+
+def test_a_failing_batch_answers_500_and_the_server_keeps_serving(backend, translator):
+  gate = Gate(backend, failures=1)
+  gate.release.set()
+  with client({'en-de': gate}) as c:
+    failed = c.post('/v1/translate', json={'text': ['a big dog runs .']})
+    assert (failed.status_code, failed.json()) == (500, {'detail': 'the batch of this request failed: RuntimeError: '
+                                                                   'the device fell over'})
+    answer = c.post('/v1/translate', json={'text': ['a big dog runs .']})
+    assert answer.json()['translations'][0]['text'] == expected(translator, ['a big dog runs .'])[0][0]
+
+
+def test_ready_only_after_the_warm_up(backend):
+  gate = Gate(backend)
+  with client({'en-de': gate}, warmup='full') as c:
+    assert (c.get('/ready').status_code, c.get('/ready').json()['ready']) == (503, False)
+    assert c.get('/health').json() == {'status': 'ok'}
+    refused = c.post('/v1/translate', json={'text': ['dog']})
+    assert refused.status_code == 503 and refused.headers['Retry-After'] == '5'
+    gate.warm_release.set()
+    wait_until(lambda: c.get('/ready').status_code == 200)
+    gate.release.set()
+    assert c.post('/v1/translate', json={'text': ['dog']}).status_code == 200
+
+
+def test_warm_up_compiles_the_searches_a_batch_then_runs(backend, traces):
+  with client({'en-de': backend}, warmup='full', max_batch_tokens=64, max_input_tokens=14) as c:
+    wait_until(lambda: c.get('/ready').status_code == 200, timeout=300)
+    del traces[:]
+    for count in (1, 2, 3):
+      assert c.post('/v1/translate', json={'text': ['a big dog runs .'] * count}).status_code == 200
+  assert traces == []
+
+
+def test_api_keys_guard_every_route_but_health_and_the_page(backend):
+  with client({'en-de': backend}, api_keys=('first-key', 'second-key')) as c:
+    translate = {'text': ['a dog']}
+    for route in ('/v1/models', '/metrics', '/ready', '/languages'):
+      assert c.get(route).status_code == 401, route
+    answer = c.post('/v1/translate', json=translate, headers={'Authorization': 'Bearer wrong'})
+    assert answer.status_code == 401 and answer.headers['WWW-Authenticate'] == 'Bearer'
+    assert answer.json() == {'detail': 'a valid API key is required: send the header "Authorization: Bearer KEY"'}
+    assert c.post('/v1/translate', json=translate, headers={'Authorization': 'Bearer second-key'}).status_code == 200
+    assert c.get('/health').status_code == 200 and c.get('/').status_code == 200
+    assert c.get('/static/page.js').status_code == 200
+    libre = {'q': 'a dog', 'source': 'en', 'target': 'de'}
+    assert c.post('/translate', json=libre).json() == {
+        'error': 'a valid API key is required: send the header "Authorization: Bearer KEY" or the api_key field'}
+    assert c.post('/translate', json=dict(libre, api_key='first-key')).status_code == 200
+    assert c.post('/translate', data=dict(libre, api_key='second-key')).status_code == 200
+    assert c.get('/languages?api_key=first-key').status_code == 200
+
+
+def test_keys_compare_in_constant_time_against_every_key():
+  keys = server.Keys(['abc', 'abd'])
+  assert keys.accepts('abd') and not keys.accepts('ab') and not keys.accepts(None) and not keys.accepts('abcd')
+
+
+def test_cors_is_off_unless_an_origin_is_given(backend):
+  preflight = {'Origin': 'http://app.test', 'Access-Control-Request-Method': 'POST'}
+  with client({'en-de': backend}) as c:
+    assert 'access-control-allow-origin' not in c.get('/health', headers={'Origin': 'http://app.test'}).headers
+  with client({'en-de': backend}, cors_origins=('http://app.test',)) as c:
+    assert c.options('/v1/translate', headers=preflight).headers['access-control-allow-origin'] == 'http://app.test'
+    other = c.options('/v1/translate', headers=dict(preflight, Origin='http://other.test'))
+    assert other.status_code == 400
+
+
+def test_libretranslate_routes(backend, translator):
+  texts = ['a big dog runs .', 'the cat runs .']
+  want = [text for text, _ in expected(translator, texts)]
+  with client({'en-de': backend}) as c:
+    assert c.post('/translate', json={'q': texts[0], 'source': 'en', 'target': 'de', 'format': 'text'}).json() == {
+        'translatedText': want[0]}
+    assert c.post('/translate', json={'q': texts, 'source': 'en', 'target': 'de'}).json() == {
+        'translatedText': want}
+    form = c.post('/translate', data={'q': texts[1], 'source': 'auto', 'target': 'de', 'alternatives': '1'}).json()
+    nbest = expected(translator, [texts[1]], n_best=2)[0]
+    assert form == {'translatedText': nbest[0][0], 'alternatives': [nbest[1][0]],
+                    'detectedLanguage': {'confidence': 100.0, 'language': 'en'}}
+    assert c.get('/languages').json() == [{'code': 'de', 'name': 'German', 'targets': []},
+                                          {'code': 'en', 'name': 'English', 'targets': ['de']}]
+    errors = [({'q': 'a', 'source': 'en', 'target': 'fr'}, 404,
+               'no model translates en to fr; this server serves en-de (en->de)'),
+              ({'source': 'en', 'target': 'de'}, 400, 'Invalid request: missing q parameter'),
+              ({'q': 'a', 'source': 'en', 'target': 'de', 'format': 'html'}, 400,
+               'format \'html\' is not supported: only "text"'),
+              ({'q': 5, 'source': 'en', 'target': 'de'}, 422, 'q: must be a string or a list of strings')]
+    for body, status, message in errors:
+      answer = c.post('/translate', json=body)
+      assert (answer.status_code, answer.json()) == (status, {'error': message})
+
+
+def test_metrics_count_requests_batches_and_tokens(backend, translator):
+  with client({'en-de': backend}) as c:
+    for text in (['a big dog runs .'], ['the cat runs .', 'a red ball']):
+      assert c.post('/v1/translate', json={'text': text}).status_code == 200
+    assert c.post('/v1/translate', json={'text': 'not a list', 'n_best': 'x'}).status_code == 422
+    assert c.post('/translate', json={'q': 'a dog', 'source': 'en', 'target': 'de'}).status_code == 200
+    text = c.get('/metrics').text
+  assert metric(text, 'flaxformer_nmt_requests_total', route='/v1/translate', status='200') == 2
+  assert metric(text, 'flaxformer_nmt_requests_total', route='/v1/translate', status='422') == 1
+  assert metric(text, 'flaxformer_nmt_requests_total', route='/translate', status='200') == 1
+  assert metric(text, 'flaxformer_nmt_request_seconds_count', route='/v1/translate') == 3
+  assert metric(text, 'flaxformer_nmt_batch_sentences_sum') == 4
+  sources = ['a big dog runs .', 'the cat runs .', 'a red ball', 'a dog']
+  tokens = translator.search_tokens(translator.tokenizer.encode(sources))
+  assert metric(text, 'flaxformer_nmt_target_tokens_total') == sum(len(h[0][0]) for h in tokens)
+  assert metric(text, 'flaxformer_nmt_batch_source_tokens_sum') == sum(
+      len(t) for t in translator.tokenizer.encode(sources))
+  assert metric(text, 'flaxformer_nmt_queue_sentences') == 0
+
+
+def test_models_lists_checkpoint_size_settings_and_bleu(backend, translator, workdir):
+  with client({'en-de': backend, 'second': backend}) as c:
+    models = c.get('/v1/models').json()['models']
+  assert [m['name'] for m in models] == ['en-de', 'second']
+  model = models[0]
+  assert (model['source_lang'], model['target_lang'], model['checkpoint'], model['checkpoint_steps']) == (
+      'en', 'de', translator.checkpoint, [60])
+  assert model['parameters'] == sum(x.size for x in jax_leaves(translator.params))
+  assert model['defaults'] == {'beam_size': translator.config.beam_size,
+                               'alpha': translator.config.length_penalty_alpha, 'max_len_a': 1.0,
+                               'max_len_b': translator.config.max_decode_extra_length}
+  assert model['config']['d_model'] == 32 and model['backend'] == 'jax'
+  assert model['validation_bleu'] == batcher_lib.recorded_bleu(workdir, [60])
+
+
+def jax_leaves(tree):
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.tree_util.tree_leaves(tree)
+
+
+def test_recorded_bleu_is_the_newest_at_or_before_the_checkpoint(tmp_path):
+  records = [{'step': 5, 'eval/bleu': 1.5}, {'step': 10, 'eval/loss': 2.0}, {'step': 10, 'eval/bleu': 3.0},
+             {'step': 20, 'eval/bleu': 7.0}]
+  (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in records) + '{"step": 2')
+  assert batcher_lib.recorded_bleu(tmp_path, [5, 15]) == {'step': 10, 'bleu': 3.0}
+  assert batcher_lib.recorded_bleu(tmp_path, [4]) is None
+  assert batcher_lib.checkpoint_steps('the best checkpoint (step 200, bleu 12.3)') == [200]
+  assert batcher_lib.checkpoint_steps('the average of checkpoints [100, 200]') == [100, 200]
+
+
+def free_port():
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def test_sigterm_drains_the_requests_in_flight_then_exits_0(workdir, translator):
+  port = free_port()
+  process = subprocess.Popen(
+      [sys.executable, '-m', 'flaxformer_nmt.serve', f'--workdir={workdir}', f'--port={port}', '--warmup=none',
+       '--max_wait_ms=1500'], env=conftest.subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+      text=True)
+  url = f'http://127.0.0.1:{port}'
+  try:
+    wait_until(lambda: ready(url), timeout=180)
+    texts = [[s] for s in SENTENCES[:6]]
+    with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:
+      answers = [pool.submit(httpx.post, f'{url}/v1/translate', json={'text': t}, timeout=60) for t in texts]
+      time.sleep(0.7)  # the requests wait for their batch (--max_wait_ms)
+      process.send_signal(signal.SIGTERM)
+      for text, answer in zip(texts, answers):
+        assert answer.result().status_code == 200
+        assert answer.result().json()['translations'][0]['text'] == translator.translate(text)[0]
+    assert process.wait(60) == 0
+    with pytest.raises(httpx.ConnectError):
+      httpx.get(f'{url}/health')
+  finally:
+    if process.poll() is None:
+      process.kill()
+    output = process.communicate()[0]
+  assert 'Waiting for application shutdown' in output or 'Application shutdown complete' in output, output[-3000:]
+
+
+def ready(url):
+  try:
+    return httpx.get(f'{url}/ready', timeout=2).status_code == 200
+  except httpx.TransportError:
+    return False
