@@ -15,6 +15,7 @@ import pytest
 import in_process
 from conftest import small_config, tiny_model
 from flaxformer_nmt import config as config_lib
+from flaxformer_nmt import train as train_command
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
 from flaxformer_nmt.training import loop as train
 from flaxformer_nmt.training import metrics as metrics_lib
@@ -83,7 +84,7 @@ def test_sigterm_then_sigkill_then_resume_equals_an_uninterrupted_run(toy_corpus
   assert process.returncode == -signal.SIGKILL
 
   # The same command again runs to the end (its main in this process, in_process.py: no signal is sent to it).
-  result = in_process.run(train, cli_flags(config, workdir))
+  result = in_process.run(train_command, cli_flags(config, workdir))
   assert result.returncode == 0, result.stderr[-3000:]
   last_step = config.num_train_steps
   assert (result.stderr.index(f'Saving checkpoint {last_step} ')
@@ -183,7 +184,7 @@ def test_a_workdir_of_another_model_is_refused_without_losing_it(toy_corpus, tmp
   config.model.d_model = 64
   result = subprocess.run(cli_args(config, tmp_path / 'w'), cwd=tmp_path, capture_output=True, text=True, timeout=120)
   assert result.returncode == 1
-  assert 'holds a different model: config.model was' in result.stderr and 'Traceback' not in result.stderr
+  assert 'trained with config.model.d_model=32, now 64' in result.stderr and 'Traceback' not in result.stderr
   assert sorted(p.name for p in (tmp_path / 'w' / 'checkpoints').iterdir()) == before
 
 
