@@ -13,22 +13,13 @@ import re
 import ml_collections
 from etils import epath
 
-# ../shared/data next to the repository, where this project's corpora live on the development machines.
-_SHARED_DATA = epath.Path(__file__).resolve().parent.parent.parent / 'shared' / 'data'
-
-
 class ConfigError(ValueError):
   """A config that cannot be trained, or that does not match the workdir: the message names the field."""
 
 
-def shared_data_dir(name):
-  """`../shared/data/NAME` beside the repository (the development machines' corpora)."""
-  return str(_SHARED_DATA / name)
-
-
 def load_config_file(path, *args):
   """get_config(*args) of the config file at `path`, loaded by path: configs/ is not a package on sys.path, so
-  programs run from any directory, and one config can build on another (configs/multi30k.py on multi30k_best.py)."""
+  programs run from any directory."""
   spec = importlib.util.spec_from_file_location(f'_config_{epath.Path(path).stem}', path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -71,7 +62,7 @@ def base_config():
 
 
 def _task_fields(c):
-  """What is trained (lm.py): translation, or a language model on one side of the text."""
+  """What is trained (models/lm.py): translation, or a language model on one side of the text."""
   # 'translation' (encoder-decoder, source -> target), 'lm' (decoder-only language model,
   # generate.py) or 'mlm' (encoder-only masked language model, fill_mask.py). lm and mlm read monolingual
   # text: the `target_lang` side of a parallel corpus (`{data_dir}/{split}.{target_lang}`), the files
@@ -84,7 +75,7 @@ def _task_fields(c):
 
 
 def _data_fields(c):
-  """Where the text comes from (corpora.py) and how it is batched (data.py, packing.py)."""
+  """Where the text comes from (data/corpora.py) and how it is batched (data/batching.py, data/packing.py)."""
   # 'text': `{data_dir}/{split}.{lang}` parallel text, line i of one side translating
   # line i of the other. 'tfds': the TensorFlow Datasets builder `tfds_name` (e.g. 'wmt14_translate/de-en'),
   # prepared as array_record under `tfds_data_dir` ('' = TFDS's default, ~/tensorflow_datasets).
@@ -142,7 +133,7 @@ def _data_fields(c):
 
 
 def _vocabulary_fields(c):
-  """The joint vocabulary (tokenizer.py): one sentencepiece model learnt from both sides of the training text,
+  """The joint vocabulary (data/tokenizer.py): one sentencepiece model learnt from both sides of the training text,
   stored in the workdir."""
   c.vocab_size = 37_000
   c.sentencepiece_model_type = 'bpe'
@@ -173,7 +164,7 @@ def _vocabulary_fields(c):
 
 
 def _model_fields(c):
-  """The Transformer's shape and numerics (model.py)."""
+  """The Transformer's shape and numerics (models/transformer.py)."""
   c.model = ml_collections.ConfigDict()
   c.model.num_encoder_layers = 6
   c.model.num_decoder_layers = 6
@@ -204,7 +195,7 @@ def _model_fields(c):
 
 
 def _optimization_fields(c):
-  """Adam, its schedule, the loss, and how long to train (train_step.py)."""
+  """Adam, its schedule, the loss, and how long to train (training/step.py)."""
   # Adam(0.9, 0.98, 1e-9), lr = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5).
   # learning_rate_schedule 'paper' is that formula; 'inverse_sqrt' is fairseq's: a peak `learning_rate`
   # reached linearly at warmup_steps, then decaying as peak * sqrt(warmup / step) (learning_rate_scale and
@@ -244,7 +235,7 @@ def _optimization_fields(c):
   # one microbatch. Each step's rows must divide by it (and by the device count).
   c.grad_accumulation_steps = 1
   c.num_train_steps = 100_000
-  # Fine-tuning / warm start (warm_start.py): a new run takes its parameters (only) from this training
+  # Fine-tuning / warm start (training/warm_start.py): a new run takes its parameters (only) from this training
   # workdir or checkpoint directory; init_checkpoint picks latest, averaged, best or a step of a workdir.
   c.init_from = ''
   c.init_checkpoint = 'latest'
@@ -256,13 +247,13 @@ def _optimization_fields(c):
   c.max_train_minutes = 0.0
   # > 1: train this many independent runs in turn, one command, into {workdir}/member0, member1, ... (seeds
   # seed, seed+1, ...; one vocabulary, member0's; each member gets max_train_minutes / ensemble_members), and
-  # decode {workdir} as their ensemble (the members' probabilities averaged at every step: ensemble.py). Rerunning
-  # the command resumes the member in progress. 1 (the default): one model, as the paper trains.
+  # decode {workdir} as their ensemble (the members' probabilities averaged at every step: training/ensemble.py).
+  # Rerunning the command resumes the member in progress. 1 (the default): one model, as the paper trains.
   c.ensemble_members = 1
 
 
 def _device_fields(c):
-  """The device mesh, FLOP accounting and profiling (sharding.py, flops.py)."""
+  """The device mesh, FLOP accounting and profiling (runtime/sharding.py, runtime/flops.py)."""
   # A ('data', 'fsdp') mesh over every device of every host; -1 = whatever the other axis
   # leaves. Default: data parallel everywhere. fsdp_parallelism > 1 splits parameters and optimizer state
   # over that many devices (for models that do not fit replicated).
@@ -273,7 +264,7 @@ def _device_fields(c):
   # operations of a small model running side by side (about 1.3x the tiny recipe's step on 2 cores). 0: JAX's
   # default, one CPU device. No effect on a GPU or TPU host's accelerators.
   c.cpu_devices = 0
-  # Per-device peak FLOP/s for MFU; 0 = from the table in flops.py (GPU/TPU), no MFU where unknown (CPU).
+  # Per-device peak FLOP/s for MFU; 0 = from the table in runtime/flops.py (GPU/TPU), no MFU where unknown (CPU).
   c.peak_flops_per_device = 0.0
   # > 0: trace this many steps with jax.profiler from step profile_start_step (after compilation) into
   # {workdir}/profile (TensorBoard's profile tab or Perfetto).
@@ -282,7 +273,7 @@ def _device_fields(c):
 
 
 def _loop_fields(c):
-  """Logging, evaluation and checkpoints (train.py, checkpoints.py, bleu_eval.py)."""
+  """Logging, evaluation and checkpoints (training/loop.py, checkpointing/, training/validation.py)."""
   c.log_every_steps = 100
   c.eval_every_steps = 1000
   c.checkpoint_every_steps = 1000
@@ -293,7 +284,7 @@ def _loop_fields(c):
   # (decode --checkpoint averaged); fewer than K is a warning. The paper: last 5 (base), written every 10
   # minutes; last 20 (big).
   c.average_last_checkpoints = 5
-  # Validation BLEU while training (bleu_eval.py): every eval_bleu_every_steps (0 = off), translate the first
+  # Validation BLEU while training (training/validation.py): every eval_bleu_every_steps (0 = off), translate the first
   # eval_bleu_max_sentences (0 = all) of eval_split with the current parameters, beam eval_bleu_beam_size
   # (0 = greedy), and log cased sacreBLEU (13a) and, where `{eval_bleu_tok_ref_dir}/{eval_split}.{target_lang}`
   # exists, lowercased Moses-tokenized BLEU; the translations go to {workdir}/eval/hyp_STEP.txt.
@@ -305,13 +296,13 @@ def _loop_fields(c):
   # 'bleu' or 'tok_bleu' (highest validation BLEU, needs eval_bleu_every_steps), 'loss' or 'nll' (lowest
   # validation loss, at each eval_every_steps); '' = off.
   c.best_checkpoint_metric = ''
-  # Multi30k only: 'multi30k' fetches the corpus (download.py's pinned files, sha256-checked) into data_dir
+  # Multi30k only: 'multi30k' fetches the corpus (data/download.py's pinned files, sha256-checked) into data_dir
   # when its files are absent; '' = never download.
   c.data_download = ''
 
 
 def _decoding_fields(c):
-  """What decode, export and visualize use by default (decode.py)."""
+  """What decode, export and visualize use by default (decoding/)."""
   # The parameters decode, export and visualize use when --checkpoint is not given: latest, averaged, best,
   # last:K or a step. A recipe sets the one it chose on validation, so its README command decodes what its
   # results table reports.

@@ -139,7 +139,7 @@ def test_schedule_settings_that_cannot_train_are_refused_by_name():
   with pytest.raises(config_lib.ConfigError, match=r"config.learning_rate_schedule='cosine': use one of \('paper'"):
     config_lib.validate(c)
   c.learning_rate_schedule, c.num_train_steps, c.cooldown_steps = 'paper', 100, 101
-  with pytest.raises(config_lib.ConfigError, match=r'config.cooldown_steps=101: use 0 .* to config.num_train_steps=100'):
+  with pytest.raises(config_lib.ConfigError, match=r'cooldown_steps=101: use 0 .* to config.num_train_steps=100'):
     config_lib.validate(c)
   c.cooldown_steps = 100  # the whole run
   config_lib.validate(c)

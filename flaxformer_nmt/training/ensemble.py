@@ -5,9 +5,10 @@ r"""Training an ensemble (config.ensemble_members > 1): independent runs of one 
 
 Member k is a run of its own in {workdir}/member{k} (its config.json, checkpoints, metrics and TensorBoard
 files; decode, average and export take it alone too), with config.seed + k and an equal share of the time
-limit, config.max_train_minutes / ensemble_members, so the whole ensemble keeps to the limit. Every member reads member0's
-vocabulary, copied in before member k starts: one vocabulary is what lets the members' probabilities be
-averaged, and a vocabulary sampled from a character budget (config.sentencepiece_max_chars) follows the seed.
+limit, config.max_train_minutes / ensemble_members, so the whole ensemble keeps to the limit. Every member
+reads member0's vocabulary, copied in before member k starts: one vocabulary is what lets the members'
+probabilities be averaged, and a vocabulary sampled from a character budget (config.sentencepiece_max_chars)
+follows the seed.
 A vocab.model placed in {workdir} beforehand becomes member0's.
 
 A member that ended (by its steps or its time) writes {member}/finished.json; rerunning the command skips those
