@@ -35,14 +35,20 @@ SENTENCES = ['a big dog runs .', 'the small red cat sleeps .', 'a man sees the b
              'a red ball', 'the big man sleeps . a dog sees the small cat .', 'dog', 'a small man sees a big red dog .']
 
 
+def trained_workdir(tmp_path_factory):
+  """A toy model trained long enough that different sentences translate differently; trained once per test
+  session (test_argos.py and test_serve_browser.py serve it too)."""
+  root = tmp_path_factory.getbasetemp() / 'served_model'
+  if not (root / 'run' / 'finished.json').exists():
+    config = small_config(write_toy_corpus(root / 'data'))
+    config.num_train_steps = config.checkpoint_every_steps = config.eval_every_steps = 60
+    train.train_and_evaluate(config, str(root / 'run'))
+  return root / 'run'
+
+
 @pytest.fixture(scope='module')
 def workdir(tmp_path_factory):
-  """A toy model trained long enough that different sentences translate differently."""
-  root = tmp_path_factory.mktemp('serve')
-  config = small_config(write_toy_corpus(root / 'data'))
-  config.num_train_steps = config.checkpoint_every_steps = config.eval_every_steps = 60
-  train.train_and_evaluate(config, str(root / 'run'))
-  return root / 'run'
+  return trained_workdir(tmp_path_factory)
 
 
 @pytest.fixture(scope='module')

@@ -20,6 +20,7 @@ export directory (--format ctranslate2) through the server's API (serve --backen
 """
 import json
 import math
+import pathlib
 import re
 import shutil
 import tempfile
@@ -89,12 +90,12 @@ def export_argos(workdir, output_dir, checkpoint=None, quantization=None, force=
   An existing package file is replaced only with force=True."""
   config = workdir_lib.load_config(workdir)
   code = package_code(config, package_version)
-  path = epath.Path(output_dir) / f'{code}.argosmodel'
+  path = pathlib.Path(output_dir) / f'{code}.argosmodel'
   if path.exists() and not force:
     raise ct2_export.ExportError(f'{path} exists: choose another --output_dir or pass --force')
   params, _ = translator_lib.load_params(workdir, checkpoint)
   with tempfile.TemporaryDirectory(prefix='argos_') as tmp:
-    root = epath.Path(tmp) / code
+    root = pathlib.Path(tmp) / code
     description = ct2_export.export_ctranslate2(workdir, root / 'model', checkpoint, quantization)
     (root / 'model' / tokenizer_lib.VOCAB_FILENAME).rename(root / SENTENCEPIECE_FILE)
     (root / 'model' / 'README.md').unlink()
@@ -115,7 +116,7 @@ def export_argos(workdir, output_dir, checkpoint=None, quantization=None, force=
     with zipfile.ZipFile(partial, 'w', zipfile.ZIP_DEFLATED) as archive:
       for file in sorted(p for p in root.rglob('*') if p.is_file()):
         archive.write(file, str(file.relative_to(root.parent)))
-    partial.rename(path)
+    partial.replace(path)
   return path, description
 
 

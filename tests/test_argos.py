@@ -1,0 +1,114 @@
+"""The Argos Translate package (python -m flaxformer_nmt.export --format argos): its layout and metadata, CTranslate2
+translating from it as our greedy search does, and the server's ctranslate2 backend on it and on a plain export."""
+import json
+import zipfile
+
+import pytest
+import sentencepiece as spm
+
+import in_process
+from test_serve import SENTENCES, client, trained_workdir
+
+ctranslate2 = pytest.importorskip('ctranslate2')
+pytest.importorskip('fastapi')
+
+from flaxformer_nmt import export  # pylint: disable=g-import-not-at-top,wrong-import-position
+from flaxformer_nmt.serving import argos  # pylint: disable=g-import-not-at-top,wrong-import-position
+from flaxformer_nmt.serving import batcher as batcher_lib  # pylint: disable=g-import-not-at-top
+from flaxformer_nmt.serving import ctranslate2 as ct2_export  # pylint: disable=g-import-not-at-top
+
+SUPPRESS = [['<pad>'], ['<s>']]
+CODE = 'translate-en_de-1_0'
+
+
+@pytest.fixture(scope='module')
+def workdir(tmp_path_factory):
+  return trained_workdir(tmp_path_factory)
+
+
+@pytest.fixture(scope='module')
+def translator(workdir):
+  return batcher_lib.JaxBackend(workdir).translator
+
+
+@pytest.fixture(scope='module')
+def package(workdir, tmp_path_factory):
+  output = tmp_path_factory.mktemp('argos')
+  result = in_process.run(export, [f'--workdir={workdir}', '--format=argos', f'--output_dir={output}'])
+  assert result.returncode == 0, result.stderr[-3000:]
+  return output / f'{CODE}.argosmodel'
+
+
+def test_the_package_is_a_zip_of_one_directory_with_argos_layout_and_metadata(package, translator):
+  with zipfile.ZipFile(package) as archive:
+    names = set(archive.namelist())
+    metadata = json.loads(archive.read(f'{CODE}/metadata.json'))
+    settings = json.loads(archive.read(f'{CODE}/flaxformer_nmt.json'))
+    vocabulary = archive.read(f'{CODE}/sentencepiece.model')
+  assert {name.split('/')[0] for name in names} == {CODE}
+  assert {f'{CODE}/metadata.json', f'{CODE}/README.md', f'{CODE}/sentencepiece.model', f'{CODE}/model/model.bin',
+          f'{CODE}/model/config.json'} <= names
+  assert metadata == {'package_version': '1.0', 'argos_version': '1.9', 'type': 'translate', 'code': CODE,
+                      'name': 'English -> German', 'from_code': 'en', 'from_name': 'English', 'to_code': 'de',
+                      'to_name': 'German'}
+  assert vocabulary == translator.tokenizer.path.read_bytes()
+  assert (settings['source_lang'], settings['target_lang'], settings['checkpoint']) == ('en', 'de',
+                                                                                       translator.checkpoint)
+  assert settings['beam_size'] == translator.config.beam_size and settings['lowercase'] is False
+
+
+def test_ctranslate2_translates_from_the_unpacked_package_as_our_greedy_search(package, translator, tmp_path):
+  with zipfile.ZipFile(package) as archive:
+    archive.extractall(tmp_path)
+  root = tmp_path / CODE
+  sp = spm.SentencePieceProcessor(model_file=str(root / 'sentencepiece.model'))
+  model = ctranslate2.Translator(str(root / 'model'), device='cpu', intra_threads=1)
+  extra = translator.config.max_decode_extra_length
+  theirs = []
+  for sentence in SENTENCES:  # as Argos Translate calls it: sentencepiece pieces, no EOS (the model adds it)
+    pieces = sp.encode(sentence, out_type=str)
+    result = model.translate_batch([pieces], beam_size=1, max_decoding_length=len(pieces) + extra,
+                                   suppress_sequences=SUPPRESS)[0]
+    theirs.append(sp.decode(result.hypotheses[0]))
+  assert theirs == translator.translate(SENTENCES, beam_size=0)
+
+
+def test_export_refuses_to_replace_a_package_unless_forced(workdir, package):
+  result = in_process.run(export, [f'--workdir={workdir}', '--format=argos', f'--output_dir={package.parent}'])
+  assert result.returncode == 1
+  assert f'error: {package} exists: choose another --output_dir or pass --force' in result.stderr
+  forced = in_process.run(export, [f'--workdir={workdir}', '--format=argos', f'--output_dir={package.parent}',
+                                   '--force'])
+  assert forced.returncode == 0, forced.stderr[-2000:]
+
+
+def test_the_server_serves_the_package_through_ctranslate2(package, translator):
+  backend = argos.CTranslate2Backend(package, threads=1)
+  with client({'en-de': backend}) as c:
+    answer = c.post('/v1/translate', json={'text': SENTENCES + [''], 'beam_size': 0})
+    model = c.get('/v1/models').json()['models'][0]
+    libre = c.post('/translate', json={'q': SENTENCES[0], 'source': 'en', 'target': 'de'})
+    attention = c.post('/v1/translate', json={'text': [SENTENCES[0]], 'beam_size': 0, 'return_attention': True})
+  assert answer.status_code == 200, answer.text
+  assert [t['text'] for t in answer.json()['translations']] == translator.translate(SENTENCES, beam_size=0) + ['']
+  assert (model['backend'], model['checkpoint'], model['defaults']['beam_size']) == (
+      'ctranslate2', translator.checkpoint, translator.config.beam_size)
+  assert libre.status_code == 200 and isinstance(libre.json()['translatedText'], str)
+  entry = attention.json()['translations'][0]['attention']
+  assert entry['source_tokens'] == translator.tokenizer.pieces(translator.tokenizer.encode([SENTENCES[0]])[0])
+  assert len(entry['weights']) == 1 and len(entry['weights'][0]) == len(entry['target_tokens'])
+  assert entry['target_tokens'][-1] == '</s>'
+
+
+def test_the_ctranslate2_backend_reads_a_plain_export_from_its_readme(workdir, translator, tmp_path):
+  ct2_export.export_ctranslate2(workdir, tmp_path / 'ct2')
+  backend = argos.CTranslate2Backend(tmp_path / 'ct2', threads=1)
+  assert (backend.source_lang, backend.target_lang) == ('en', 'de')
+  assert backend.defaults() == {'beam_size': translator.config.beam_size,
+                                'alpha': translator.config.length_penalty_alpha, 'max_len_a': 1.0,
+                                'max_len_b': translator.config.max_decode_extra_length}
+  with client({'en-de': backend}) as c:
+    answer = c.post('/v1/translate', json={'text': SENTENCES[:3], 'beam_size': 0})
+  assert [t['text'] for t in answer.json()['translations']] == translator.translate(SENTENCES[:3], beam_size=0)
+  with pytest.raises(ValueError, match='neither an Argos package nor a CTranslate2 model directory'):
+    argos.CTranslate2Backend(tmp_path)
