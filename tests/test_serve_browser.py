@@ -1,0 +1,118 @@
+"""The server's page in a real headless Chromium (Playwright, the system's browser): it loads the models, translates a
+sentence, lists the n best and draws the cross-attention heatmap, each cell the weight the model gave; a
+screenshot is saved."""
+import os
+import shutil
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from test_serve import trained_workdir
+
+pytest.importorskip('fastapi')
+uvicorn = pytest.importorskip('uvicorn')
+playwright_api = pytest.importorskip('playwright.sync_api')
+
+from flaxformer_nmt.evaluation import attention as attention_lib  # pylint: disable=g-import-not-at-top
+from flaxformer_nmt.serving import batcher as batcher_lib  # pylint: disable=g-import-not-at-top
+from flaxformer_nmt.serving import server  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+BROWSERS = ('chromium', 'chromium-browser', 'google-chrome', 'google-chrome-stable')
+SENTENCE = 'a small man sees a big red dog .'
+
+
+def browser_binary():
+  """$CHROMIUM, or the first Chromium on PATH (Debian: apt-get install chromium)."""
+  if os.environ.get('CHROMIUM'):
+    return os.environ['CHROMIUM']
+  return next((path for path in map(shutil.which, BROWSERS) if path), None)
+
+
+@pytest.fixture(scope='module')
+def backend(tmp_path_factory):
+  return batcher_lib.JaxBackend(trained_workdir(tmp_path_factory))
+
+
+@pytest.fixture(scope='module')
+def live_server(backend):
+  """The app on uvicorn in a thread, at http://127.0.0.1:PORT."""
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    port = s.getsockname()[1]
+  app = server.create_app({'en-de': backend}, server.Settings(warmup='none'))
+  uvicorn_server = uvicorn.Server(uvicorn.Config(app, host='127.0.0.1', port=port, log_level='warning'))
+  thread = threading.Thread(target=uvicorn_server.run, daemon=True)
+  thread.start()
+  deadline = time.time() + 60
+  while not uvicorn_server.started:
+    assert time.time() < deadline and thread.is_alive(), 'the server did not start'
+    time.sleep(0.05)
+  yield f'http://127.0.0.1:{port}'
+  uvicorn_server.should_exit = True
+  thread.join(60)
+
+
+@pytest.fixture
+def page():
+  binary = browser_binary()
+  if binary is None:
+    pytest.skip(f'no Chromium to drive: none of {BROWSERS} is on PATH and $CHROMIUM is not set '
+                '(apt-get install chromium)')
+  with playwright_api.sync_playwright() as p:
+    browser = p.chromium.launch(executable_path=binary, headless=True, args=['--no-sandbox'])
+    try:
+      yield browser.new_page(viewport={'width': 1200, 'height': 900})
+    finally:
+      browser.close()
+
+
+def cells(page):
+  """{(row, column): weight} of the heatmap's cells."""
+  found = page.eval_on_selector_all('#heatmap rect.cell', 'cells => cells.map(c => [+c.dataset.row, '
+                                    '+c.dataset.col, +c.dataset.weight])')
+  return {(r, c): w for r, c, w in found}
+
+
+def test_the_page_translates_and_draws_the_cross_attention(live_server, page, backend, tmp_path):
+  translator = backend.translator
+  page.goto(live_server)
+  page.wait_for_function('document.querySelectorAll("#model option").length > 0')
+  assert page.input_value('#beam-size') == str(translator.config.beam_size)
+  page.fill('#source', SENTENCE)
+  page.fill('#n-best', '2')
+  page.click('#translate')
+  page.wait_for_function('document.querySelector("#translation").textContent.length > 0', timeout=120_000)
+  n_best = translator.translate([SENTENCE], n_best=2)[0]
+  assert page.text_content('#translation') == n_best[0]
+  items = page.eval_on_selector_all('#n-best-list li', 'items => items.map(i => i.firstChild.textContent)')
+  assert items == n_best
+  reference = attention_lib.attention_maps(translator, [SENTENCE])[0]
+  sources, targets = reference['source_pieces'], reference['target_pieces']
+  assert page.eval_on_selector_all('#heatmap .source-label', 'ls => ls.map(l => l.textContent)') == sources
+  assert page.eval_on_selector_all('#heatmap .target-label', 'ls => ls.map(l => l.textContent)') == targets
+  drawn = cells(page)
+  assert sorted(drawn) == [(r, c) for r in range(len(targets)) for c in range(len(sources))]
+  average = reference['cross'].mean(axis=(0, 1))  # the default choice: all layers, heads averaged
+  np.testing.assert_allclose([[drawn[(r, c)] for c in range(len(sources))] for r in range(len(targets))],
+                             average, atol=1e-5)
+  layers = page.eval_on_selector_all('#layer option', 'options => options.map(o => o.value)')
+  assert layers == ['mean'] + [str(layer) for layer in range(len(reference['cross']))]
+  page.select_option('#layer', '0')
+  first = cells(page)
+  np.testing.assert_allclose([[first[(r, c)] for c in range(len(sources))] for r in range(len(targets))],
+                             reference['cross'][0].mean(axis=0), atol=1e-5)
+  page.screenshot(path=str(tmp_path / 'serving_page.png'), full_page=True)
+  assert (tmp_path / 'serving_page.png').stat().st_size > 10_000
+
+
+def test_the_page_shows_the_servers_error(live_server, page):
+  page.goto(live_server)
+  page.wait_for_function('document.querySelectorAll("#model option").length > 0')
+  page.fill('#beam-size', '99')
+  page.fill('#source', SENTENCE)
+  page.click('#translate')
+  page.wait_for_function('document.querySelector("#status").className === "error"')
+  assert page.text_content('#status') == '400: beam_size=99 is over the server\'s limit --max_beam_size=8'
