@@ -40,6 +40,8 @@ def define_flags():
   flags.DEFINE_integer('max_batch_tokens', d.max_batch_tokens, 'Source tokens per decoded batch.')
   flags.DEFINE_float('max_wait_ms', d.max_wait_ms, 'How long an idle server waits for more requests to batch.')
   flags.DEFINE_integer('max_queue', d.max_queue_sentences, 'Sentences waiting at most; more: 503 + Retry-After.')
+  flags.DEFINE_float('max_queue_wait_s', d.max_queue_wait_s, 'A request the queue would reach later than this '
+                     '(at the measured decoding rate) gets 503 + Retry-After at once.')
   flags.DEFINE_float('timeout_s', d.timeout_s, 'A request not answered by then gets 504.')
   flags.DEFINE_integer('max_input_tokens', d.max_input_tokens, 'Source pieces per sentence at most (413 above).')
   flags.DEFINE_integer('max_sentences', d.max_sentences, 'Sentences per request at most (413 above).')
@@ -100,8 +102,8 @@ def settings_of(FLAGS):  # pylint: disable=invalid-name
   from flaxformer_nmt.serving import server  # pylint: disable=g-import-not-at-top
   return server.Settings(
       max_batch_tokens=FLAGS.max_batch_tokens, max_wait_ms=FLAGS.max_wait_ms, max_queue_sentences=FLAGS.max_queue,
-      timeout_s=FLAGS.timeout_s, max_input_tokens=FLAGS.max_input_tokens, max_sentences=FLAGS.max_sentences,
-      max_body_bytes=FLAGS.max_body_bytes, max_beam_size=FLAGS.max_beam_size,
+      max_queue_wait_s=FLAGS.max_queue_wait_s, timeout_s=FLAGS.timeout_s, max_input_tokens=FLAGS.max_input_tokens,
+      max_sentences=FLAGS.max_sentences,      max_body_bytes=FLAGS.max_body_bytes, max_beam_size=FLAGS.max_beam_size,
       api_keys=read_api_keys(FLAGS.api_keys_file) if FLAGS.api_keys_file else (),
       cors_origins=tuple(FLAGS.cors_origin), warmup=FLAGS.warmup)
 

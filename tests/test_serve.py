@@ -3,6 +3,7 @@ decode of the same sentences and options, also when many requests are batched to
 status and message; keys, CORS, LibreTranslate's API, metrics, readiness and the SIGTERM drain."""
 import concurrent.futures
 import json
+import math
 import os
 import re
 import signal
@@ -272,6 +273,26 @@ def test_a_full_queue_answers_503_with_retry_after_and_the_queued_requests_still
     assert first.result().json()['translations'][0]['text'] == expected(translator, ['a big dog runs .'])[0][0]
     assert [t['text'] for t in second.result().json()['translations']] == [
         text for text, _ in expected(translator, ['the cat runs .', 'a red ball'])]
+
+
+def test_a_queue_that_would_take_too_long_to_reach_a_request_answers_503_at_once(backend):
+  gate = Gate(backend)
+  with client({'en-de': gate}, max_queue_wait_s=1.0, max_wait_ms=0) as c, \
+       concurrent.futures.ThreadPoolExecutor(2) as pool:
+    service = c.app.state.service
+    decoding = pool.submit(c.post, '/v1/translate', json={'text': ['a big dog runs .']})
+    assert gate.entered.wait(20)
+    service.batcher.measured_rate(10.0)  # source tokens per second
+    sentence = 'the cat runs .'
+    tokens = len(backend.encode([sentence])[0])
+    queued = pool.submit(c.post, '/v1/translate', json={'text': [sentence]})
+    wait_until(lambda: service.batcher.queued_sentences == 1)
+    refused = c.post('/v1/translate', json={'text': [sentence]})
+    assert refused.json() == {'detail': f'the queue would take about {2 * tokens / 10:.1f} s to reach this request, '
+                                        'over the limit of 1 s'}
+    assert (refused.status_code, refused.headers['Retry-After']) == (503, str(math.ceil(2 * tokens / 10 - 1)))
+    gate.release.set()
+    assert decoding.result().status_code == 200 and queued.result().status_code == 200
 
 
 def test_a_request_past_the_timeout_gets_504_and_leaves_the_queue(backend):

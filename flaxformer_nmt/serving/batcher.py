@@ -9,7 +9,8 @@ each request in its order. Every search runs on one worker thread: one process o
 loop stays free to answer, queue and refuse.
 
 A request is refused rather than answered late or wrongly: a full queue, or a queue that the measured rate
-would not clear within the request's timeout, raises Overloaded (HTTP 503 with Retry-After); a request still
+would not clear within max_queue_wait_s (or the request's timeout), raises Overloaded (HTTP 503 with
+Retry-After); a request still
 unanswered at its deadline raises DeadlineExceeded (504) and is taken out of the queue; a batch whose search
 raises answers its requests with BatchFailed (500), and the next batch decodes as usual.
 """
@@ -91,9 +92,10 @@ class Batcher:
   only requests of one key share a batch.
   """
 
-  def __init__(self, run_batch: Callable, *, max_batch_tokens, max_wait_s, max_queue_sentences, observer=None,
-               clock=time.monotonic):
+  def __init__(self, run_batch: Callable, *, max_batch_tokens, max_wait_s, max_queue_sentences,
+               max_queue_wait_s=None, observer=None, clock=time.monotonic):
     self.run_batch, self.max_batch_tokens, self.max_wait_s = run_batch, max_batch_tokens, max_wait_s
+    self.max_queue_wait_s = max_queue_wait_s
     self.max_queue_sentences, self.observer, self.clock = max_queue_sentences, observer or NoObserver(), clock
     self._pending = collections.OrderedDict()  # key -> deque of Jobs, the key of the oldest job first
     self._queued_sentences = self._queued_tokens = 0
@@ -141,9 +143,10 @@ class Batcher:
     if self._queued_sentences and self._queued_sentences + sentences > self.max_queue_sentences:
       raise Overloaded(f'the queue is full ({self._queued_sentences} sentences waiting, at most '
                        f'{self.max_queue_sentences})', retry_after=max(wait, self.max_wait_s))
-    if timeout and self._queued_sentences and wait > timeout:
-      raise Overloaded(f'the queue would take about {wait:.1f} s to reach this request, over the timeout of '
-                       f'{timeout:g} s', retry_after=wait - timeout)
+    limit = min(t for t in (timeout, self.max_queue_wait_s, math.inf) if t)
+    if self._queued_sentences and wait > limit:
+      raise Overloaded(f'the queue would take about {wait:.1f} s to reach this request, over the limit of '
+                       f'{limit:g} s', retry_after=wait - limit)
 
   def _count(self, job, sign):
     self._queued_sentences += sign * len(job.token_lists)

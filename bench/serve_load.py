@@ -1,0 +1,277 @@
+r"""Load on the translation server (python -m flaxformer_nmt.serve): throughput, latency, batching, refusals.
+
+  python bench/serve_load.py --workdir runs/m30k --sentences test2016.en [--clients 1,8,32,128] \
+      [--duration_s 30] [--overload] [--kill_test] [--server_flag=--max_batch_tokens=2048 ...]
+
+Starts the server on 127.0.0.1 (or loads --url, a server already running), waits for /ready, then:
+
+1. closed loop: for each client count C, C clients (httpx, asyncio) each send one sentence per request, the
+   next as soon as the last is answered, for --duration_s; prints sentences/s, p50/p95/p99 latency, the
+   batch sizes the server formed (its /metrics) and the answers by status;
+2. --overload: requests arrive at 4x the best sustained rate (open loop) for --duration_s; every answer must
+   be a 200 or a 503 with Retry-After, none may hang past --client_timeout_s, and the server's memory (RSS)
+   is reported before and after;
+3. --kill_test: under 32 clients, the server is killed with SIGKILL; the clients must see connection errors,
+   never a wrong translation; the server is started again and the time to /ready and to its first answer
+   is reported.
+
+Every 200 answer is compared with the offline decode of the same sentence (python -m flaxformer_nmt.decode on
+the same workdir and options, computed once, or --expected): a server that answers, answers right.
+"""
+import asyncio
+import collections
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+from absl import app, flags
+
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def define_flags():
+  flags.DEFINE_string('workdir', None, 'Trained workdir to serve (and to decode offline for the reference).')
+  flags.DEFINE_string('sentences', None, 'Source sentences, one per line.')
+  flags.DEFINE_string('expected', None, 'The offline translations of --sentences (default: decoded now).')
+  flags.DEFINE_string('url', None, 'A running server to load instead of starting one (no --kill_test).')
+  flags.DEFINE_list('clients', ['1', '8', '32', '128'], 'Concurrent client counts.')
+  flags.DEFINE_float('duration_s', 30.0, 'Seconds of load per step.')
+  flags.DEFINE_float('client_timeout_s', 60.0, 'A request not answered by then counts as hung.')
+  flags.DEFINE_bool('overload', False, 'Also: open-loop arrivals at 4x the best sustained rate.')
+  flags.DEFINE_bool('kill_test', False, 'Also: SIGKILL the server under load and start it again.')
+  flags.DEFINE_multi_string('server_flag', [], 'A flag for the server (repeatable), e.g. --max_wait_ms=5.')
+  flags.DEFINE_string('output', None, 'Also write the results as JSON here.')
+  flags.mark_flags_as_required(['sentences'])
+
+
+@dataclasses.dataclass
+class Tally:
+  """What the clients of one step saw."""
+  latencies: list = dataclasses.field(default_factory=list)
+  statuses: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  wrong: int = 0
+  missing_retry_after: int = 0
+  sentences: int = 0
+
+  def summary(self, seconds):
+    lat = np.asarray(self.latencies) if self.latencies else np.zeros(1)
+    return {'sentences_per_second': round(self.sentences / seconds, 2),
+            'p50_s': round(float(np.percentile(lat, 50)), 3), 'p95_s': round(float(np.percentile(lat, 95)), 3),
+            'p99_s': round(float(np.percentile(lat, 99)), 3),
+            'statuses': {str(k): v for k, v in sorted(self.statuses.items(), key=str)},
+            'wrong_translations': self.wrong, '503_without_retry_after': self.missing_retry_after}
+
+
+async def one_request(client, url, index, sentences, expected, tally):
+  """POSTs sentence `index`; records the status (or the error's name) and checks a 200 answer."""
+  start = time.perf_counter()
+  try:
+    answer = await client.post(f'{url}/v1/translate', json={'text': [sentences[index]]})
+  except httpx.TimeoutException:
+    tally.statuses['hung (client timeout)'] += 1
+    return
+  except httpx.TransportError as e:
+    tally.statuses[type(e).__name__] += 1
+    return
+  tally.statuses[answer.status_code] += 1
+  if answer.status_code == 200:
+    tally.latencies.append(time.perf_counter() - start)
+    tally.sentences += 1
+    tally.wrong += answer.json()['translations'][0]['text'] != expected[index]
+  elif answer.status_code == 503 and 'retry-after' not in answer.headers:
+    tally.missing_retry_after += 1
+
+
+async def closed_loop(url, clients, seconds, sentences, expected, timeout, stop_after=None):
+  """`clients` clients sending one sentence at a time for `seconds` (or until stop_after() is true)."""
+  tally, deadline = Tally(), time.perf_counter() + seconds
+  limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
+  async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    async def worker(k):
+      i = k
+      while time.perf_counter() < deadline and not (stop_after and stop_after()):
+        await one_request(client, url, i % len(sentences), sentences, expected, tally)
+        i += clients
+    start = time.perf_counter()
+    await asyncio.gather(*(worker(k) for k in range(clients)))
+  return tally, time.perf_counter() - start
+
+
+async def open_loop(url, rate, seconds, sentences, expected, timeout):
+  """Requests arriving at `rate` per second for `seconds`, whatever the answers."""
+  tally, tasks = Tally(), []
+  limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
+  async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    start, i = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+      tasks.append(asyncio.create_task(one_request(client, url, i % len(sentences), sentences, expected, tally)))
+      i += 1
+      await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
+    await asyncio.gather(*tasks)
+  return tally, time.perf_counter() - start
+
+
+def batch_histogram(url):
+  """(count, sum, {upper bound: cumulative count}) of the server's flaxformer_nmt_batch_sentences."""
+  text = httpx.get(f'{url}/metrics', timeout=30).text
+  count = total = 0.0
+  buckets = {}
+  for line in text.splitlines():
+    if line.startswith('flaxformer_nmt_batch_sentences_count'):
+      count = float(line.split()[-1])
+    elif line.startswith('flaxformer_nmt_batch_sentences_sum'):
+      total = float(line.split()[-1])
+    elif line.startswith('flaxformer_nmt_batch_sentences_bucket'):
+      buckets[line.split('le="')[1].split('"')[0]] = float(line.split()[-1])
+  return count, total, buckets
+
+
+def batch_sizes(before, after):
+  """Batches formed between two batch_histogram readings: their count, mean size, and counts by size range."""
+  count, total = after[0] - before[0], after[1] - before[1]
+  ranges, previous = {}, 0.0
+  for bound, cumulative in after[2].items():
+    n = cumulative - before[2].get(bound, 0.0)
+    if n - previous:
+      ranges[f'<={bound}'] = int(n - previous)
+    previous = n
+  return {'batches': int(count), 'mean_sentences': round(total / count, 1) if count else 0, 'by_size': ranges}
+
+
+class ServerProcess:
+  """python -m flaxformer_nmt.serve on a free port of 127.0.0.1."""
+
+  def __init__(self, workdir, extra_flags, log_path):
+    with socket.socket() as s:
+      s.bind(('127.0.0.1', 0))
+      self.port = s.getsockname()[1]
+    self.url = f'http://127.0.0.1:{self.port}'
+    self.command = [sys.executable, '-m', 'flaxformer_nmt.serve', f'--workdir={workdir}', f'--port={self.port}',
+                    *extra_flags]
+    self.log_path, self.process = log_path, None
+
+  def start(self):
+    """Starts it; returns (seconds to /ready, seconds to the first translation)."""
+    start = time.perf_counter()
+    with open(self.log_path, 'a', encoding='utf-8') as log:
+      self.process = subprocess.Popen(self.command, cwd=REPOSITORY, stdout=log, stderr=subprocess.STDOUT)
+    while not ready(self.url):
+      if self.process.poll() is not None:
+        raise RuntimeError(f'the server exited with {self.process.returncode}: see {self.log_path}')
+      time.sleep(0.1)
+    to_ready = time.perf_counter() - start
+    httpx.post(f'{self.url}/v1/translate', json={'text': ['A dog runs.']}, timeout=300).raise_for_status()
+    return to_ready, time.perf_counter() - start
+
+  def rss_mb(self):
+    with open(f'/proc/{self.process.pid}/status', encoding='utf-8') as f:
+      return next(int(line.split()[1]) for line in f if line.startswith('VmRSS')) / 1024
+
+  def kill(self):
+    self.process.send_signal(signal.SIGKILL)
+    self.process.wait()
+
+  def stop(self):
+    if self.process and self.process.poll() is None:
+      self.process.send_signal(signal.SIGTERM)
+      self.process.wait(120)
+
+
+def ready(url):
+  try:
+    return httpx.get(f'{url}/ready', timeout=5).status_code == 200
+  except httpx.TransportError:
+    return False
+
+
+def offline_translations(workdir, sentences_path, expected_path):
+  """The decode command's translations of the sentences (written to expected_path once)."""
+  if not os.path.exists(expected_path):
+    subprocess.run([sys.executable, '-m', 'flaxformer_nmt.decode', f'--workdir={workdir}',
+                    f'--input={sentences_path}', f'--output={expected_path}'], cwd=REPOSITORY, check=True)
+  with open(expected_path, encoding='utf-8') as f:
+    return f.read().split('\n')[:-1]
+
+
+def run_clients(url, counts, seconds, sentences, expected, timeout):
+  """The closed-loop steps, one per client count; returns {count: summary}."""
+  results = {}
+  for clients in counts:
+    before = batch_histogram(url)
+    tally, elapsed = asyncio.run(closed_loop(url, clients, seconds, sentences, expected, timeout))
+    results[clients] = dict(tally.summary(elapsed), **batch_sizes(before, batch_histogram(url)))
+    print(f'{clients:4d} clients: {json.dumps(results[clients])}', flush=True)
+  return results
+
+
+def kill_test(server, sentences, expected, timeout):
+  """SIGKILL under 32 clients; what the clients saw, and the restart's times."""
+  started = time.perf_counter()
+
+  async def load_and_kill():
+    loop = asyncio.get_running_loop()
+    loop.call_later(5.0, server.kill)
+    return await closed_loop(server.url, 32, 8.0, sentences, expected, timeout)
+  tally, _ = asyncio.run(load_and_kill())
+  to_ready, to_answer = server.start()
+  result = {'client_view': tally.summary(time.perf_counter() - started), 'restart_to_ready_s': round(to_ready, 1),
+            'restart_to_first_answer_s': round(to_answer, 1)}
+  print(f'kill -9: {json.dumps(result)}', flush=True)
+  return result
+
+
+def main(argv):
+  FLAGS = flags.FLAGS  # pylint: disable=invalid-name
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  with open(FLAGS.sentences, encoding='utf-8') as f:
+    sentences = f.read().split('\n')[:-1]
+  expected = offline_translations(FLAGS.workdir, FLAGS.sentences,
+                                  FLAGS.expected or os.path.join(FLAGS.workdir, 'serve_load_expected.txt'))
+  if len(expected) != len(sentences):
+    raise app.UsageError(f'{len(sentences)} sentences but {len(expected)} expected translations')
+  server, results = None, {'machine': os.uname().nodename, 'server_flags': FLAGS.server_flag}
+  if FLAGS.url:
+    url = FLAGS.url
+  else:
+    server = ServerProcess(FLAGS.workdir, FLAGS.server_flag, os.path.join(FLAGS.workdir, 'serve_load_server.log'))
+    results['start_to_ready_s'], results['start_to_first_answer_s'] = [round(t, 1) for t in server.start()]
+    print(f'server ready in {results["start_to_ready_s"]} s', flush=True)
+    url = server.url
+  try:
+    counts = [int(c) for c in FLAGS.clients]
+    results['closed_loop'] = run_clients(url, counts, FLAGS.duration_s, sentences, expected, FLAGS.client_timeout_s)
+    if FLAGS.overload:
+      results['overload'] = overload(server, url, results['closed_loop'], FLAGS.duration_s, sentences, expected,
+                                     FLAGS.client_timeout_s)
+    if FLAGS.kill_test and server is not None:
+      results['kill_test'] = kill_test(server, sentences, expected, FLAGS.client_timeout_s)
+  finally:
+    if server is not None:
+      server.stop()
+  if FLAGS.output:
+    with open(FLAGS.output, 'w', encoding='utf-8') as f:
+      json.dump(results, f, indent=2)
+
+
+def overload(server, url, closed, seconds, sentences, expected, timeout):
+  """Open-loop arrivals at 4x the best sustained rate of the closed-loop steps."""
+  rate = 4 * max(r['sentences_per_second'] for r in closed.values())
+  rss_before = server.rss_mb() if server else None
+  tally, elapsed = asyncio.run(open_loop(url, rate, seconds, sentences, expected, timeout))
+  result = dict(tally.summary(elapsed), offered_per_second=round(rate, 1),
+                rss_mb_before=rss_before and round(rss_before), rss_mb_after=server and round(server.rss_mb()))
+  print(f'overload: {json.dumps(result)}', flush=True)
+  return result
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main)
