@@ -27,6 +27,7 @@ import sys
 from absl import app, flags
 
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
+from flaxformer_nmt.checkpointing import loader
 from flaxformer_nmt.checkpointing import workdir as workdir_lib
 from flaxformer_nmt.decoding import mbr
 from flaxformer_nmt.decoding import rerank
@@ -73,7 +74,7 @@ def main(argv):
     devices = sharding.local_devices(f.devices)  # before the first computation: it may split the CPU
     # Several workdirs ('A,B') or an ensemble's (config.ensemble_members) compare as one ensemble; the first
     # member's config names the split and the decoding defaults.
-    config = workdir_lib.load_config(decode.ensemble_members(f.workdir, None)[0][0])
+    config = workdir_lib.load_config(loader.ensemble_members(f.workdir, None)[0][0])
     description, sources, references, tok_references = sentences(config, f.split, f.input, f.ref, f.tok_ref)
     beam_size = config.beam_size if f.beam_size is None else f.beam_size
     alphas = alpha_values(f.alpha, config.length_penalty_alpha)

@@ -23,13 +23,10 @@ Python API:
 import functools
 
 import jax
-from etils import epath
 
 from flaxformer_nmt.data import batching
-from flaxformer_nmt.checkpointing import workdir as workdir_lib
+from flaxformer_nmt.checkpointing import loader
 from flaxformer_nmt.data import tokenizer as tokenizer_lib
-from flaxformer_nmt.decoding import translator as decode
-from flaxformer_nmt.models import lm
 
 MASK = tokenizer_lib.MASK_PIECE
 
@@ -44,15 +41,10 @@ class FillMask:
   """A trained masked language model, loaded once, predicting the pieces behind `<mask>`s."""
 
   def __init__(self, workdir, checkpoint='latest'):
-    self.config = workdir_config = workdir_lib.load_config(workdir)
-    if lm.task_of(workdir_config) != 'mlm':
-      raise ValueError(f'{workdir} was trained with config.task={lm.task_of(workdir_config)!r}: fill-mask needs a '
-                       "masked language model (config.task='mlm')")
-    self.config.model.attention_impl, self.config.model.remat = 'auto', 'none'
-    self.tokenizer = tokenizer_lib.Tokenizer(epath.Path(workdir) / tokenizer_lib.VOCAB_FILENAME)
-    self.model = workdir_lib.build_model(self.config, self.tokenizer)
+    loaded = loader.load_for_inference(workdir, checkpoint, task='mlm')
+    self.config, self.tokenizer, self.model = loaded.config, loaded.tokenizer, loaded.model
     self.mask_id = self.tokenizer.mask_id
-    self.params, self.checkpoint = decode.load_params(workdir, checkpoint)
+    self.params, self.checkpoint = loaded.params, loaded.description
     self._predict = jax.jit(functools.partial(_top_k_probabilities, self.model), static_argnames='top_k')
 
   def encode(self, text):

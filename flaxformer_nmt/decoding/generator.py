@@ -24,14 +24,13 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from etils import epath
 
 from flaxformer_nmt.data import batching
-from flaxformer_nmt.checkpointing import workdir as workdir_lib
+from flaxformer_nmt.checkpointing import loader
 from flaxformer_nmt.data import tokenizer as tokenizer_lib
 from flaxformer_nmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from flaxformer_nmt.decoding import beam_search
-from flaxformer_nmt.decoding import translator as decode
+from flaxformer_nmt.decoding import search as search_lib
 from flaxformer_nmt.models import lm
 
 NEG_INF = beam_search.NEG_INF
@@ -107,14 +106,9 @@ class Generator:
   """A trained language model, loaded once, continuing lists of prompts."""
 
   def __init__(self, workdir, checkpoint='latest'):
-    self.config = workdir_lib.load_config(workdir)
-    if lm.task_of(self.config) != 'lm':
-      raise ValueError(f'{workdir} was trained with config.task={lm.task_of(self.config)!r}: generate needs a '
-                       "language model (config.task='lm')")
-    self.config.model.attention_impl, self.config.model.remat = 'auto', 'none'
-    self.tokenizer = tokenizer_lib.Tokenizer(epath.Path(workdir) / tokenizer_lib.VOCAB_FILENAME)
-    self.model = workdir_lib.build_model(self.config, self.tokenizer)
-    self.params, self.checkpoint = decode.load_params(workdir, checkpoint)
+    loaded = loader.load_for_inference(workdir, checkpoint, task='lm')
+    self.config, self.tokenizer, self.model = loaded.config, loaded.tokenizer, loaded.model
+    self.params, self.checkpoint = loaded.params, loaded.description
     self._generate = jax.jit(functools.partial(generate_tokens, self.model),
                              static_argnames=('max_new_tokens', 'greedy', 'temperature', 'top_k', 'top_p',
                                               'use_cache'))
@@ -136,7 +130,7 @@ class Generator:
     rows = [[BOS_ID] + list(p) for p in prompt_ids for _ in range(num_samples)]
     prompts = batching.pad_rows(rows, len(rows), width)
     lengths = np.array([len(r) for r in rows], np.int32)
-    keys = decode.sample_keys(seed, jnp.arange(first_prompt, first_prompt + len(prompt_ids), dtype=jnp.int32),
+    keys = search_lib.sample_keys(seed, jnp.arange(first_prompt, first_prompt + len(prompt_ids), dtype=jnp.int32),
                               num_samples).reshape(-1)
     tokens = jax.device_get(self._generate(
         self.params, prompts, lengths, keys, max_new_tokens=int(max_new_tokens), greedy=bool(greedy),

@@ -24,10 +24,10 @@ import shutil
 import numpy as np
 from etils import epath
 
+from flaxformer_nmt.checkpointing import loader
 from flaxformer_nmt.checkpointing import workdir as workdir_lib
 from flaxformer_nmt.data import corpus as data_lib
 from flaxformer_nmt.data import tokenizer as tokenizer_lib
-from flaxformer_nmt.decoding import translator as decode
 from flaxformer_nmt.models import lm
 from flaxformer_nmt.models import transformer as model_lib
 
@@ -188,10 +188,10 @@ def export_ctranslate2(workdir, output_dir, checkpoint=None, quantization=None, 
     # CTranslate2 would write the target reversed, and its callers read its tokens as they come.
     raise ExportError(f'{workdir} writes its targets right to left (config.target_right_to_left): it rescores a '
                       'left-to-right model\'s n best and is not exported for serving')
-  tokenizer = tokenizer_lib.Tokenizer(epath.Path(workdir) / tokenizer_lib.VOCAB_FILENAME)
-  model_config = model_lib.ModelConfig.from_config(config, tokenizer.vocab_size)
-  params, description = decode.load_params(workdir, checkpoint)
-  params = jax_to_numpy(params)
+  loaded = loader.load_for_inference(workdir, checkpoint)
+  tokenizer, description = loaded.tokenizer, loaded.description
+  model_config = model_lib.ModelConfig.from_config(loaded.config, tokenizer.vocab_size)
+  params = jax_to_numpy(loaded.params)
   pieces = [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
   spec = ctranslate2_spec(params, model_config, pieces)
   spec.validate()
