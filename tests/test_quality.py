@@ -9,13 +9,13 @@ import sacrebleu
 
 import in_process
 from conftest import small_config, subprocess_env
+from flaxformer_nmt import config as config_lib
+from flaxformer_nmt import decode as decode_command
 from flaxformer_nmt.checkpointing import best as best_checkpoint
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
-from flaxformer_nmt.checkpointing.workdir import ConfigError
+from flaxformer_nmt.config import ConfigError
 from flaxformer_nmt.decoding import translator as decode
 from flaxformer_nmt.evaluation import bleu as evaluate
-from flaxformer_nmt.training import loop as train
-from flaxformer_nmt.training import validation as bleu_eval
 from flaxformer_nmt.training import warm_start
 
 
@@ -23,41 +23,21 @@ def read_metrics(workdir):
   return [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
 
 
-def bleu_config(toy_corpus, tok_dir=None):
-  config = small_config(toy_corpus)
-  config.num_train_steps = 30
-  config.keep_checkpoints = 2  # rotation deletes 10 once 30 is written
-  config.eval_bleu_every_steps = 10
-  config.eval_bleu_beam_size = 0
-  config.eval_bleu_max_sentences = 15  # of the 20 validation pairs
-  config.eval_bleu_tok_ref_dir = str(tok_dir) if tok_dir else ''
-  config.best_checkpoint_metric = 'bleu'
-  return config
-
-
-@pytest.fixture
-def tok_refs(toy_corpus, tmp_path):
-  """Lowercased Moses-tokenized validation references, as multi30k_tok holds them."""
-  tok_dir = tmp_path / 'tok'
-  tok_dir.mkdir()
-  refs = (toy_corpus / 'valid.de').read_text().splitlines()
-  (tok_dir / 'valid.de').write_text('\n'.join(evaluate.moses_lowercase_tokenize(refs, 'de')) + '\n')
-  return tok_dir
-
-
-def test_training_logs_validation_bleu_and_keeps_the_best_checkpoint(toy_corpus, tok_refs, tmp_path):
-  workdir = tmp_path / 'run'
-  last = train.train_and_evaluate(bleu_config(toy_corpus, tok_refs), workdir)
+def test_training_logs_validation_bleu_and_keeps_the_best_checkpoint(trained_toy, tmp_path):
+  """The session's toy (conftest.trained_toy_config): validation BLEU at steps 200 and 400, the second above 0
+  (a model that translates: plumbing that wrote empty or misaligned lines would score 0 there too)."""
+  workdir, data, tok_dir = trained_toy, trained_toy.parent / 'data', trained_toy.parent / 'tok'
   records = [r for r in read_metrics(workdir) if 'eval/bleu' in r]
-  assert [r['step'] for r in records] == [10, 20, 30]
-  sources = (toy_corpus / 'valid.en').read_text().splitlines()[:15]
-  references = (toy_corpus / 'valid.de').read_text().splitlines()[:15]
-  tok_references = (tok_refs / 'valid.de').read_text().splitlines()[:15]
+  assert [r['step'] for r in records] == [200, 400]
+  assert records[-1]['eval/bleu'] > 5 and records[-1]['eval/tok_bleu'] > 5
+  sources = (data / 'valid.en').read_text().splitlines()
+  references = (data / 'valid.de').read_text().splitlines()
+  tok_references = (tok_dir / 'valid.de').read_text().splitlines()
   for record in records:
     assert record['eval/bleu_signature'].startswith('nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp')
-    assert record['eval/bleu_seconds'] > 0 and record['eval/bleu_sentences'] == 15
+    assert record['eval/bleu_seconds'] > 0 and record['eval/bleu_sentences'] == 20
     hypotheses = (workdir / 'eval' / f'hyp_{record["step"]}.txt').read_text().split('\n')[:-1]
-    assert len(hypotheses) == 15
+    assert len(hypotheses) == 20
     # The logged numbers are those of the written lines, scored here independently.
     score = sacrebleu.corpus_bleu(hypotheses, [references])
     assert record['eval/bleu'] == pytest.approx(score.score, abs=1e-9)
@@ -65,20 +45,19 @@ def test_training_logs_validation_bleu_and_keeps_the_best_checkpoint(toy_corpus,
     tok_hyp = evaluate.moses_lowercase_tokenize(hypotheses, 'de')
     assert record['eval/tok_bleu'] == pytest.approx(
         sacrebleu.corpus_bleu(tok_hyp, [tok_references], tokenize='none', force=True).score, abs=1e-9)
-  assert last['eval/bleu'] == records[-1]['eval/bleu']
 
   # The lines are those the trained parameters give offline (in-memory decode == decode of the checkpoint).
-  offline = decode.Translator(workdir, checkpoint='30').translate(sources, beam_size=0)
-  assert offline == (workdir / 'eval' / 'hyp_30.txt').read_text().split('\n')[:-1]
+  offline = decode.Translator(workdir, checkpoint='400').translate(sources, beam_size=0)
+  assert offline == (workdir / 'eval' / 'hyp_400.txt').read_text().split('\n')[:-1]
 
-  # The best evaluation's parameters survive rotation (checkpoint 10 is gone) and load as 'best'.
+  # The best evaluation's parameters are kept apart from the rotated checkpoints and load as 'best'.
   values = {r['step']: r['eval/bleu'] for r in records}
   best_step = max(values, key=lambda s: (values[s], -s))  # the first of equal values stays best
   info = best_checkpoint.read_info(workdir)
   assert info['step'] == best_step and info['value'] == pytest.approx(values[best_step])
   assert info['metric'] == 'bleu' and info['metrics']['eval/tok_bleu'] == pytest.approx(
       next(r['eval/tok_bleu'] for r in records if r['step'] == best_step))
-  assert checkpoints_lib.saved_steps(workdir) == [20, 30]
+  assert checkpoints_lib.saved_steps(workdir) == [300, 400]
   assert [p.name for p in (workdir / 'best').iterdir() if p.name.startswith('params')] == [f'params_{best_step}']
   best = decode.Translator(workdir, checkpoint='best')
   assert best.checkpoint.startswith(f'the best checkpoint (step {best_step}, bleu ')
@@ -87,12 +66,13 @@ def test_training_logs_validation_bleu_and_keeps_the_best_checkpoint(toy_corpus,
 
   # decode --checkpoint best from the command line.
   (tmp_path / 'in.en').write_text('\n'.join(sources[:3]) + '\n')
-  result = in_process.run(decode, [f'--workdir={workdir}', '--checkpoint=best', f'--input={tmp_path / "in.en"}',
-                                   '--greedy'])
+  result = in_process.run(decode_command, [f'--workdir={workdir}', '--checkpoint=best',
+                                           f'--input={tmp_path / "in.en"}', '--greedy'])
   assert result.returncode == 0, result.stderr[-2000:]
   assert result.stdout.split('\n')[:-1] == best.translate(sources[:3], beam_size=0)
 
-  # compare: best, the last two averaged in memory, and latest, in one table on the same sentences.
+  # compare (a real `python -m` run): best, the last two averaged in memory, and latest, in one table on the
+  # same sentences.
   (tmp_path / 'ref.de').write_text('\n'.join(references) + '\n')
   (tmp_path / 'all.en').write_text('\n'.join(sources) + '\n')
   result = subprocess.run([sys.executable, '-m', 'flaxformer_nmt.compare', f'--workdir={workdir}',
@@ -103,8 +83,8 @@ def test_training_logs_validation_bleu_and_keeps_the_best_checkpoint(toy_corpus,
   rows = [[cell.strip() for cell in line.strip('|').split('|')] for line in result.stdout.splitlines()
           if line.startswith('| ') and '---' not in line][1:]
   assert [r[0] for r in rows] == ['best', 'last:2', 'latest']
-  assert rows[1][1] == 'the average of checkpoints [20, 30]'
-  latest_hyp = (workdir / 'eval' / 'hyp_30.txt').read_text().split('\n')[:-1]
+  assert rows[1][1] == 'the average of checkpoints [300, 400]'
+  latest_hyp = (workdir / 'eval' / 'hyp_400.txt').read_text().split('\n')[:-1]
   assert float(rows[2][3]) == pytest.approx(sacrebleu.corpus_bleu(latest_hyp, [references]).score, abs=0.005)
 
 
@@ -149,17 +129,17 @@ def test_loss_is_minimized():
 
 
 def test_bad_best_and_bleu_fields_are_named(toy_corpus, tmp_path):
-  config = bleu_config(toy_corpus)
-  config.eval_bleu_every_steps = 0
+  config = small_config(toy_corpus)
+  config.best_checkpoint_metric = 'bleu'
   with pytest.raises(ConfigError, match='eval_bleu_every_steps > 0'):
-    bleu_eval.validate_config(config)
+    config_lib.validate(config)
   config.eval_bleu_every_steps = 10
   config.best_checkpoint_metric = 'tok_bleu'
   with pytest.raises(ConfigError, match='tokenized validation reference'):
-    bleu_eval.validate_config(config)
+    config_lib.validate(config)
   config.best_checkpoint_metric = 'accuracy'
   with pytest.raises(ConfigError, match="best_checkpoint_metric='accuracy'"):
-    bleu_eval.validate_config(config)
+    config_lib.validate(config)
   with pytest.raises(FileNotFoundError, match='best_checkpoint_metric'):
     decode.load_params(tmp_path, 'best')
 
