@@ -12,14 +12,14 @@ import sacrebleu
 import in_process
 import test_resilience as resilience
 from conftest import small_config
+from flaxformer_nmt import compare
 from flaxformer_nmt import config as config_lib
+from flaxformer_nmt import train as train_command
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
 from flaxformer_nmt.checkpointing.workdir import ConfigError, member_workdir, save_or_check_config
 from flaxformer_nmt.data import tokenizer as tokenizer_lib
 from flaxformer_nmt.decoding import translator as decode
-from flaxformer_nmt.evaluation import compare
 from flaxformer_nmt.training import ensemble
-from flaxformer_nmt.training import loop as train
 
 
 def fake_trainer(calls, pause=None):
@@ -104,7 +104,7 @@ def test_the_command_stops_resumes_and_decodes_the_members_together(toy_corpus, 
 
   # The same command again finishes member0, then trains member1: its main in this process (in_process.py),
   # which has compiled the toy model's steps and searches already.
-  result = in_process.run(train, resilience.cli_flags(config, workdir))
+  result = in_process.run(train_command, resilience.cli_flags(config, workdir))
   assert result.returncode == 0, result.stderr[-3000:]
   configs = [json.loads((m / 'config.json').read_text()) for m in members]
   assert [(c['seed'], c['max_train_minutes'], c['ensemble_members']) for c in configs] == [(3, 30.0, 1), (4, 30.0, 1)]
