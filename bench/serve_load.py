@@ -38,6 +38,7 @@ REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def define_flags():
   flags.DEFINE_string('workdir', None, 'Trained workdir to serve (and to decode offline for the reference).')
+  flags.DEFINE_string('checkpoint', None, 'The checkpoint served and decoded offline (default: the config\'s).')
   flags.DEFINE_string('sentences', None, 'Source sentences, one per line.')
   flags.DEFINE_string('expected', None, 'The offline translations of --sentences (default: decoded now).')
   flags.DEFINE_string('url', None, 'A running server to load instead of starting one (no --kill_test).')
@@ -191,11 +192,12 @@ def ready(url):
     return False
 
 
-def offline_translations(workdir, sentences_path, expected_path):
+def offline_translations(workdir, checkpoint, sentences_path, expected_path):
   """The decode command's translations of the sentences (written to expected_path once)."""
   if not os.path.exists(expected_path):
     subprocess.run([sys.executable, '-m', 'flaxformer_nmt.decode', f'--workdir={workdir}',
-                    f'--input={sentences_path}', f'--output={expected_path}'], cwd=REPOSITORY, check=True)
+                    f'--input={sentences_path}', f'--output={expected_path}',
+                    *([f'--checkpoint={checkpoint}'] if checkpoint else [])], cwd=REPOSITORY, check=True)
   with open(expected_path, encoding='utf-8') as f:
     return f.read().split('\n')[:-1]
 
@@ -233,7 +235,7 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   with open(FLAGS.sentences, encoding='utf-8') as f:
     sentences = f.read().split('\n')[:-1]
-  expected = offline_translations(FLAGS.workdir, FLAGS.sentences,
+  expected = offline_translations(FLAGS.workdir, FLAGS.checkpoint, FLAGS.sentences,
                                   FLAGS.expected or os.path.join(FLAGS.workdir, 'serve_load_expected.txt'))
   if len(expected) != len(sentences):
     raise app.UsageError(f'{len(sentences)} sentences but {len(expected)} expected translations')
@@ -241,7 +243,8 @@ def main(argv):
   if FLAGS.url:
     url = FLAGS.url
   else:
-    server = ServerProcess(FLAGS.workdir, FLAGS.server_flag, os.path.join(FLAGS.workdir, 'serve_load_server.log'))
+    server_flags = FLAGS.server_flag + ([f'--checkpoint={FLAGS.checkpoint}'] if FLAGS.checkpoint else [])
+    server = ServerProcess(FLAGS.workdir, server_flags, os.path.join(FLAGS.workdir, 'serve_load_server.log'))
     results['start_to_ready_s'], results['start_to_first_answer_s'] = [round(t, 1) for t in server.start()]
     print(f'server ready in {results["start_to_ready_s"]} s', flush=True)
     url = server.url

@@ -63,8 +63,10 @@ def translator(backend):
 
 
 def client(backends, **settings):
-  """A TestClient (use it in `with`: the lifespan starts the batcher) of an app with no warm-up."""
+  """A TestClient (use it in `with`: the lifespan starts the batcher) of an app with no warm-up, batching as
+  the offline decode does (small_config's decode_tokens_per_batch): both run the same compiled searches."""
   settings.setdefault('warmup', 'none')
+  settings.setdefault('max_batch_tokens', 256)
   return TestClient(server.create_app(backends, server.Settings(**settings)))
 
 
@@ -114,7 +116,7 @@ def test_many_concurrent_mixed_requests_get_the_offline_decode(backend, translat
     texts = [SINGLE[j] for j in rng.choice(len(SINGLE), size=rng.integers(1, 4))]
     payloads.append(dict(REQUEST_OPTIONS[i % len(REQUEST_OPTIONS)], text=texts, return_scores=True))
   # The first requests compile their searches: a long timeout.
-  with client({'en-de': backend}, max_wait_ms=300, timeout_s=600, max_batch_tokens=64) as c:
+  with client({'en-de': backend}, max_wait_ms=300, timeout_s=600) as c:
     with concurrent.futures.ThreadPoolExecutor(len(payloads)) as pool:
       answers = list(pool.map(lambda p: c.post('/v1/translate', json=p), payloads))
     metrics = c.get('/metrics').text
