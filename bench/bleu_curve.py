@@ -38,7 +38,7 @@ from flaxformer_nmt.data import corpus as data_lib
 from flaxformer_nmt.decoding import translator as decode
 from flaxformer_nmt.evaluation import bleu as evaluate
 from flaxformer_nmt.evaluation import compare
-from flaxformer_nmt.runtime import flags as cli
+from flaxformer_nmt.runtime import cache
 
 FLAGS = flags.FLAGS
 
@@ -180,7 +180,7 @@ def main(_):
   if FLAGS.config and train(FLAGS.config, workdir, FLAGS.override) != 0:
     sys.exit('error: training failed (see above)')
   checkpoints_lib.quiet_orbax_logs()
-  cli.use_compilation_cache()  # every checkpoint decodes the same shapes
+  cache.use_compilation_cache()  # every checkpoint decodes the same shapes
   config = workdir_lib.load_config(workdir)
   tok_dir = FLAGS.tok_dir or config.eval_bleu_tok_ref_dir
   beam = config.beam_size if FLAGS.beam_size is None else FLAGS.beam_size

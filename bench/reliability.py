@@ -12,7 +12,7 @@ r"""Reliability of training on a tiny model, measured end to end through the CLI
 3. Storage failing during a save (ENOSPC raised by orbax's file writes, in process): the save fails loudly,
    the previous checkpoint stays listed and restores.
 4. Config changes on resume (grad_clip_norm, a model shape, the vocabulary size): a clear error with every
-   checkpoint in place, or (grad_clip_norm, stateless since issue 13) a resume.
+   checkpoint in place, or (grad_clip_norm, which keeps no optimizer state) a resume.
 
 Everything runs on the CPU in a temporary directory; one training run is a few seconds on a quiet machine.
 """

@@ -5,7 +5,7 @@
 
 Measured on 2 cores of an AMD EPYC Zen 4: 57 minutes, valid 41.99, test2016 40.28 lowercased tokenized BLEU.
 Where the CPU has no bf16 dot instructions a step takes about twice as long; `python bench/train_throughput.py
---config configs/multi30k.py --fit_minutes 60` prints the num_train_steps that fit an hour there.
+--configs multi30k --fit_minutes 60` prints the num_train_steps that fit an hour there.
 """
 from flaxformer_nmt import config
 from flaxformer_nmt.data import download

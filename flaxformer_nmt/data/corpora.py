@@ -216,7 +216,7 @@ def open_text(config, split):
 
 def open_split(config, split):
   """The corpus of `split` as the config describes it."""
-  if config.get('task', 'translation') != 'translation':
+  if config.task != 'translation':
     return open_text(config, split)
   lowercase = tokenizer_lib.lowercase_of(config)
   if config.data_source == 'text':

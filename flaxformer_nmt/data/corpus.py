@@ -175,7 +175,7 @@ def both_directions(corpus, examples):
 
 def right_to_left(config):
   """Whether a model writes its targets right to left (config.target_right_to_left)."""
-  return bool(config.get('target_right_to_left', False))
+  return bool(config.target_right_to_left)
 
 
 def reverse_before_eos(ids):

@@ -32,9 +32,8 @@ def normalize_whitespace(line):
 
 
 def lowercase_of(config):
-  """config.lowercase: whether the model learns (and reads) lowercased text; False for workdirs written before
-  the field existed."""
-  return bool(config.get('lowercase', False))
+  """config.lowercase: whether the model learns (and reads) lowercased text."""
+  return bool(config.lowercase)
 
 
 def prepare_text(line, lowercase=False):

@@ -27,11 +27,8 @@ ARCHITECTURES = {'translation': 'encoder_decoder', 'lm': 'decoder_only', 'mlm': 
 
 
 def task_of(config):
-  """config.task, 'translation' for workdirs written before the field existed."""
-  task = config.get('task', 'translation')
-  if task not in TASKS:
-    raise ValueError(f'config.task={task!r}: use one of {TASKS}')
-  return task
+  """config.task (config.validate checks it is one of TASKS)."""
+  return config.task
 
 
 class DecoderOnlyLM(model_lib.TransformerStacks):
