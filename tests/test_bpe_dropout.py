@@ -6,7 +6,7 @@ import pytest
 
 from conftest import small_config, write_toy_corpus
 from flaxformer_nmt.data import batching
-from flaxformer_nmt.checkpointing import workdir as workdir_lib
+from flaxformer_nmt import config as config_lib
 from flaxformer_nmt.data import corpus as data
 from flaxformer_nmt.data import tokenizer as tokenizer_lib
 from flaxformer_nmt.training import loop as train
@@ -209,8 +209,8 @@ def test_a_resume_with_another_bpe_dropout_is_refused_by_name(toy, tmp_path):
 def test_bad_bpe_dropout_settings_are_named(tmp_path, override, message):
   config = small_config(tmp_path)
   config.update(override)
-  with pytest.raises(workdir_lib.ConfigError, match=f'config.bpe_dropout=.*{message}'):
-    workdir_lib.validate_config(config)
+  with pytest.raises(config_lib.ConfigError, match=f'config.bpe_dropout=.*{message}'):
+    config_lib.validate(config)
 
 
 def test_training_with_bpe_dropout_resegments_every_epoch(toy_corpus, tmp_path, caplog):

@@ -10,7 +10,6 @@ import pytest
 
 from flaxformer_nmt import config as config_lib
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
-from flaxformer_nmt.checkpointing import workdir as workdir_lib
 from flaxformer_nmt.checkpointing.workdir import ConfigError
 from flaxformer_nmt.runtime import flags as cli
 from flaxformer_nmt.training.step import TrainState
@@ -51,9 +50,9 @@ def test_lengths_past_the_position_table_are_refused_before_training(field):
   config.model.max_position = config.max_length = 200
   config[field] = 256
   with pytest.raises(ConfigError, match=f'config.{field}=256 exceeds config.model.max_position=200'):
-    workdir_lib.validate_config(config)
+    config_lib.validate(config)
   config[field] = 200
-  workdir_lib.validate_config(config)  # exactly the table: fine
+  config_lib.validate(config)  # exactly the table: fine
 
 
 def test_the_window_holds_regular_checkpoints_only():

@@ -375,31 +375,6 @@ def test_length_form_of_the_masks_equals_the_dense_masks(monkeypatch):
   np.testing.assert_allclose(lengths[1, :2], dense[1, :2], atol=1e-5)
 
 
-def test_checkpoints_from_before_the_fused_projections_are_upgraded_to_the_same_function():
-  model, params = tiny_model()
-  params = jax.tree_util.tree_map(np.asarray, params)
-  d = model.config.d_model
-
-  def legacy(tree, name=''):  # the old layout: separate [d, d] query, key and value kernels
-    if not isinstance(tree, dict):
-      return tree
-    if 'qkv' in tree:
-      q, k, v = np.split(tree['qkv']['kernel'], 3, axis=1)
-      return {'query': {'kernel': q}, 'key': {'kernel': k}, 'value': {'kernel': v}, 'output': tree['output']}
-    if 'kv' in tree:
-      k, v = np.split(tree['kv']['kernel'], 2, axis=1)
-      return {'query': tree['query'], 'key': {'kernel': k}, 'value': {'kernel': v}, 'output': tree['output']}
-    return {key: legacy(value, key) for key, value in tree.items()}
-
-  old = legacy(params)
-  assert old['decoder_0']['cross_attention']['key']['kernel'].shape == (d, d)
-  upgraded = model_lib.upgrade_legacy_params(old)
-  assert jax.tree_util.tree_structure(upgraded) == jax.tree_util.tree_structure(params)
-  for a, b in zip(jax.tree_util.tree_leaves(upgraded), jax.tree_util.tree_leaves(params)):
-    np.testing.assert_array_equal(a, b)
-  assert model_lib.upgrade_legacy_params(params) == params  # today's layout passes through
-
-
 def _bf16(x):
   """x rounded to bfloat16, as float64: the operands a bfloat16 matmul multiplies."""
   return np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
