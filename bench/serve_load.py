@@ -22,6 +22,7 @@ import asyncio
 import collections
 import dataclasses
 import json
+import logging
 import os
 import signal
 import socket
@@ -233,6 +234,7 @@ def main(argv):
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  logging.getLogger('httpx').setLevel(logging.WARNING)  # not a line per request
   with open(FLAGS.sentences, encoding='utf-8') as f:
     sentences = f.read().split('\n')[:-1]
   expected = offline_translations(FLAGS.workdir, FLAGS.checkpoint, FLAGS.sentences,

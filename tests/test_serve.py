@@ -335,6 +335,15 @@ def test_ready_only_after_the_warm_up(backend):
     assert c.post('/v1/translate', json={'text': ['dog']}).status_code == 200
 
 
+def test_a_server_stopped_during_its_warm_up_does_not_wait_for_it(backend):
+  gate = Gate(backend)
+  start = time.time()
+  with client({'en-de': gate}, warmup='full') as c:
+    assert c.get('/ready').json() == {'ready': False, 'reason': 'warming up: compiling the searches'}
+  assert time.time() - start < 10
+  gate.warm_release.set()
+
+
 def test_warm_up_compiles_the_searches_a_batch_then_runs(backend, traces):
   with client({'en-de': backend}, warmup='full', max_batch_tokens=64, max_input_tokens=14) as c:
     wait_until(lambda: c.get('/ready').status_code == 200, timeout=300)

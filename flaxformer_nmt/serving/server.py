@@ -23,6 +23,7 @@ import hmac
 import json
 import pathlib
 import re
+import threading
 import time
 import urllib.parse
 from typing import Optional
@@ -420,6 +421,27 @@ def attention_entry(backend, pairs):
           'weights': np.round(weights.astype(np.float64), 6).tolist()}
 
 
+def in_daemon_thread(fn, *args):
+  """An awaitable of fn(*args) run on a daemon thread: a server stopped while it runs exits without waiting.
+  (The warm-up runs so; no batch runs before it has ended, as requests are refused until then.)"""
+  loop = asyncio.get_running_loop()
+  future = loop.create_future()
+
+  def settle(method, value):
+    if not future.done():
+      method(value)
+
+  def target():
+    try:
+      result, method = fn(*args), future.set_result
+    except Exception as e:  # pylint: disable=broad-except  (raised where the future is awaited)
+      result, method = e, future.set_exception
+    with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+      loop.call_soon_threadsafe(settle, method, result)
+  threading.Thread(target=target, name='warm-up', daemon=True).start()
+  return future
+
+
 async def warm_up(service):
   """Compiles each model's searches (Settings.warmup), then marks the service ready."""
   settings = service.settings
@@ -428,8 +450,8 @@ async def warm_up(service):
       if settings.warmup == 'none':
         continue
       start = time.perf_counter()
-      await service.batcher.run_exclusive(backend.warm_up, service.input_limits[name], service.options(backend),
-                                          settings.max_batch_tokens)
+      await in_daemon_thread(backend.warm_up, service.input_limits[name], service.options(backend),
+                             settings.max_batch_tokens)
       absl_logging.info('Warmed up model %s (%s) in %.1f s', name, settings.warmup, time.perf_counter() - start)
     service.ready = True
   except Exception as e:  # pylint: disable=broad-except  (/ready reports it)
@@ -581,8 +603,8 @@ def create_app(backends, settings=None):
     try:
       yield
     finally:
+      warming.cancel()  # a warm-up still running is left to its daemon thread
       await service.batcher.close()
-      await warming
 
   app = fastapi.FastAPI(title='flaxformer_nmt translation server', lifespan=lifespan,
                         description='Translations of the models served, batched across requests.')
