@@ -55,7 +55,7 @@ class Settings:
   max_queue_sentences: int = 2048
   max_queue_wait_s: float = 3.0
   timeout_s: float = 30.0
-  max_input_tokens: int = 256
+  max_input_tokens: int = 127
   max_sentences: int = 128
   max_body_bytes: int = 1 << 20
   max_beam_size: int = 8
