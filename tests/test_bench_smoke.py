@@ -1,0 +1,126 @@
+"""Every script in bench/ run at tiny sizes, so that none breaks unseen: each exits 0 and prints its numbers.
+
+The numbers themselves are measurements, not checked here (bench/RESULTS.md records them); what is checked is
+that each script still runs against the current library and prints the table or lines it is for. Scripts that
+define their flags in define_flags run in this process (tests/in_process.py); the others, and those that need a
+fresh process (their own devices), as `python bench/NAME.py`.
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import in_process
+from conftest import subprocess_env
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO, 'bench')
+# Modules in bench/ that other scripts import and that have no command of their own.
+HELPERS = {'op_profile'}  # bench/train_throughput.py --profile_dir runs it (test_train_throughput below)
+
+
+def run_script(name, *args, timeout=300):
+  """`python bench/{name}.py args` in the repository, with the tests' environment; asserts exit 0."""
+  result = subprocess.run([sys.executable, os.path.join(BENCH, f'{name}.py'), *args], cwd=REPO,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+  assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
+  return result.stdout
+
+
+def run_in_process(name, *args):
+  result = in_process.run(in_process.bench_script(name), list(args))
+  assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
+  return result.stdout
+
+
+@pytest.fixture(scope='module')
+def toy(trained_toy, tmp_path_factory):
+  """A copy of the session's trained toy workdir, its corpus beside it: the scripts write into the workdir."""
+  root = shutil.copytree(trained_toy.parent, tmp_path_factory.mktemp('bench') / 'toy')
+  return root / trained_toy.name
+
+
+def test_every_bench_script_has_a_smoke_test():
+  scripts = {name[:-3] for name in os.listdir(BENCH) if name.endswith('.py')} - HELPERS
+  tested = {name[len('test_'):] for name in globals() if name.startswith('test_')}
+  assert scripts <= tested, f'bench scripts without a smoke test here: {sorted(scripts - tested)}'
+
+
+def test_gpu_session():
+  """bench/gpu_session.sh parses, and every script, test file, config and command it runs exists."""
+  script = os.path.join(BENCH, 'gpu_session.sh')
+  result = subprocess.run(['bash', '-n', script], capture_output=True, text=True, timeout=60)
+  assert result.returncode == 0, result.stderr
+  text = open(script, encoding='utf-8').read()
+  paths = set(re.findall(r'\b((?:bench|tests|configs)/\w+\.(?:py|sh))\b', text))
+  modules = set(re.findall(r'-m (flaxformer_nmt\.\w+)', text))
+  assert 'bench/train_throughput.py' in paths and 'flaxformer_nmt.train' in modules  # the patterns still match
+  assert [p for p in sorted(paths) if not os.path.exists(os.path.join(REPO, p))] == []
+  assert [m for m in sorted(modules) if not os.path.exists(os.path.join(REPO, *m.split('.')) + '.py')] == []
+
+
+def test_input_pipeline():
+  out = run_script('input_pipeline', '--smoke')
+  assert 'tokenize + write cache (cold)' in out and 'load cache (warm' in out
+  assert re.search(r'batches \(prefetch 0\): \d+ batches', out), out
+
+
+def test_stop_latency():
+  out = run_script('stop_latency', '--smoke')
+  row = [line for line in out.splitlines() if line.startswith('| 0 |')]
+  assert len(row) == 1, out  # the trial's row: it stopped cleanly after the signal
+
+
+def test_reliability():
+  out = run_script('reliability', '--smoke', timeout=600)
+  table = out[out.index('| case |'):]
+  rows = [line for line in table.splitlines()[2:] if line.startswith('| ')]
+  assert len(rows) == 4, table  # a corruption, the storage fault, a config change, a kill
+  assert not [r for r in rows if 'UNEXPECTED' in r or 'NOT MEASURED' in r or 'DIFFERENT' in r], table
+
+
+def test_gpu_attention_check():
+  """On a CPU it compares the einsum and XLA attention paths (the cuDNN rows need a GPU)."""
+  out = run_script('gpu_attention_check', '--smoke')
+  assert re.search(r'\| float32 \| highest \| xla \| [\d.e+-]+ \|', out), out
+
+
+def test_train_throughput(tmp_path):
+  """A tiny step timed, and traced with --profile_dir (bench/op_profile.py). A process of its own: the config
+  splits the CPU into devices."""
+  out = run_script('train_throughput', '--configs', 'multi30k_tiny', '--lengths', '16', '--tokens_per_batch',
+                   '256', '--steps', '2', '--vocab_size', '64', '--nocheck_xla_flops', '--profile_dir',
+                   str(tmp_path / 'profile'), '--profile_top', '3')
+  assert 'multi30k_tiny' in out and '# profile of' in out, out
+
+
+def test_bleu_curve(toy):
+  out = run_in_process('bleu_curve', f'--workdir={toy}', '--splits=valid', '--steps=400', '--beam_size=0')
+  assert '| checkpoint 400 |' in out and '| checkpoint 400 |' in (toy / 'bleu_curve.md').read_text(), out
+
+
+def test_decode_throughput(toy):
+  out = run_in_process('decode_throughput', f'--workdir={toy}', f'--inputs={toy.parent / "data" / "test.en"}',
+                       '--max_sentences=8', '--repeats=1')
+  assert 'sentences/s' in out or 'sent/s' in out, out
+
+
+def test_ctranslate2_export(toy):
+  pytest.importorskip('ctranslate2')  # the test extra installs it; CI counts this skip
+  data = toy.parent / 'data'
+  out = run_in_process('ctranslate2_export', f'--workdir={toy}', f'--input={data / "test.en"}',
+                       f'--reference={data / "test.de"}', f'--tok_reference={data / "test.de"}',
+                       '--max_sentences=8', '--threads=1')
+  assert '| greedy | CTranslate2 int8 |' in out, out
+
+
+def test_serve_load(toy, tmp_path):
+  pytest.importorskip('httpx')  # the test extra installs the server's dependencies
+  sentences = tmp_path / 'in.en'
+  sentences.write_text(''.join(line + '\n' for line in (toy.parent / 'data' / 'test.en').read_text().splitlines()[:4]))
+  out = run_in_process('serve_load', f'--workdir={toy}', f'--sentences={sentences}', '--clients=1',
+                       '--duration_s=1', '--server_flag=--warmup=none')
+  assert re.search(r'^\s*1 clients: \{', out, re.M), out
