@@ -5,10 +5,11 @@ r"""Translates with a trained workdir; scores with sacreBLEU when references are
 
 One output line per input line, in input order; an empty input line gives an empty output line. Input is
 read in chunks of --buffer_lines, so a long stream is translated as it arrives. Within a chunk, sentences
-are sorted by length into token-budget batches (few shapes to compile, little padding). A batch decodes in
-segments of a few steps; once few of its sentences still search, it goes on with those only (as CTranslate2
-and fairseq drop finished sentences), so that one long output does not keep every row computing. Compiled
-programs are kept in JAX's persistent cache (cli.use_compilation_cache): a later run loads those it has seen.
+are sorted by length into batches of a fixed ladder of shapes (decoding/ladder.py): the programs compiled do
+not depend on the input. On a CPU a batch decodes in segments and goes on with its unfinished sentences only
+(as CTranslate2 and fairseq drop finished sentences); on GPU and TPU each batch searches in one program.
+Compiled programs are kept in JAX's persistent cache (runtime/cache.py): a later run on this machine loads
+them; --warmup compiles (or loads) all of the ladder's before the first line is read.
 
   --greedy | --beam_size=K | --sampling [--temperature=T --top_k=K --seed=S]
   --format=fairseq [--n_best=N]: S-i (source), H-i (score, sentencepiece pieces), D-i (score, text) lines
@@ -19,6 +20,7 @@ programs are kept in JAX's persistent cache (cli.use_compilation_cache): a later
   --dtype=float32|bfloat16: compute dtype of decoding
   --devices=N: each batch's sentences split over N devices (data parallel; a CPU host's CPU split into N, one
   a core; 0: every local device)
+  --warmup [--warmup_max_length=N]: compile every program of the ladder (for sources of up to N tokens) first
 
 Python API:
   translator = Translator('runs/m30k')
@@ -100,6 +102,10 @@ def define_flags():
   flags.DEFINE_integer('devices', 1, 'Devices to split each batch\'s sentences over (data parallel, the parameters '
                        'replicated on each): 1 the default device, N the first N local devices (a CPU host\'s CPU '
                        'split into N devices, one a core), 0 every local device.')
+  flags.DEFINE_bool('warmup', False, 'Compile (or load from the compilation cache) every program the search may '
+                    'run before reading the input, and log their count and time.')
+  flags.DEFINE_integer('warmup_max_length', None, '--warmup: for sources of up to this many tokens (default: as '
+                       'long as the model takes).')
   flags.mark_flags_as_required(['workdir'])
 
 
@@ -138,6 +144,42 @@ def choose_candidates(FLAGS, translator, rescorer, token_lists, results, texts):
   return [mbr_lib.select(t, FLAGS.mbr) if FLAGS.mbr else 0 for t in texts]
 
 
+def warm_up(translator, options, max_length):
+  """Compiles the ladder's programs for these options (Translator.warm_up_ladder) and logs what it took."""
+  start, counter = time.time(), cache.ProgramCounter()
+  with counter:
+    programs = translator.warm_up_ladder(max_length, **options)
+  logging.info('Warm-up: %d search programs (%d compiled, %d loaded from the compilation cache) in %.1f s',
+               programs, counter.compiled, counter.loaded, time.time() - start)
+
+
+def translate_input(FLAGS, translator, rescorer, options, out):  # pylint: disable=invalid-name
+  """Translates --input chunk by chunk (--buffer_lines) into `out`, logging the pace; returns the written
+  translations where --reference will score them."""
+  hypotheses, done, target_tokens, start = [], 0, 0, time.time()
+  for chunk in data_lib.read_chunks(FLAGS.input, FLAGS.buffer_lines):
+    chunk = translator.prepare(chunk)
+    token_lists = translator.tokenizer.encode(chunk)
+    results = translator.search_tokens(token_lists, first_line=done, **options)
+    texts = [[translator.tokenizer.decode(ids) for ids, _ in hyps] for hyps in results]
+    chosen = choose_candidates(FLAGS, translator, rescorer, token_lists, results, texts)
+    best = [t[i] for t, i in zip(texts, chosen)]
+    if FLAGS.format == 'fairseq':
+      lines = [line for i, (source, hyps) in enumerate(zip(chunk, results))
+               for line in fairseq_lines(done + i, source, hyps, translator.tokenizer)]
+    else:
+      lines = best
+    out.write(''.join(line + '\n' for line in lines))
+    out.flush()
+    hypotheses += best if FLAGS.reference else []
+    done += len(chunk)
+    target_tokens += sum(len(hyps[i][0]) for hyps, i in zip(results, chosen))  # the written translations
+    seconds = time.time() - start
+    logging.info('%d sentences, %.1f sentences/s, %.0f target tokens/s', done, done / seconds,
+                 target_tokens / seconds)
+  return hypotheses
+
+
 def main(argv):
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   if len(argv) > 1:
@@ -167,33 +209,19 @@ def main(argv):
     options.update(sampling=True, temperature=FLAGS.temperature, top_k=FLAGS.top_k, seed=FLAGS.seed)
   if rescorer is not None:  # every beam's candidate
     options['n_best'] = FLAGS.beam_size or translator.config.beam_size
+  # Scores are written (fairseq lines) or read (reranking); greedy search skips them otherwise.
+  options['scores'] = FLAGS.format == 'fairseq' or rescorer is not None
   try:  # bad option values stop before the output file is opened
     translator.check_options(**options)
   except ValueError as e:
     sys.exit(f'error: {e}')
+  if FLAGS.warmup:
+    warm_up(translator, options, FLAGS.warmup_max_length)
   out = sys.stdout if FLAGS.output == '-' else epath.Path(FLAGS.output).open('w', encoding='utf-8')
-  hypotheses, done, target_tokens, start = [], 0, 0, time.time()
+  counter = cache.ProgramCounter()
   try:
-    for chunk in data_lib.read_chunks(FLAGS.input, FLAGS.buffer_lines):
-      chunk = translator.prepare(chunk)
-      token_lists = translator.tokenizer.encode(chunk)
-      results = translator.search_tokens(token_lists, first_line=done, **options)
-      texts = [[translator.tokenizer.decode(ids) for ids, _ in hyps] for hyps in results]
-      chosen = choose_candidates(FLAGS, translator, rescorer, token_lists, results, texts)
-      best = [t[i] for t, i in zip(texts, chosen)]
-      if FLAGS.format == 'fairseq':
-        lines = [line for i, (source, hyps) in enumerate(zip(chunk, results))
-                 for line in fairseq_lines(done + i, source, hyps, translator.tokenizer)]
-      else:
-        lines = best
-      out.write(''.join(line + '\n' for line in lines))
-      out.flush()
-      hypotheses += best if FLAGS.reference else []
-      done += len(chunk)
-      target_tokens += sum(len(hyps[i][0]) for hyps, i in zip(results, chosen))  # the written translations
-      seconds = time.time() - start
-      logging.info('%d sentences, %.1f sentences/s, %.0f target tokens/s', done, done / seconds,
-                   target_tokens / seconds)
+    with counter:
+      hypotheses = translate_input(FLAGS, translator, rescorer, options, out)
   except OSError as e:
     sys.exit(f'error: {FLAGS.input}: {e}')
   except ValueError as e:  # bad input (the message names the line) or bad option values
@@ -201,6 +229,8 @@ def main(argv):
   finally:
     if out is not sys.stdout:
       out.close()
+  logging.info('Programs: %d compiled, %d loaded from the compilation cache (%.1f s)', counter.compiled,
+               counter.loaded, counter.seconds)
   if FLAGS.reference:
     try:
       lines, _ = evaluate.report(hypotheses, evaluate.read_text(FLAGS.reference),

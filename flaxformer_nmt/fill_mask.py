@@ -27,6 +27,7 @@ from absl import app, flags
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
 from flaxformer_nmt.data import corpus as data_lib
 from flaxformer_nmt.decoding.fill_mask import FillMask, MASK, format_results
+from flaxformer_nmt.runtime import cache
 
 
 def define_flags():
@@ -40,6 +41,7 @@ def define_flags():
 def main(argv):
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   checkpoints_lib.quiet_orbax_logs()
+  cache.use_compilation_cache()
   try:
     filler = FillMask(FLAGS.workdir, FLAGS.checkpoint)
     read = data_lib.read_chunks

@@ -26,6 +26,7 @@ from absl import app, flags, logging
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
 from flaxformer_nmt.data import corpus as data_lib
 from flaxformer_nmt.decoding.generator import Generator
+from flaxformer_nmt.runtime import cache
 
 
 def define_flags():
@@ -50,6 +51,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]} (prompts go in --prompt "...")')
   checkpoints_lib.quiet_orbax_logs()
+  cache.use_compilation_cache()
   try:
     generator = Generator(FLAGS.workdir, FLAGS.checkpoint)
     if FLAGS.prompt is not None:

@@ -31,6 +31,7 @@ from flaxformer_nmt.data import corpus as data_lib
 from flaxformer_nmt.decoding import translator as decode
 from flaxformer_nmt.evaluation.attention import attention_maps, self_attention_maps, write_pictures, write_self_attention_pictures
 from flaxformer_nmt.models import lm
+from flaxformer_nmt.runtime import cache
 
 
 def define_flags():
@@ -52,6 +53,7 @@ def main(argv):
   if importlib.util.find_spec('matplotlib') is None:
     sys.exit('error: attention pictures need matplotlib: pip install "flaxformer_nmt[plot]"')
   checkpoints_lib.quiet_orbax_logs()
+  cache.use_compilation_cache()
   try:
     sentences = list(FLAGS.sentences)
     if FLAGS.input:

@@ -412,7 +412,7 @@ def test_sampling_from_the_top_1_is_greedy():
   model, params = tiny_model()
   options = dict(beam_size=0, alpha=0.6, extra_length=8)
   greedy_tokens, greedy_scores = jitted_search(model, **options)(params, SRC, **options)
-  keys = decode.sample_keys(0, jnp.arange(SRC.shape[0]), 3)
+  keys = search_lib.sample_keys(0, jnp.arange(SRC.shape[0]), 3)
   sampled = jitted_search(model, top_k=1, **options)(params, SRC, keys, top_k=1, **options)
   for k in range(3):
     np.testing.assert_array_equal(sampled[0][:, k], greedy_tokens[:, 0])
@@ -423,7 +423,7 @@ def test_samples_use_only_the_top_k_tokens_of_the_full_decoder():
   model, params = tiny_model()
   top_k, extra = 3, 8
   options = dict(beam_size=0, alpha=0.6, extra_length=extra, top_k=top_k, temperature=3.0)
-  keys = decode.sample_keys(1, jnp.arange(SRC.shape[0]), 16)
+  keys = search_lib.sample_keys(1, jnp.arange(SRC.shape[0]), 16)
   tokens, scores = jitted_search(model, **options)(params, SRC, keys, **options)
   tokens, scores = np.asarray(tokens), np.asarray(scores)
   # Re-score every sample with the whole (uncached) decoder run on its prefix; rank the tokens it chose.

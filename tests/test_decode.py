@@ -2,6 +2,7 @@
 batching switches, attention pictures."""
 import functools
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -15,11 +16,13 @@ import pytest
 import conftest
 import in_process
 from conftest import small_config, write_toy_corpus
+from flaxformer_nmt import decode as decode_command
 from flaxformer_nmt.data import corpus as data_lib
 from flaxformer_nmt.data.tokenizer import BOS_ID
 from flaxformer_nmt.decoding import translator as decode
 from flaxformer_nmt.evaluation import attention as visualize
 from flaxformer_nmt.training import loop as train
+from flaxformer_nmt.decoding import batch_search
 from flaxformer_nmt.decoding import search as search_lib
 
 
@@ -79,7 +82,7 @@ def test_batches_hold_every_sentence_once_within_the_token_budget(translator):
 def run_cli(args, workdir, stdin=None, extra_workdir=True, as_subprocess=False):
   """The decode command on `args` (and --workdir=workdir): its main in this process, or `python -m` (in_process)."""
   args = ([f'--workdir={workdir}'] if extra_workdir else []) + args
-  return in_process.run(decode, args, stdin, as_subprocess=as_subprocess)
+  return in_process.run(decode_command, args, stdin, as_subprocess=as_subprocess)
 
 
 def test_batched_translations_equal_one_sentence_at_a_time(translator, mixed):
@@ -221,9 +224,10 @@ def test_translators_of_one_model_share_compiled_searches_and_alpha_is_not_compi
   # sentences again: neither compiles the search again (alpha is an input of the programs, not a constant).
   token_lists = translator.tokenizer.encode(translator.prepare(mixed))
   first = translator.search_tokens(token_lists, beam_size=3, alpha=0.6)
-  compiled = decode._start._cache_size(), decode._continue._cache_size()
+  programs = lambda: (batch_search._begin_jit._cache_size(), batch_search._segment_jit._cache_size())
+  compiled = programs()
   second = decode.Translator(workdir).search_tokens(token_lists, beam_size=3, alpha=1.5)
-  assert (decode._start._cache_size(), decode._continue._cache_size()) == compiled
+  assert programs() == compiled
   # The programs read the alpha they are given: a translation found under both scores log P / lp(n, alpha),
   # lp(n, alpha) = ((5 + n) / 6) ** alpha for its n tokens (EOS counted), so log P agrees.
   both = [(a[0], b[0]) for a, b in zip(first, second) if a[0][0] == b[0][0] and a[0][0]]
@@ -340,15 +344,15 @@ def test_cli_max_len_limits_the_output_and_rejects_bad_values(workdir, translato
     assert result.returncode == 1 and name in result.stderr
     assert not (tmp_path / 'out.de').exists()
   # min_len (no EOS before that many tokens; its rule is tested in test_beam_search.py) reaches every search.
-  options, _ = translator._prepare([], beam_size=2, min_len=3)
-  assert options['min_len'] == 3 and translator._prepare([])[0]['min_len'] == 1  # fairseq's and CTranslate2's
+  _, options = translator._prepare(beam_size=2, min_len=3)
+  assert options['min_len'] == 3 and translator._prepare()[1]['min_len'] == 1  # fairseq's and CTranslate2's
   src = jnp.asarray(translator.tokenizer.encode(['a dog .']))
-  for beam_size, keys in ((2, None), (0, None), (0, decode.sample_keys(0, jnp.arange(1), 2))):
-    inputs, _ = decode.start_search(translator.model, translator.params, src, keys, beam_size=beam_size,
-                                    extra_length=5)
-    step, _ = search_lib._search_rule(translator.model, translator.params, inputs, beam_size=beam_size, alpha=0.6,
-                                  min_len=3)
-    assert step.keywords['min_length'] == 3
+  for beam_size, keys in ((2, None), (0, None), (0, search_lib.sample_keys(0, jnp.arange(1), 2))):
+    inputs, _ = search_lib.start_search(translator.model, translator.params, src, keys, beam_size=beam_size,
+                                        extra_length=5)
+    for step in search_lib._search_rule(translator.model, translator.params, inputs, beam_size=beam_size,
+                                        alpha=0.6, min_len=3):
+      assert step.keywords['min_length'] == 3
 
 
 def test_bfloat16_decoding_computes_in_bfloat16(workdir, translator, mixed):
@@ -364,50 +368,77 @@ def test_bfloat16_decoding_computes_in_bfloat16(workdir, translator, mixed):
     decode.Translator(workdir, dtype='float8')
 
 
+def _through_eos_rows(tokens):
+  """Each row of a [K, L] search result through its first EOS (rows of different L compare)."""
+  return [tuple(decode._through_eos(row)) for row in np.asarray(tokens)]
+
+
 # Greedy and sampling step through the same segment loop as beam search (whose case runs by default); their
-# cases take 45 s of the 2-core CI machine's time: -m slow.
+# cases cost the 2-core CI machine's time: -m slow.
 @pytest.mark.parametrize('mode', ['beam', pytest.param('greedy', marks=pytest.mark.slow),
                                   pytest.param('sampling', marks=pytest.mark.slow)])
-def test_dropping_finished_sentences_gives_the_one_call_search(translator, mixed, mode, monkeypatch):
-  # Translator steps a batch in segments and goes on with its unfinished sentences only; search_lib.search runs
-  # the whole batch in one jitted loop. Segments of one step drop sentences as early as possible.
-  monkeypatch.setattr(decode, 'SEGMENT_STEPS', 1)
-  monkeypatch.setattr(decode, 'FINE_ROWS_FROM', 2)  # rows in eighths (here often exactly the live sentences)
-  taken = []
-  take = decode._take
-  monkeypatch.setattr(decode, '_take',
-                      lambda tree, keep, batch: taken.append((batch, len(keep))) or take(tree, keep, batch=batch))
-  # At most one token more than the source: a batch of 12 one-word sources and 4 long ones soon has only the
-  # long ones searching (the toy model's outputs run ~6 tokens).
-  options = dict(beam_size=2 if mode == 'beam' else 0, alpha=0.6, extra_length=1, max_len_a=1.0, temperature=1.0,
-                 top_k=0, cache_cross_kv=True, grow_cache=True)
-  one_call = jax.jit(functools.partial(search_lib.search, translator.model), static_argnames=tuple(options))
+def test_segments_and_the_device_search_give_the_one_call_search(translator, mixed, mode, monkeypatch):
+  # Catches a segment loop that loses or mixes up sentences when it drops finished ones, splits the searching
+  # ones over several batches or grows their cache (and the encoder's keys/values, and the source mask), and a
+  # device search that differs from the one-call search of search_lib.search over the whole batch.
+  segments = []  # (rows, cache length) of every segment after a batch's first
+  segment = batch_search._segment_jit
+  monkeypatch.setattr(batch_search, '_segment_jit', lambda model, params, inputs, state, *a, **k: segments.append(
+      (len(inputs.src), state.cache[0]['k'].shape[2])) or segment(model, params, inputs, state, *a, **k))
+  n = 3 if mode == 'sampling' else 1
+  base = dict(beam_size=2 if mode == 'beam' else 0, alpha=0.6, temperature=1.0, top_k=0, cache_cross_kv=True,
+              grow_cache=True, num_samples=n if mode == 'sampling' else 0)
+  # At most one token more than the source: short sources end early, long ones keep few rows searching. Then
+  # 20 tokens for every sentence, none before 17: all search past the first cache of 16 positions, more
+  # sentences than the top rung at 32 holds.
+  cases = [dict(base, extra_length=1, max_len_a=1.0, min_len=1), dict(base, extra_length=20, max_len_a=0.0, min_len=17)]
+  one_call = jax.jit(functools.partial(search_lib.search, translator.model),
+                     static_argnames=tuple(k for k in cases[0] if k not in ('alpha', 'num_samples')))
   token_lists = translator.tokenizer.encode([mixed[2]] * 12 + [mixed[1]] * 4 + mixed)
-  n = 3 if mode == 'sampling' else options['beam_size'] or 1
-  for members, src in translator.batches(token_lists, 256):
-    keys = decode.sample_keys(5, jnp.arange(len(src)), n) if mode == 'sampling' else None
-    tokens, scores = translator._search_batch(src, keys, options)
-    expected_tokens, expected_scores = jax.device_get(one_call(translator.params, src, keys, **options))
-    np.testing.assert_array_equal(tokens, expected_tokens)
-    np.testing.assert_allclose(scores, expected_scores, rtol=1e-5, atol=1e-5)
-  # Sentences were dropped (with jax 0.10 to sizes that are not powers of two too; which sizes occur depends on
-  # when the toy model's outputs end, which differs between jax versions).
-  assert taken and all(rows < batch for batch, rows in taken), taken
+  ladder = translator.ladder(256)
+  for options in cases:
+    for members, src in ladder.batches(token_lists):
+      lines = np.arange(len(src), dtype=np.int32)
+      rows = batch_search._segmented_batch(translator.model, translator.params, src, lines, 5, ladder, options,
+                                           lambda tree: tree)
+      device = batch_search._device_batch(translator.model, translator.params, src, lines, 5, ladder, options,
+                                          lambda tree: tree)
+      keys = search_lib.sample_keys(5, lines, n) if mode == 'sampling' else None
+      call = {k: v for k, v in options.items() if k != 'num_samples'}
+      tokens, scores = jax.device_get(one_call(translator.params, src, keys, **call))
+      real = lambda found: sorted(r for r, _, _ in found if r < len(members))  # not the batch's padding rows
+      assert real(rows) == real(device) == list(range(len(members)))
+      for found in (rows, device):
+        for r, row_tokens, row_scores in found:
+          if r < len(members):
+            assert _through_eos_rows(row_tokens) == _through_eos_rows(tokens[r]), (options, r)
+            np.testing.assert_allclose(row_scores, scores[r], rtol=1e-5, atol=1e-5)
+  # The batches dropped finished sentences into fewer rows; in the second case a batch of 16 rows at 16
+  # positions grew its cache and split its searching sentences over two batches of the top rung at 32.
+  assert any(rows < ladder.rows(16)[0] for rows, length in segments if length == 16), segments
+  assert segments.count((ladder.rows(32)[0], 32)) >= 2, segments
 
 
-def test_batch_rows_are_the_smallest_allowed_size_that_holds_the_sentences():
-  # Allowed: powers of two, and from 64 on the multiples of an eighth of a power of two above its half.
-  powers = [2 ** e for e in range(12)]
-  sizes = set(powers) | {j * p // 8 for p in powers if p >= search_lib.FINE_ROWS_FROM for j in range(5, 8)}
-  for n in range(1, 1025):
-    assert decode.batch_rows(n) == min(r for r in sizes if r >= n), n
-  assert [decode.batch_rows(n) for n in (20, 33, 65, 150, 161, 200, 255)] == [32, 40, 80, 160, 192, 224, 256]
-
-
-def test_segments_end_every_few_steps_and_where_the_cache_grows():
-  assert decode.segment_ends((16, 32), 8) == [(16, 8), (16, 16), (32, 24), (32, 32)]
-  assert decode.segment_ends((5, 10, 25), 4) == [(5, 4), (5, 5), (10, 9), (10, 10), (25, 14), (25, 18), (25, 22),
-                                                 (25, 25)]
+def test_the_ladder_has_a_few_shapes_that_hold_every_batch():
+  # Catches rungs that break the token budget, rows that are not the ladder's, and batches that waste more than
+  # the rung below them would.
+  from flaxformer_nmt.decoding import ladder as ladder_lib  # pylint: disable=g-import-not-at-top
+  ladder = ladder_lib.Ladder(tokens_per_batch=4096, max_position=1024)
+  assert ladder.lengths == (16, 32, 64, 128, 256, 512, 1024)
+  assert ladder_lib.Ladder(4096, 80).lengths == (16, 32, 64, 80)
+  assert [ladder.length_for(n) for n in (1, 16, 17, 600, 5000)] == [16, 16, 32, 1024, 1024]
+  for length in ladder.lengths:
+    rows = ladder.rows(length)
+    top = max(r for r in (2 ** e for e in range(13)) if r * length <= 4096 or r == 1)
+    assert rows[0] == top and rows[-1] == 1
+    assert all(a == b * ladder_lib.ROW_RATIO or b == 1 for a, b in zip(rows, rows[1:])), rows
+    for n in range(1, 3 * top + 2):
+      batches = ladder.split(n, length)
+      assert set(batches) <= set(rows) and 0 <= sum(batches) - n < batches[-1], (n, batches)
+      assert (sum(batches) - n) * 2 <= batches[-1], (n, batches)  # at least half of a batch holds sentences
+  assert ladder.split(150, 32) == [128, 32] and ladder.split(40, 32) == [32, 8]
+  assert ladder_lib.Ladder(4096, 1024, row_multiple=2).rows(32) == (128, 32, 8, 2)
+  assert ladder_lib.Ladder(4096, 1024, row_multiple=2).rows(1024) == (4, 2)
 
 
 def test_commands_keep_compiled_programs_in_the_user_cache(tmp_path):
@@ -555,7 +586,7 @@ def test_teacher_forced_scores_equal_the_search_and_reverse_for_a_right_to_left_
 
 
 def test_reranking_chooses_by_the_weighted_sum_in_the_api_and_compare(workdir, translator, mixed, tmp_path):
-  from flaxformer_nmt.evaluation import compare
+  from flaxformer_nmt import compare  # pylint: disable=g-import-not-at-top  (the command)
   from flaxformer_nmt.decoding import rerank  # pylint: disable=g-import-not-at-top
   r2l = decode.Translator(copy_with_config(workdir, tmp_path / 'r2l',
                                            lambda c: c.update(target_right_to_left=True)))
@@ -617,3 +648,60 @@ def test_the_trainers_validation_bleu_reads_a_right_to_left_model_in_reading_ord
   expected = r2l.translate(sources, beam_size=0)
   assert validation.translate(r2l.params) == expected
   assert sum(len(t.split()) > 1 for t in expected) > 6
+
+
+def test_beam_step_zero_on_one_row_and_greedy_without_its_normalizer_change_no_output(translator, mixed, monkeypatch):
+  # Catches a first beam step on one row per sentence that differs from the step on all K rows (its candidates,
+  # their beams, the cache rows the beams copy), and a greedy pick that changes when the log-softmax's
+  # normalizer is skipped.
+  from flaxformer_nmt.decoding import beam_search  # pylint: disable=g-import-not-at-top
+  _, src = next(translator.ladder(256).batches(translator.tokenizer.encode(mixed), sort_by_length=False))
+  search = lambda **options: jax.device_get(jax.jit(functools.partial(
+      search_lib.search, translator.model, **options))(translator.params, src))
+  options = dict(beam_size=3, alpha=0.6, extra_length=10)
+  one_row = search(**options)
+  monkeypatch.setattr(beam_search, 'beam_first_step', beam_search.beam_step)
+  every_row = search(**options)
+  np.testing.assert_array_equal(one_row[0], every_row[0])
+  np.testing.assert_allclose(one_row[1], every_row[1], rtol=1e-6)
+  assert (one_row[1] > -1e8).all()  # real hypotheses, not empty slots compared
+  greedy = dict(beam_size=0, alpha=0.0, extra_length=10)
+  np.testing.assert_array_equal(search(**greedy, scores=False)[0], search(**greedy)[0])
+
+
+def test_after_the_ladder_warm_up_inputs_of_any_size_compile_no_program(workdir, monkeypatch):
+  # Catches programs whose shapes depend on the input (a batch, source or cache shape off the ladder, an eager
+  # operation on the host's side of the segments) and a warm-up that misses some of the ladder's programs.
+  from flaxformer_nmt.runtime import cache  # pylint: disable=g-import-not-at-top
+  translator = decode.Translator(workdir)
+  options = dict(beam_size=3, min_len=2, tokens_per_batch=64)  # options no other test searches with
+  with cache.ProgramCounter() as warm_up:
+    count = translator.warm_up_ladder(max_source_length=40, **options)
+  assert len(warm_up.names) == count and set(warm_up.names) == {'jit(_begin)', 'jit(_segment)'}, warm_up.names
+  shapes = []
+  for name in ('_begin_jit', '_segment_jit'):
+    program = getattr(batch_search, name)
+    monkeypatch.setattr(batch_search, name, lambda model, params, src_or_inputs, *a, _p=program, _n=name, **k: (
+        shapes.append((_n, *np.shape(getattr(src_or_inputs, 'src', src_or_inputs)))) or _p(
+            model, params, src_or_inputs, *a, **k)))
+  words = 'a big dog runs . the small red cat sleeps . a man sees the ball .'.split()
+  one = ['a dog .']
+  lines = [' '.join((words * 4)[:n]) for n in range(1, 50)]
+  many = [line for line, ids in zip(lines, translator.tokenizer.encode(lines)) if len(ids) <= 40] * 3
+  for sentences in (one, many):
+    with cache.ProgramCounter() as search:
+      translator.translate(sentences, **options)
+    assert search.names == [], search.names
+  ladder = translator.ladder(options['tokens_per_batch'])
+  assert {(rows, length) for _, rows, length in shapes} <= {(r, c) for c in ladder.lengths for r in ladder.rows(c)}
+  assert len({length for name, _, length in shapes if name == '_begin_jit'}) >= 3, shapes  # 16, 32 and 64
+
+
+def test_cli_warmup_compiles_what_the_translation_then_runs(workdir):
+  # Catches a --warmup that compiles the ladder for other options than the command then searches with (the
+  # command's log counts the programs its translation still had to compile or load).
+  result = run_cli(['--warmup', '--warmup_max_length=12', '--greedy', '--tokens_per_batch=32'], workdir,
+                   stdin='a dog .\nthe small red cat sleeps .\n')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert re.search(r'Warm-up: \d+ search programs', result.stderr), result.stderr[-2000:]
+  assert 'Programs: 0 compiled, 0 loaded' in result.stderr, result.stderr[-2000:]

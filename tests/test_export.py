@@ -16,6 +16,7 @@ ctranslate2 = pytest.importorskip('ctranslate2')
 from flaxformer_nmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID  # pylint: disable=g-import-not-at-top
 from flaxformer_nmt.decoding import translator as decode  # pylint: disable=g-import-not-at-top,wrong-import-position
 from flaxformer_nmt.models import transformer as model_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from flaxformer_nmt import export as export_command  # pylint: disable=g-import-not-at-top,wrong-import-position
 from flaxformer_nmt.serving import ctranslate2 as export  # pylint: disable=g-import-not-at-top,wrong-import-position
 from flaxformer_nmt.decoding import search as search_lib
 
@@ -113,7 +114,7 @@ def toy_sources(workdir):
 def run_export(workdir, output_dir, *args, as_subprocess=False):
   """The export command: its main in this process, or `python -m flaxformer_nmt.export` (in_process.run)."""
   args = [f'--workdir={workdir}', f'--output_dir={output_dir}', '--format=ctranslate2', *args]
-  return in_process.run(export, args, as_subprocess=as_subprocess)
+  return in_process.run(export_command, args, as_subprocess=as_subprocess)
 
 
 @pytest.fixture(scope='module')
@@ -148,7 +149,7 @@ def test_trained_model_greedy_identical_on_every_line(workdir, exported):
   assert ct2_translate(exported, sources, beam_size=1) == ours
 
 
-def test_trained_model_beam_identical_on_97_percent_of_lines(workdir, exported, monkeypatch):
+def test_trained_model_beam_identical_on_97_percent_of_lines(workdir, exported):
   # Both searches stop once K = 4 hypotheses have finished, an EOS finishing one only from among the K best
   # candidates. CTranslate2 does so for any length_penalty but 0, where it instead stops when a step's best
   # candidate is EOS (allow_early_exit in its decoding.cc): a length penalty of 1e-6 on both sides keeps the
@@ -160,11 +161,10 @@ def test_trained_model_beam_identical_on_97_percent_of_lines(workdir, exported, 
   # CTranslate2 stops without it.
   train_sources = (workdir.parent / 'data' / 'train.en').read_text().splitlines()[:160]
   sources = toy_sources(workdir) + train_sources
-  translator = decode.Translator(workdir)
+  # Each batch searched whole in one program (test_decode checks that this gives the segments' results): one
+  # program per source length to compile.
+  translator = decode.Translator(workdir, on_device=True)
   token_lists = translator.tokenizer.encode(sources)
-  # One batch per length bucket, never narrowed to its unfinished sentences (test_decode checks that this gives
-  # the same results): a few programs to compile, not one per batch and row count (38 -> 13 s on a 2-core Zen 3).
-  monkeypatch.setattr(decode, 'COMPACT_BELOW', 0.0)
   results = translator.search_tokens(token_lists, beam_size=4, alpha=1e-6, tokens_per_batch=8192)
   theirs = ct2_translate(exported, sources, beam_size=4, length_penalty=1e-6)
   compared = [(translator.tokenizer.decode(hyps[0][0]), ct2) for src, hyps, ct2 in zip(token_lists, results, theirs)

@@ -227,6 +227,33 @@ def test_decode_loops_lower_in_bfloat16(platform, beam_size):
   assert custom_calls(text, '__cudnn$fmhaSoftmax') == expected
 
 
+@pytest.mark.parametrize('platform', PLATFORMS)
+def test_the_device_search_of_a_ladder_batch_is_one_program_without_the_host(platform):
+  # On GPU and TPU a batch of the ladder's top rung searches in one program (batch_search._on_device): one
+  # device loop per cache length, the cache growing between them inside the program, and nothing that calls
+  # back to the host. Catches a device path that falls back to host segments or a host callback.
+  from flaxformer_nmt.decoding import batch_search  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.decoding.ladder import Ladder  # pylint: disable=g-import-not-at-top
+  config = load_config('base', **{'model.num_encoder_layers': 1, 'model.num_decoder_layers': 1})
+  model = model_lib.Transformer(model_lib.ModelConfig.from_config(config, config.vocab_size, platform))
+  ladder = Ladder(config.decode_tokens_per_batch, model.config.max_position)
+  rows = ladder.rows(LENGTH)[0]
+  top = ladder.length_for(search_lib.max_steps(LENGTH, 1.0, config.max_decode_extra_length, ladder.max_position))
+  cache_lengths = tuple(c for c in ladder.lengths if LENGTH <= c <= top)
+  assert cache_lengths == (32, 64, 128)  # a 32-token source may get 32 + 50 tokens
+  dummy = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+  options = dict(beam_size=4, extra_length=config.max_decode_extra_length, max_len_a=1.0, cache_cross_kv=True,
+                 min_len=1, scores=True, temperature=1.0, top_k=0, grow_cache=True, num_samples=0)
+  with cudnn_version_check_answered():
+    params = jax.eval_shape(model.init, jax.random.PRNGKey(0), dummy, dummy)['params']
+    lowered = batch_search._on_device_jit().trace(
+        model, params, jax.ShapeDtypeStruct((rows, LENGTH), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32), 0,
+        0.6, cache_lengths=cache_lengths, **options).lower(lowering_platforms=(platform,))
+  text = lowered.as_text()
+  assert text.count('stablehlo.while') == len(cache_lengths)
+  assert 'callback' not in text
+
+
 def test_lowering_follows_the_model_platform_not_this_machine():
   # The same config built for CPU (this machine's 'auto') lowers in float32: the bf16 counts above come from
   # the platform the model was built for.

@@ -24,8 +24,8 @@ gets an empty output, whatever the model prefers. A row's length limit wins over
 
 The searches are built from a state (BeamState, TokenState) whose arrays all lead with the sentence axis, a
 step, and a test of which sentences still search: beam_search() and friends run them in one jitted loop
-until every sentence is done; decode.Translator runs them in segments (run_until) and drops the finished
-sentences of a batch between segments (the same results, fewer rows computed).
+until every sentence is done; batch_search.py runs them in segments (search.run_segment) and drops the
+finished sentences of a batch between segments (the same results, fewer rows computed).
 
 Greedy search and sampling share one loop that picks a single token per row and step; it exits once every
 row has produced EOS. Scores and log probabilities are float32 whatever the model's dtype.
@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 NEG_INF = -1.0e9  # finite, so that -inf - -inf never makes a NaN
 
@@ -62,7 +63,7 @@ def _mask_logits(log_probs, index, max_lengths, eos_id, forbidden_ids, min_lengt
   return jnp.where(forbidden | (at_limit & (tokens != eos_id)), NEG_INF, log_probs)
 
 
-def best_extensions(logits, base, n, index, max_lengths, eos_id, forbidden_ids, min_length=0):
+def best_extensions(logits, base, n, index, max_lengths, eos_id, forbidden_ids, min_length=0, normalize=True):
   """The n best allowed extensions of each row: (scores [..., n], tokens [..., n]), best first.
 
   logits [..., V]; base [...] (a row's log P so far, 0 for greedy); max_lengths broadcasts against base.
@@ -73,14 +74,16 @@ def best_extensions(logits, base, n, index, max_lengths, eos_id, forbidden_ids, 
   reads of rows x V floats, and a select the slice maxima of `top_k` do not fuse); here the vocabulary is read
   for its normalizer and maxima only, and the rest works on n + len(forbidden_ids) (+ 1 for EOS under
   min_length) raw-logit candidates per row. (Two logits that round to the same score at the n-th place could
-  be kept in logit rather than token order: no case seen.)
+  be kept in logit rather than token order: no case seen.) normalize=False skips the normalizer, the one pass
+  over the vocabulary besides the maxima: a row's candidates rank the same (greedy search's choice), and their
+  scores are base + logit - the row's largest logit instead of log probabilities.
   """
   logits = logits.astype(jnp.float32)
   # Enough candidates that n remain allowed: the forbidden tokens, and EOS where min_length may forbid it.
   held_back = len(forbidden_ids) + (1 if min_length > 0 else 0)
   values, tokens, row_max = _top_k_and_max(logits, min(n + held_back, logits.shape[-1]))
   shift = jax.lax.stop_gradient(row_max[..., None])
-  log_norm = jnp.log(jnp.exp(logits - shift).sum(axis=-1, keepdims=True))  # log_softmax's, to the last bit
+  log_norm = jnp.log(jnp.exp(logits - shift).sum(axis=-1, keepdims=True)) if normalize else 0.0  # log_softmax's
   log_softmax = lambda x: (x - shift) - log_norm
   scores = base[..., None] + log_softmax(values)
   if forbidden_ids:
@@ -130,12 +133,34 @@ def beam_unfinished(state):
 
 def beam_step(step_fn, state, *, alpha, eos_id, forbidden_ids, min_length=0):
   """One step of every sentence's search (see the module docstring for the rule)."""
-  index, sequences, alive_log_probs, finished_sequences, finished_scores, num_finished, max_lengths, cache = state
-  B, K = alive_log_probs.shape
-  logits, cache = step_fn(sequences[:, :, index].reshape(B * K), index, cache)
-  scores, tokens = best_extensions(logits.reshape(B, K, -1), alive_log_probs, 2 * K, index, max_lengths[:, None],
-                                   eos_id, forbidden_ids, min_length)
+  B, K = state.alive_log_probs.shape
+  logits, cache = step_fn(state.sequences[:, :, state.index].reshape(B * K), state.index, state.cache)
+  scores, tokens = best_extensions(logits.reshape(B, K, -1), state.alive_log_probs, 2 * K, state.index,
+                                   state.max_lengths[:, None], eos_id, forbidden_ids, min_length)
   scores, beams, tokens = _top_candidates(scores, tokens, 2 * K)
+  return _beam_advance(state, scores, beams, tokens, cache, alpha, eos_id)
+
+
+def beam_first_step(step_fn, state, *, alpha, eos_id, forbidden_ids, min_length=0):
+  """beam_step from beam_start's state (index 0) on one decoder row per sentence: before the first step a
+  sentence has one alive beam (the others score NEG_INF, and their candidates rank below all of its 2K), so
+  its 2K best candidates are that beam's, and every beam's cache row is the same. The state beam_step would
+  give, for 1/K of its decoder work. step_fn must take any number of rows (search.py's does where the
+  sentence's rows share its encoder keys/values)."""
+  B, K = state.alive_log_probs.shape
+  first_rows = jax.tree_util.tree_map(lambda x: x[::K], state.cache)  # row b * K: beam 0 of sentence b
+  logits, cache = step_fn(state.sequences[:, 0, state.index], state.index, first_rows)
+  scores, tokens = best_extensions(logits, state.alive_log_probs[:, 0], 2 * K, state.index, state.max_lengths,
+                                   eos_id, forbidden_ids, min_length)
+  cache = jax.tree_util.tree_map(lambda x: jnp.repeat(x, K, axis=0), cache)
+  return _beam_advance(state, scores, jnp.zeros_like(tokens), tokens, cache, alpha, eos_id)
+
+
+def _beam_advance(state, scores, beams, tokens, cache, alpha, eos_id):
+  """The state after a step whose 2K best candidates per sentence are (scores, beams, tokens) [B, 2K], best
+  first, `cache` holding the step's keys/values in the rows of the beams they extend."""
+  index, sequences, _, finished_sequences, finished_scores, num_finished, max_lengths, _ = state
+  K = sequences.shape[1]
   valid = scores > NEG_INF / 2  # extensions of dead beams and masked tokens are not hypotheses
   is_eos = tokens == eos_id
 
@@ -190,11 +215,32 @@ def run_until(unfinished, step, state, until):
   return jax.lax.while_loop(lambda s: (s.index < until) & jnp.any(unfinished(s)), step, state)
 
 
+def pad_axis(x, axis, length, value=0):
+  """x padded with `value` along `axis` to `length` (NumPy stays NumPy: the host grows a search without a
+  program to compile)."""
+  xp = np if isinstance(x, np.ndarray) else jnp
+  return xp.pad(x, [(0, 0)] * axis + [(0, length - x.shape[axis])] + [(0, 0)] * (x.ndim - axis - 1),
+                constant_values=value)
+
+
+def cache_length(state):
+  """The positions of a search state's self-attention cache."""
+  return jax.tree_util.tree_leaves(state.cache)[0].shape[2]
+
+
 def grow_cache(state, length):
   """The state with every cache leaf zero-padded along its position axis (axis 2: leaves are [rows, heads,
   positions, ...], the model's head-major cache) to `length` positions."""
-  pad = lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, length - x.shape[2])] + [(0, 0)] * (x.ndim - 3))
-  return state._replace(cache=jax.tree_util.tree_map(pad, state.cache))
+  return state._replace(cache=jax.tree_util.tree_map(lambda x: pad_axis(x, 2, length), state.cache))
+
+
+def grow_state(state, length):
+  """grow_cache, and room for `length` tokens in the state's sequences: a search that goes on past its
+  cache's end (the host's copy of a BeamState or TokenState)."""
+  state = grow_cache(state, length)
+  grown = {name: pad_axis(x, x.ndim - 1, length + 1) for name, x in state._asdict().items()
+           if name in ('sequences', 'finished_sequences')}
+  return state._replace(**grown)
 
 
 def staged_search(unfinished, step, state, cache_lengths):
@@ -314,14 +360,15 @@ def token_unfinished(state):
   return ~state.finished
 
 
-def token_step(step_fn, choose, state, *, eos_id, forbidden_ids, min_length=0):
+def token_step(step_fn, choose, state, *, eos_id, forbidden_ids, min_length=0, normalize=True):
   """One token per row, picked by `choose(log_probs [N, V], index) -> tokens [N]` (None: the most likely
-  allowed token, greedy search)."""
+  allowed token, greedy search; normalize=False: without its log probability, see best_extensions)."""
   index, sequences, finished, scores, max_lengths, cache = state
   logits, cache = step_fn(sequences[:, index], index, cache)
   if choose is None:  # greedy: the best allowed token, without a [rows, V] array of log probabilities
     token_log_probs, tokens = (x[:, 0] for x in best_extensions(
-        logits, jnp.zeros(finished.shape, jnp.float32), 1, index, max_lengths, eos_id, forbidden_ids, min_length))
+        logits, jnp.zeros(finished.shape, jnp.float32), 1, index, max_lengths, eos_id, forbidden_ids, min_length,
+        normalize))
   else:
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))
     log_probs = _mask_logits(log_probs, index, max_lengths, eos_id, forbidden_ids, min_length)

@@ -146,8 +146,11 @@ def start_search(model, params, src, sample_keys=None, *, beam_size, extra_lengt
 
 def _search_rule(model, params, inputs, *, beam_size, alpha, temperature=1.0, top_k=0, cache_cross_kv=True,
                  min_len=MIN_LEN, scores=True, **unused):
-  """step(state) -> state of the search start_search began. scores=False lets greedy search skip the
-  normalizer of its log probabilities (same tokens; its scores are then the raw logits')."""
+  """(first(state) -> state, step(state) -> state) of the search start_search began: `first` takes its first
+  step (beam search's on one row per sentence where the rows share their sentence's encoder keys/values,
+  beam_search.beam_first_step), `step` every later one.
+  scores=False lets greedy search skip the normalizer of its log probabilities (the same tokens; its scores
+  are then not log probabilities, see beam_search.best_extensions)."""
   del unused
   models, member_params = _members(model, params)
   step_fns = [_member_step(m, p, i, cache_cross_kv) for m, p, i in zip(models, member_params, inputs.members)]
@@ -155,10 +158,15 @@ def _search_rule(model, params, inputs, *, beam_size, alpha, temperature=1.0, to
   common = dict(eos_id=EOS_ID, forbidden_ids=FORBIDDEN_IDS, min_length=min_len)
   if inputs.sample_keys is not None:
     choose = beam_search.sampling_rule(jax.random.wrap_key_data(inputs.sample_keys), temperature, top_k)
-    return functools.partial(beam_search.token_step, step_fn, choose, **common)
+    step = functools.partial(beam_search.token_step, step_fn, choose, **common)
+    return step, step
   if beam_size == 0:
-    return functools.partial(beam_search.token_step, step_fn, None, normalize=scores, **common)
-  return functools.partial(beam_search.beam_step, step_fn, alpha=alpha, **common)
+    step = functools.partial(beam_search.token_step, step_fn, None, normalize=scores, **common)
+    return step, step
+  step = functools.partial(beam_search.beam_step, step_fn, alpha=alpha, **common)
+  if not cache_cross_kv:  # the encoder's output is repeated for every row: the first step runs on all of them
+    return step, step
+  return functools.partial(beam_search.beam_first_step, step_fn, alpha=alpha, **common), step
 
 
 def unfinished_sentences(inputs, state):
@@ -168,11 +176,13 @@ def unfinished_sentences(inputs, state):
   return beam_search.token_unfinished(state).reshape(inputs.src.shape[0], -1).any(axis=1)
 
 
-def run_segment(model, params, inputs, state, stop=0, **options):
+def run_segment(model, params, inputs, state, stop=0, *, first=False, **options):
   """(the state stepped until its cache is full, no sentence searches, or at most `stop` (a traced scalar)
   still search; [B] bool: the sentences still searching). A host loop then drops the finished sentences
-  or grows the cache (batching.py)."""
-  step = _search_rule(model, params, inputs, **options)
+  or grows the cache (batch_search.py). first=True: `state` is start_search's, whose first step runs first."""
+  first_step, step = _search_rule(model, params, inputs, **options)
+  if first:
+    state = first_step(state)
   live = lambda s: unfinished_sentences(inputs, s)
   until = beam_search.cache_length(state)
   state = jax.lax.while_loop(lambda s: (s.index < until) & (live(s).sum() > stop), step, state)
@@ -226,9 +236,9 @@ def search(model, params, src, sample_keys=None, *, beam_size, alpha, extra_leng
     cache_lengths = cache_lengths[-1:]
   inputs, state = start_search(model, params, src, sample_keys, cache_length=cache_lengths[0],
                                length=cache_lengths[-1], **options)
-  step = _search_rule(model, params, inputs, **options)
+  first_step, step = _search_rule(model, params, inputs, **options)
   unfinished = lambda s: unfinished_sentences(inputs, s)
-  return search_output(inputs, beam_search.staged_search(unfinished, step, state, cache_lengths))
+  return search_output(inputs, beam_search.staged_search(unfinished, step, first_step(state), cache_lengths))
 
 
 def take_sentences(tree, keep, batch):

@@ -6,6 +6,10 @@ from absl import logging
 from etils import epath
 
 CACHE_ENV = 'FLAXFORMER_NMT_CACHE'
+# jax.monitoring events: one per program a process obtains (compiled, or read from the persistent cache), with
+# its name and seconds; and one per program read from the persistent cache.
+PROGRAM_EVENT = '/jax/core/compile/backend_compile_duration'
+CACHE_HIT_EVENT = '/jax/compilation_cache/cache_hits'
 
 
 def cache_dir():
@@ -18,9 +22,10 @@ def cache_dir():
 
 def use_compilation_cache():
   """Keeps compiled programs in JAX's persistent cache, `{cache_dir()}/jax_compilation` unless
-  $JAX_COMPILATION_CACHE_DIR names another (empty: off), so that the next run of the same command with the
-  same shapes loads them instead of compiling again (decoding test2016 compiles ~25 loop shapes, ~1 s each on
-  a 2-core CPU)."""
+  $JAX_COMPILATION_CACHE_DIR names another (empty: off), so that the next run of a command on this machine
+  loads the programs it compiled instead of compiling them again. JAX keys each entry by the program, the
+  jaxlib version, the platform and devices, the XLA flags and the compile options, so one directory serves
+  every model, version and device without mixing them up."""
   if 'JAX_COMPILATION_CACHE_DIR' in os.environ:  # JAX reads it itself
     return
   directory = cache_dir() / 'jax_compilation'
@@ -31,3 +36,43 @@ def use_compilation_cache():
     return
   jax.config.update('jax_compilation_cache_dir', str(directory))
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)  # the small programs too
+
+
+class ProgramCounter:
+  """Counts the programs XLA hands this process while it is entered: compiled, or loaded from the persistent
+  compilation cache (a program already in the process's memory is not handed again). names: each program's
+  function name, in order; seconds: the time spent obtaining them.
+
+    with ProgramCounter() as counter:
+      translator.translate(sentences)
+    counter.names, counter.compiled, counter.loaded, counter.seconds
+  """
+
+  def __init__(self):
+    self.names, self.durations, self.loaded = [], [], 0
+
+  def _program(self, event, duration, **kwargs):
+    if event == PROGRAM_EVENT:
+      self.names.append(kwargs.get('fun_name'))
+      self.durations.append(duration)
+
+  def _hit(self, event, **unused):
+    if event == CACHE_HIT_EVENT:
+      self.loaded += 1
+
+  @property
+  def compiled(self):
+    return len(self.names) - self.loaded
+
+  @property
+  def seconds(self):
+    return sum(self.durations)
+
+  def __enter__(self):
+    jax.monitoring.register_event_duration_secs_listener(self._program)
+    jax.monitoring.register_event_listener(self._hit)
+    return self
+
+  def __exit__(self, *unused):
+    jax.monitoring.unregister_event_duration_listener(self._program)
+    jax.monitoring.unregister_event_listener(self._hit)
