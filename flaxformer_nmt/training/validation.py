@@ -25,7 +25,8 @@ from flaxformer_nmt import config as config_lib
 from flaxformer_nmt.checkpointing import workdir as workdir_lib
 from flaxformer_nmt.data import corpora
 from flaxformer_nmt.data import corpus as data_lib
-from flaxformer_nmt.decoding import search as search_lib
+from flaxformer_nmt.decoding import batch_search
+from flaxformer_nmt.decoding.ladder import Ladder
 from flaxformer_nmt.decoding import translator as translator_lib
 from flaxformer_nmt.evaluation import bleu as evaluate
 from flaxformer_nmt.runtime import distributed
@@ -80,13 +81,11 @@ class ValidationBleu:
     if self.to_search_device:
       mesh = sharding.make_mesh(devices=[mesh.devices.flat[0]])
     self.replicated = sharding.replicated(mesh)
-    self.options = dict(beam_size=config.eval_bleu_beam_size, alpha=np.float32(config.length_penalty_alpha),
-                        extra_length=config.max_decode_extra_length)
-    # search_lib.search with the model static and alpha an input: runs of an equal model in one process (an
-    # ensemble's members, the tests) trace it once.
-    self._search = jax.jit(search_lib.search, static_argnums=0, static_argnames=('beam_size', 'extra_length'),
-                           out_shardings=self.replicated)
-    self.batches = list(self._plan())
+    # The decode command's search and ladder (batch_search.py); several hosts search each batch in one program
+    # on the device, whose results every host reads whole.
+    self.options = dict(beam_size=config.eval_bleu_beam_size, alpha=float(config.length_penalty_alpha),
+                        extra_length=config.max_decode_extra_length, scores=False)
+    self.ladder = Ladder(config.decode_tokens_per_batch, self.model.config.max_position)
 
   @property
   def enabled(self):
@@ -95,23 +94,18 @@ class ValidationBleu:
   def due(self, step, done=False):
     return self.enabled and (step % self.every == 0 or done)
 
-  def _plan(self):
-    """(members, padded sources) batches as translator_lib.Translator makes them (search_lib.source_batches)."""
-    return search_lib.source_batches(self.token_lists, self.config.length_buckets, self.config.decode_tokens_per_batch)
-
   def translate(self, params):
     """Detokenized translations of the validation sources, in order (the same on every host)."""
-    hypotheses = [''] * len(self.token_lists)
     if self.to_search_device:
       params = jax.device_put(params, self.replicated)
-    for members, src in self.batches:
-      # The same rows on every host: a replicated global array (one process: just a device copy).
-      src = jax.make_array_from_process_local_data(self.replicated, src)
-      tokens, _ = self._search(self.model, params, src, **self.options)
-      tokens = np.asarray(tokens.addressable_data(0))  # replicated: the local copy is the whole result
-      for row, index in enumerate(members):
-        hypotheses[index] = self.tokenizer.decode(translator_lib.reading_order(self.config, tokens[row, 0]))
-    return hypotheses
+    # The same rows on every host: replicated global arrays (one process: just a device copy).
+    place = lambda tree: jax.tree_util.tree_map(
+        lambda x: jax.make_array_from_process_local_data(self.replicated, np.asarray(x)), tree)
+    several = jax.process_count() > 1
+    found = batch_search.search_batches(self.model, params, self.token_lists, self.ladder, self.options, place=place,
+                                        on_device=True if several else None, out_sharding=self.replicated)
+    return ['' if f is None else self.tokenizer.decode(translator_lib.reading_order(self.config, f[0][0]))
+            for f in found]
 
   def score(self, hypotheses):
     """({metric name: number}, sacreBLEU signature) of `hypotheses` against the validation references."""
