@@ -154,9 +154,6 @@ def test_lowercase_reads_every_split_lowercased_and_keys_its_own_token_cache(tmp
   assert cased.fingerprint != lowered.fingerprint and 'lowercase' not in cased.fingerprint
   lines = corpora.TextLines(data / 'train.de', lowercase=True)
   assert lines.read([0, 1])[0] == ['ein mann auf der straße', 'zwei hunde']
-  # A workdir's config saved before the field existed reads cased text.
-  del config['lowercase']
-  assert corpora.open_split(config, 'train').read([0])[0] == ['A Man on the STREET']
 
 
 def test_export_cli_writes_text_splits(toy_corpus, tmp_path):

@@ -54,29 +54,6 @@ def test_global_batches_are_the_same_for_any_devices_hosts_and_accumulation(pack
 
 
 
-def test_packed_positions_saved_before_first_fit_resume_only_with_next_fit():
-  """Checkpoints of packed runs from before config.packing_open_rows planned next fit: resuming one with
-  first fit would train on other batches, so it is refused, and packing_open_rows=1 resumes it exactly."""
-  corpus = numbered_corpus(np.random.default_rng(2).integers(2, 30, size=300))
-  make = lambda **kw: batching.TrainBatches(corpus, **{**dict(tokens_per_batch=256, buckets=BUCKETS, seed=3,
-                                                              prefetch=0, packed_length=32), **kw})
-  next_fit = make(packing_open_rows=1)
-  for _ in range(next_fit.batches_per_epoch() + 2):
-    next(next_fit)
-  state = json.loads(json.dumps(next_fit.state()))
-  del state['batching']['packing_open_rows']  # as an older checkpoint stored it
-  with pytest.raises(batching.BatchingError, match='config.packing_open_rows was 1, now 16'):
-    make().restore(state)
-  resumed = make(packing_open_rows=1)
-  resumed.restore(state)
-  assert [global_rows([next(resumed)])[0] for _ in range(3)] == [global_rows([next(next_fit)])[0] for _ in range(3)]
-  assert make().batches_per_epoch() < next_fit.batches_per_epoch()  # first fit: fewer, fuller batches
-  # Unpacked runs plan no rows: their older positions resume whatever packing_open_rows says.
-  unpacked = make(packed_length=0)
-  state = json.loads(json.dumps(unpacked.state()))
-  del state['batching']['packing_open_rows']
-  make(packed_length=0).restore(state)
-
 def test_a_changed_batching_is_refused_naming_the_setting_or_continued_in_the_same_epoch_when_allowed(caplog):
   corpus = numbered_corpus(np.random.default_rng(1).integers(2, 30, size=300))
   make = lambda **kw: batching.TrainBatches(corpus, **{**dict(tokens_per_batch=200, buckets=BUCKETS, seed=3,
@@ -105,10 +82,6 @@ def test_a_changed_batching_is_refused_naming_the_setting_or_continued_in_the_sa
   assert doubled.epoch == 1
   assert doubled.batch == round(4 / state['batches_in_epoch'] * doubled.batches_per_epoch())
   assert any('Batching changed (config.tokens_per_batch was 200, now 400' in r.getMessage() for r in caplog.records)
-  # A position saved before the settings were recorded is taken as it is, with a warning.
-  old = make()
-  old.restore({'epoch': 1, 'batch': 4, 'seed': 3})
-  assert (old.epoch, old.batch) == (1, 4)
 
 
 def resume_config(toy_corpus):
