@@ -59,6 +59,7 @@ class Tally:
   latencies: list = dataclasses.field(default_factory=list)
   statuses: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   wrong: int = 0
+  wrong_examples: dict = dataclasses.field(default_factory=dict)  # sentence index -> the answer
   missing_retry_after: int = 0
   sentences: int = 0
 
@@ -68,7 +69,8 @@ class Tally:
             'p50_s': round(float(np.percentile(lat, 50)), 3), 'p95_s': round(float(np.percentile(lat, 95)), 3),
             'p99_s': round(float(np.percentile(lat, 99)), 3),
             'statuses': {str(k): v for k, v in sorted(self.statuses.items(), key=str)},
-            'wrong_translations': self.wrong, '503_without_retry_after': self.missing_retry_after}
+            'wrong_translations': self.wrong, 'wrong_sentences': sorted(self.wrong_examples),
+            '503_without_retry_after': self.missing_retry_after}
 
 
 async def one_request(client, url, index, sentences, expected, tally):
@@ -86,7 +88,10 @@ async def one_request(client, url, index, sentences, expected, tally):
   if answer.status_code == 200:
     tally.latencies.append(time.perf_counter() - start)
     tally.sentences += 1
-    tally.wrong += answer.json()['translations'][0]['text'] != expected[index]
+    text = answer.json()['translations'][0]['text']
+    if text != expected[index]:
+      tally.wrong += 1
+      tally.wrong_examples[index] = text
   elif answer.status_code == 503 and 'retry-after' not in answer.headers:
     tally.missing_retry_after += 1
 

@@ -54,6 +54,7 @@ def define_flags():
   flags.DEFINE_enum('warmup', d.warmup, ['none', 'full'], 'full: compile (or load from the compilation cache) '
                     'every program the default search of up to --max_input_tokens pieces may run, before /ready; '
                     'none: compile on first use.')
+  flags.DEFINE_float('switch_interval_ms', 1.0, 'Python\'s thread switch interval (its default: 5 ms).')
   flags.DEFINE_float('graceful_timeout_s', 60.0, 'On SIGTERM, how long to wait for the requests in flight.')
 
 
@@ -119,6 +120,9 @@ def main(argv):
     sys.exit(f'error: serving needs the serve extra ({e}): pip install -e ".[serve]"')
   checkpoints_lib.quiet_orbax_logs()
   cache.use_compilation_cache()
+  # The event loop (HTTP, queueing, refusals) and the search's host loop share the GIL: a short switch interval
+  # lets the event loop take requests in while a batch decodes.
+  sys.setswitchinterval(FLAGS.switch_interval_ms / 1000)
   try:
     application = server.create_app(load_backends(FLAGS), settings_of(FLAGS))
   except (OSError, ValueError) as e:

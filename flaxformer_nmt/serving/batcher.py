@@ -2,7 +2,8 @@
 
 Requests wait in a bounded queue, grouped by what their search depends on (the model, beam size, length
 penalty, length limits). The batcher takes the group of the oldest waiting request and decodes it as soon as
-its sentences fill the token budget (max_batch_tokens) or the oldest has waited max_wait; while a batch
+its sentences fill the token budget (max_batch_tokens) or the oldest has waited max_wait (after a batch of
+several requests: max_wait from the batch's end, when the clients just answered send again); while a batch
 decodes, new requests gather for the next one. A batch's sentences are sorted by length into the search's own
 token-budget batches (Translator.search_tokens), decoded with the decode command's search, and handed back to
 each request in its order. Every search runs on one worker thread: one process owns the device, and the event
@@ -102,6 +103,9 @@ class Batcher:
     self._rate = None  # source tokens per second of the recent batches
     self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix='search')
     self._wakeup, self._task, self._closing = None, None, False
+    # After a batch of several requests, the next gathers for max_wait from the moment the device is free: the
+    # clients just answered send again then. After a single request's batch it does not wait (one client).
+    self._gather_from = -math.inf
 
   def start(self):
     self._wakeup = asyncio.Event()
@@ -170,7 +174,7 @@ class Batcher:
         continue
       key = min(self._pending, key=lambda k: self._pending[k][0].arrived)
       group = self._pending[key]
-      delay = group[0].arrived + self.max_wait_s - self.clock()
+      delay = max(group[0].arrived, self._gather_from) + self.max_wait_s - self.clock()
       if delay > 0 and not self._closing and sum(j.tokens for j in group) < self.max_batch_tokens:
         self._wakeup.clear()
         try:
@@ -178,7 +182,9 @@ class Batcher:
         except asyncio.TimeoutError:
           pass
         continue
-      await self._decode(key, self._take(key))
+      jobs = self._take(key)
+      await self._decode(key, jobs)
+      self._gather_from = self.clock() if len(jobs) > 1 else -math.inf
 
   def _take(self, key):
     """The group's oldest jobs within the token budget (at least one), out of the queue."""

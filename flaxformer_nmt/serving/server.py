@@ -51,7 +51,7 @@ WARMUP_LEVELS = ('none', 'full')
 class Settings:
   """The server's limits and batching (serve.py's flags)."""
   max_batch_tokens: int = 2048
-  max_wait_ms: float = 10.0
+  max_wait_ms: float = 20.0
   max_queue_sentences: int = 2048
   max_queue_wait_s: float = 3.0
   timeout_s: float = 30.0
