@@ -1,10 +1,10 @@
 """Dynamic batching across requests, and the JAX search it runs.
 
 Requests wait in a bounded queue, grouped by what their search depends on (the model, beam size, length
-penalty, length limits). The batcher takes the group of the oldest waiting request and decodes it as soon as
-its sentences fill the token budget (max_batch_tokens) or the oldest has waited max_wait (after a batch of
-several requests: max_wait from the batch's end, when the clients just answered send again); while a batch
-decodes, new requests gather for the next one. A batch's sentences are sorted by length into the search's own
+penalty, length limits). The batcher takes the group of the oldest waiting request and decodes it: at once
+after a batch of one request (or on an idle server), else as soon as its sentences fill the token budget
+(max_batch_tokens) or max_wait has passed since the last batch ended (the clients it answered send again
+then); while a batch decodes, new requests gather for the next one. A batch's sentences are sorted by length into the search's own
 token-budget batches (Translator.search_tokens), decoded with the decode command's search, and handed back to
 each request in its order. Every search runs on one worker thread: one process owns the device, and the event
 loop stays free to answer, queue and refuse.
@@ -104,7 +104,8 @@ class Batcher:
     self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix='search')
     self._wakeup, self._task, self._closing = None, None, False
     # After a batch of several requests, the next gathers for max_wait from the moment the device is free: the
-    # clients just answered send again then. After a single request's batch it does not wait (one client).
+    # clients just answered send again then. After a single request's batch, a request is decoded at once: one
+    # client waits for nothing, and the requests that come while it decodes gather for the next batch.
     self._gather_from = -math.inf
 
   def start(self):
@@ -174,7 +175,7 @@ class Batcher:
         continue
       key = min(self._pending, key=lambda k: self._pending[k][0].arrived)
       group = self._pending[key]
-      delay = max(group[0].arrived, self._gather_from) + self.max_wait_s - self.clock()
+      delay = self._gather_from + self.max_wait_s - self.clock()
       if delay > 0 and not self._closing and sum(j.tokens for j in group) < self.max_batch_tokens:
         self._wakeup.clear()
         try:
