@@ -37,8 +37,8 @@ SENTENCES = ['a big dog runs .', 'the small red cat sleeps .', 'a man sees the b
 
 
 def trained_workdir(tmp_path_factory):
-  """A toy model trained long enough that different sentences translate differently; trained once per test
-  session (test_argos.py and test_serve_browser.py serve it too)."""
+  """A toy model trained long enough that different sentences translate differently; trained once per pytest
+  run (test_argos.py and test_serve_browser.py serve it too)."""
   root = tmp_path_factory.getbasetemp() / 'served_model'
   if not (root / 'run' / 'finished.json').exists():
     config = small_config(write_toy_corpus(root / 'data'))

@@ -4,16 +4,16 @@ Requests wait in a bounded queue, grouped by what their search depends on (the m
 penalty, length limits). The batcher takes the group of the oldest waiting request and decodes it: at once
 after a batch of one request (or on an idle server), else as soon as its sentences fill the token budget
 (max_batch_tokens) or max_wait has passed since the last batch ended (the clients it answered send again
-then); while a batch decodes, new requests gather for the next one. A batch's sentences are sorted by length into the search's own
-token-budget batches (Translator.search_tokens), decoded with the decode command's search, and handed back to
-each request in its order. Every search runs on one worker thread: one process owns the device, and the event
-loop stays free to answer, queue and refuse.
+then); while a batch decodes, new requests gather for the next one. A batch's sentences are sorted by length
+into the search's ladder of shapes (Translator.search_tokens), decoded with the decode command's search, and
+handed back to each request in its order. Every search runs on one worker thread: one process owns the
+device, and the event loop stays free to answer, queue and refuse.
 
 A request is refused rather than answered late or wrongly: a full queue, or a queue that the measured rate
 would not clear within max_queue_wait_s (or the request's timeout), raises Overloaded (HTTP 503 with
-Retry-After); a request still
-unanswered at its deadline raises DeadlineExceeded (504) and is taken out of the queue; a batch whose search
-raises answers its requests with BatchFailed (500), and the next batch decodes as usual.
+Retry-After); a request still unanswered at its deadline raises DeadlineExceeded (504) and is taken out of
+the queue; a batch whose search raises answers its requests with BatchFailed (500), and the next batch
+decodes as usual.
 """
 import asyncio
 import collections
