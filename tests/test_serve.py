@@ -468,31 +468,39 @@ def free_port():
     return s.getsockname()[1]
 
 
-def test_sigterm_drains_the_requests_in_flight_then_exits_0(workdir, translator):
+def test_sigterm_drains_the_requests_in_flight_then_exits_0(workdir, translator, tmp_path):
   port = free_port()
-  process = subprocess.Popen(
-      [sys.executable, '-m', 'flaxformer_nmt.serve', f'--workdir={workdir}', f'--port={port}', '--warmup=none',
-       '--max_wait_ms=1500'], env=conftest.subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-      text=True)
-  url = f'http://127.0.0.1:{port}'
+  with open(tmp_path / 'server.log', 'w', encoding='utf-8') as log:
+    process = subprocess.Popen([sys.executable, '-m', 'flaxformer_nmt.serve', f'--workdir={workdir}',
+                                f'--port={port}', '--warmup=none'], env=conftest.subprocess_env(), stdout=log,
+                               stderr=subprocess.STDOUT)
+  url, finished = f'http://127.0.0.1:{port}', []
+
+  def post(texts):
+    answer = httpx.post(f'{url}/v1/translate', json={'text': texts}, timeout=120)
+    finished.append(time.time())
+    return answer
   try:
     wait_until(lambda: ready(url), timeout=180)
-    texts = [[s] for s in SENTENCES[:6]]
-    with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:
-      answers = [pool.submit(httpx.post, f'{url}/v1/translate', json={'text': t}, timeout=60) for t in texts]
-      time.sleep(0.7)  # the requests wait for their batch (--max_wait_ms)
+    texts = SENTENCES * 12  # seconds of decoding for 4 such requests
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+      answers = [pool.submit(post, texts) for _ in range(4)]
+      time.sleep(0.5)
+      signalled = time.time()
       process.send_signal(signal.SIGTERM)
-      for text, answer in zip(texts, answers):
+      want = translator.translate(texts)
+      for answer in answers:
         assert answer.result().status_code == 200
-        assert answer.result().json()['translations'][0]['text'] == translator.translate(text)[0]
+        assert [t['text'] for t in answer.result().json()['translations']] == want
+    assert max(finished) > signalled  # answered after the signal: drained, not cut off
     assert process.wait(60) == 0
     with pytest.raises(httpx.ConnectError):
       httpx.get(f'{url}/health')
   finally:
     if process.poll() is None:
       process.kill()
-    output = process.communicate()[0]
-  assert 'Waiting for application shutdown' in output or 'Application shutdown complete' in output, output[-3000:]
+  output = (tmp_path / 'server.log').read_text()
+  assert 'Application shutdown complete' in output and 'Stopped.' in output, output[-3000:]
 
 
 def ready(url):
