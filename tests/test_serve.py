@@ -4,7 +4,6 @@ status and message; keys, CORS, LibreTranslate's API, metrics, readiness and the
 import concurrent.futures
 import json
 import math
-import os
 import re
 import signal
 import socket

@@ -22,7 +22,6 @@ import json
 import math
 import pathlib
 import re
-import shutil
 import tempfile
 import zipfile
 

@@ -31,11 +31,10 @@ import numpy as np
 from absl import logging
 from etils import epath
 
-from flaxformer_nmt.data import batching
 from flaxformer_nmt.data import corpus as data_lib
-from flaxformer_nmt.models.tokens import BOS_ID, PAD_ID
 from flaxformer_nmt.decoding.translator import Translator
 from flaxformer_nmt.evaluation import attention as attention_lib
+from flaxformer_nmt.models.tokens import BOS_ID, PAD_ID
 
 RATE_SMOOTHING = 0.3  # weight of the newest batch in the source tokens per second the admission test uses
 
