@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import in_process
-from conftest import small_config, tiny_model, write_toy_corpus
+from conftest import tiny_model
 
 ctranslate2 = pytest.importorskip('ctranslate2')
 
@@ -88,22 +88,17 @@ def test_teacher_forced_log_probs_agree_to_1e4(tmp_path, pre_layer_norm):
 
 
 @pytest.fixture(scope='module')
-def workdir(tmp_path_factory):
-  """A toy model trained for 400 steps: it translates the toy corpus partly (a quarter of the test lines
-  exactly), with output lengths from 2 to 20-odd pieces. small_config's learning rate (scale 2.0) is too high to
-  get there: after 60 steps at it every beam output was "." (or, on jax 0.12, ran to the length limit), and the
-  beam comparison below compared nothing."""
-  from flaxformer_nmt.training import loop as train  # pylint: disable=g-import-not-at-top
-  root = tmp_path_factory.mktemp('export')
-  config = small_config(write_toy_corpus(root / 'data'))
-  config.learning_rate_scale = 0.5
-  config.num_train_steps = 400
-  config.max_decode_extra_length = 50  # as CTranslate2's max_decoding_length below (small_config has 10)
-  config.checkpoint_every_steps = 200
-  config.eval_every_steps = 200
-  config.log_every_steps = 100
-  train.train_and_evaluate(config, str(root / 'run'))
-  return root / 'run'
+def workdir(trained_toy, tmp_path_factory):
+  """The session's trained toy (conftest.trained_toy: 400 steps, it translates the toy corpus partly, a quarter
+  of the test lines exactly, with output lengths from 2 to 20-odd pieces), copied with its corpus and
+  max_decode_extra_length 50, as CTranslate2's max_decoding_length below (small_config has 10). An untrained
+  model would compare nothing: at small_config's learning rate every beam output was "." after 60 steps."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  root = shutil.copytree(trained_toy.parent, tmp_path_factory.mktemp('export') / 'toy')
+  saved = json.loads((root / trained_toy.name / 'config.json').read_text())
+  saved['max_decode_extra_length'] = 50
+  (root / trained_toy.name / 'config.json').write_text(json.dumps(saved))
+  return root / trained_toy.name
 
 
 def toy_sources(workdir):
@@ -181,9 +176,9 @@ def test_int8_export_loads_and_scores_close_to_float32(workdir, tmp_path):
   # the same outputs are: 8-bit rounding moves them by ~0.01 nats (0.04 at most, measured), a wrong scale
   # or a float32 copy left unquantized would not.
   for name, args in (('int8', ['--quantization=int8']), ('float32', [])):
-    result = run_export(workdir, tmp_path / name, *args, '--checkpoint=200')
+    result = run_export(workdir, tmp_path / name, *args, '--checkpoint=300')
     assert result.returncode == 0, result.stderr[-3000:]
-  assert 'checkpoint 200' in (tmp_path / 'int8' / 'README.md').read_text()
+  assert 'checkpoint 300' in (tmp_path / 'int8' / 'README.md').read_text()
   config = json.loads((tmp_path / 'int8' / 'config.json').read_text())
   assert config['add_source_eos'] and config['decoder_start_token'] == '<s>'
   sizes = {name: (tmp_path / name / 'model.bin').stat().st_size for name in ('int8', 'float32')}
@@ -191,7 +186,7 @@ def test_int8_export_loads_and_scores_close_to_float32(workdir, tmp_path):
   import sentencepiece as spm  # pylint: disable=g-import-not-at-top
   sp = spm.SentencePieceProcessor(model_file=str(tmp_path / 'int8' / 'vocab.model'))
   sources = toy_sources(workdir)
-  outputs = decode.Translator(workdir, checkpoint='200').translate(sources, beam_size=0)
+  outputs = decode.Translator(workdir, checkpoint='300').translate(sources, beam_size=0)
   source_pieces, output_pieces = sp.encode(sources, out_type=str), sp.encode(outputs, out_type=str)
   log_probs = {}
   for name in ('int8', 'float32'):
@@ -233,10 +228,10 @@ def test_export_defaults_to_the_checkpoint_the_config_chose(workdir, tmp_path):
   other = tmp_path / 'run'
   shutil.copytree(workdir, other)
   saved = json.loads((other / 'config.json').read_text())
-  saved['decode_checkpoint'] = '200'  # not the latest (400)
+  saved['decode_checkpoint'] = '300'  # not the latest (400)
   (other / 'config.json').write_text(json.dumps(saved))
-  assert export.export_ctranslate2(other, tmp_path / 'ct2') == 'checkpoint 200'
-  assert 'checkpoint 200' in (tmp_path / 'ct2' / 'README.md').read_text()
+  assert export.export_ctranslate2(other, tmp_path / 'ct2') == 'checkpoint 300'
+  assert 'checkpoint 300' in (tmp_path / 'ct2' / 'README.md').read_text()
 
 
 def test_decoding_and_export_do_not_import_the_trainer():
