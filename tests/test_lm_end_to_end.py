@@ -1,13 +1,13 @@
 """One tiny run per language-model task: train, checkpoint, resume exactly, then generate / fill masks through
 the CLI and the Python API, and draw self-attention; and the monolingual corpora they read."""
-import subprocess
-import sys
-
 import jax
 import numpy as np
 import pytest
 
+import in_process
 from conftest import small_config
+from flaxformer_nmt import fill_mask as fill_mask_command
+from flaxformer_nmt import generate as generate_command
 from flaxformer_nmt.data import corpora
 from flaxformer_nmt.data import corpus as data_lib
 from flaxformer_nmt.data import tokenizer as tokenizer_lib
@@ -29,9 +29,9 @@ def lm_config(toy_corpus, task):
   return config
 
 
-def run_cli(module, *args, stdin=None):
-  result = subprocess.run([sys.executable, '-m', module, *args], input=stdin, capture_output=True, text=True,
-                          check=False, timeout=600)
+def run_cli(module, *args, stdin=None, as_subprocess=False):
+  """The command's output lines: its main in this process, or `python -m` (in_process.run)."""
+  result = in_process.run(module, list(args), stdin, as_subprocess=as_subprocess)
   assert result.returncode == 0, result.stderr[-3000:]
   return result.stdout.splitlines()
 
@@ -53,14 +53,14 @@ def test_language_model_trains_resumes_and_generates(toy_corpus, tmp_path):
   metrics = assert_resumes_exactly(config, tmp_path)
   assert np.isfinite(metrics['eval/perplexity']) and metrics['train/source_tokens_per_second'] == 0
   workdir = str(tmp_path / 'run')
-  lines = run_cli('flaxformer_nmt.generate', f'--workdir={workdir}', '--prompt=ein grosser', '--prompt=der',
-                  '--num_samples=2', '--max_new_tokens=6', '--seed=3', '--top_p=0.9')
+  lines = run_cli(generate_command, f'--workdir={workdir}', '--prompt=ein grosser', '--prompt=der',
+                  '--num_samples=2', '--max_new_tokens=6', '--seed=3', '--top_p=0.9', as_subprocess=True)
   assert len(lines) == 4 and all(l.startswith('ein grosser') for l in lines[:2]) and lines[2].startswith('der')
   generator = generate.Generator(workdir)
   assert generator.generate(['ein grosser', 'der'], num_samples=2, max_new_tokens=6, seed=3, top_p=0.9) == [
       lines[:2], lines[2:]]
   # stdin: one prompt a line, the same continuations as --prompt (sample j of prompt i: seed, i, j).
-  assert run_cli('flaxformer_nmt.generate', f'--workdir={workdir}', '--num_samples=2', '--max_new_tokens=6',
+  assert run_cli(generate_command, f'--workdir={workdir}', '--num_samples=2', '--max_new_tokens=6',
                  '--seed=3', '--top_p=0.9', stdin='ein grosser\nder\n') == lines
   greedy = generator.generate(['ein'], greedy=True, max_new_tokens=8)[0][0]
   assert generator.generate(['ein'], greedy=True, max_new_tokens=8, use_cache=False)[0][0] == greedy
@@ -78,13 +78,29 @@ def test_masked_language_model_trains_resumes_and_fills_masks(toy_corpus, tmp_pa
   workdir = str(tmp_path / 'run')
   tokenizer = tokenizer_lib.Tokenizer(tmp_path / 'run' / 'vocab.model')
   assert tokenizer.mask_id == 4  # the user-defined piece right after the reserved ids
-  lines = run_cli('flaxformer_nmt.fill_mask', f'--workdir={workdir}', '--top_k=3', 'ein <mask> hund <mask> .')
+  lines = run_cli(fill_mask_command, f'--workdir={workdir}', '--top_k=3', 'ein <mask> hund <mask> .',
+                  as_subprocess=True)
   assert lines[0] == 'ein <mask> hund <mask> .' and lines[1] == '  mask 1/2' and lines[5] == '  mask 2/2'
   probabilities = [float(line.split()[0]) for line in lines[2:5]]
   assert probabilities == sorted(probabilities, reverse=True) and sum(probabilities) <= 1.0 + 1e-4
   filler = fill_mask.FillMask(workdir)
   result = filler.fill(['ein <mask> hund <mask> .'], top_k=3)[0]
   assert [round(p, 4) for _, p, _ in result[0]] == probabilities
+  # The probabilities against a NumPy softmax of the model's logits at each mask over the whole vocabulary,
+  # the text unpadded: catches a softmax over the wrong axis or part of the vocabulary, a temperature, logits
+  # read at another position, or padding that leaks into the real positions.
+  ids = filler.encode('ein <mask> hund <mask> .')
+  logits = np.asarray(filler.model.apply({'params': filler.params}, np.array([ids], np.int32), True), np.float64)[0]
+  softmax = np.exp(logits - logits.max(-1, keepdims=True))
+  softmax /= softmax.sum(-1, keepdims=True)
+  positions = [i for i, t in enumerate(ids) if t == filler.mask_id]
+  for position, candidates, filled in zip(positions, filler.predict_ids([ids], top_k=3)[0], result):
+    # Each piece's probability is the softmax's for that piece, and they are the 3 largest (in order).
+    np.testing.assert_allclose([p for _, p in candidates], [softmax[position, i] for i, _ in candidates],
+                               rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose([p for _, p in candidates], np.sort(softmax[position])[::-1][:3], rtol=1e-4,
+                               atol=1e-6)
+    assert [piece for piece, _, _ in filled] == [filler.tokenizer.decode([i]) for i, _ in candidates]
   # The text with the first mask filled and the second left as it was.
   assert result[0][0][2].startswith('ein') and result[0][0][2].endswith('hund <mask> .')
   assert result[0][0][2].count('<mask>') == 1
@@ -95,12 +111,11 @@ def test_masked_language_model_trains_resumes_and_fills_masks(toy_corpus, tmp_pa
   assert '<mask>' in maps[0]['pieces']
 
 
-def test_a_generator_refuses_a_workdir_of_another_task(toy_corpus, tmp_path):
-  config = lm_config(toy_corpus, 'mlm')
-  config.num_train_steps = 2
-  train.train_and_evaluate(config, tmp_path / 'run')
-  with pytest.raises(ValueError, match="config.task='mlm'"):
-    generate.Generator(tmp_path / 'run')
+def test_a_generator_refuses_a_workdir_of_another_task(trained_toy):
+  with pytest.raises(ValueError, match="config.task='translation'"):
+    generate.Generator(trained_toy)
+  with pytest.raises(ValueError, match="config.task='translation'"):
+    fill_mask.FillMask(trained_toy)
 
 
 def test_monolingual_text_file_and_tfds_text(tmp_path, toy_corpus):
