@@ -235,9 +235,11 @@ def test_storage_full_during_a_save_leaves_the_previous_checkpoint_listed_and_re
   async def no_space(*args, **kwargs):
     raise OSError(errno.ENOSPC, 'No space left on device')
   monkeypatch.setattr(async_path, 'write_text', no_space)  # orbax's writes of small files (commit marker)
-  with pytest.raises(Exception):  # pylint: disable=broad-exception-raised
+  # The storage's own error reaches the caller as it is (a bug elsewhere in the save would raise another).
+  with pytest.raises(OSError, match='No space left on device') as raised:
     store.save(2, state.replace(step=jnp.asarray(2)), {'epoch': 0, 'batch': 2, 'seed': 0}, force=True)
     store.wait()
+  assert type(raised.value) is OSError and raised.value.errno == errno.ENOSPC, repr(raised.value)
   monkeypatch.undo()
   store.close()
   store = checkpoints_lib.Checkpoints(tmp_path)
