@@ -504,6 +504,7 @@ def _decode_on_two_devices(workdir, tmp_path, lines, args, xla_device_count=None
                         text=True, timeout=300)
 
 
+@pytest.mark.slow  # a fresh process on two CPU devices compiles every search again: the suite's costliest test
 def test_cli_on_two_devices_translates_each_line_as_one_device_does(workdir, translator, mixed, tmp_path):
   # --devices=2 splits the CPU in two and each batch's sentences over the halves: rows padded to an even count
   # (odd full batches of a small token budget, single sentences, a compacted batch's survivors), finished
