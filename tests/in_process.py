@@ -40,11 +40,14 @@ _ENVIRONMENT = {host_memory.ENV: '0'}
 
 
 def run(module, args, stdin=None, as_subprocess=False):
-  """subprocess.CompletedProcess(args, returncode, stdout, stderr) of `module.main` on `args` (str stdin); with
-  as_subprocess=True, of `python -m module args` instead."""
+  """subprocess.CompletedProcess(args, returncode, stdout, stderr) of `module.main` on `args` (stdin: str, or
+  bytes for input that is not UTF-8); with as_subprocess=True, of `python -m module args` instead."""
+  stdin_bytes = stdin if isinstance(stdin, bytes) else (stdin or '').encode('utf-8')
   if as_subprocess:
-    return subprocess.run([sys.executable, '-m', module.__name__, *args], input=stdin, capture_output=True,
-                          text=True, timeout=300)
+    result = subprocess.run([sys.executable, '-m', module.__name__, *args], input=stdin_bytes, capture_output=True,
+                            timeout=300)
+    return subprocess.CompletedProcess(result.args, result.returncode, result.stdout.decode('utf-8', 'replace'),
+                                       result.stderr.decode('utf-8', 'replace'))
   environment = {name: os.environ.get(name) for name in _ENVIRONMENT}
   os.environ.update(_ENVIRONMENT)
   defined = set(flags.FLAGS)
@@ -55,7 +58,7 @@ def run(module, args, stdin=None, as_subprocess=False):
   absl_logger.addHandler(log)
   saved = sys.argv, sys.stdin, sys.stdout, sys.stderr
   sys.argv = [module.__name__, *args]  # ml_collections' config flag finds its --config.FIELD overrides there
-  sys.stdin = io.TextIOWrapper(io.BytesIO((stdin or '').encode('utf-8')), encoding='utf-8')
+  sys.stdin = io.TextIOWrapper(io.BytesIO(stdin_bytes), encoding='utf-8')
   sys.stdout, sys.stderr = stdout, stderr
   try:
     argv = flags.FLAGS(sys.argv)

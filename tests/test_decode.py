@@ -145,10 +145,9 @@ def test_sampling_depends_on_seed_and_line_not_on_batching(workdir, translator, 
 
 
 def test_cli_bad_input_names_the_line(workdir):
-  result = subprocess.run([sys.executable, '-m', 'flaxformer_nmt.decode', f'--workdir={workdir}'],
-                          input=b'a dog\nthe cat\n\xff\xfe bad\n', capture_output=True, timeout=300)
+  result = run_cli([], workdir, stdin=b'a dog\nthe cat\n\xff\xfe bad\n')
   assert result.returncode == 1
-  assert b'<stdin>:3: invalid UTF-8' in result.stderr
+  assert '<stdin>:3: invalid UTF-8' in result.stderr
 
 
 def test_attention_maps_are_softmax_rows_over_the_pieces(translator):
