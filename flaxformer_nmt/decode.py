@@ -97,7 +97,8 @@ def define_flags():
                      'alone).')
   flags.DEFINE_enum('format', 'plain', ['plain', 'fairseq'],
                     'plain: one translation per input line. fairseq: S-i, H-i (score, pieces), D-i (score, text).')
-  flags.DEFINE_integer('tokens_per_batch', None, 'Source tokens per batch.')
+  flags.DEFINE_integer('tokens_per_batch', None, 'Source tokens per batch (default: the config\'s '
+                       'decode_tokens_per_batch, on a CPU at most 512).')
   flags.DEFINE_integer('buffer_lines', 5000, 'Lines read and translated at a time.')
   flags.DEFINE_integer('devices', 1, 'Devices to split each batch\'s sentences over (data parallel, the parameters '
                        'replicated on each): 1 the default device, N the first N local devices (a CPU host\'s CPU '

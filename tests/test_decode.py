@@ -430,13 +430,14 @@ def test_the_ladder_has_a_few_shapes_that_hold_every_batch():
     rows = ladder.rows(length)
     top = max(r for r in (2 ** e for e in range(13)) if r * length <= 4096 or r == 1)
     assert rows[0] == top and rows[-1] == 1
-    assert all(a == b * ladder_lib.ROW_RATIO or b == 1 for a, b in zip(rows, rows[1:])), rows
+    assert all(a == b * ladder_lib.ROW_RATIO or (b == 1 and a < ladder_lib.ROW_RATIO) for a, b in zip(rows, rows[1:]))
     for n in range(1, 3 * top + 2):
       batches = ladder.split(n, length)
       assert set(batches) <= set(rows) and 0 <= sum(batches) - n < batches[-1], (n, batches)
       assert (sum(batches) - n) * 2 <= batches[-1], (n, batches)  # at least half of a batch holds sentences
-  assert ladder.split(150, 32) == [128, 32] and ladder.split(40, 32) == [32, 8]
-  assert ladder_lib.Ladder(4096, 1024, row_multiple=2).rows(32) == (128, 32, 8, 2)
+  assert ladder.rows(32) == (128, 16, 2, 1) and ladder.rows(1024) == (4, 1)
+  assert ladder.split(150, 32) == [128, 16, 2, 2, 2] and ladder.split(40, 32) == [16, 16, 16]
+  assert ladder_lib.Ladder(4096, 1024, row_multiple=2).rows(32) == (128, 16, 2)
   assert ladder_lib.Ladder(4096, 1024, row_multiple=2).rows(1024) == (4, 2)
 
 

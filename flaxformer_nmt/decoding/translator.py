@@ -72,9 +72,11 @@ class Translator:
     return self.member_params if len(self.models) > 1 else self.params
 
   def ladder(self, tokens_per_batch=None):
-    """The shapes this model's search runs in (ladder.py) for a token budget (None: the config's)."""
-    return Ladder(tokens_per_batch or self.config.decode_tokens_per_batch,
-                  min(m.config.max_position for m in self.models), 1 if self.mesh is None else self.mesh.size)
+    """The shapes this model's search runs in (ladder.py) for a token budget (None: the config's, on a CPU at
+    most batch_search.CPU_TOKENS_PER_BATCH)."""
+    budget = tokens_per_batch or batch_search.tokens_per_batch_for(self.config.decode_tokens_per_batch,
+                                                                   self.on_device)
+    return Ladder(budget, min(m.config.max_position for m in self.models), 1 if self.mesh is None else self.mesh.size)
 
   def batches(self, token_lists, tokens_per_batch=None, sort_by_length=True):
     """The ladder's (indices, padded sources) batches of token lists."""
