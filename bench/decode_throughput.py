@@ -1,37 +1,30 @@
-r"""Decoding throughput of a trained workdir: sentences/s and target tokens/s, beam 4 and greedy, and in the
-same run the speed-ups of the encoder-decoder key/value cache, the growing self-attention cache and
-length-sorted batches; with --compare ctranslate2, CTranslate2 on the same weights in the same rounds.
+r"""Decoding speed of a trained workdir beside CTranslate2 on its exported weights, as a user meets both: the
+decode command from process start to its last line (cold, and with the compilation cache warm), CTranslate2 as
+a whole process (import, load, translate), and the warm search inside one process; with the compiled programs.
 
-  python bench/decode_throughput.py --workdir runs/m30k [--max_sentences 500] [--checkpoint averaged]
-  python bench/decode_throughput.py --workdir runs/m30k --checkpoint averaged --compare ctranslate2 \
-      --variants ours --inputs ../shared/data/multi30k/test2016.en [--threads 2] [--dtype float32] \
-      [--compute_type int8]
+  python bench/decode_throughput.py --workdir runs/m30k --checkpoint averaged \
+      [--inputs ../shared/data/multi30k/test2016.en,../shared/data/wmt_ende/newstest2015.en] [--threads 2]
 
-Variants (same translations, different speed):
-  ours            cross-attention keys/values once per sentence; a self-attention cache that starts with the
-                  source's length and doubles when needed; batches sorted by length
-  no_cross_cache  cross-attention keys/values projected again at every decoding step
-  full_cache      the self-attention cache allocated at its full length (source + 50) from the first step
-  no_sorting      batches filled in input order (same token budget, padded to their longest sentence)
-  plain           cross-attention cache and sorting off
-  ctranslate2     (--compare ctranslate2) the workdir exported by `python -m flaxformer_nmt.export` into a
-                  temporary directory, decoded by ctranslate2.Translator (compute_type --compute_type, default
-                  float32; intra_threads --threads, default all cores, as XLA uses; the same beam size, the same token
-                  budget per batch, length_penalty alpha, max_decoding_length = longest source + 50): its
-                  decoding time only (sentencepiece pieces in, pieces out); "outputs differing from ours"
-                  counts lines whose tokens are not ours (CTranslate2 normalizes by length^alpha, we by
-                  ((5 + n) / 6)^alpha, so some differ by design). The last column is our speed over its.
-Every variant is warmed up first (Translator.warm_up runs the timed pass once, which compiles every batch
-shape, also the smaller batches that finished sentences leave), so the timed pass excludes compilation; the
-warm-up time (compilation plus one pass) is printed apart. With --repeats N the variants are timed
-in N rounds and each keeps its fastest pass. Target tokens count the generated tokens with EOS; "tokens
-per output" shows when a model stops early (a Multi30k model on news text mostly outputs EOS at once). Inputs
-that are missing are skipped. The tables print as Markdown.
+For every input and for beam search (the config's beam size and length penalty, or --beam_size) and greedy:
+- `decode command`: `python -m flaxformer_nmt.decode` in a fresh process, first with an empty compilation cache
+  (cold: everything compiles), then again on that cache (warm): wall seconds from process start to exit, peak
+  RSS, and the programs it compiled or loaded (its own log line).
+- `ctranslate2 process`: a fresh Python process that imports ctranslate2 and sentencepiece, loads the export
+  (flaxformer_nmt.export, --compute_type), reads and prepares the input as the decode command does, translates
+  it (beam size, length penalty alpha, max_decoding_length = longest source + max_decode_extra_length,
+  intra_threads --threads, batches of --tokens_per_batch tokens, default the config's, sorted by length) and
+  writes it. Its OpenMP threads wait passively (OMP_WAIT_POLICY=PASSIVE): where other processes share the
+  cores, spinning ones made it 7x slower (greedy test2016, 16.5 s against 2.4 s, 2-core EPYC).
+- `warm search`: Translator.search_tokens in this process after a pass that compiled its programs, against
+  translate_batch again in the CTranslate2 process after its first pass (a process of its own: XLA's threads
+  do not share its cores), the fastest of --repeats: sentences per second.
+- Agreement of the written lines: greedy search is the same rule on both sides (identical lines expected but
+  for float rounding); beam search is not: CTranslate2 divides log P by length^alpha, we by GNMT's
+  ((5 + length) / 6)^alpha, so the share of identical lines measures how far apart that leaves them.
+The last lines are a Markdown table of all of it. On a machine without ctranslate2 its columns are left out.
 """
-import collections
-import functools
+import importlib.util
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -39,212 +32,229 @@ import tempfile
 import time
 
 import jax
-import numpy as np
 from absl import app, flags
 from etils import epath
 
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
 from flaxformer_nmt.data import corpus as data_lib
-from flaxformer_nmt.data.tokenizer import EOS_ID
 from flaxformer_nmt.decoding import translator as decode
-from flaxformer_nmt.runtime import sharding
-from flaxformer_nmt.decoding import search as search_lib
+from flaxformer_nmt.runtime import cache
 
-DATA = epath.Path(__file__).resolve().parent.parent.parent / 'shared' / 'data'
-VARIANTS = {
-    'ours': dict(cache_cross_kv=True, sort_by_length=True),
-    'no_cross_cache': dict(cache_cross_kv=False, sort_by_length=True),
-    'full_cache': dict(grow_cache=False),
-    'no_sorting': dict(cache_cross_kv=True, sort_by_length=False),
-    'plain': dict(cache_cross_kv=False, sort_by_length=False),
-}
-MODES = {'beam4': 4, 'greedy': 0}
+REPO = epath.Path(__file__).resolve().parent.parent
+DATA = REPO.parent / 'shared' / 'data'
+PROGRAMS_LINE = re.compile(r'Programs: (\d+) compiled, (\d+) loaded from the compilation cache \(([\d.]+) s\)')
+
+# CTranslate2 as a user's script runs it: everything from the interpreter's start counts.
+CT2_SCRIPT = r'''
+import sys, ctranslate2, sentencepiece as spm
+model_dir, source, output, beam, alpha, extra, threads, budget, compute_type, lowercase, repeats = sys.argv[1:]
+sp = spm.SentencePieceProcessor(model_file=model_dir + '/vocab.model')
+translator = ctranslate2.Translator(model_dir, device='cpu', compute_type=compute_type, inter_threads=1,
+                                    intra_threads=int(threads))
+lines = [' '.join(line.split()) for line in open(source, encoding='utf-8')]
+lines = [line.lower() for line in lines] if lowercase == '1' else lines
+pieces = [sp.encode(line, out_type=str) for line in lines]
+nonempty = [i for i, p in enumerate(pieces) if p]
+results = translator.translate_batch(
+    [pieces[i] for i in nonempty], beam_size=int(beam), length_penalty=float(alpha), max_batch_size=int(budget),
+    batch_type='tokens', max_decoding_length=max(map(len, pieces)) + int(extra) + 1,
+    suppress_sequences=[['<pad>'], ['<s>']])
+out = [''] * len(lines)
+for i, result in zip(nonempty, results):
+  out[i] = sp.decode(result.hypotheses[0])
+open(output, 'w', encoding='utf-8').write(''.join(line + '\n' for line in out))
+if repeats:  # the warm search: translate_batch again, after the pass above allocated its caches
+  import time
+  seconds = []
+  for _ in range(int(repeats)):
+    start = time.perf_counter()
+    translator.translate_batch(
+        [pieces[i] for i in nonempty], beam_size=int(beam), length_penalty=float(alpha), max_batch_size=int(budget),
+        batch_type='tokens', max_decoding_length=max(map(len, pieces)) + int(extra) + 1,
+        suppress_sequences=[['<pad>'], ['<s>']])
+    seconds.append(time.perf_counter() - start)
+  print('warm seconds', min(seconds), file=sys.stderr)
+'''
 
 
 def define_flags():
   flags.DEFINE_string('workdir', None, 'Trained workdir.')
-  flags.DEFINE_string('checkpoint', 'latest', 'latest, averaged or a step.')
-  flags.DEFINE_list('inputs', [str(DATA / 'multi30k' / 'test2016.en'), str(DATA / 'wmt_ende' / 'newstest2013.en')],
-                    'Source files.')
+  flags.DEFINE_string('checkpoint', 'latest', 'latest, averaged, best or a step.')
+  flags.DEFINE_list('inputs', [str(DATA / 'multi30k' / 'test2016.en'), str(DATA / 'wmt_ende' / 'newstest2015.en')],
+                    'Source files (missing ones are skipped).')
   flags.DEFINE_integer('max_sentences', 0, 'Use the first N sentences of each input (0: all).')
-  flags.DEFINE_list('modes', list(MODES), f'Of {list(MODES)}.')
-  flags.DEFINE_list('variants', list(VARIANTS), f'Of {list(VARIANTS)}.')
-  flags.DEFINE_integer('repeats', 1, 'Timed passes per variant (in rounds); the fastest is reported.')
-  flags.DEFINE_integer('tokens_per_batch', None, 'Source tokens per batch (default: the config\'s).')
-  flags.DEFINE_enum('compare', None, ['ctranslate2'], 'Also time CTranslate2 on the same weights, same rounds.')
+  flags.DEFINE_integer('beam_size', None, 'Beam width (default: the config\'s).')
+  flags.DEFINE_float('alpha', None, 'Length penalty exponent, both sides (default: the config\'s).')
+  flags.DEFINE_integer('repeats', 2, 'Warm passes of each search; the fastest is reported.')
+  flags.DEFINE_integer('tokens_per_batch', None, 'Source tokens per batch, both sides (default: ours the decode '
+                       'command\'s, CTranslate2 the config\'s decode_tokens_per_batch).')
   flags.DEFINE_integer('threads', os.cpu_count(), 'CTranslate2 intra_threads (XLA uses every core).')
-  flags.DEFINE_enum('compute_type', 'float32', ['float32', 'int8', 'int8_float32', 'bfloat16', 'auto'],
-                    'CTranslate2\'s compute_type (its CPU build has bfloat16 only where the CPU does).')
-  flags.DEFINE_integer('devices', 1, 'Ours: decode.py\'s --devices (each batch split over N devices; on a CPU '
-                       'host its CPU split into N; 0: every local device).')
-  flags.DEFINE_enum('dtype', None, list(decode.DTYPES), 'Ours: decode.py\'s --dtype (default: the config\'s; '
-                    'float32 also keeps matmul operands float32 where the config rounds them to bfloat16).')
+  flags.DEFINE_string('compute_type', 'float32', 'CTranslate2\'s compute_type.')
+  flags.DEFINE_bool('processes', True, 'Also time the decode command and CTranslate2 as whole processes.')
   flags.mark_flags_as_required(['workdir'])
 
 
-def loop_body_dots(translator, beam_size, cache_cross_kv, length=32):
-  """Matrix products inside the compiled decoding loop's body (fusions included), from the optimized HLO: the
-  per-step variant must show each decoder layer's two extra key/value projections."""
-  search = jax.jit(functools.partial(search_lib.search, translator.model),
-                   static_argnames=('beam_size', 'alpha', 'extra_length', 'cache_cross_kv', 'grow_cache'))
-  src = np.full((8, length), 5, np.int32)
-  hlo = search.lower(translator.params, src, beam_size=beam_size, alpha=0.6, extra_length=50,
-                     cache_cross_kv=cache_cross_kv, grow_cache=False).compile().as_text()  # one loop
-  computations, current = collections.defaultdict(list), None
-  for line in hlo.splitlines():
-    header = re.match(r'^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$', line)
-    if header:
-      current = header.group(1)
-    elif current:
-      computations[current].append(line)
-
-  def dots(name, seen):
-    if name in seen:
-      return 0
-    seen.add(name)
-    count = 0
-    for line in computations.get(name, []):
-      count += bool(re.search(r'= \S+ dot\(', line))
-      for callee in re.findall(r'(?:calls|body|condition|to_apply)=%?([\w.\-]+)', line):
-        count += dots(callee, seen)
-    return count
-  return sum(dots(body, set()) for body in re.findall(r'body=%?([\w.\-]+)', hlo))
+def run_process(command, env=None):
+  """(wall seconds, peak RSS in MB, stderr) of a command run to its end, under /usr/bin/time (a child forked
+  from this large process would count this process's pages in its peak); raises on failure."""
+  start = time.perf_counter()
+  result = subprocess.run(['/usr/bin/time', '-f', 'peak RSS %M KB'] + command, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, check=False)
+  seconds = time.perf_counter() - start
+  if result.returncode:
+    raise RuntimeError(f'{command[:3]} failed ({result.returncode}):\n{result.stderr[-3000:]}')
+  return seconds, int(re.findall(r'peak RSS (\d+) KB', result.stderr)[-1]) / 1024, result.stderr
 
 
-class CTranslate2Decoder:
-  """The workdir exported by `python -m flaxformer_nmt.export` (this checkout's, in a subprocess) into a
-  temporary directory and loaded by ctranslate2.Translator on the CPU with `compute_type`."""
-
-  def __init__(self, workdir, checkpoint, threads, compute_type='float32'):
-    import ctranslate2  # pylint: disable=import-outside-toplevel  (the `serve` extra)
-    self.directory = tempfile.TemporaryDirectory(prefix='ct2_')
-    output_dir = os.path.join(self.directory.name, 'model')
-    root = str(epath.Path(__file__).resolve().parent.parent)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get('PYTHONPATH')] if p]))
-    subprocess.run([sys.executable, '-m', 'flaxformer_nmt.export', f'--workdir={workdir}',
-                    f'--checkpoint={checkpoint}', '--format=ctranslate2', f'--output_dir={output_dir}'],
-                   check=True, env=env)
-    self.translator = ctranslate2.Translator(output_dir, device='cpu', compute_type=compute_type, inter_threads=1,
-                                             intra_threads=threads)
-
-  def search_tokens(self, tokenizer, token_lists, beam_size, alpha, tokens_per_batch, extra_length):
-    """Like Translator.search_tokens (best hypothesis only): [[(ids ending with EOS, score)]]."""
-    sources = [tokenizer.pieces(ids[:-1]) for ids in token_lists]  # the exported model appends </s>
-    nonempty = [i for i, pieces in enumerate(sources) if pieces]
-    results = self.translator.translate_batch(
-        [sources[i] for i in nonempty], max_batch_size=tokens_per_batch, batch_type='tokens',
-        beam_size=max(beam_size, 1), length_penalty=alpha, suppress_sequences=[['<pad>'], ['<s>']],
-        max_decoding_length=max(map(len, sources)) + extra_length + 1)
-    outputs = [[([EOS_ID], 0.0)] for _ in sources]  # an empty source translates to an empty line
-    for i, result in zip(nonempty, results):
-      outputs[i] = [([tokenizer.sp.piece_to_id(p) for p in result.hypotheses[0]] + [EOS_ID], 0.0)]
-    return outputs
+def export(workdir, checkpoint, directory, compute_type):
+  """The workdir's CTranslate2 export (python -m flaxformer_nmt.export) in `directory`, or None without
+  ctranslate2."""
+  if importlib.util.find_spec('ctranslate2') is None:
+    print('ctranslate2 is not installed: its columns are left out')
+    return None
+  quantization = [] if compute_type in ('float32', 'auto') else [f'--quantization={compute_type}']
+  subprocess.run([sys.executable, '-m', 'flaxformer_nmt.export', f'--workdir={workdir}', f'--checkpoint={checkpoint}',
+                  '--format=ctranslate2', f'--output_dir={directory}'] + quantization, check=True,
+                 capture_output=True)
+  return directory
 
 
-def ctranslate2_version():
-  import ctranslate2  # pylint: disable=import-outside-toplevel
-  return ctranslate2.__version__
+def decode_command(FLAGS, source, output, beam_size, cache_dir):  # pylint: disable=invalid-name
+  """The decode command on `source` as a user runs it: (seconds, MB, 'compiled/loaded programs, seconds')."""
+  command = [sys.executable, '-m', 'flaxformer_nmt.decode', f'--workdir={FLAGS.workdir}',
+             f'--checkpoint={FLAGS.checkpoint}', f'--input={source}', f'--output={output}', f'--beam_size={beam_size}']
+  if FLAGS.alpha is not None:
+    command.append(f'--alpha={FLAGS.alpha}')
+  if FLAGS.tokens_per_batch:
+    command.append(f'--tokens_per_batch={FLAGS.tokens_per_batch}')
+  env = dict(os.environ, FLAXFORMER_NMT_CACHE=cache_dir)
+  env.pop('JAX_COMPILATION_CACHE_DIR', None)
+  seconds, megabytes, log = run_process(command, env)
+  found = PROGRAMS_LINE.search(log)
+  programs = f'{found[1]} compiled, {found[2]} loaded, {float(found[3]):.1f} s' if found else '?'
+  return seconds, megabytes, programs
 
 
-def cpu_name():
+def alpha_of(FLAGS, translator):  # pylint: disable=invalid-name
+  return translator.config.length_penalty_alpha if FLAGS.alpha is None else FLAGS.alpha
+
+
+def ctranslate2_process(FLAGS, translator, model_dir, source, output, beam_size,  # pylint: disable=invalid-name
+                        repeats=0):
+  """CTranslate2 as a whole process on `source`: (seconds, MB, its warm search's seconds: the fastest of
+  `repeats` more passes in that process, timed apart from the whole; None without)."""
+  c = translator.config
+  alpha = alpha_of(FLAGS, translator) if beam_size > 1 else 1.0
+  env = dict(os.environ, OMP_WAIT_POLICY='PASSIVE')
+  seconds, megabytes, log = run_process([sys.executable, '-c', CT2_SCRIPT, str(model_dir), source, output,
+                                         str(max(beam_size, 1)), str(alpha), str(c.max_decode_extra_length),
+                                         str(FLAGS.threads), str(FLAGS.tokens_per_batch or c.decode_tokens_per_batch),
+                                         FLAGS.compute_type, '1' if translator.lowercase else '0', str(repeats)],
+                                        env)
+  warm = re.search(r'warm seconds ([\d.e-]+)', log)
+  return seconds, megabytes, float(warm[1]) if warm else None
+
+
+def warm_search(FLAGS, translator, sources, beam_size):  # pylint: disable=invalid-name
+  """(sentences per second of our warm search in this process, the programs its first pass compiled and
+  their seconds)."""
+  token_lists = translator.tokenizer.encode(translator.prepare(sources))
+  options = dict(beam_size=beam_size, tokens_per_batch=FLAGS.tokens_per_batch, scores=False, alpha=FLAGS.alpha)
+  with cache.ProgramCounter() as first:
+    first_seconds = timed(lambda: translator.search_tokens(token_lists, **options))
+  ours = min(timed(lambda: translator.search_tokens(token_lists, **options)) for _ in range(FLAGS.repeats))
+  return len(sources) / ours, f'{len(first.names)} ({first.seconds:.1f} s compiling; first pass {first_seconds:.1f} s)'
+
+
+def timed(function):
+  start = time.perf_counter()
+  function()
+  return time.perf_counter() - start
+
+
+def identical(path_a, path_b):
+  a, b = epath.Path(path_a).read_text().splitlines(), epath.Path(path_b).read_text().splitlines()
+  return sum(x == y for x, y in zip(a, b)) / max(len(a), 1)
+
+
+def cpu_description():
+  """`lscpu`'s model name, and whether the CPU has bf16 dot instructions (avx512_bf16)."""
   try:
-    names = re.findall(r'^model name\s*:\s*(.+)$', epath.Path('/proc/cpuinfo').read_text(), re.M)
-  except OSError:
-    names = []
-  return f'{names[0] if names else platform.machine()}, {os.cpu_count()} cores visible'
+    text = epath.Path('/proc/cpuinfo').read_text()
+    name = re.search(r'^model name\s*:\s*(.+)$', text, re.M)[1]
+    return f'{name}, {os.cpu_count()} cores, {"with" if "avx512_bf16" in text else "without"} avx512_bf16'
+  except (OSError, TypeError):
+    return f'{os.cpu_count()} cores'
+
+
+def bench_input(FLAGS, translator, model_dir, path, scratch):  # pylint: disable=invalid-name
+  """The table rows of one input."""
+  sources = data_lib.read_lines(path)
+  if FLAGS.max_sentences:
+    sources = sources[:FLAGS.max_sentences]
+  source = os.path.join(scratch, epath.Path(path).name)
+  epath.Path(source).write_text(''.join(s + '\n' for s in sources), encoding='utf-8')
+  beam = translator.config.beam_size if FLAGS.beam_size is None else FLAGS.beam_size
+  rows = []
+  for name, beam_size in ((f'beam {beam}', beam), ('greedy', 0)):
+    ours, programs = warm_search(FLAGS, translator, sources, beam_size)
+    row = dict(input=f'{epath.Path(path).name} ({len(sources)})', search=name, programs=programs, ours=ours,
+               theirs=None)
+    if model_dir is not None:
+      theirs_output = os.path.join(scratch, f'theirs_{beam_size}.txt')
+      *row['ct2'], warm = ctranslate2_process(FLAGS, translator, model_dir, source, theirs_output, beam_size,
+                                              FLAGS.repeats)
+      row['theirs'] = len(sources) / warm
+    if FLAGS.processes:
+      cache_dir = tempfile.mkdtemp(dir=scratch)
+      output = os.path.join(scratch, f'ours_{beam_size}.txt')
+      row['cold'] = decode_command(FLAGS, source, output, beam_size, cache_dir)
+      row['warm'] = decode_command(FLAGS, source, output, beam_size, cache_dir)
+      if model_dir is not None:
+        row['identical'] = identical(output, theirs_output)
+    print(row, flush=True)
+    rows.append(row)
+  return rows
+
+
+def print_table(rows):
+  print('\n| input | search | programs (first pass) | warm sentences/s | CTranslate2 warm sentences/s | time x CT2 '
+        '| decode command cold s / MB (programs) | warm cache s / MB (programs) | CTranslate2 process s / MB '
+        '| cold x CT2 | warm x CT2 | lines identical to CT2 |')
+  print('|---|---|---|---:|---:|---:|---|---|---|---:|---:|---:|')
+  for r in rows:
+    ratio = f'{r["theirs"] / r["ours"]:.2f}' if r['theirs'] else '-'
+    process = lambda key: (f'{r[key][0]:.1f} / {r[key][1]:.0f} ({r[key][2]})' if key in r else '-')
+    ct2 = f'{r["ct2"][0]:.1f} / {r["ct2"][1]:.0f}' if 'ct2' in r else '-'
+    against = lambda key: f'{r[key][0] / r["ct2"][0]:.2f}' if key in r and 'ct2' in r else '-'
+    same = f'{100 * r["identical"]:.1f}%' if 'identical' in r else '-'
+    print(f'| {r["input"]} | {r["search"]} | {r["programs"]} | {r["ours"]:.1f} | '
+          f'{r["theirs"] or 0:.1f} | {ratio} | {process("cold")} | {process("warm")} | {ct2} | '
+          f'{against("cold")} | {against("warm")} | {same} |')
 
 
 def main(argv):
   del argv
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
-  unknown = set(FLAGS.modes) - set(MODES) | set(FLAGS.variants) - set(VARIANTS)
-  if unknown:
-    raise app.UsageError(f'unknown modes or variants: {sorted(unknown)}')
-  variants = ['ours'] + [v for v in FLAGS.variants if v != 'ours']  # the others are compared with it
   checkpoints_lib.quiet_orbax_logs()
-  devices = sharding.local_devices(FLAGS.devices)  # before the first computation: it may split the CPU
-  translator = decode.Translator(FLAGS.workdir, FLAGS.checkpoint, dtype=FLAGS.dtype, devices=devices)
+  translator = decode.Translator(FLAGS.workdir, FLAGS.checkpoint)
   c = translator.config
-  tokens_per_batch = FLAGS.tokens_per_batch or c.decode_tokens_per_batch
-  if FLAGS.compare == 'ctranslate2':
-    ct2 = CTranslate2Decoder(FLAGS.workdir, FLAGS.checkpoint, FLAGS.threads, FLAGS.compute_type)
-    variants.append('ctranslate2')
-    print(f'ctranslate2 {ctranslate2_version()} {FLAGS.compute_type}, intra_threads '
-          f'{FLAGS.threads}; XLA: every core ({os.cpu_count()})')
-  print(f'device: {jax.devices()[0].device_kind} x{jax.device_count()} ({jax.default_backend()}; ours searches '
-        f'on {len(devices)}), '
-        f'{cpu_name()}; jax {jax.__version__}; {FLAGS.workdir} '
-        f'({translator.checkpoint}); model dtype {c.model.dtype}, matmul operands '
-        f'{translator.models[0].config.matmul_precision}; '
-        f'tokens_per_batch {tokens_per_batch}; '
-        f'{time.strftime("%Y-%m-%d %H:%M")}')
-  print(f'matrix products in the decoding loop body (beam 4): cached {loop_body_dots(translator, 4, True)}, '
-        f'per step {loop_body_dots(translator, 4, False)}')
+  scratch = tempfile.mkdtemp(prefix='decode_bench_')
+  model_dir = export(FLAGS.workdir, FLAGS.checkpoint, os.path.join(scratch, 'ct2'), FLAGS.compute_type)
+  print(f'{time.strftime("%Y-%m-%d %H:%M %Z")}; {cpu_description()}; jax {jax.__version__} '
+        f'({jax.default_backend()}); {FLAGS.workdir} ({translator.checkpoint}); model dtype {c.model.dtype}, '
+        f'matmul operands {translator.model.config.matmul_precision}; beam length penalty alpha '
+        f'{alpha_of(FLAGS, translator)}; tokens per batch: ours '
+        f'{translator.ladder(FLAGS.tokens_per_batch).tokens_per_batch}, '
+        f'CTranslate2 {FLAGS.tokens_per_batch or c.decode_tokens_per_batch}; '
+        f'CTranslate2 {FLAGS.compute_type}, intra_threads {FLAGS.threads}')
   rows = []
   for path in FLAGS.inputs:
     if not epath.Path(path).exists():
       print(f'skipped: {path} not found')
       continue
-    sources = data_lib.read_lines(path)
-    sources = sources[:FLAGS.max_sentences] if FLAGS.max_sentences else sources
-    token_lists = translator.tokenizer.encode(translator.prepare(sources))
-    for mode in FLAGS.modes:
-      options = {v: dict(beam_size=MODES[mode], tokens_per_batch=FLAGS.tokens_per_batch, **VARIANTS.get(v, {}))
-                 for v in variants}
-      compile_seconds = {}
-
-      def run(variant):
-        if variant == 'ctranslate2':
-          return ct2.search_tokens(translator.tokenizer, token_lists, MODES[mode], c.length_penalty_alpha,
-                                   tokens_per_batch, c.max_decode_extra_length)
-        return translator.search_tokens(token_lists, **options[variant])
-
-      for variant in variants:
-        start = time.perf_counter()
-        if variant == 'ctranslate2':
-          run(variant)  # a first pass: CTranslate2 allocates its caches
-        else:
-          translator.warm_up(token_lists, **options[variant])
-        compile_seconds[variant] = time.perf_counter() - start
-      # Rounds over the variants, keeping each one's fastest pass: load from other processes drifts, and
-      # in rounds it falls on every variant alike.
-      seconds, outputs = collections.defaultdict(list), {}
-      for _ in range(FLAGS.repeats):
-        for variant in variants:
-          start = time.perf_counter()
-          results = run(variant)
-          seconds[variant].append(time.perf_counter() - start)
-          outputs[variant] = [hyps[0][0] for hyps in results]
-          print(f'{epath.Path(path).name} {mode} {variant}: {seconds[variant][-1]:.1f} s '
-                f'(warm-up {compile_seconds[variant]:.1f} s)', flush=True)
-      for variant in variants:
-        best = min(seconds[variant])
-        rows.append(dict(input=epath.Path(path).name, n=len(sources), mode=mode, variant=variant, seconds=best,
-                         sentences=len(sources) / best, tokens=sum(map(len, outputs[variant])) / best,
-                         length=sum(map(len, outputs[variant])) / len(sources),
-                         differing=sum(a != b for a, b in zip(outputs[variant], outputs['ours']))))
-  print_table(rows, FLAGS.repeats)
-
-
-def print_table(rows, repeats):
-  """The rows as a Markdown table, each variant beside ours on the same input and decoding, then CTranslate2's
-  speed against ours in words."""
-  print(f'\nfastest of {repeats} passes; target tokens include EOS\n')
-  print('| input | sentences | decoding | variant | seconds | sentences/s | target tokens/s | tokens per output '
-        '| ours is x faster | outputs differing from ours |')
-  print('|---|---:|---|---|---:|---:|---:|---:|---:|---:|')
-  ours_of = {(r['input'], r['mode']): r for r in rows if r['variant'] == 'ours'}  # the row each is compared with
-  for row in rows:
-    ours = ours_of[row['input'], row['mode']]
-    print(f'| {row["input"]} | {row["n"]} | {row["mode"]} | {row["variant"]} | {row["seconds"]:.1f} | '
-          f'{row["sentences"]:.1f} | {row["tokens"]:,.0f} | {row["length"]:.1f} | '
-          f'{row["seconds"] / ours["seconds"]:.2f} | {row["differing"]} |')
-  for row in rows:
-    if row['variant'] == 'ctranslate2':
-      ours = ours_of[row['input'], row['mode']]
-      print(f'{row["input"]} {row["mode"]}: ours {ours["sentences"]:.1f} sentences/s, ctranslate2 '
-            f'{row["sentences"]:.1f} sentences/s: ours takes {ours["seconds"] / row["seconds"]:.2f}x its time; '
-            f'{100 * (1 - row["differing"] / row["n"]):.1f}% of lines identical')
+    rows += bench_input(FLAGS, translator, model_dir, path, scratch)
+  print_table(rows)
 
 
 if __name__ == '__main__':
