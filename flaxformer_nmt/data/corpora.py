@@ -1,22 +1,6 @@
-r"""Where sentence pairs come from: local parallel text or a TensorFlow Datasets builder.
-
-Both kinds of corpus are random-access sequences of (source text, target text) pairs, in the direction the
-config asks for, so everything downstream (vocabulary, tokenization cache, batching) is one code path:
-
-  config.data_source = 'text'   `{data_dir}/{split}.{source_lang}` and `.{target_lang}` files, checked line
-                                by line (data.read_parallel).
-  config.data_source = 'tfds'   a TFDS builder such as `wmt14_translate/de-en`, prepared as array_record so
-                                that it is read with random access (`builder.as_data_source`) and without
-                                TensorFlow. Which side is the source is chosen by the language *names*: TFDS
-                                stores WMT pairs as (de, en), and En->De reads the 'en' feature as source.
-
-Preparing a WMT builder downloads and converts the corpus once (TensorFlow is needed for that step only:
-`pip install "flaxformer_nmt[tfds]"`). Training prepares it on first use; to do it ahead of time, or to write
-a split out as text files for decode/evaluate (e.g. newstest2014 as test.en/test.de):
-
-  python -m flaxformer_nmt.corpora prepare --config configs/wmt14_ende_base.py
-  python -m flaxformer_nmt.corpora export --config configs/wmt14_ende_base.py --split test --output_dir data/wmt14
-"""
+"""Where sentence pairs come from: checked local parallel text (`{data_dir}/{split}.{lang}`) or a TensorFlow
+Datasets builder prepared as array_record (random access, no TensorFlow to read it), both as random-access
+sequences of (source, target) text in the config's direction."""
 
 from absl import logging
 from etils import epath

@@ -1,25 +1,5 @@
-r"""Fill-mask with a trained masked language model (a workdir trained with config.task=mlm).
-
-  python -m flaxformer_nmt.fill_mask --workdir runs/mlm_m30k "Ein Mann <mask> ein Pferd ."
-  python -m flaxformer_nmt.fill_mask --workdir runs/mlm_m30k --top_k=10 --input sentences.txt
-  echo "Zwei <mask> spielen im Schnee ." | python -m flaxformer_nmt.fill_mask --workdir runs/mlm_m30k
-
-Each `<mask>` stands for one sentencepiece piece (a word or the start of one), as in BERT. For every mask
-of every text (texts from the arguments, else one per line of --input or stdin) it prints the top-k
-pieces with their probabilities, and the text with that mask filled in, like Hugging Face's fill-mask
-pipeline:
-
-  Ein Mann <mask> ein Pferd .
-    mask 1/1
-      0.6123  reitet    Ein Mann reitet ein Pferd .
-
-All masks of a text are predicted together, from the text as given (BERT's one-pass prediction).
-
-Python API:
-  filler = FillMask('runs/mlm_m30k')
-  filler.fill(['Ein Mann <mask> ein Pferd .'], top_k=5)
-  # [[[('reitet', 0.61, 'Ein Mann reitet ein Pferd .'), ...]]]: per text, per mask, (piece, prob, text)
-"""
+"""Fill-mask with an encoder-only masked LM (config.task='mlm'): the top-k pieces and their probabilities at each
+<mask>; the fill_mask command's library."""
 import functools
 
 import jax

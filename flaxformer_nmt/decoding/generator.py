@@ -1,24 +1,5 @@
-r"""Text generation with a trained language model (a workdir trained with config.task=lm).
-
-  python -m flaxformer_nmt.generate --workdir runs/lm_m30k --prompt "Ein Mann" --prompt "Zwei Hunde"
-  python -m flaxformer_nmt.generate --workdir runs/lm_m30k --input prompts.txt --top_p=0.9 --num_samples=3
-  echo "Eine Frau" | python -m flaxformer_nmt.generate --workdir runs/lm_m30k --greedy
-
-Each prompt (an empty one generates unconditionally, from BOS alone) is continued token by token until EOS
-or --max_new_tokens; one output line per sample, prompt and continuation together, prompts in order and
-each prompt's samples together. Tokens are drawn from softmax(logits / temperature), restricted to the
---top_k most likely tokens and then to the smallest set whose probability reaches --top_p (the order of
-Hugging Face's and nanoGPT's samplers); --greedy takes the most likely token. Sample j of prompt i depends
-only on (--seed, i, j), whatever the batching.
-
-Decoding runs the decoder one position at a time against its self-attention key/value cache (the prompt
-too, one position per step, through the same loop as beam_search's greedy and sampled search); --nocache
-reruns the whole prefix at every step instead (same tokens, to check and to measure the cache).
-
-Python API:
-  generator = Generator('runs/lm_m30k')
-  generator.generate(['Ein Mann'], max_new_tokens=30, top_p=0.9, num_samples=2, seed=1)  # [[text, text]]
-"""
+"""Text generation with a decoder-only language model (config.task='lm'): greedy, or sampling with temperature,
+top-k and top-p, over a KV cache; the generate command's library."""
 import functools
 
 import jax

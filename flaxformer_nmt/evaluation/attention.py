@@ -1,25 +1,5 @@
-r"""Attention pictures: translate sentences, then draw where the model looked.
-
-  python -m flaxformer_nmt.visualize --workdir runs/m30k --output_dir attention \
-      --sentences "A man in a blue shirt is standing on a ladder." [--input more.en] [--checkpoint averaged]
-
-Each sentence is translated (beam search by default), then the model is run teacher-forced on (source,
-translation) with the 'intermediates' collection mutable, which collects the softmax weights [B, H, Tq, Tk]
-that every attention layer sows as `attention_weights`. Written per sentence i, as PNG heatmaps with the
-sentencepiece pieces on both axes (padding cropped):
-
-  {i:02d}_cross_layer{l}.png    encoder-decoder attention of decoder layer l, one panel per head
-                                (rows: the target piece being predicted; columns: source pieces)
-  {i:02d}_cross_average.png     the same averaged over heads, per layer, and over all layers
-  {i:02d}_encoder_layer{l}.png  encoder self-attention of layer l, one panel per head
-
-Language models (workdirs trained with config.task=lm or mlm) have self-attention only; each text is run
-as it is (LM: BOS + the text, causal; MLM: the text with its <mask>s + EOS) and drawn per layer and head,
-and averaged:
-
-  {i:02d}_decoder_layer{l}.png / {i:02d}_encoder_layer{l}.png    self-attention of layer l (LM / MLM)
-  {i:02d}_self_average.png                                       per layer and over all layers
-"""
+"""Attention maps of a trained model, teacher-forced on its own translations (cross- and self-attention, per
+layer and head), and the heatmap pictures the visualize command writes."""
 import functools
 import re
 

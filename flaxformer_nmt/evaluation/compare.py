@@ -1,27 +1,5 @@
-r"""Scores several checkpoints of one workdir on the same sentences, in one table: the best checkpoint against
-the average of the last k, the latest, or given steps.
-
-  python -m flaxformer_nmt.compare --workdir runs/m30k --checkpoints best,averaged,last:10,latest
-  python -m flaxformer_nmt.compare --workdir runs/m30k --checkpoints best,averaged --split test2016
-  python -m flaxformer_nmt.compare --workdir runs/m30k --checkpoints best,2000 --input test.en --ref test.de \
-      [--tok_ref test.tok.de]
-  python -m flaxformer_nmt.compare --workdir runs/m30k --checkpoints last:10 --beam_size 8 --mbr bleu
-  python -m flaxformer_nmt.compare --workdir runs/m30k --checkpoints latest,last:10 --alpha 0.6,1.0,1.5,2.0
-  python -m flaxformer_nmt.compare --workdir runs/a,runs/b --checkpoints latest,last:10   # ensembles
-  python -m flaxformer_nmt.compare --workdir runs/m30k --devices 2   # each batch split over two devices
-  python -m flaxformer_nmt.compare --workdir runs/m30k --checkpoints averaged --rerank_workdir runs/m30k_r2l \
-      --rerank_weight 0,0.3,0.5   # the beam's n best rescored by a right-to-left model (rerank.py)
-
-Checkpoints: `best` (config.best_checkpoint_metric), `averaged` ({workdir}/averaged), `last:K` (the newest K
-checkpoints averaged in memory, nothing written), `latest`, or a step. By default the sentences are the
-workdir's validation split (`{data_dir}/{eval_split}.{lang}`), and the lowercased tokenized references come
-from config.eval_bleu_tok_ref_dir where present: choose between checkpoints on validation, and score the
-chosen one on test once. Prints a Markdown table: cased sacreBLEU (13a), lowercased Moses-tokenized BLEU,
-hypothesis/reference length ratio, brevity penalty, and decoding seconds, one row per checkpoint and length
-penalty (--alpha takes several: the search compiles once for them all, as alpha is not compiled in). A model
-trained on lowercased text (config.lowercase) reads the sources lowercased, and its sacreBLEU is
-case-insensitive (`case:lc`).
-"""
+"""Scoring one or more checkpoints on a split: the sentences, their BLEU (sacreBLEU and lowercased tokenized),
+and the rows of the table the compare command prints."""
 import time
 
 import sacrebleu

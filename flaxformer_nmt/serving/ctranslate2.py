@@ -1,24 +1,6 @@
-r"""Exports a trained workdir to CTranslate2 for serving.
-
-  python -m flaxformer_nmt.export --workdir runs/m30k --checkpoint averaged --format ctranslate2 \
-      --output_dir m30k_ct2 [--quantization int8]
-
-writes a CTranslate2 model directory (model.bin, config.json, shared_vocabulary.json) built through
-CTranslate2's own spec API, plus the sentencepiece model (`vocab.model`) and a README.md with the lines that
-translate with it. The exported model computes the same function as ours:
-
-- post-LN or pre-LN as the workdir's config says (pre-LN adds the final encoder/decoder LayerNorms);
-- one embedding matrix for source, target and the output projection (no logit bias or scale), entering
-  with the x sqrt(d_model) scale;
-- our interleaved sin/cos position table, stored in the model (CTranslate2's built-in table concatenates
-  the halves);
-- EOS appended to every source, <s> (id 2) as the first decoder input, LayerNorm epsilon 1e-5;
-- our fused projections: self-attention [d, 3d] (Q, K, V) and encoder-decoder K/V [d, 2d] are exactly
-  CTranslate2's fused layouts once transposed (Flax kernels are [in, out], CTranslate2 weights [out, in]).
-
-Quantization (`int8`, `int8_float32`, `float16`, ...) is applied by CTranslate2's converter code when
-saving; any model can also be loaded with another `compute_type`.
-"""
+"""A trained workdir as a CTranslate2 model: the parameters mapped onto ctranslate2.specs.TransformerSpec (post-
+or pre-LN, the paper's interleaved sinusoids stored as the position table, one shared embedding), the
+vocabulary, and a README with the command that decodes it."""
 import shutil
 
 import numpy as np
