@@ -121,6 +121,10 @@ def test_serve_load(toy, tmp_path):
   pytest.importorskip('httpx')  # the test extra installs the server's dependencies
   sentences = tmp_path / 'in.en'
   sentences.write_text(''.join(line + '\n' for line in (toy.parent / 'data' / 'test.en').read_text().splitlines()[:4]))
-  out = run_in_process('serve_load', f'--workdir={toy}', f'--sentences={sentences}', '--clients=1',
-                       '--duration_s=1', '--server_flag=--warmup=none')
-  assert re.search(r'^\s*1 clients: \{', out, re.M), out
+  # A subprocess: its clients run in a process pool, which imports the script by name.
+  result = subprocess.run([sys.executable, os.path.join(BENCH, 'serve_load.py'), f'--workdir={toy}',
+                           f'--sentences={sentences}', '--clients=1', '--duration_s=1', '--server_flag=--warmup=none'],
+                          env=subprocess_env(), capture_output=True, text=True, timeout=600)
+  out = result.stdout + result.stderr
+  assert result.returncode == 0, out[-3000:]
+  assert re.search(r'^\s*1 clients: \{', out, re.M), out[-3000:]
