@@ -46,7 +46,7 @@ PROGRAMS_LINE = re.compile(r'Programs: (\d+) compiled, (\d+) loaded from the com
 
 # CTranslate2 as a user's script runs it: everything from the interpreter's start counts.
 CT2_SCRIPT = r'''
-import sys, ctranslate2, sentencepiece as spm
+import sys, time, ctranslate2, sentencepiece as spm
 model_dir, source, output, beam, alpha, extra, threads, budget, compute_type, lowercase, repeats = sys.argv[1:]
 sp = spm.SentencePieceProcessor(model_file=model_dir + '/vocab.model')
 translator = ctranslate2.Translator(model_dir, device='cpu', compute_type=compute_type, inter_threads=1,
@@ -63,8 +63,8 @@ out = [''] * len(lines)
 for i, result in zip(nonempty, results):
   out[i] = sp.decode(result.hypotheses[0])
 open(output, 'w', encoding='utf-8').write(''.join(line + '\n' for line in out))
-if repeats:  # the warm search: translate_batch again, after the pass above allocated its caches
-  import time
+print('written at', time.time(), file=sys.stderr, flush=True)
+if int(repeats):  # the warm search: translate_batch again, after the pass above allocated its caches
   seconds = []
   for _ in range(int(repeats)):
     start = time.perf_counter()
@@ -90,6 +90,8 @@ def define_flags():
                        'command\'s, CTranslate2 the config\'s decode_tokens_per_batch).')
   flags.DEFINE_integer('threads', os.cpu_count(), 'CTranslate2 intra_threads (XLA uses every core).')
   flags.DEFINE_string('compute_type', 'float32', 'CTranslate2\'s compute_type.')
+  flags.DEFINE_enum('dtype', None, list(decode.DTYPES), 'Ours: the decode command\'s --dtype (default: the '
+                    'config\'s; float32 also keeps matmul operands float32 where the config rounds them to bfloat16).')
   flags.DEFINE_bool('processes', True, 'Also time the decode command and CTranslate2 as whole processes.')
   flags.mark_flags_as_required(['workdir'])
 
@@ -125,6 +127,8 @@ def decode_command(FLAGS, source, output, beam_size, cache_dir):  # pylint: disa
              f'--checkpoint={FLAGS.checkpoint}', f'--input={source}', f'--output={output}', f'--beam_size={beam_size}']
   if FLAGS.alpha is not None:
     command.append(f'--alpha={FLAGS.alpha}')
+  if FLAGS.dtype is not None:
+    command.append(f'--dtype={FLAGS.dtype}')
   if FLAGS.tokens_per_batch:
     command.append(f'--tokens_per_batch={FLAGS.tokens_per_batch}')
   env = dict(os.environ, FLAXFORMER_NMT_CACHE=cache_dir)
@@ -141,17 +145,21 @@ def alpha_of(FLAGS, translator):  # pylint: disable=invalid-name
 
 def ctranslate2_process(FLAGS, translator, model_dir, source, output, beam_size,  # pylint: disable=invalid-name
                         repeats=0):
-  """CTranslate2 as a whole process on `source`: (seconds, MB, its warm search's seconds: the fastest of
-  `repeats` more passes in that process, timed apart from the whole; None without)."""
+  """CTranslate2 as a whole process on `source`: (seconds from its launch to its output written, peak MB,
+  its warm search's seconds: the fastest of `repeats` more passes in that process after the output is
+  written; None without)."""
   c = translator.config
   alpha = alpha_of(FLAGS, translator) if beam_size > 1 else 1.0
   env = dict(os.environ, OMP_WAIT_POLICY='PASSIVE')
-  seconds, megabytes, log = run_process([sys.executable, '-c', CT2_SCRIPT, str(model_dir), source, output,
+  launched = time.time()
+  _, megabytes, log = run_process([sys.executable, '-c', CT2_SCRIPT, str(model_dir), source, output,
                                          str(max(beam_size, 1)), str(alpha), str(c.max_decode_extra_length),
                                          str(FLAGS.threads), str(FLAGS.tokens_per_batch or c.decode_tokens_per_batch),
                                          FLAGS.compute_type, '1' if translator.lowercase else '0', str(repeats)],
                                         env)
   warm = re.search(r'warm seconds ([\d.e-]+)', log)
+  # The process as a user's script: from its launch to its output written (the warm passes come after).
+  seconds = float(re.search(r'written at ([\d.]+)', log)[1]) - launched
   return seconds, megabytes, float(warm[1]) if warm else None
 
 
@@ -237,7 +245,7 @@ def main(argv):
   del argv
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   checkpoints_lib.quiet_orbax_logs()
-  translator = decode.Translator(FLAGS.workdir, FLAGS.checkpoint)
+  translator = decode.Translator(FLAGS.workdir, FLAGS.checkpoint, dtype=FLAGS.dtype)
   c = translator.config
   scratch = tempfile.mkdtemp(prefix='decode_bench_')
   model_dir = export(FLAGS.workdir, FLAGS.checkpoint, os.path.join(scratch, 'ct2'), FLAGS.compute_type)
