@@ -136,7 +136,7 @@ stage_memory() {
 }
 
 stage_decode() {
-  timeout 180 $PY bench/decode_throughput.py --workdir gpu_carry/m30k --checkpoint averaged --variants ours \
+  timeout 180 $PY bench/decode_throughput.py --workdir gpu_carry/m30k --checkpoint averaged \
     --inputs gpu_carry/data/multi30k/test2016.en,gpu_carry/data/newstest2013.en --repeats 2 "${DECODE_SIZES[@]}"
 }
 
