@@ -238,25 +238,40 @@ def tokenize_cached(pairs, tokenizer, cache_dir, *, process_index=0, process_cou
   cache_dir = epath.Path(cache_dir)
   meta = {'fingerprint': pairs.fingerprint, 'vocabulary_sha256': tokenizer.sha256, 'pairs': len(pairs),
           'chunk_pairs': chunk_pairs, 'dtype': 'uint16' if tokenizer.vocab_size <= 1 << 16 else 'int32'}
-  meta_path = cache_dir / 'meta.json'
   if process_index == 0:
-    if not meta_path.exists() or json.loads(meta_path.read_text()) != meta:
-      if cache_dir.exists():
-        logging.info('Tokenization cache %s is for other data or another vocabulary: rebuilding it', cache_dir)
-        cache_dir.rmtree()
-      cache_dir.mkdir(parents=True, exist_ok=True)
-      meta_path.write_text(json.dumps(meta, sort_keys=True))
+    _reset_cache_unless(cache_dir, meta)
   barrier(f'tokenize-meta-{cache_dir}')
-
   num_chunks = -(-len(pairs) // chunk_pairs)
-  chunk_path = lambda c: cache_dir / f'chunk_{c:05d}.npz'
-  start_time, tokenized_pairs = time.time(), 0
-  for c in range(process_index, num_chunks, process_count):
-    if chunk_path(c).exists():
+  _write_chunks(pairs, tokenizer, cache_dir, meta, range(process_index, num_chunks, process_count), process_index,
+                num_threads)
+  barrier(f'tokenize-chunks-{cache_dir}')
+  return _load_chunks(cache_dir, num_chunks)
+
+
+def _chunk_path(cache_dir, c):
+  return cache_dir / f'chunk_{c:05d}.npz'
+
+
+def _reset_cache_unless(cache_dir, meta):
+  """Empties `cache_dir` unless its meta.json is `meta` (the same corpus, vocabulary and chunking)."""
+  meta_path = cache_dir / 'meta.json'
+  if meta_path.exists() and json.loads(meta_path.read_text()) == meta:
+    return
+  if cache_dir.exists():
+    logging.info('Tokenization cache %s is for other data or another vocabulary: rebuilding it', cache_dir)
+    cache_dir.rmtree()
+  cache_dir.mkdir(parents=True, exist_ok=True)
+  meta_path.write_text(json.dumps(meta, sort_keys=True))
+
+
+def _write_chunks(pairs, tokenizer, cache_dir, meta, chunks, process_index, num_threads):
+  """Tokenizes and saves the chunks of `chunks` that are not cached yet."""
+  chunk_pairs, start_time, tokenized_pairs = meta['chunk_pairs'], time.time(), 0
+  for c in chunks:
+    if _chunk_path(cache_dir, c).exists():
       continue
     indices = range(c * chunk_pairs, min((c + 1) * chunk_pairs, len(pairs)))
-    source, target = pairs.read(indices)
-    part = tokenize(source, target, tokenizer, num_threads)
+    part = tokenize(*pairs.read(indices), tokenizer, num_threads)
     buffer = io.BytesIO()
     arrays = dict(source_tokens=part.source.tokens.astype(meta['dtype']), source_offsets=part.source.offsets)
     if part.target is not part.source:  # monolingual text is stored once
@@ -265,20 +280,23 @@ def tokenize_cached(pairs, tokenizer, cache_dir, *, process_index=0, process_cou
     # Write then rename: a crash never leaves a truncated chunk that a later run would trust.
     tmp = cache_dir / f'.chunk_{c:05d}.npz.tmp{process_index}'
     tmp.write_bytes(buffer.getvalue())
-    tmp.rename(chunk_path(c))
+    tmp.rename(_chunk_path(cache_dir, c))
     tokenized_pairs += len(indices)
   if tokenized_pairs:
     seconds = time.time() - start_time
     logging.info('Tokenized %d pairs of %s in %.1f s (%.0f pairs/s) into %s', tokenized_pairs, pairs.description,
                  seconds, tokenized_pairs / max(seconds, 1e-9), cache_dir)
-  barrier(f'tokenize-chunks-{cache_dir}')
 
+
+def _load_chunks(cache_dir, num_chunks):
+  """The corpus of every cached chunk, in order (a monolingual corpus's target is its source)."""
   parts = []
   for c in range(num_chunks):
-    if not chunk_path(c).exists():
-      raise DataError(f'{chunk_path(c)} is missing after every host tokenized its part: the workdir must be on '
+    path = _chunk_path(cache_dir, c)
+    if not path.exists():
+      raise DataError(f'{path} is missing after every host tokenized its part: the workdir must be on '
                       'storage shared by all hosts')
-    with np.load(io.BytesIO(chunk_path(c).read_bytes())) as f:
+    with np.load(io.BytesIO(path.read_bytes())) as f:
       source = Ragged(f['source_tokens'], f['source_offsets'])
       target = Ragged(f['target_tokens'], f['target_offsets']) if 'target_tokens' in f else source
       parts.append(TokenizedCorpus(source, target))

@@ -271,6 +271,45 @@ def split_microbatches(batch, num_microbatches):
 _MASKING_STREAM = 0x6D61736B
 
 
+def _loss_sums(params, microbatch, rng, *, model, task, label_smoothing, rdrop_alpha, vocabulary_loss_chunk_tokens):
+  """(the summed loss that is differentiated, (NLL sum, target tokens, R-Drop divergence sum)) of a microbatch."""
+  if rdrop_alpha > 0:
+    microbatch = duplicate_rows(microbatch)
+  chunked = vocabulary_loss_chunk_tokens > 0
+  outputs, targets, _ = lm.forward(task, model, params, microbatch, False, rngs={'dropout': rng},
+                                   mask_rng=jax.random.fold_in(rng, _MASKING_STREAM), project=not chunked)
+  if chunked:
+    loss_sum, nll_sum, tokens = chunked_vocabulary_loss(
+        outputs, model_lib.shared_embedding(params), targets, label_smoothing, vocabulary_loss_chunk_tokens,
+        model_lib.vocabulary_operand_dtype(model.config))
+    return loss_sum, (nll_sum, tokens, jnp.zeros((), jnp.float32))
+  logits = outputs
+  loss_sum, nll_sum, tokens = label_smoothed_cross_entropy(logits, targets, label_smoothing)
+  divergence_sum = rdrop_divergence(logits, targets) if rdrop_alpha > 0 else jnp.zeros((), jnp.float32)
+  return loss_sum + rdrop_alpha * divergence_sum, (nll_sum, tokens, divergence_sum)
+
+
+def _summed_gradients(grad_fn, params, batch, rng, grad_accumulation_steps):
+  """(gradient sums, (loss, NLL, tokens, divergence) sums) over the batch: in one pass, or over k microbatches
+  in a lax.scan, microbatch i drawing dropout from fold_in(rng, i)."""
+  if grad_accumulation_steps == 1:
+    (loss_sum, aux), grad_sums = grad_fn(params, batch, rng)
+    return grad_sums, (loss_sum, *aux)
+
+  def accumulate(carry, inputs):
+    index, microbatch = inputs
+    (loss_sum, aux), grads = grad_fn(params, microbatch, jax.random.fold_in(rng, index))
+    grad_sums, sums = carry
+    grad_sums = jax.tree_util.tree_map(jnp.add, grad_sums, grads)
+    return (grad_sums, sums + jnp.stack([loss_sum, *aux])), None
+
+  zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+  microbatches = split_microbatches(batch, grad_accumulation_steps)
+  (grad_sums, sums), _ = jax.lax.scan(accumulate, (zeros, jnp.zeros(4, jnp.float32)),
+                                      (jnp.arange(grad_accumulation_steps), microbatches))
+  return grad_sums, tuple(sums)
+
+
 def train_step(state, batch, *, model, optimizer, schedule, label_smoothing, grad_accumulation_steps=1,
                task='translation', rdrop_alpha=0.0, prng_impl=DEFAULT_PRNG_IMPL, vocabulary_loss_chunk_tokens=0):
   """One update on the batch loss: smoothed cross entropy summed over all target tokens (for the MLM the
@@ -291,39 +330,10 @@ def train_step(state, batch, *, model, optimizer, schedule, label_smoothing, gra
   to the one-batch update, at 1/k of the activation memory.
   """
   dropout_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng, impl=prng_impl), state.step)
-
-  def loss_sums(params, microbatch, rng):
-    if rdrop_alpha > 0:
-      microbatch = duplicate_rows(microbatch)
-    chunked = vocabulary_loss_chunk_tokens > 0
-    outputs, targets, _ = lm.forward(task, model, params, microbatch, False, rngs={'dropout': rng},
-                                     mask_rng=jax.random.fold_in(rng, _MASKING_STREAM), project=not chunked)
-    if chunked:
-      loss_sum, nll_sum, tokens = chunked_vocabulary_loss(
-          outputs, model_lib.shared_embedding(params), targets, label_smoothing, vocabulary_loss_chunk_tokens,
-          model_lib.vocabulary_operand_dtype(model.config))
-      return loss_sum, (nll_sum, tokens, jnp.zeros((), jnp.float32))
-    logits = outputs
-    loss_sum, nll_sum, tokens = label_smoothed_cross_entropy(logits, targets, label_smoothing)
-    divergence_sum = rdrop_divergence(logits, targets) if rdrop_alpha > 0 else jnp.zeros((), jnp.float32)
-    return loss_sum + rdrop_alpha * divergence_sum, (nll_sum, tokens, divergence_sum)
-
-  grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
-  if grad_accumulation_steps == 1:
-    (loss_sum, (nll_sum, tokens, divergence_sum)), grad_sums = grad_fn(state.params, batch, dropout_rng)
-  else:
-    def accumulate(carry, inputs):
-      index, microbatch = inputs
-      (loss_sum, aux), grads = grad_fn(state.params, microbatch, jax.random.fold_in(dropout_rng, index))
-      grad_sums, sums = carry
-      grad_sums = jax.tree_util.tree_map(jnp.add, grad_sums, grads)
-      return (grad_sums, sums + jnp.stack([loss_sum, *aux])), None
-
-    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-    microbatches = split_microbatches(batch, grad_accumulation_steps)
-    (grad_sums, sums), _ = jax.lax.scan(accumulate, (zeros, jnp.zeros(4, jnp.float32)),
-                                        (jnp.arange(grad_accumulation_steps), microbatches))
-    loss_sum, nll_sum, tokens, divergence_sum = sums
+  loss_fn = functools.partial(_loss_sums, model=model, task=task, label_smoothing=label_smoothing,
+                              rdrop_alpha=rdrop_alpha, vocabulary_loss_chunk_tokens=vocabulary_loss_chunk_tokens)
+  grad_sums, (loss_sum, nll_sum, tokens, divergence_sum) = _summed_gradients(
+      jax.value_and_grad(loss_fn, has_aux=True), state.params, batch, dropout_rng, grad_accumulation_steps)
   grads = jax.tree_util.tree_map(lambda g: g / jnp.maximum(tokens, 1.0), grad_sums)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
