@@ -55,6 +55,7 @@ def run(module, args, stdin=None, as_subprocess=False):
   stdout, stderr = io.StringIO(), io.StringIO()
   log = logging.StreamHandler(stderr)
   absl_logger = absl_logging.get_absl_logger()
+  absl_level = absl_logger.level
   absl_logger.addHandler(log)
   saved = sys.argv, sys.stdin, sys.stdout, sys.stderr
   sys.argv = [module.__name__, *args]  # ml_collections' config flag finds its --config.FIELD overrides there
@@ -84,7 +85,8 @@ def run(module, args, stdin=None, as_subprocess=False):
       else:
         os.environ[name] = value
     absl_logger.removeHandler(log)
-    flags.FLAGS.unparse_flags()  # the verbosity too: absl's logger back at WARNING
+    flags.FLAGS.unparse_flags()  # the verbosity too, which sets absl's logger at WARNING:
+    absl_logger.setLevel(absl_level)  # as before the run, or a later test's caplog misses INFO lines
     for name in set(flags.FLAGS) - defined:  # the module's, and those its parsing added (--config.FIELD)
       delattr(flags.FLAGS, name)
   return subprocess.CompletedProcess([module.__name__, *args], returncode, stdout.getvalue(), stderr.getvalue())
