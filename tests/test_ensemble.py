@@ -72,6 +72,7 @@ def test_an_ensemble_workdir_is_not_resumed_as_one_run_nor_the_reverse(tmp_path)
     config_lib.validate(config)
 
 
+@pytest.mark.slow  # two members of 100 steps each, a stop and a resume in subprocesses: 27-45 s on 2 cores
 def test_the_command_stops_resumes_and_decodes_the_members_together(toy_corpus, tmp_path):
   config = small_config(toy_corpus)
   config.ensemble_members, config.seed, config.max_train_minutes = 2, 3, 60.0
