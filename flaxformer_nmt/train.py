@@ -4,10 +4,7 @@ Fields of the config are overridden with `--config.field=value` (e.g. `--config.
 workdir receives the vocabulary (vocab.model), the config (config.json), checkpoints, TensorBoard event files
 (tensorboard/) and the logged metrics (metrics.jsonl). Rerunning the same command resumes from the newest
 checkpoint. With config.ensemble_members > 1 the command trains that many runs in turn, in
-{workdir}/member0, member1, ... (ensemble.py).
-
-This module is the training loop; what it reports (metrics.py), when it saves and stops (preemption.py), its
-input (pipeline.py), the step itself (train_step.py) and checkpoints (checkpoints.py) live beside it.
+{workdir}/member0, member1, ... (training/ensemble.py). The loop is training/loop.py.
 """
 import sys
 

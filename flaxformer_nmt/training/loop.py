@@ -1,13 +1,9 @@
-r"""Trains a Transformer: `python -m flaxformer_nmt.train --config configs/multi30k.py --workdir runs/m30k`.
+"""The training loop: `train_and_evaluate(config, workdir)` sets a run up (input, model, state restored or fresh,
+compiled steps), then steps, logs, saves, evaluates and stops, and closes what the run holds.
 
-Fields of the config are overridden with `--config.field=value` (e.g. `--config.num_train_steps=500`). The
-workdir receives the vocabulary (vocab.model), the config (config.json), checkpoints, TensorBoard event files
-(tensorboard/) and the logged metrics (metrics.jsonl). Rerunning the same command resumes from the newest
-checkpoint. With config.ensemble_members > 1 the command trains that many runs in turn, in
-{workdir}/member0, member1, ... (ensemble.py).
-
-This module is the training loop; what it reports (metrics.py), when it saves and stops (preemption.py), its
-input (pipeline.py), the step itself (train_step.py) and checkpoints (checkpoints.py) live beside it.
+Beside it in training/: the step itself (step.py), what it reports (metrics.py), when it saves and stops
+(preemption.py), validation BLEU (validation.py), ensembles (ensemble.py); its input is data/pipeline.py and its
+checkpoints checkpointing/checkpoints.py. The command is flaxformer_nmt/train.py.
 """
 import dataclasses
 import time

@@ -1,7 +1,7 @@
 """Validation BLEU while training: translate the validation split with the parameters in memory and score it.
 
 Every `config.eval_bleu_every_steps` the trainer calls `ValidationBleu.evaluate(step, params)`: the first
-`eval_bleu_max_sentences` pairs of `eval_split` are translated with decoding.search's search (beam
+`eval_bleu_max_sentences` pairs of `eval_split` are translated with the decode command's batched search (beam
 `eval_bleu_beam_size`, 0 = greedy, the config's length penalty) jitted once over the training parameters as
 they lie on the devices (replicated or FSDP-sharded: no checkpoint is read, no parameter gathered on a host),
 then scored with cased sacreBLEU (13a) and, where `{eval_bleu_tok_ref_dir}/{eval_split}.{target_lang}` exists,
