@@ -189,7 +189,8 @@ def test_a_workdir_of_another_model_is_refused_without_losing_it(toy_corpus, tmp
 
 
 def input_threads():
-  return sum(t.name == 'TrainBatches' for t in threading.enumerate())
+  """The input threads running (TrainBatches starts one at its first batch)."""
+  return sum(t.name == 'Prefetcher' and t.is_alive() for t in threading.enumerate())
 
 
 def test_an_error_after_a_save_keeps_the_save_and_closes_the_run(toy_corpus, tmp_path, monkeypatch,
