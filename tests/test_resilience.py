@@ -54,6 +54,9 @@ def wait_for_checkpoint(workdir, after, process, timeout=120):
   raise TimeoutError
 
 
+# 150 steps in three processes (20-33 s on 2 cores). The default suite keeps each part: a SIGTERM that saves and
+# exits (bench/stop_latency.py --smoke) and a kill -9 whose rerun ends bitwise equal (bench/reliability.py --smoke).
+@pytest.mark.slow
 def test_sigterm_then_sigkill_then_resume_equals_an_uninterrupted_run(toy_corpus, tmp_path):
   config = small_config(toy_corpus)
   config.num_train_steps = 150
