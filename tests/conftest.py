@@ -2,6 +2,7 @@
 once per session."""
 import functools
 import gc
+import json
 import os
 import random
 import shutil
@@ -190,6 +191,18 @@ def trained_toy(tmp_path_factory):
   (root / 'tok' / 'valid.de').write_text('\n'.join(bleu.moses_lowercase_tokenize(references, 'de')) + '\n')
   loop.train_and_evaluate(trained_toy_config(root), root / 'run')
   return root / 'run'
+
+
+def copy_of_trained_toy(trained_toy, directory, **config_fields):
+  """A copy of the trained toy's workdir, its corpus beside it, for a test that writes into it or changes
+  `config_fields` of its config.json (top-level fields)."""
+  root = shutil.copytree(trained_toy.parent, directory)
+  workdir = root / trained_toy.name
+  if config_fields:
+    saved = json.loads((workdir / 'config.json').read_text())
+    saved.update(config_fields)
+    (workdir / 'config.json').write_text(json.dumps(saved))
+  return workdir
 
 
 @pytest.fixture

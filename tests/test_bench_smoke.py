@@ -7,14 +7,13 @@ fresh process (their own devices), as `python bench/NAME.py`.
 """
 import os
 import re
-import shutil
 import subprocess
 import sys
 
 import pytest
 
 import in_process
-from conftest import subprocess_env
+from conftest import copy_of_trained_toy, subprocess_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, 'bench')
@@ -39,8 +38,7 @@ def run_in_process(name, *args):
 @pytest.fixture(scope='module')
 def toy(trained_toy, tmp_path_factory):
   """A copy of the session's trained toy workdir, its corpus beside it: the scripts write into the workdir."""
-  root = shutil.copytree(trained_toy.parent, tmp_path_factory.mktemp('bench') / 'toy')
-  return root / trained_toy.name
+  return copy_of_trained_toy(trained_toy, tmp_path_factory.mktemp('bench') / 'toy')
 
 
 def test_every_bench_script_has_a_smoke_test():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import in_process
-from conftest import tiny_model
+from conftest import copy_of_trained_toy, tiny_model
 
 ctranslate2 = pytest.importorskip('ctranslate2')
 
@@ -93,12 +93,7 @@ def workdir(trained_toy, tmp_path_factory):
   of the test lines exactly, with output lengths from 2 to 20-odd pieces), copied with its corpus and
   max_decode_extra_length 50, as CTranslate2's max_decoding_length below (small_config has 10). An untrained
   model would compare nothing: at small_config's learning rate every beam output was "." after 60 steps."""
-  import shutil  # pylint: disable=g-import-not-at-top
-  root = shutil.copytree(trained_toy.parent, tmp_path_factory.mktemp('export') / 'toy')
-  saved = json.loads((root / trained_toy.name / 'config.json').read_text())
-  saved['max_decode_extra_length'] = 50
-  (root / trained_toy.name / 'config.json').write_text(json.dumps(saved))
-  return root / trained_toy.name
+  return copy_of_trained_toy(trained_toy, tmp_path_factory.mktemp('export') / 'toy', max_decode_extra_length=50)
 
 
 def toy_sources(workdir):
