@@ -38,6 +38,7 @@ from etils import epath
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
 from flaxformer_nmt.data import corpus as data_lib
 from flaxformer_nmt.decoding import translator as decode
+from flaxformer_nmt.models import transformer as model_lib
 from flaxformer_nmt.runtime import cache
 
 REPO = epath.Path(__file__).resolve().parent.parent
@@ -186,13 +187,13 @@ def identical(path_a, path_b):
 
 
 def cpu_description():
-  """`lscpu`'s model name, and whether the CPU has bf16 dot instructions (avx512_bf16)."""
+  """`lscpu`'s model name, and whether the CPU has bf16 dot instructions (AVX512-BF16 or AMX-BF16)."""
   try:
-    text = epath.Path('/proc/cpuinfo').read_text()
-    name = re.search(r'^model name\s*:\s*(.+)$', text, re.M)[1]
-    return f'{name}, {os.cpu_count()} cores, {"with" if "avx512_bf16" in text else "without"} avx512_bf16'
+    name = re.search(r'^model name\s*:\s*(.+)$', epath.Path('/proc/cpuinfo').read_text(), re.M)[1]
   except (OSError, TypeError):
-    return f'{os.cpu_count()} cores'
+    name = 'CPU'
+  bf16 = 'with' if model_lib.cpu_has_bfloat16_dot() else 'without'
+  return f'{name}, {os.cpu_count()} cores, {bf16} bf16 dot instructions'
 
 
 def bench_input(FLAGS, translator, model_dir, path, scratch):  # pylint: disable=invalid-name
