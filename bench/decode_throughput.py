@@ -43,7 +43,8 @@ from flaxformer_nmt.runtime import cache
 
 REPO = epath.Path(__file__).resolve().parent.parent
 DATA = REPO.parent / 'shared' / 'data'
-PROGRAMS_LINE = re.compile(r'Programs: (\d+) compiled, (\d+) loaded from the compilation cache \(([\d.]+) s\)')
+PROGRAMS_LINE = re.compile(r'Programs: (\d+) compiled, (\d+) loaded from the compilation cache, (\d+) loaded as '
+                           r'saved executables \(([\d.]+) s\)')
 
 # CTranslate2 as a user's script runs it: everything from the interpreter's start counts.
 CT2_SCRIPT = r'''
@@ -136,7 +137,7 @@ def decode_command(FLAGS, source, output, beam_size, cache_dir):  # pylint: disa
   env.pop('JAX_COMPILATION_CACHE_DIR', None)
   seconds, megabytes, log = run_process(command, env)
   found = PROGRAMS_LINE.search(log)
-  programs = f'{found[1]} compiled, {found[2]} loaded, {float(found[3]):.1f} s' if found else '?'
+  programs = f'{found[1]} compiled, {int(found[2]) + int(found[3])} loaded, {float(found[4]):.1f} s' if found else '?'
   return seconds, megabytes, programs
 
 

@@ -145,13 +145,19 @@ def choose_candidates(FLAGS, translator, rescorer, token_lists, results, texts):
   return [mbr_lib.select(t, FLAGS.mbr) if FLAGS.mbr else 0 for t in texts]
 
 
+def describe_programs(counter):
+  """What a cache.ProgramCounter counted, for the log."""
+  return (f'{counter.compiled} compiled, {counter.loaded} loaded from the compilation cache, '
+          f'{counter.executables} loaded as saved executables')
+
+
 def warm_up(translator, options, max_length):
   """Compiles the ladder's programs for these options (Translator.warm_up_ladder) and logs what it took."""
   start, counter = time.time(), cache.ProgramCounter()
   with counter:
     programs = translator.warm_up_ladder(max_length, **options)
-  logging.info('Warm-up: %d search programs (%d compiled, %d loaded from the compilation cache) in %.1f s',
-               programs, counter.compiled, counter.loaded, time.time() - start)
+  logging.info('Warm-up: %d search programs (%s) in %.1f s', programs, describe_programs(counter),
+               time.time() - start)
 
 
 def translate_input(FLAGS, translator, rescorer, options, out):  # pylint: disable=invalid-name
@@ -230,8 +236,7 @@ def main(argv):
   finally:
     if out is not sys.stdout:
       out.close()
-  logging.info('Programs: %d compiled, %d loaded from the compilation cache (%.1f s)', counter.compiled,
-               counter.loaded, counter.seconds)
+  logging.info('Programs: %s (%.1f s)', describe_programs(counter), counter.seconds)
   if FLAGS.reference:
     try:
       lines, _ = evaluate.report(hypotheses, evaluate.read_text(FLAGS.reference),

@@ -15,6 +15,7 @@ from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
 from flaxformer_nmt.config import ConfigError
 from flaxformer_nmt.data import corpus as data_lib
 from flaxformer_nmt.data import tokenizer as tokenizer_lib
+from flaxformer_nmt.runtime import cache
 from flaxformer_nmt.runtime import distributed
 from flaxformer_nmt.runtime import flags as cli
 from flaxformer_nmt.runtime import host_memory
@@ -50,6 +51,7 @@ def main(argv):
     sys.exit(f'error: {e}')
   distributed.initialize(flags.FLAGS.distributed, flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
                          flags.FLAGS.process_id)
+  cache.use_compilation_cache()  # a resumed or repeated run loads its train step and searches
   try:
     if flags.FLAGS.config.ensemble_members > 1:  # several runs in turn, in member directories
       ensemble.train_members(flags.FLAGS.config, flags.FLAGS.workdir, train_and_evaluate)

@@ -51,6 +51,7 @@ import numpy as np  # pylint: disable=wrong-import-position
 import pytest  # pylint: disable=wrong-import-position
 
 from flaxformer_nmt.models import transformer as model_lib
+from flaxformer_nmt.runtime import executables  # pylint: disable=wrong-import-position
 
 
 def tiny_model(vocab_size=16, pre_layer_norm=False, dropout_rate=0.0):
@@ -252,6 +253,7 @@ def _release_compiled_programs():
   passed Linux's default vm.max_map_count (65,530) and XLA crashed (SIGSEGV) in the next compile."""
   yield
   jax.clear_caches()
+  executables.clear()
   gc.collect()
 
 

@@ -18,6 +18,7 @@ import sys
 from absl import app, flags
 from absl import logging as absl_logging  # defines --verbosity
 
+from flaxformer_nmt.runtime import executables
 from flaxformer_nmt.runtime import host_memory
 
 
@@ -58,6 +59,7 @@ def run(module, args, stdin=None, as_subprocess=False):
   absl_level = absl_logger.level
   absl_logger.addHandler(log)
   saved = sys.argv, sys.stdin, sys.stdout, sys.stderr
+  executables_directory = executables.directory()  # a command turns saved executables on for its own run
   sys.argv = [module.__name__, *args]  # ml_collections' config flag finds its --config.FIELD overrides there
   sys.stdin = io.TextIOWrapper(io.BytesIO(stdin_bytes), encoding='utf-8')
   sys.stdout, sys.stderr = stdout, stderr
@@ -84,6 +86,7 @@ def run(module, args, stdin=None, as_subprocess=False):
         os.environ.pop(name, None)
       else:
         os.environ[name] = value
+    executables.enable(executables_directory)
     absl_logger.removeHandler(log)
     flags.FLAGS.unparse_flags()  # the verbosity too, which sets absl's logger at WARNING:
     absl_logger.setLevel(absl_level)  # as before the run, or a later test's caplog misses INFO lines

@@ -223,7 +223,7 @@ def test_translators_of_one_model_share_compiled_searches_and_alpha_is_not_compi
   # sentences again: neither compiles the search again (alpha is an input of the programs, not a constant).
   token_lists = translator.tokenizer.encode(translator.prepare(mixed))
   first = translator.search_tokens(token_lists, beam_size=3, alpha=0.6)
-  programs = lambda: (batch_search._begin_jit._cache_size(), batch_search._segment_jit._cache_size())
+  programs = lambda: (batch_search._begin_jit.cache_size(), batch_search._segment_jit.cache_size())
   compiled = programs()
   second = decode.Translator(workdir).search_tokens(token_lists, beam_size=3, alpha=1.5)
   assert programs() == compiled

@@ -246,7 +246,7 @@ def test_the_device_search_of_a_ladder_batch_is_one_program_without_the_host(pla
                  min_len=1, scores=True, temperature=1.0, top_k=0, grow_cache=True, num_samples=0)
   with cudnn_version_check_answered():
     params = jax.eval_shape(model.init, jax.random.PRNGKey(0), dummy, dummy)['params']
-    lowered = batch_search._on_device_jit().trace(
+    lowered = batch_search._on_device_jit().jitted.trace(
         model, params, jax.ShapeDtypeStruct((rows, LENGTH), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32), 0,
         0.6, cache_lengths=cache_lengths, **options).lower(lowering_platforms=(platform,))
   text = lowered.as_text()

@@ -9,7 +9,8 @@
   inside it), with no host round trip until its results: one program per source length rung.
 
 The two give the same translations (tests/test_decode.py). Every program is jitted once per process with the
-model static (equal models share them); the length penalty's alpha and the stop rung are inputs, not constants.
+model static (equal models share them), and saved as an executable that later processes load without tracing
+it (runtime/executables.py); the length penalty's alpha and the stop rung are inputs, not constants.
 """
 
 import functools
@@ -19,6 +20,7 @@ import numpy as np
 
 from flaxformer_nmt.decoding import beam_search
 from flaxformer_nmt.decoding import search as search_lib
+from flaxformer_nmt.runtime import executables
 
 # Options that shape a program (static); the rest (alpha) are inputs.
 START_STATIC = ('beam_size', 'extra_length', 'max_len_a', 'cache_cross_kv', 'num_samples')
@@ -46,15 +48,16 @@ def _on_device(model, params, src, lines, seed, alpha, *, cache_lengths, num_sam
 
 
 _BEGIN_STATIC = tuple(sorted(set(START_STATIC + RULE_STATIC))) + ('cache_length',)
-_begin_jit = jax.jit(_begin, static_argnums=0, static_argnames=_BEGIN_STATIC)
-_segment_jit = jax.jit(_segment, static_argnums=0, static_argnames=RULE_STATIC)
+_begin_jit = executables.Program(_begin, static_argnums=(0,), static_argnames=_BEGIN_STATIC)
+_segment_jit = executables.Program(_segment, static_argnums=(0,), static_argnames=RULE_STATIC)
 _DEVICE_STATIC = _BEGIN_STATIC[:-1] + ('cache_lengths', 'grow_cache')
 
 
 @functools.cache
 def _on_device_jit(out_sharding=None):
   """_on_device jitted, its results laid out by `out_sharding` (None: as XLA chooses)."""
-  return jax.jit(_on_device, static_argnums=0, static_argnames=_DEVICE_STATIC, out_shardings=out_sharding)
+  return executables.Program(_on_device, static_argnums=(0,), static_argnames=_DEVICE_STATIC,
+                             out_shardings=out_sharding)
 
 
 def _to_host(x):

@@ -5,6 +5,8 @@ import jax
 from absl import logging
 from etils import epath
 
+from flaxformer_nmt.runtime import executables
+
 CACHE_ENV = 'FLAXFORMER_NMT_CACHE'
 # jax.monitoring events: one per program a process obtains (compiled, or read from the persistent cache), with
 # its name and seconds; and one per program read from the persistent cache.
@@ -21,40 +23,49 @@ def cache_dir():
 
 
 def use_compilation_cache():
-  """Keeps compiled programs in JAX's persistent cache, `{cache_dir()}/jax_compilation` unless
-  $JAX_COMPILATION_CACHE_DIR names another (empty: off), so that the next run of a command on this machine
-  loads the programs it compiled instead of compiling them again. JAX keys each entry by the program, the
-  jaxlib version, the platform and devices, the XLA flags and the compile options, so one directory serves
-  every model, version and device without mixing them up."""
-  if 'JAX_COMPILATION_CACHE_DIR' in os.environ:  # JAX reads it itself
+  """Keeps compiled programs between runs: in JAX's persistent cache, `{cache_dir()}/jax_compilation` unless
+  $JAX_COMPILATION_CACHE_DIR names another (empty: off), and the programs made with executables.Program (the
+  search's) also as whole executables in its `executables` folder, which a later run loads without tracing
+  them (executables.py). JAX keys each entry by the program, the jaxlib version, the platform and devices, the
+  XLA flags and the compile options, so one directory serves every model, version and device without mixing
+  them up; the executables' keys add the package's source and the CPU's instruction set."""
+  directory = os.environ.get('JAX_COMPILATION_CACHE_DIR')  # JAX reads it itself
+  if directory is None:
+    directory = cache_dir() / 'jax_compilation'
+    try:
+      directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+      logging.warning('No compilation cache (%s): every run compiles again.', e)
+      return
+    jax.config.update('jax_compilation_cache_dir', str(directory))
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)  # the small programs too
+  if not directory:
     return
-  directory = cache_dir() / 'jax_compilation'
   try:
-    directory.mkdir(parents=True, exist_ok=True)
+    executables.enable(epath.Path(directory) / 'executables')
   except OSError as e:
-    logging.warning('No compilation cache (%s): every run compiles again.', e)
-    return
-  jax.config.update('jax_compilation_cache_dir', str(directory))
-  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)  # the small programs too
+    logging.warning('No saved executables (%s): every run traces the search programs again.', e)
 
 
 class ProgramCounter:
-  """Counts the programs XLA hands this process while it is entered: compiled, or loaded from the persistent
-  compilation cache (a program already in the process's memory is not handed again). names: each program's
-  function name, in order; seconds: the time spent obtaining them.
+  """Counts the programs this process obtains while it is entered: compiled, loaded from the persistent
+  compilation cache, or loaded as saved executables (a program already in the process's memory is not
+  obtained again). names: each program's function name, in order; seconds: the time spent obtaining them
+  (for a compiled or cache-loaded program, XLA's part: not its tracing and lowering).
 
     with ProgramCounter() as counter:
       translator.translate(sentences)
-    counter.names, counter.compiled, counter.loaded, counter.seconds
+    counter.names, counter.compiled, counter.loaded, counter.executables, counter.seconds
   """
 
   def __init__(self):
-    self.names, self.durations, self.loaded = [], [], 0
+    self.names, self.durations, self.loaded, self.executables = [], [], 0, 0
 
   def _program(self, event, duration, **kwargs):
-    if event == PROGRAM_EVENT:
+    if event in (PROGRAM_EVENT, executables.LOADED_EVENT):
       self.names.append(kwargs.get('fun_name'))
       self.durations.append(duration)
+      self.executables += event == executables.LOADED_EVENT
 
   def _hit(self, event, **unused):
     if event == CACHE_HIT_EVENT:
@@ -62,7 +73,7 @@ class ProgramCounter:
 
   @property
   def compiled(self):
-    return len(self.names) - self.loaded
+    return len(self.names) - self.loaded - self.executables
 
   @property
   def seconds(self):

@@ -1,0 +1,190 @@
+"""Compiled programs saved as executables, so that a later process loads a program without tracing, lowering
+or compiling it again.
+
+JAX's persistent compilation cache (cache.py) saves the compiling, but a process still traces each function
+into a jaxpr and lowers it to find the cache entry: for a search program of the decoder that is about as long
+as running it (0.5-0.9 s a program on a 2-core CPU). A `Program` is jax.jit with a second, outer cache: keyed
+by its function's name, static arguments and the abstract values of the others, together with what the
+executable depends on besides (jax, jaxlib, flax and this package's source, the device, the CPU's
+instruction set, XLA's flags), it keeps the compiled program in `directory()` and loads it from there (jax's
+serialize_executable) when another process asks for the same.
+
+Only programs whose inputs live on one device go through the saved executables; the others (data-parallel
+and multi-host batches) are plain jax.jit, as are all programs until `enable` names a directory.
+"""
+import functools
+import hashlib
+import os
+import pathlib
+import pickle
+import platform
+import tempfile
+import time
+import weakref
+
+import flax
+import jax
+import jaxlib
+import numpy as np
+from absl import logging
+from etils import epath
+from jax.experimental import serialize_executable
+
+# jax.monitoring event for a program loaded from a saved executable, with its seconds and function name.
+LOADED_EVENT = '/flaxformer_nmt/executables/load_duration'
+
+_directory = None
+_programs = weakref.WeakSet()  # every Program, so that clear() reaches their compiled programs
+
+
+def enable(directory):
+  """Saves and loads executables in `directory` (created if missing); None turns them off."""
+  global _directory
+  if directory is not None:
+    directory = epath.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+  _directory = directory
+
+
+def directory():
+  """Where executables are saved and loaded; None: they are not."""
+  return _directory
+
+
+def clear():
+  """Drops the compiled programs every Program holds in memory (as jax.clear_caches does jit's)."""
+  for program in list(_programs):
+    program._compiled.clear()  # pylint: disable=protected-access
+
+
+def _cpu_features():
+  """The host CPU's model and instruction set extensions: an executable compiled for one may not run on
+  another (a cache directory on a shared home, or a disk image moved between machines)."""
+  try:
+    with open('/proc/cpuinfo', encoding='utf-8') as f:
+      fields = [line for line in f if line.startswith(('flags', 'model name', 'Features'))]
+    return ''.join(sorted(set(fields)))
+  except OSError:
+    return platform.processor() or platform.machine()
+
+
+@functools.cache
+def environment():
+  """What a saved executable depends on besides its program, as one string."""
+  package = pathlib.Path(__file__).resolve().parent.parent
+  source = hashlib.sha256()
+  for path in sorted(package.rglob('*.py')):
+    source.update(str(path.relative_to(package)).encode() + b'\0' + path.read_bytes())
+  device = jax.devices()[0]
+  return '\n'.join([
+      f'jax {jax.__version__} jaxlib {jaxlib.__version__} flax {flax.__version__}',
+      f'flaxformer_nmt source {source.hexdigest()}',
+      f'{device.platform} {device.device_kind} {getattr(device.client, "platform_version", "")}',
+      f'XLA_FLAGS={os.environ.get("XLA_FLAGS", "")}',
+      _cpu_features()])
+
+
+def _signature(leaves):
+  """A hashable description of the arguments' abstract values (shape, dtype, weak type, device), or None
+  where one lives on several devices (or is of a kind not described here): those programs stay plain jit."""
+  signature = []
+  for x in leaves:
+    if isinstance(x, jax.Array):
+      devices = x.sharding.device_set
+      if len(devices) != 1:
+        return None
+      signature.append((x.shape, str(x.dtype), x.weak_type, next(iter(devices)).id))
+    elif isinstance(x, (np.ndarray, np.generic)):
+      signature.append((x.shape, str(x.dtype)))
+    elif isinstance(x, (bool, int, float)):
+      signature.append(type(x).__name__)
+    else:
+      return None
+  return tuple(signature)
+
+
+class Program:
+  """jax.jit(fun, ...), whose compiled programs are also saved as executables while `directory()` is set.
+
+  Called as the jitted function; static arguments as jax.jit's (hashable, and described by their repr on
+  disk: a Flax module's repr is its configuration).
+  """
+
+  def __init__(self, fun, *, static_argnums=(), static_argnames=(), **jit_options):
+    self.name = f'jit({fun.__name__})'  # as jax names the program
+    self.static_argnums, self.static_argnames = tuple(static_argnums), tuple(static_argnames)
+    self.jitted = jax.jit(fun, static_argnums=static_argnums, static_argnames=static_argnames, **jit_options)
+    self._options = repr(sorted(jit_options.items()))
+    self._compiled = {}
+    _programs.add(self)
+
+  def __call__(self, *args, **kwargs):
+    if _directory is None:
+      return self.jitted(*args, **kwargs)
+    dynamic_args = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
+    dynamic_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+    static = (tuple(args[i] for i in self.static_argnums),
+              tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames)))
+    leaves, tree = jax.tree_util.tree_flatten((dynamic_args, dynamic_kwargs))
+    signature = _signature(leaves)
+    if signature is None:
+      return self.jitted(*args, **kwargs)
+    key = (static, tree, signature)
+    compiled = self._compiled.get(key)
+    if compiled is None:
+      compiled = self._compiled[key] = self._obtain(args, kwargs, repr((static, str(tree), signature)))
+    return compiled(*dynamic_args, **dynamic_kwargs)
+
+  def cache_size(self):
+    """How many compiled programs this Program holds in memory: jit's and those of saved executables."""
+    return self.jitted._cache_size() + len(self._compiled)  # pylint: disable=protected-access
+
+  def path(self, description):
+    """The file of the executable of this program's call described by `description`."""
+    digest = hashlib.sha256('\n'.join([self.name, self._options, description, environment()]).encode())
+    return _directory / f'{self.name[4:-1]}-{digest.hexdigest()[:40]}.executable'
+
+  def _obtain(self, args, kwargs, description):
+    """The compiled program for these arguments: loaded from its saved executable, else compiled and saved."""
+    path, start = self.path(description), time.perf_counter()
+    try:
+      compiled = serialize_executable.deserialize_and_load(*pickle.loads(path.read_bytes()))
+      jax.monitoring.record_event_duration_secs(LOADED_EVENT, time.perf_counter() - start, fun_name=self.name)
+      return compiled
+    except FileNotFoundError:
+      pass
+    except Exception as e:  # pylint: disable=broad-except  # a damaged or foreign file is compiled again
+      logging.warning('Saved executable %s not loaded (%s: %s): compiling the program again', path,
+                      type(e).__name__, e)
+    compiled = _compile_fresh(self.jitted.lower(*args, **kwargs))
+    try:
+      _write_atomically(path, pickle.dumps(serialize_executable.serialize(compiled)))
+    except (OSError, ValueError, TypeError) as e:
+      logging.warning('Executable of %s not saved (%s)', self.name, e)
+    return compiled
+
+
+def _compile_fresh(lowered):
+  """lowered.compile() past JAX's persistent cache: an executable that cache hands back serializes without
+  its functions on XLA's CPU backend (running the reloaded copy fails: 'Function ... not found'). So these
+  compiles never read that cache (their compile options, with a default value made explicit, give keys no
+  other compile has) nor write it (its minimum compile time raised meanwhile)."""
+  floor = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 1e12)
+  try:
+    return lowered.compile(compiler_options={'xla_embed_ir_in_executable': False})
+  finally:
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', floor)
+
+
+def _write_atomically(path, data):
+  """Writes `data` to `path` through a temporary file in its directory, so that a reader (another process
+  decoding at the same time) sees the whole file or none."""
+  handle, temporary = tempfile.mkstemp(dir=str(path.parent), prefix='.tmp-')
+  try:
+    with os.fdopen(handle, 'wb') as f:
+      f.write(data)
+    os.replace(temporary, str(path))
+  except BaseException:
+    os.unlink(temporary)
+    raise

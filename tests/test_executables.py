@@ -1,0 +1,133 @@
+"""Saved executables (runtime/executables.py): a later process runs a program without tracing it, and never
+runs another program's executable."""
+import logging
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import subprocess_env
+from flaxformer_nmt.runtime import executables
+
+
+def loop(x, w, *, k):
+  """k rounds of tanh(x @ w) + column index: a while loop, an iota and a static argument."""
+  y = x + jnp.arange(x.shape[1], dtype=x.dtype)
+  return jax.lax.fori_loop(0, k, lambda i, y: jnp.tanh(y @ w), y)
+
+
+def loop_in_numpy(x, w, k):
+  y = np.asarray(x, np.float64) + np.arange(x.shape[1])
+  for _ in range(k):
+    y = np.tanh(y @ np.asarray(w, np.float64))
+  return y
+
+
+def arguments(columns=8, dtype=np.float32):
+  rng = np.random.default_rng(columns)
+  return (rng.normal(size=(4, columns)).astype(dtype), (rng.normal(size=(columns, columns)) / columns).astype(dtype))
+
+
+@pytest.fixture
+def saved_in(tmp_path):
+  before = executables.directory()
+  executables.enable(tmp_path / 'executables')
+  yield tmp_path / 'executables'
+  executables.enable(before)
+
+
+def loads(program, *args, **kwargs):
+  """(result, whether it came from a saved executable) of a call."""
+  events = []
+  listener = lambda event, duration, **unused: events.append(event)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    result = program(*args, **kwargs)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  return np.asarray(result), executables.LOADED_EVENT in events
+
+
+_PROCESS = textwrap.dedent('''
+  import sys, jax, jax.numpy as jnp, numpy as np
+  from flaxformer_nmt.runtime import executables
+  def loop(x, w, *, k):
+    y = x + jnp.arange(x.shape[1], dtype=x.dtype)
+    return jax.lax.fori_loop(0, k, lambda i, y: jnp.tanh(y @ w), y)
+  rng = np.random.default_rng(0)
+  x, w = rng.normal(size=(4, 8)).astype(np.float32), (rng.normal(size=(8, 8)) / 8).astype(np.float32)
+  expected = x.astype(np.float64) + np.arange(8)
+  for _ in range(3):
+    expected = np.tanh(expected @ w)
+  jax.jit(loop, static_argnames='k')(x, w, k=3)  # the plain jit: into JAX's persistent cache
+  executables.enable({directory!r})
+  program = executables.Program(loop, static_argnames=('k',))
+  if sys.argv[1] == 'load':
+    program.jitted.lower = None  # a traced program would fail here
+  np.testing.assert_allclose(program(x, w, k=3), expected, rtol=1e-4, atol=1e-5)
+  print('OK', len(list(executables.directory().iterdir())))
+''')
+
+
+def test_a_saved_executable_runs_in_another_process_without_tracing(tmp_path):
+  # Catches an executable saved from JAX's persistent cache (XLA's CPU backend serializes such a program
+  # without its functions: the next process fails with 'Function ... not found'), and a key that differs
+  # between processes (the second would trace the program again).
+  script = _PROCESS.format(directory=str(tmp_path / 'saved'))
+  env = subprocess_env(JAX_COMPILATION_CACHE_DIR=str(tmp_path / 'jax_cache'), JAX_PLATFORMS='cpu')
+  for mode in ('save', 'save', 'load'):  # the second: the program in JAX's cache, its executable saved again
+    if mode == 'save':
+      for path in (tmp_path / 'saved').glob('*'):
+        path.unlink()
+    result = subprocess.run([sys.executable, '-c', script, mode], capture_output=True, text=True, env=env,
+                            timeout=120)
+    assert result.returncode == 0 and 'OK 1' in result.stdout, (mode, result.stderr[-3000:])
+
+
+def test_the_key_tells_static_arguments_shapes_and_dtypes_apart(saved_in):
+  # Catches a key that leaves out a static argument, a shape or a dtype: a fresh Program (as a new process
+  # has) would load the other call's executable and give its numbers, or fail on the shapes.
+  calls = [(arguments(), 2), (arguments(), 3), (arguments(16), 3), (arguments(16, jnp.bfloat16), 3)]
+  for (x, w), k in calls:
+    result, loaded = loads(executables.Program(loop, static_argnames=('k',)), x, w, k=k)
+    assert not loaded
+    tolerance = 2e-2 if x.dtype == jnp.bfloat16 else 1e-4
+    np.testing.assert_allclose(result.astype(np.float64), loop_in_numpy(x, w, k), rtol=tolerance, atol=tolerance)
+  assert len(list(saved_in.iterdir())) == len(calls)
+  for (x, w), k in calls:  # each again in a fresh Program: its own executable
+    result, loaded = loads(executables.Program(loop, static_argnames=('k',)), x, w, k=k)
+    assert loaded
+    tolerance = 2e-2 if x.dtype == jnp.bfloat16 else 1e-4
+    np.testing.assert_allclose(result.astype(np.float64), loop_in_numpy(x, w, k), rtol=tolerance, atol=tolerance)
+
+
+def test_a_damaged_executable_is_compiled_again_and_replaced(saved_in, caplog):
+  # Catches a damaged file that stops the program (or is loaded and run) instead of being compiled again.
+  x, w = arguments()
+  executables.Program(loop, static_argnames=('k',))(x, w, k=2)
+  (path,) = saved_in.iterdir()
+  path.write_bytes(path.read_bytes()[:1000])
+  with caplog.at_level(logging.WARNING):
+    result, loaded = loads(executables.Program(loop, static_argnames=('k',)), x, w, k=2)
+  assert not loaded and 'not loaded' in caplog.text and path.name in caplog.text
+  np.testing.assert_allclose(result, loop_in_numpy(x, w, 2), rtol=1e-4, atol=1e-5)
+  result, loaded = loads(executables.Program(loop, static_argnames=('k',)), x, w, k=2)
+  assert loaded
+  np.testing.assert_allclose(result, loop_in_numpy(x, w, 2), rtol=1e-4, atol=1e-5)
+
+
+def test_without_a_directory_a_program_is_plain_jit(tmp_path):
+  # Catches files written (or read) while executables are off, as in a process no command turned them on.
+  before = executables.directory()
+  executables.enable(None)
+  try:
+    x, w = arguments()
+    result, loaded = loads(executables.Program(loop, static_argnames=('k',)), x, w, k=2)
+  finally:
+    executables.enable(before)
+  assert not loaded
+  np.testing.assert_allclose(result, loop_in_numpy(x, w, 2), rtol=1e-4, atol=1e-5)
