@@ -38,6 +38,12 @@ num_train_steps that fit M minutes with their evaluations and saves, the cooldow
 The untrained model's searches run to their length limit, so the validation time is an upper bound; start-up
 (reading the corpus, the vocabulary) is not counted.
 
+Where a real run's time goes: --trainer_steps N runs the trainer for N steps of each config in a new workdir
+and prints its wall time by phase (set-up, compiling, steps, validation, saves) against N x the step timed
+alone, and the share of the run in which the device runs no train step:
+
+  python bench/train_throughput.py --configs multi30k --trainer_steps 1000 --steps 20
+
 Each config trains its task's model (config.task: translation, lm, mlm). tok/s counts the tokens of one
 side: translation reads as many source tokens again; the LM and the MLM read only these.
 
@@ -47,7 +53,11 @@ the first config's compiled step is also checked against XLA's own FLOP count. M
 table in flops.py for GPUs/TPUs, or --peak (per device); on CPU it is left out.
 """
 import itertools
+import json
 import os
+import re
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -55,6 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+from etils import epath
 
 import op_profile  # bench/op_profile.py, beside this script
 
@@ -104,6 +115,10 @@ _PEAK = flags.DEFINE_float('peak', 0.0, 'Per-device peak FLOP/s for MFU (default
 _FIT_MINUTES = flags.DEFINE_float('fit_minutes', 0.0, 'Instead of the table: print the num_train_steps (and a '
                                   'proportional cooldown_steps) of each config that fit this many minutes of '
                                   'training on this machine, validation and saves included.')
+_TRAINER_STEPS = flags.DEFINE_integer('trainer_steps', 0, 'Instead of the table: run the trainer this many steps '
+                                     'of each config and print the share of its wall time outside the train step.')
+_TRAINER_FLAGS = flags.DEFINE_multi_string('trainer_flag', [], 'A flag for the trainer of --trainer_steps '
+                                           '(repeatable), e.g. --config.data_dir=DIR.')
 _VALID_SENTENCES = flags.DEFINE_integer('valid_sentences', 1014, 'Sentences of the validation split, for '
                                         "--fit_minutes (Multi30k's valid: 1,014).")
 
@@ -134,10 +149,12 @@ def xla_flops(compiled):
   return float(analysis.get('flops', 0.0)) if analysis else 0.0
 
 
+# By file path, so the script runs from any directory (configs/ is not a package on sys.path).
+CONFIGS = epath.Path(__file__).resolve().parent.parent / 'configs'
+
+
 def load_config(name, attention_impl, remat, prng_impl='', chunk=''):
-  # By file path, so the script runs from any directory (configs/ is not a package on sys.path).
-  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs', f'{name}.py')
-  config = config_lib.load_config_file(path)
+  config = config_lib.load_config_file(str(CONFIGS / f'{name}.py'))
   for field, value in (('dtype', _DTYPE.value), ('attention_impl', attention_impl), ('remat', remat),
                        ('matmul_precision', _MATMUL.value)):
     if value:
@@ -345,9 +362,9 @@ def steps_that_fit(config, minutes, step, first_step, loss, bleu, save):
   return max(int((minutes * 60 - fixed) / per_step), 0)
 
 
-def fit_to_minutes(name, minutes):
-  """Measures config `name` on this machine and prints the num_train_steps (and the cooldown in proportion) that
-  fit `minutes`, as overrides to paste."""
+def config_step(name):
+  """(model, state, mesh, vocabulary size, config, the first step's seconds, a step's seconds) of config `name` at
+  its own token budget (rows of config.packed_length or --lengths tokens), timed over --steps steps."""
   model, state, train_fn, mesh, vocab, config = build(name, '', '')
   length = config.packed_length or int(_LENGTHS.value[0])
   rows = max(config.tokens_per_batch // length // sharding.rows_multiple(mesh), 1) * sharding.rows_multiple(mesh)
@@ -358,12 +375,20 @@ def fit_to_minutes(name, minutes):
   for _ in range(_STEPS.value):
     state, _ = train_fn(state, batch)
   jax.block_until_ready(state)
-  step = (time.perf_counter() - start) / _STEPS.value
+  print(f'# {name}: {rows} x {length} tokens a step in {(time.perf_counter() - start) / _STEPS.value * 1e3:.1f} ms '
+        f'(the first {first_step:.1f} s)', flush=True)
+  return model, state, mesh, vocab, config, first_step, (time.perf_counter() - start) / _STEPS.value
+
+
+def fit_to_minutes(name, minutes):
+  """Measures config `name` on this machine and prints the num_train_steps (and the cooldown in proportion) that
+  fit `minutes`, as overrides to paste."""
+  model, state, mesh, vocab, config, first_step, step = config_step(name)
+  length = config.packed_length or int(_LENGTHS.value[0])
   (loss, bleu), save = validation_seconds(model, state.params, config, mesh, vocab, length), save_seconds(state)
   steps = steps_that_fit(config, minutes, step, first_step, loss, bleu, save)
   cooldown = round(config.cooldown_steps * steps / config.num_train_steps)
-  print(f'# {name}: {rows} x {length} tokens a step in {step * 1e3:.1f} ms (the first {first_step:.1f} s); '
-        f'validation loss {loss:.1f} s every {config.eval_every_steps} steps, BLEU {bleu:.1f} s every '
+  print(f'# {name}: validation loss {loss:.1f} s every {config.eval_every_steps} steps, BLEU {bleu:.1f} s every '
         f'{config.eval_bleu_every_steps or "-"}, a save {save:.2f} s every {config.checkpoint_every_steps}: '
         f'{steps} steps fit {minutes:g} minutes (configured: {config.num_train_steps}, cooldown '
         f'{config.cooldown_steps}, warmup {config.warmup_steps})')
@@ -374,11 +399,38 @@ def fit_to_minutes(name, minutes):
   return steps, cooldown
 
 
+def trainer_share(name, steps):
+  """Runs the trainer (python -m flaxformer_nmt.train) for `steps` steps of config `name` in a new workdir and
+  prints its wall time by phase (metrics.jsonl's wall/...) against `steps` x the step timed alone here: the
+  share of the run in which the device runs no train step."""
+  step = config_step(name)[-1]
+  with tempfile.TemporaryDirectory() as workdir:
+    command = [sys.executable, '-m', 'flaxformer_nmt.train', f'--config={CONFIGS / (name + ".py")}',
+               f'--workdir={workdir}', f'--config.num_train_steps={steps}', f'--config.cooldown_steps={steps // 2}',
+               '--config.max_train_minutes=0', *_TRAINER_FLAGS.value]
+    start = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    total = time.perf_counter() - start
+    if result.returncode:
+      raise RuntimeError(f'the trainer failed ({result.returncode}):\n{result.stderr[-3000:]}')
+    records = [json.loads(line) for line in (epath.Path(workdir) / 'metrics.jsonl').read_text().splitlines()]
+  phases = next(r for r in reversed(records) if 'wall/total' in r)
+  intervals = [r['train/step_time'] for r in records if 'train/step_time' in r]
+  print(f'# the trainer, {steps} steps of {name}: {total:.1f} s from launch to exit; by phase (up to finishing): '
+        + ', '.join(f'{k[5:]} {v:.1f} s' for k, v in phases.items() if k.startswith('wall/')))
+  print('# its log:', *re.findall(r'Wall time .*', result.stderr)[-1:])
+  outside = total - phases['wall/steps']
+  print(f'# the steps phase: {phases["wall/steps"] / steps * 1e3:.1f} ms a step (the logged intervals\' median '
+        f'{np.median(intervals) * 1e3:.1f} ms; the step alone here: {step * 1e3:.1f} ms)')
+  print(f'outside the steps (launch to exit, less the steps phase): {outside:.1f} s, {outside / total:.1%} of the run; '
+        f'1 - steps x step alone / launch to exit: {1 - steps * step / total:.1%}', flush=True)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   host_memory.keep_freed_memory()  # as the trainer does, before the first computation
-  if _FIT_MINUTES.value > 0:  # the devices the trainer runs the first config on (config.cpu_devices)
+  if _FIT_MINUTES.value > 0 or _TRAINER_STEPS.value:  # the devices the trainer runs the first config on
     sharding.split_host_cpu(load_config(_CONFIGS.value[0], '', '').cpu_devices)
     checkpoints_lib.quiet_orbax_logs()
   backend = jax.default_backend()
@@ -394,6 +446,10 @@ def main(argv):
   if _FIT_MINUTES.value > 0:
     for name in _CONFIGS.value:
       fit_to_minutes(name, _FIT_MINUTES.value)
+    return
+  if _TRAINER_STEPS.value:
+    for name in _CONFIGS.value:
+      trainer_share(name, _TRAINER_STEPS.value)
     return
   first = _CHECK_XLA.value
   for name in _CONFIGS.value:

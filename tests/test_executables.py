@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import subprocess_env
+from conftest import subprocess_env, xla_flags_without_device_count
 from flaxformer_nmt.runtime import executables
 
 
@@ -78,7 +78,10 @@ def test_a_saved_executable_runs_in_another_process_without_tracing(tmp_path):
   # without its functions: the next process fails with 'Function ... not found'), and a key that differs
   # between processes (the second would trace the program again).
   script = _PROCESS.format(directory=str(tmp_path / 'saved'))
-  env = subprocess_env(JAX_COMPILATION_CACHE_DIR=str(tmp_path / 'jax_cache'), JAX_PLATFORMS='cpu')
+  # Two CPU devices, the program on one (as validation BLEU runs in a trainer of config.cpu_devices=2): catches
+  # an executable loaded onto all of the backend's devices, which then wants its inputs in two shards.
+  env = subprocess_env(JAX_COMPILATION_CACHE_DIR=str(tmp_path / 'jax_cache'), JAX_PLATFORMS='cpu',
+                       XLA_FLAGS=xla_flags_without_device_count() + ' --xla_force_host_platform_device_count=2')
   for mode in ('save', 'save', 'load'):  # the second: the program in JAX's cache, its executable saved again
     if mode == 'save':
       for path in (tmp_path / 'saved').glob('*'):

@@ -160,3 +160,18 @@ def test_the_bleu_curve_joins_resumed_launches_minutes_whichever_clock_they_logg
   # Both: this trainer resuming an older checkpoint (no clock saved: starts at 0), then resumed again.
   assert minutes(at(10, 10), at(20, 20), start(20, 0), at(25, 5), start(25, 5), at(28, 8)) == {
       10: 10, 20: 20, 25: 25, 28: 28}
+
+
+def test_the_run_records_its_wall_time_by_phase(trained_toy):
+  # Catches a phase left out of the clock or counted twice (the steps are the rest: they would come out too
+  # long, or negative), and validation or saves timed around nothing.
+  logged = [json.loads(line) for line in (trained_toy / 'metrics.jsonl').read_text().splitlines()]
+  (phases,) = [m for m in logged if 'wall/total' in m]
+  assert phases['step'] == 400
+  named = {k: v for k, v in phases.items() if k.startswith('wall/') and k not in ('wall/total', 'wall/steps')}
+  assert set(named) == {'wall/set-up', 'wall/compiling', 'wall/validation', 'wall/saves'}, phases
+  assert phases['wall/steps'] + sum(named.values()) == pytest.approx(phases['wall/total'], rel=1e-9)
+  assert all(v > 0 for v in named.values()) and phases['wall/steps'] > 0
+  # Validation (two greedy BLEU decodes of the validation split and two loss passes) takes longer than the
+  # four asynchronous saves' share of the loop.
+  assert phases['wall/validation'] > phases['wall/saves']

@@ -79,7 +79,7 @@ def environment():
   return '\n'.join([
       f'jax {jax.__version__} jaxlib {jaxlib.__version__} flax {flax.__version__}',
       f'flaxformer_nmt source {source.hexdigest()}',
-      f'{device.platform} {device.device_kind} {getattr(device.client, "platform_version", "")}',
+      f'{jax.device_count()} x {device.platform} {device.device_kind} {getattr(device.client, "platform_version", "")}',
       f'XLA_FLAGS={os.environ.get("XLA_FLAGS", "")}',
       _cpu_features()])
 
@@ -145,10 +145,14 @@ class Program:
     return _directory / f'{self.name[4:-1]}-{digest.hexdigest()[:40]}.executable'
 
   def _obtain(self, args, kwargs, description):
-    """The compiled program for these arguments: loaded from its saved executable, else compiled and saved."""
+    """The compiled program for these arguments: loaded from its saved executable (on the devices it was
+    compiled for: by default a loaded executable spans all of the backend's), else compiled and saved."""
     path, start = self.path(description), time.perf_counter()
     try:
-      compiled = serialize_executable.deserialize_and_load(*pickle.loads(path.read_bytes()))
+      serialized, in_tree, out_tree, device_ids = pickle.loads(path.read_bytes())
+      devices = {device.id: device for device in jax.devices()}
+      compiled = serialize_executable.deserialize_and_load(
+          serialized, in_tree, out_tree, execution_devices=[devices[i] for i in device_ids])
       jax.monitoring.record_event_duration_secs(LOADED_EVENT, time.perf_counter() - start, fun_name=self.name)
       return compiled
     except FileNotFoundError:
@@ -158,7 +162,8 @@ class Program:
                       type(e).__name__, e)
     compiled = _compile_fresh(self.jitted.lower(*args, **kwargs))
     try:
-      _write_atomically(path, pickle.dumps(serialize_executable.serialize(compiled)))
+      device_ids = sorted({d.id for s in jax.tree_util.tree_leaves(compiled.input_shardings) for d in s.device_set})
+      _write_atomically(path, pickle.dumps((*serialize_executable.serialize(compiled), device_ids)))
     except (OSError, ValueError, TypeError) as e:
       logging.warning('Executable of %s not saved (%s)', self.name, e)
     return compiled

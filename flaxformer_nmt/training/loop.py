@@ -5,6 +5,7 @@ Beside it in training/: the step itself (step.py), what it reports (metrics.py),
 (preemption.py), validation BLEU (validation.py), ensembles (ensemble.py); its input is data/pipeline.py and its
 checkpoints checkpointing/checkpoints.py. The command is flaxformer_nmt/train.py.
 """
+import contextlib
 import dataclasses
 import time
 from typing import Any, Callable
@@ -171,8 +172,9 @@ def evaluate_step(run, step, start_time, done):
 def train_and_evaluate(config, workdir):
   """Trains to config.num_train_steps (or until config.max_train_minutes or a stop signal); returns the last
   metrics."""
-  launch_time = time.time()
-  run = set_up(config, workdir)
+  launch_time, clock = time.time(), metrics_lib.WallClock()
+  with clock.phase('set-up'):
+    run = set_up(config, workdir)
   start_time = launch_time - run.trained_seconds  # the clock of the run's training time, resumes included
   step = first_step = int(run.state.step)
   logging.info('Starting at step %d of %d; %d batches per epoch%s', step, config.num_train_steps,
@@ -193,7 +195,8 @@ def train_and_evaluate(config, workdir):
     while step < config.num_train_steps and not spent:
       batch = interval.next_batch(run.train_batches)
       run.profiler.before_step(step)
-      run.state, step_metrics = run.train_fn(run.state, sharding.put_batch(batch, run.batch_sharding))
+      with clock.phase('compiling') if step == first_step else contextlib.nullcontext():
+        run.state, step_metrics = run.train_fn(run.state, sharding.put_batch(batch, run.batch_sharding))
       interval.add(step_metrics, batch)  # device arrays: read only at log/save time
       in_flight.add(step_metrics)  # stop decisions below are for a step the device is about to reach
       step += 1
@@ -205,10 +208,12 @@ def train_and_evaluate(config, workdir):
         last = log_train(run, interval, step, start_time, decision)
       if save:  # before evaluating: a kill during a long validation decode loses nothing; the write is async
         position = {**run.train_batches.state(), TRAINED_SECONDS: time.time() - start_time}
-        run.checkpoints.save(step, run.state, position, force=True, vocab_sha256=run.vocab_sha256)
+        with clock.phase('saves'):
+          run.checkpoints.save(step, run.state, position, force=True, vocab_sha256=run.vocab_sha256)
         decision.saved()
       if not decision.signalled:  # a preempted run exits at once (its grace period is short); no evaluation
-        evaluated = evaluate_step(run, step, start_time, done)
+        with clock.phase('validation'):
+          evaluated = evaluate_step(run, step, start_time, done)
         if evaluated:
           last.update(evaluated)
           interval.restart()  # keep evaluation out of the next interval's tokens/s
@@ -218,9 +223,12 @@ def train_and_evaluate(config, workdir):
         break
   if decision.reason == 'config.max_train_minutes' and step < config.num_train_steps:
     warn_time_cut(config, step)
-  finish(run, step, decision)
+  run.log.write(step, clock.phases())  # this launch's time by phase, up to finishing (the log closes there)
+  with clock.phase('finishing'):
+    finish(run, step, decision)
   logging.info('Trained steps %d..%d in %s (%s of training in all)', first_step, step,
                metrics_lib.duration(time.time() - launch_time), metrics_lib.duration(time.time() - start_time))
+  logging.info('%s', metrics_lib.wall_log_line(clock.phases()))
   return last
 
 

@@ -6,6 +6,8 @@ logged as `train/loss` and `eval/loss` is the label-smoothed cross entropy per t
 minimizes, train_step.label_smoothed_cross_entropy), `*/nll` the plain cross entropy per target token, and
 `eval/perplexity` exp(eval/nll).
 """
+import collections
+import contextlib
 import json
 import time
 
@@ -181,3 +183,34 @@ def eval_log_line(step, metrics):
   accuracy = f' | masked-token accuracy {metrics["eval/accuracy"]:.2%}' if 'eval/accuracy' in metrics else ''
   return (f'step {step} | validation loss {metrics["eval/loss"]:.4f} | nll {metrics["eval/nll"]:.4f} | '
           f'perplexity {metrics["eval/perplexity"]:.2f}{accuracy}')
+
+
+class WallClock:
+  """A launch's wall seconds by phase (set-up, compiling the first step, validation, saves, finishing), the
+  rest being the loop's steps: `phases()` for its last log line and metrics.jsonl (`wall/...`), so that the
+  time outside the train step is read off a run (bench/train_throughput.py --trainer_steps)."""
+
+  def __init__(self):
+    self.start, self.seconds = time.perf_counter(), collections.Counter()
+
+  @contextlib.contextmanager
+  def phase(self, name):
+    start = time.perf_counter()
+    try:
+      yield
+    finally:
+      self.seconds[name] += time.perf_counter() - start
+
+  def phases(self):
+    """{'wall/total': s, 'wall/steps': s, 'wall/PHASE': s ...}: the phases and the loop's steps (the rest)."""
+    total = time.perf_counter() - self.start
+    out = {f'wall/{name}': seconds for name, seconds in self.seconds.items()}
+    return {'wall/total': total, 'wall/steps': total - sum(self.seconds.values()), **out}
+
+
+def wall_log_line(phases):
+  """'Wall time 464.0 s: steps 411.2 s (88.6%), set-up 10.1 s (2.2%), ...'."""
+  total = phases['wall/total']
+  parts = [f'{name[5:]} {seconds:.1f} s ({100 * seconds / total:.1f}%)'
+           for name, seconds in phases.items() if name != 'wall/total']
+  return f'Wall time {total:.1f} s: ' + ', '.join(parts)
