@@ -56,6 +56,9 @@ def define_flags():
                     'none: compile on first use.')
   flags.DEFINE_float('switch_interval_ms', 1.0, 'Python\'s thread switch interval (its default: 5 ms).')
   flags.DEFINE_float('graceful_timeout_s', 60.0, 'On SIGTERM, how long to wait for the requests in flight.')
+  flags.DEFINE_float('keep_alive_s', 75.0, 'How long an idle connection stays open. Longer than the clients\' and '
+                     'load balancers\' idle timeouts (httpx: 5 s, AWS ALB: 60 s), so that the server never closes a '
+                     'connection a client is sending its next request on (the client would see a reset).')
 
 
 def read_api_keys(path):
@@ -128,7 +131,7 @@ def main(argv):
   except (OSError, ValueError) as e:
     sys.exit(f'error: {e}')
   config = uvicorn.Config(application, host=FLAGS.host, port=FLAGS.port, log_level='info',
-                          timeout_graceful_shutdown=FLAGS.graceful_timeout_s)
+                          timeout_graceful_shutdown=FLAGS.graceful_timeout_s, timeout_keep_alive=FLAGS.keep_alive_s)
   logging.info('Listening on http://%s:%d/', FLAGS.host, FLAGS.port)
   # uvicorn drains on SIGTERM, restores the handler it found and raises the signal again: with this one the
   # drained server then exits 0 instead of dying of the signal.
