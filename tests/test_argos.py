@@ -3,6 +3,7 @@ translating from it as our greedy search does, and the server's ctranslate2 back
 import json
 import zipfile
 
+import numpy as np
 import pytest
 import sentencepiece as spm
 
@@ -98,6 +99,18 @@ def test_the_server_serves_the_package_through_ctranslate2(package, translator):
   assert entry['source_tokens'] == translator.tokenizer.pieces(translator.tokenizer.encode([SENTENCES[0]])[0])
   assert len(entry['weights']) == 1 and len(entry['weights'][0]) == len(entry['target_tokens'])
   assert entry['target_tokens'][-1] == '</s>'
+  # The rows are CTranslate2's own attention of each generated token over the source pieces it was given (no
+  # EOS either way; asked of it here directly), zeros beyond. Catches rows cut from the flat weights at the
+  # source's width with EOS, which mixes tokens' rows (or fails where the lengths do not divide).
+  pieces = translator.tokenizer.pieces(translator.tokenizer.encode([SENTENCES[0]])[0][:-1])
+  own = np.asarray(backend.translator.translate_batch(
+      [pieces], beam_size=1, return_attention=True, max_decoding_length=len(pieces) + 50, min_decoding_length=1,
+      suppress_sequences=argos.SUPPRESSED)[0].attention[0])
+  weights = np.asarray(entry['weights'][0])
+  assert weights.shape == (len(entry['target_tokens']), len(entry['source_tokens']))
+  assert own.shape == (len(entry['target_tokens']) - 1, len(pieces))
+  np.testing.assert_allclose(weights[:own.shape[0], :own.shape[1]], own, rtol=1e-5, atol=1e-6)
+  assert not weights[own.shape[0]:].any() and not weights[:, own.shape[1]:].any()
 
 
 def test_the_ctranslate2_backend_reads_a_plain_export_from_its_readme(workdir, translator, tmp_path):

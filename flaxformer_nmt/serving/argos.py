@@ -225,11 +225,14 @@ class CTranslate2Backend:
 
   @staticmethod
   def _attention(result, source, hypotheses):
-    """CTranslate2's attention of the best hypothesis as [1 layer, target pieces with EOS, source pieces]."""
+    """CTranslate2's attention of the best hypothesis as [1 layer, target pieces with EOS, source pieces]: its
+    rows (one a generated token) over the source it was given, the pieces without EOS; what it leaves out (the
+    source's EOS column, the EOS row) stays zero."""
     import numpy as np  # pylint: disable=g-import-not-at-top
     rows = np.zeros((len(hypotheses[0][0]), len(source)), np.float32)
-    given = np.asarray(result.attention[0], np.float32).reshape(-1, len(source))[:len(rows)]
-    rows[:len(given)] = given
+    given = np.asarray(result.attention[0], np.float32).reshape(len(result.attention[0]), -1)
+    given = given[:len(rows), :len(source)]
+    rows[:given.shape[0], :given.shape[1]] = given
     return rows[None]
 
   def warm_up(self, max_source_tokens, options, tokens_per_batch):
