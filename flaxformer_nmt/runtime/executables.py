@@ -85,17 +85,17 @@ def environment():
 
 
 def _signature(leaves):
-  """A hashable description of the arguments' abstract values (shape, dtype, weak type, device), or None
-  where one lives on several devices (or is of a kind not described here): those programs stay plain jit."""
+  """A hashable description of the arguments' abstract values (shape, dtype, weak type, sharding), or None
+  where one lives on several devices (or is of a kind not described here): those programs stay plain jit.
+  Called on every call of a Program: no string formatting here."""
   signature = []
   for x in leaves:
     if isinstance(x, jax.Array):
-      devices = x.sharding.device_set
-      if len(devices) != 1:
+      if x.sharding.num_devices != 1:
         return None
-      signature.append((x.shape, str(x.dtype), x.weak_type, next(iter(devices)).id))
+      signature.append((x.shape, x.dtype, x.weak_type, x.sharding))
     elif isinstance(x, (np.ndarray, np.generic)):
-      signature.append((x.shape, str(x.dtype)))
+      signature.append((x.shape, x.dtype))
     elif isinstance(x, (bool, int, float)):
       signature.append(type(x).__name__)
     else:
@@ -131,8 +131,10 @@ class Program:
       return self.jitted(*args, **kwargs)
     key = (static, tree, signature)
     compiled = self._compiled.get(key)
-    if compiled is None:
-      compiled = self._compiled[key] = self._obtain(args, kwargs, repr((static, str(tree), signature)))
+    if compiled is None:  # on disk, the devices by id too (a sharding's repr may not name them)
+      devices = sorted({d.id for x in leaves if isinstance(x, jax.Array) for d in x.sharding.device_set})
+      description = repr((static, str(tree), signature, devices))
+      compiled = self._compiled[key] = self._obtain(args, kwargs, description)
     return compiled(*dynamic_args, **dynamic_kwargs)
 
   def cache_size(self):

@@ -223,25 +223,26 @@ def train_and_evaluate(config, workdir):
         break
   if decision.reason == 'config.max_train_minutes' and step < config.num_train_steps:
     warn_time_cut(config, step)
-  run.log.write(step, clock.phases())  # this launch's time by phase, up to finishing (the log closes there)
-  with clock.phase('finishing'):
-    finish(run, step, decision)
+  finish(run, step, decision, clock)
   logging.info('Trained steps %d..%d in %s (%s of training in all)', first_step, step,
                metrics_lib.duration(time.time() - launch_time), metrics_lib.duration(time.time() - start_time))
-  logging.info('%s', metrics_lib.wall_log_line(clock.phases()))
   return last
 
 
-def finish(run, step, decision):
-  """Waits for the last save and closes everything; a run that ended (by steps or time), not one paused by a
-  stop signal, averages its last checkpoints for decoding and is marked finished (ensemble.py)."""
-  run.close(last_state=run.state)
-  if decision.signalled:
-    return
-  if run.config.average_last_checkpoints > 0:
-    checkpoints_lib.average_last(run.workdir, last=run.config.average_last_checkpoints,
-                                 every_steps=run.config.checkpoint_every_steps)
-  ensemble.mark_finished(run.workdir, run.config, step, decision.reason or 'its end, reached before this launch')
+def finish(run, step, decision, clock):
+  """Writes this launch's time by phase (up to finishing: the log closes here), waits for the last save and
+  closes everything; a run that ended (by steps or time), not one paused by a stop signal, averages its last
+  checkpoints for decoding and is marked finished (ensemble.py). Logs the time by phase, finishing included."""
+  run.log.write(step, clock.phases())
+  with clock.phase('finishing'):
+    run.close(last_state=run.state)
+    if not decision.signalled:
+      if run.config.average_last_checkpoints > 0:
+        checkpoints_lib.average_last(run.workdir, last=run.config.average_last_checkpoints,
+                                     every_steps=run.config.checkpoint_every_steps)
+      ensemble.mark_finished(run.workdir, run.config, step,
+                             decision.reason or 'its end, reached before this launch')
+  logging.info('%s', metrics_lib.wall_log_line(clock.phases()))
 
 
 def warn_time_cut(config, step):
