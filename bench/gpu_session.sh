@@ -3,7 +3,7 @@
 # minutes and has no network access. Each stage writes $OUT/<stage>.log (absl's INFO/WARNING lines only there).
 #
 #   bash bench/gpu_session.sh env tests throughput memory     # stack, cuDNN tests, train-step MFU, memory
-#   bash bench/gpu_session.sh decode multi30k                 # decoding speed; configs/multi30k.py trained on the GPU
+#   bash bench/gpu_session.sh decode dispatch multi30k        # decoding speed; configs/multi30k.py trained on the GPU
 #   bash bench/gpu_session.sh diagnose profile                # attention errors; where the big step's time goes
 #   SUITE_SECONDS=540 bash bench/gpu_session.sh env suite     # the whole test suite on the GPU
 #   SMOKE=1 bash bench/gpu_session.sh env throughput decode multi30k   # every stage shrunk, on a CPU, beforehand
@@ -21,8 +21,10 @@
 #   memory      big: remat none/dots/full, the largest token budget that fits, the chunked vocabulary loss
 #   decode      sentences/s and target tokens/s, beam 4 and greedy, of the Multi30k model in gpu_carry/m30k
 #               (bench/decode_throughput.py) on test2016 and, where carried, newstest2013
-#   multi30k    configs/multi30k.py trained on the GPU for MULTI30K_MINUTES (2.5), then test2016 BLEU, and
-#               the carried model decoded in bf16 and float32
+#   dispatch    the recipe's first DISPATCH_STEPS (1,000) steps through the trainer, one step a call and then
+#               10 (config.steps_per_dispatch): the steps phase and the time outside the steps, by phase
+#   multi30k    configs/multi30k.py trained on the GPU for MULTI30K_MINUTES (2.5), MULTI30K_DISPATCH (10) steps a
+#               call, then test2016 BLEU, and the carried model decoded in bf16 and float32
 #   profile     the big step traced (bench/op_profile.py): time per part of the model and the costliest ops
 #
 # What travels with the working tree (the machine has no network), made beforehand and git-ignored:
@@ -46,6 +48,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
   TRAIN_SIZES=(--config.num_train_steps=30 --config.cooldown_steps=20 --config.warmup_steps=10
                --config.eval_bleu_every_steps=30 --config.eval_bleu_max_sentences=40
                --config.checkpoint_every_steps=30)
+  DISPATCH_STEPS=${DISPATCH_STEPS:-40}
 else
   TT_SIZES=(--steps 20)
   DECODE_SIZES=(--max_sentences 1000)
@@ -140,12 +143,22 @@ stage_decode() {
     --inputs gpu_carry/data/multi30k/test2016.en,gpu_carry/data/newstest2013.en --repeats 2 "${DECODE_SIZES[@]}"
 }
 
+stage_dispatch() {
+  local steps=${DISPATCH_STEPS:-1000}
+  for many in 1 10; do
+    timeout 200 $PY bench/train_throughput.py --configs multi30k --trainer_steps $steps --steps 20 \
+      --trainer_flag=--config.data_dir=gpu_carry/data/multi30k \
+      --trainer_flag=--config.eval_bleu_tok_ref_dir=gpu_carry/data/multi30k_tok \
+      --trainer_flag=--config.steps_per_dispatch=$many
+  done
+}
+
 stage_multi30k() {
   local workdir=/tmp/m30k_gpu
   local start=$SECONDS
   timeout 600 $PY -m flaxformer_nmt.train --config configs/multi30k.py --workdir $workdir \
     --config.data_dir=gpu_carry/data/multi30k --config.eval_bleu_tok_ref_dir=gpu_carry/data/multi30k_tok \
-    "${TRAIN_SIZES[@]}"
+    --config.steps_per_dispatch=${MULTI30K_DISPATCH:-10} "${TRAIN_SIZES[@]}"
   echo "# training wall time: $((SECONDS - start)) s"
   grep -h '"eval/tok_bleu"' $workdir/metrics.jsonl | tail -5
   timeout 90 $PY -m flaxformer_nmt.compare --workdir $workdir --checkpoints latest --split test2016

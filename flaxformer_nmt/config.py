@@ -234,6 +234,11 @@ def _optimization_fields(c):
   # Microbatches per update (lax.scan inside the step): the token budget on fewer devices, at the memory of
   # one microbatch. Each step's rows must divide by it (and by the device count).
   c.grad_accumulation_steps = 1
+  # Train steps per call of the compiled program (a lax.scan over that many batches): the same updates, with one
+  # host dispatch for all of them, for models whose step is short beside the host's work on it (a small model
+  # on a GPU). Needs packed batches (packed_length > 0, one shape); logging, evaluation and checkpoint
+  # intervals are multiples of it. A stop signal is acted on after the call's last step.
+  c.steps_per_dispatch = 1
   c.num_train_steps = 100_000
   # Fine-tuning / warm start (training/warm_start.py): a new run takes its parameters (only) from this training
   # workdir or checkpoint directory; init_checkpoint picks latest, averaged, best or a step of a workdir.
@@ -359,6 +364,7 @@ def validate(config):
   _validate_data(config)
   _validate_schedule(config)
   _validate_checkpoints(config)
+  _validate_dispatch(config)
   _validate_regularizers(config)
   _validate_translation_options(config)
 
@@ -446,6 +452,23 @@ def _validate_checkpoints(config):
   if metric == 'tok_bleu' and not (reference and epath.Path(reference).exists()):
     raise ConfigError(f"config.best_checkpoint_metric='tok_bleu' needs the tokenized validation reference "
                       f'{reference or "(config.eval_bleu_tok_ref_dir is empty)"}')
+
+
+def _validate_dispatch(config):
+  """config.steps_per_dispatch: the steps of one call share a batch shape, and every step that logs, evaluates or
+  saves ends a call."""
+  many = config.steps_per_dispatch
+  if not isinstance(many, int) or many < 1:
+    raise ConfigError(f'config.steps_per_dispatch={many!r} counts train steps per call: use 1 or more')
+  if many == 1:
+    return
+  if not config.packed_length:
+    raise ConfigError(f'config.steps_per_dispatch={many} needs batches of one shape: set config.packed_length '
+                      '(e.g. 64 or 128), or use steps_per_dispatch=1')
+  for field in ('log_every_steps', 'eval_every_steps', 'checkpoint_every_steps', 'eval_bleu_every_steps'):
+    if config[field] % many:
+      raise ConfigError(f'config.{field}={config[field]} is not a multiple of config.steps_per_dispatch={many}: '
+                        'each call runs that many steps, so use a multiple of it')
 
 
 def tokenized_reference(config):

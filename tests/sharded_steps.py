@@ -1,7 +1,8 @@
 """Helper for test_sharding.py, run in its own process: XLA_FLAGS must give 4 CPU devices before jax starts.
 
 Trains a tiny model for a few steps on one device and on meshes (data, fsdp) = (4, 1), (1, 4) and (2, 2), the
-last with gradient accumulation (and once more with the chunked vocabulary loss too), and prints a JSON report
+last with gradient accumulation (and once more with the chunked vocabulary loss too, and once with all the steps
+in one call: config.steps_per_dispatch), and prints a JSON report
 of how far each run's parameters and metrics are from the single-device run's. A wrong data-parallel reduction,
 FSDP gather or accumulation each shows in one of them. The gradient norms are compared too: Adam divides each
 update by the gradient's own scale, so gradients summed over devices where they should be averaged (4x too
@@ -48,11 +49,17 @@ def run(config, mesh):
   state, shardings = ts.create_state(model, config, mesh)
   train_fn, eval_fn = ts.jit_steps(model, config, mesh, shardings)
   batch_sharding = sharding.batch_sharded(mesh)
-  losses, grad_norms = [], []
-  for batch in batches(config.vocab_size):
-    state, metrics = train_fn(state, sharding.put_batch(batch, batch_sharding))
-    losses.append(float(metrics['loss_sum'] / metrics['target_tokens']))
-    grad_norms.append(float(metrics['grad_norm']))
+  if config.steps_per_dispatch > 1:  # all the steps in one call, their batches stacked
+    stacked = jax.tree_util.tree_map(lambda *arrays: np.stack(arrays), *batches(config.vocab_size))
+    state, metrics = train_fn.many(state, sharding.put_batch(stacked, sharding.steps_batch_sharded(mesh)))
+    steps_metrics = [{name: value[i] for name, value in metrics.items()} for i in range(STEPS)]
+  else:
+    steps_metrics = []
+    for batch in batches(config.vocab_size):
+      state, metrics = train_fn(state, sharding.put_batch(batch, batch_sharding))
+      steps_metrics.append(metrics)
+  losses = [float(m['loss_sum'] / m['target_tokens']) for m in steps_metrics]
+  grad_norms = [float(m['grad_norm']) for m in steps_metrics]
   evaluation = eval_fn(state.params, sharding.put_batch(batches(config.vocab_size, seed=1)[0], batch_sharding))
   split = sorted({str(leaf.sharding.spec) for leaf in jax.tree_util.tree_leaves(state.params)})
   shard_rows = [leaf.addressable_shards[0].data.shape for leaf in jax.tree_util.tree_leaves(state.opt_state)
@@ -82,19 +89,23 @@ def main():
   report = {'reference_losses': reference['losses'], 'reference_grad_norms': reference['grad_norms']}
   # The last: the chunked vocabulary loss (config.vocabulary_loss_chunk_tokens) against the reference's whole
   # logits, its embedding gradient summed over the data-parallel rows and its chunks over positions per device.
-  for data, fsdp, accumulate, chunk in ((4, 1, 1, 0), (1, 4, 1, 0), (2, 2, 2, 0), (2, 2, 2, 16)):
+  # And the three steps in one call (config.steps_per_dispatch): their batches stacked, each one's rows split.
+  for data, fsdp, accumulate, chunk, many in ((4, 1, 1, 0, 1), (1, 4, 1, 0, 1), (2, 2, 2, 0, 1), (2, 2, 2, 16, 1),
+                                              (2, 2, 1, 0, STEPS)):
     config.grad_accumulation_steps = accumulate
     config.vocabulary_loss_chunk_tokens = chunk
+    config.steps_per_dispatch = many
     devices = jax.devices()[:data * fsdp]
     result = run(config, sharding.make_mesh(data, fsdp, devices=devices))
-    report[f'data={data},fsdp={fsdp},accumulate={accumulate}' + (f',chunk={chunk}' if chunk else '')] = {
+    report[f'data={data},fsdp={fsdp},accumulate={accumulate}' + (f',chunk={chunk}' if chunk else '')
+           + (f',many={many}' if many > 1 else '')] = {
         'param_max_abs_diff': max_difference(result['params'], reference['params']),
         'loss_max_abs_diff': max(abs(a - b) for a, b in zip(result['losses'], reference['losses'])),
         'grad_norm_max_rel_diff': max(abs(a - b) / b for a, b in zip(result['grad_norms'], reference['grad_norms'])),
         'eval_loss_abs_diff': abs(result['eval_loss'] - reference['eval_loss']),
         'specs': result['specs'], 'optimizer_state_sharded': result['optimizer_state_sharded'],
     }
-  config.grad_accumulation_steps, config.vocabulary_loss_chunk_tokens = 1, 0
+  config.grad_accumulation_steps, config.vocabulary_loss_chunk_tokens, config.steps_per_dispatch = 1, 0, 1
   print('REPORT ' + json.dumps(report))
 
 

@@ -342,6 +342,32 @@ def test_the_chunked_vocabulary_loss_is_refused_where_it_cannot_work():
     config_lib.validate(c)
 
 
+def test_steps_per_dispatch_is_refused_where_a_call_would_mix_shapes_or_pass_over_a_log_or_save_step():
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  c = config_lib.base_config()
+  c.data_dir = '/data'
+  c.steps_per_dispatch, c.log_every_steps, c.eval_every_steps, c.checkpoint_every_steps = 10, 50, 500, 200
+  with pytest.raises(config_lib.ConfigError, match=r'steps_per_dispatch=10 needs batches of one shape: set '
+                                                   r'config.packed_length'):
+    config_lib.validate(c)
+  c.packed_length = 64
+  config_lib.validate(c)
+  for field, value in (('log_every_steps', 25), ('eval_every_steps', 505), ('checkpoint_every_steps', 1005),
+                       ('eval_bleu_every_steps', 1001)):
+    with pytest.raises(config_lib.ConfigError, match=f'config.{field}={value} is not a multiple of '
+                                                     'config.steps_per_dispatch=10'):
+      config_lib.validate(_with(c, field, value))
+  for bad in (0, -4):
+    with pytest.raises(config_lib.ConfigError, match='counts train steps per call'):
+      config_lib.validate(_with(c, 'steps_per_dispatch', bad))
+
+
+def _with(config, field, value):
+  copy = config.copy_and_resolve_references()
+  copy[field] = value
+  return copy
+
+
 def test_bad_names_are_refused_with_the_values_they_take():
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
   for field, value in (('prng_impl', 'philox'), ('task', 'nmt'), ('data_source', 'csv'),

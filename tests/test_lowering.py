@@ -5,9 +5,10 @@ from abstract inputs (`jax.eval_shape`, `jax.ShapeDtypeStruct`) and an `Abstract
 exist. So CI traces what a GPU or TPU user would run, with the configs they would run: the train step of
 configs/base.py and configs/big.py in bfloat16 (model.dtype 'auto' settled for the target platform) on a
 data 4 x fsdp 2 mesh, with and without rematerialization and gradient accumulation, the train steps of the
-decoder-only LM and the MLM (configs/lm_multi30k.py, configs/mlm_multi30k.py), and the beam-search and
-greedy decode loops. The StableHLO is then read for what must be there: bfloat16 matmuls, cuDNN flash
-attention on CUDA (and only there), the mesh and the FSDP layout, the remat barriers, the accumulation loop.
+decoder-only LM and the MLM (configs/lm_multi30k.py, configs/mlm_multi30k.py), several steps in one call
+(config.steps_per_dispatch), and the beam-search and greedy decode loops. The StableHLO is then read for what
+must be there: bfloat16 matmuls, cuDNN flash attention on CUDA (and only there), the mesh and the FSDP layout,
+the remat barriers, the accumulation loop.
 
 cuDNN's attention asks the CUDA plugin for the cuDNN version and the GPU generation before it lowers; without
 the plugin that check raises "cuDNN is not detected". `cudnn_version_check_answered` answers it (cuDNN 9.10 on
@@ -69,9 +70,11 @@ def abstract_like(tree, shardings):
 
 
 @functools.lru_cache(maxsize=None)  # each lowering once per session, shared by the tests that read it
-def lowered_train_step(name, platform, remat='none', accumulation=1, attention='auto', on_mesh=True, **overrides):
+def lowered_train_step(name, platform, remat='none', accumulation=1, attention='auto', on_mesh=True, steps=1,
+                       **overrides):
   """(ModelConfig, StableHLO text) of the jitted train step of configs/NAME.py, built for `platform` and
-  lowered for it: on MESH, or (on_mesh=False) on this machine's first device standing in for one GPU or TPU."""
+  lowered for it: on MESH, or (on_mesh=False) on this machine's first device standing in for one GPU or TPU;
+  steps > 1: that many steps in one call (TrainStep.many), their batches stacked."""
   mesh = MESH if on_mesh else sharding.make_mesh(devices=jax.devices()[:1])
   config = load_config(name, **{'model.remat': remat, 'model.attention_impl': attention,
                                 'grad_accumulation_steps': accumulation,
@@ -85,10 +88,17 @@ def lowered_train_step(name, platform, remat='none', accumulation=1, attention='
   with abstract_mesh, cudnn_version_check_answered():
     abstract = jax.eval_shape(functools.partial(train_step.init_state, model, optimizer, config.seed))
     shardings = sharding.state_shardings(abstract, mesh)
-    batch = {key: jax.ShapeDtypeStruct((ROWS, LENGTH), jnp.int32, sharding=sharding.batch_sharded(mesh))
-             for key in ('src', 'tgt_in', 'tgt_out')}
     train_fn, _ = train_step.jit_steps(model, config, mesh, shardings)
-    lowered = train_fn.trace(abstract_like(abstract, shardings), batch).lower(lowering_platforms=(platform,))
+    if steps == 1:
+      batch = {key: jax.ShapeDtypeStruct((ROWS, LENGTH), jnp.int32, sharding=sharding.batch_sharded(mesh))
+               for key in ('src', 'tgt_in', 'tgt_out')}
+      traced = train_fn.trace(abstract_like(abstract, shardings), batch)
+    else:
+      batches = {key: jax.ShapeDtypeStruct((steps, ROWS, LENGTH), jnp.int32,
+                                           sharding=sharding.steps_batch_sharded(mesh))
+                 for key in ('src', 'tgt_in', 'tgt_out')}
+      traced = train_fn.trace_many(abstract_like(abstract, shardings), batches)
+    lowered = traced.lower(lowering_platforms=(platform,))
   return model.config, lowered.as_text()
 
 
@@ -177,6 +187,18 @@ def test_the_chunked_vocabulary_loss_lowers_in_bfloat16_on_data_and_fsdp_mesh():
   check_bfloat16_matmuls(model_config, text, passes=3)
   assert 'stablehlo.while' in text  # the chunks' lax.scan (no accumulation here)
   assert '[{"data", "fsdp"}, {}]' in text
+
+
+@pytest.mark.parametrize('platform', PLATFORMS)
+def test_several_train_steps_in_one_call_lower_in_bfloat16_on_data_and_fsdp_mesh(platform):
+  """config.steps_per_dispatch as a GPU or TPU would run the recipe's small model (configs/multi30k.py): one loop
+  (lax.scan) around the whole step with its bfloat16 matmuls; the stacked batches split by rows over both
+  axes, not by step."""
+  model_config, text = lowered_train_step('multi30k', platform, attention='xla', steps=4)
+  assert model_config.dtype == 'bfloat16'
+  check_bfloat16_matmuls(model_config, text, passes=3)
+  assert text.count('stablehlo.while') == 1
+  assert '[{}, {"data", "fsdp"}, {}]' in text
 
 
 @pytest.mark.parametrize('name', ['lm_multi30k', 'mlm_multi30k'])

@@ -145,6 +145,17 @@ def test_nonfinite_steps_stop_training_with_the_step_named_or_are_counted():
   assert metrics_lib.check_finite(unchecked, 105, skip_nonfinite_updates=True) == 0  # each step counted once
 
 
+def test_the_nan_flag_of_a_step_run_inside_a_call_of_several_names_that_step():
+  """config.steps_per_dispatch: a call's flags come stacked, one per step; counting the call as one step would
+  name step 106."""
+  interval = metrics_lib.TrainInterval(None, skip_nonfinite_updates=False)
+  batch = {'src': np.zeros((2, 8), np.int32), 'tgt_in': np.zeros((2, 8), np.int32)}
+  interval.add({'nonfinite': jnp.asarray(0)}, [batch])  # step 101
+  interval.add({'nonfinite': jnp.asarray([0, 1, 0, 1])}, [batch] * 4)  # steps 102-105 in one call
+  with pytest.raises(metrics_lib.NonFiniteError, match='step 103:'):
+    interval.check_finite(105)
+
+
 def test_damaged_and_partial_checkpoints_fall_back_to_the_last_good_one(tmp_path, caplog):
   model, _ = tiny_model()
   tx, _ = ts.make_optimizer(config_lib.base_config())

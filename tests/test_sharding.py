@@ -30,7 +30,8 @@ def report():
 
 
 @pytest.mark.parametrize('layout', ['data=4,fsdp=1,accumulate=1', 'data=1,fsdp=4,accumulate=1',
-                                    'data=2,fsdp=2,accumulate=2', 'data=2,fsdp=2,accumulate=2,chunk=16'])
+                                    'data=2,fsdp=2,accumulate=2', 'data=2,fsdp=2,accumulate=2,chunk=16',
+                                    'data=2,fsdp=2,accumulate=1,many=3'])
 def test_sharded_steps_equal_the_single_device_step(report, layout):
   result = report[layout]
   assert result['loss_max_abs_diff'] < 1e-4, result

@@ -162,6 +162,32 @@ def test_the_bleu_curve_joins_resumed_launches_minutes_whichever_clock_they_logg
       10: 10, 20: 20, 25: 25, 28: 28}
 
 
+def test_steps_run_several_a_call_log_save_and_resume_as_steps_run_one_at_a_time(toy_corpus, tmp_path):
+  """config.steps_per_dispatch=4 over packed batches, stopped at step 6 and resumed to 14: the calls run 0-4, then
+  single steps 5, 6 (the end is nearer than 4), then after the resume 7, 8 (up to a multiple), 8-12, 13, 14. The
+  logged losses, validation losses and saved steps equal those of one step a call. Catches batches taken out of
+  order or skipped, a call's metrics counted as one step, and a log, evaluation or save step passed over."""
+  def launches(workdir, many):
+    config = small_config(toy_corpus)
+    config.packed_length, config.steps_per_dispatch = 32, many
+    config.log_every_steps, config.eval_every_steps, config.checkpoint_every_steps = 4, 8, 4
+    for steps in (6, 14):
+      config.num_train_steps = steps
+      train.train_and_evaluate(config, workdir)
+    return ([json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()],
+            checkpoints_lib.saved_steps(workdir))
+
+  def values(records, name):
+    return {r['step']: r[name] for r in records if name in r}
+
+  (one, one_saved), (many, many_saved) = launches(tmp_path / 'one', 1), launches(tmp_path / 'many', 4)
+  assert many_saved == one_saved == [8, 12, 14]  # the newest 3 (config.keep_checkpoints)
+  assert sorted(values(many, 'train/loss')) == [4, 6, 8, 12, 14]
+  for name in ('train/loss', 'train/nll', 'train/learning_rate', 'eval/loss'):
+    want = values(one, name)
+    assert values(many, name) == pytest.approx(want, rel=1e-5), name
+
+
 def test_the_run_records_its_wall_time_by_phase(trained_toy):
   # Catches a phase left out of the clock or counted twice (the steps are the rest: they would come out too
   # long, or negative), and validation or saves timed around nothing.

@@ -230,6 +230,34 @@ def tiny_run(**fields):
   return state, train_fn, eval_fn, {'src': tokens, 'tgt_in': tokens, 'tgt_out': tokens}
 
 
+def test_the_steps_of_one_call_update_as_the_same_steps_called_one_at_a_time():
+  """TrainStep.many (config.steps_per_dispatch): k batches in one call make the k updates of k calls, in order,
+  under dropout (each step's own masks: the step counter advances inside the call), with each step's metrics at
+  its index. A wrong order of batches, one batch reused, one dropout key for all the steps, or the schedule read
+  at the call's first step each changes the parameters or the metrics."""
+  rng = np.random.default_rng(0)
+  batches = [{key: rng.integers(4, 32, (2, 8), dtype=np.int32) for key in ('src', 'tgt_in', 'tgt_out')}
+             for _ in range(3)]
+  state, train_fn, _, _ = tiny_run(warmup_steps=2)
+  assert train_fn.options.model.config.dropout_rate > 0
+  expected = []
+  for batch in batches:
+    state, metrics = train_fn(state, batch)
+    expected.append(jax.device_get(metrics))
+  together, stacked = train_fn.many(tiny_run(warmup_steps=2)[0],
+                                    jax.tree_util.tree_map(lambda *arrays: np.stack(arrays), *batches))
+  assert int(together.step) == 3
+  # The same operations, fused differently inside the loop: float32 rounding apart (2e-6 here), where the
+  # batches in another order, or one batch twice, move some parameter by 0.5 or more.
+  for got, want in zip(jax.tree_util.tree_leaves(together), jax.tree_util.tree_leaves(state)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+  stacked = jax.device_get(stacked)
+  assert len({float(m['learning_rate']) for m in expected}) == 3  # the warmup: every step's rate differs
+  for i, want in enumerate(expected):
+    for name, value in want.items():
+      np.testing.assert_allclose(stacked[name][i], value, rtol=1e-5, err_msg=f'step {i + 1}: {name}')
+
+
 def test_runs_differing_only_in_the_schedules_numbers_compile_to_one_program():
   """The schedule's numbers are an input of the compiled step, not constants in it: runs that differ only in
   warmup, peak or length lower to the same program (JAX's persistent cache serves them all). Which schedule,

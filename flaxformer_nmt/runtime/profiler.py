@@ -16,7 +16,7 @@ class Profiler:
     self.active = False
 
   def before_step(self, step):
-    if self.enabled and step == self.start and not self.active:
+    if self.enabled and self.start <= step < self.stop and not self.active:  # a call may run several steps
       jax.profiler.start_trace(self.directory)
       self.active = True
 

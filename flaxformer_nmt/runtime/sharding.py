@@ -94,6 +94,12 @@ def batch_sharded(mesh):
   return NamedSharding(mesh, P(BATCH_AXES))
 
 
+def steps_batch_sharded(mesh):
+  """Several steps' batches stacked on a leading axis (one per step, not split), their rows split as
+  batch_sharded's."""
+  return NamedSharding(mesh, P(None, BATCH_AXES))
+
+
 def fsdp_spec(shape, fsdp_size):
   """PartitionSpec of an array of `shape`: its largest dimension divisible by the 'fsdp' size is split over
   'fsdp' (the first such on ties); vectors and scalars, and everything when fsdp_size is 1, are replicated."""

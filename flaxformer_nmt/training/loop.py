@@ -43,6 +43,7 @@ class Run:
   config: Any
   workdir: epath.Path
   batch_sharding: Any
+  steps_batch_sharding: Any  # the batches of one call's steps, stacked (TrainStep.many)
   train_batches: batching.TrainBatches
   eval_batches: Callable
   state: train_step_lib.TrainState
@@ -98,8 +99,9 @@ def set_up(config, workdir):
     state, trained_seconds = restore_or_start(config, state, state_sharding, checkpoints, train_batches, tokenizer)
   train_fn, eval_fn = train_step_lib.jit_steps(model, config, mesh, state_sharding)
   peak = flops_lib.peak_flops_per_device(override=config.peak_flops_per_device)
-  return Run(config, workdir, sharding.batch_sharded(mesh), train_batches, eval_batches, state, train_fn, eval_fn,
-             checkpoints, metrics_lib.Throughput(model.config, tokenizer.vocab_size, num_devices, peak),
+  return Run(config, workdir, sharding.batch_sharded(mesh), sharding.steps_batch_sharded(mesh), train_batches,
+             eval_batches, state, train_fn, eval_fn, checkpoints,
+             metrics_lib.Throughput(model.config, tokenizer.vocab_size, num_devices, peak),
              Profiler(workdir, config.profile_start_step, config.profile_steps), metrics_lib.MetricsLog(workdir),
              tokenizer.sha256, bleu_eval.ValidationBleu(config, tokenizer, workdir, mesh),
              best_lib.BestCheckpoint(workdir, config.best_checkpoint_metric) if config.best_checkpoint_metric else None,
@@ -169,6 +171,22 @@ def evaluate_step(run, step, start_time, done):
   return evaluated
 
 
+def dispatch_steps(run, interval, step):
+  """Dispatches the next train steps after `step`: config.steps_per_dispatch of them in one call (TrainStep.many)
+  from a multiple of it with that many left (every logging, evaluation and save step is such a multiple:
+  config.validate), else one; returns (how many, their metrics: device arrays, read at log and save time)."""
+  many = run.config.steps_per_dispatch
+  if many == 1 or step % many or step + many > run.config.num_train_steps:
+    batches = [interval.next_batch(run.train_batches)]
+    run.state, metrics = run.train_fn(run.state, sharding.put_batch(batches[0], run.batch_sharding))
+  else:
+    batches = [interval.next_batch(run.train_batches) for _ in range(many)]
+    stacked = jax.tree_util.tree_map(lambda *arrays: np.stack(arrays), *batches)
+    run.state, metrics = run.train_fn.many(run.state, sharding.put_batch(stacked, run.steps_batch_sharding))
+  interval.add(metrics, batches)
+  return len(batches), metrics
+
+
 def train_and_evaluate(config, workdir):
   """Trains to config.num_train_steps (or until config.max_train_minutes or a stop signal); returns the last
   metrics."""
@@ -193,15 +211,13 @@ def train_and_evaluate(config, workdir):
     in_flight = preemption.StepsInFlight()
     spent = step < config.num_train_steps and decision.spent_before_start(run.trained_seconds)
     while step < config.num_train_steps and not spent:
-      batch = interval.next_batch(run.train_batches)
       run.profiler.before_step(step)
       with clock.phase('compiling') if step == first_step else contextlib.nullcontext():
-        run.state, step_metrics = run.train_fn(run.state, sharding.put_batch(batch, run.batch_sharding))
-      interval.add(step_metrics, batch)  # device arrays: read only at log/save time
+        steps, step_metrics = dispatch_steps(run, interval, step)
       in_flight.add(step_metrics)  # stop decisions below are for a step the device is about to reach
-      step += 1
+      step += steps
       run.profiler.after_step(step, run.state)
-      save, done = decision.after_step(step)
+      save, done = decision.after_step(step, steps)
       if step % config.log_every_steps == 0 or save:
         interval.check_finite(step)
       if step % config.log_every_steps == 0 or done:

@@ -12,6 +12,7 @@ import json
 import time
 
 import jax
+import numpy as np
 from etils import epath
 
 from flaxformer_nmt.runtime import distributed
@@ -75,7 +76,7 @@ def check_finite(unchecked, first_step, skip_nonfinite_updates):
 
   Raises NonFiniteError naming the first such step unless skip_nonfinite_updates.
   """
-  flags = [int(f) for f in jax.device_get(unchecked)]
+  flags = [int(f) for flag in jax.device_get(unchecked) for f in np.ravel(flag)]  # a step's, or one call's steps'
   unchecked.clear()
   if any(flags) and not skip_nonfinite_updates:
     bad = first_step + flags.index(1) + 1
@@ -107,9 +108,17 @@ class Throughput:
     return out
 
 
+def per_step(metrics):
+  """[one step's metrics] of a step's metrics, or of several steps' stacked on a leading axis (TrainStep.many)."""
+  if np.ndim(metrics['loss_sum']) == 0:
+    return [metrics]
+  return [{name: value[i] for name, value in metrics.items()} for i in range(len(metrics['loss_sum']))]
+
+
 def interval_metrics(pending, seconds, start_time, epoch, lengths=None, throughput=None):
-  """Summary of the steps since the last log line (one host transfer for all of them)."""
-  pending = jax.device_get(pending)
+  """Summary of the steps since the last log line (one host transfer for all of them); `pending` holds each
+  call's metrics (per_step)."""
+  pending = [step for metrics in jax.device_get(pending) for step in per_step(metrics)]
   total = lambda key: sum(float(m[key]) for m in pending)
   tokens = total('target_tokens')
   accounting = throughput.metrics(pending, lengths, seconds) if throughput is not None else {}
@@ -150,14 +159,16 @@ class TrainInterval:
     self.data_wait += time.time() - wait_start  # time the step loop stood waiting for input
     return batch
 
-  def add(self, step_metrics, batch):
-    self.pending.append(step_metrics)
-    self.lengths.append((batch['src'].shape[1], batch['tgt_in'].shape[1]))
-    self.unchecked.append(step_metrics['nonfinite'])
+  def add(self, metrics, batches):
+    """A call's metrics (device arrays; of several steps, stacked) and the host batches of its steps."""
+    self.pending.append(metrics)
+    self.lengths.extend((batch['src'].shape[1], batch['tgt_in'].shape[1]) for batch in batches)
+    self.unchecked.append(metrics['nonfinite'])
 
   def check_finite(self, step):
     """Reads the unchecked steps' NaN flags (up to `step`): raises NonFiniteError or counts them as skipped."""
-    self.skipped += check_finite(self.unchecked, step - len(self.unchecked), self.skip_nonfinite_updates)
+    unchecked_steps = sum(np.size(flags) for flags in self.unchecked)
+    self.skipped += check_finite(self.unchecked, step - unchecked_steps, self.skip_nonfinite_updates)
 
   def summarize(self, start_time, epoch):
     """The interval's metrics (interval_metrics plus the input wait); starts the next interval."""

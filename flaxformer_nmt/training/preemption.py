@@ -146,13 +146,15 @@ class StopDecision:
     self.reason = 'config.max_train_minutes'
     return True
 
-  def after_step(self, step):
-    """(save, done) after `step` steps."""
+  def after_step(self, step, steps=1):
+    """(save, done) after `step` steps, the last `steps` of them run by one call."""
     out_of_time = time.time() - self.start_time >= self.time_limit
     signalled = self.stop_signal.received is not None
     save_by_time = time.time() - self.last_save >= self.save_interval
     if jax.process_count() > 1:
-      preempted = self.preemption_sync and multihost_utils.reached_preemption_sync_point(step)
+      # The sync point is one step number: each step of the call is offered (every host's calls are alike).
+      preempted = self.preemption_sync and any([multihost_utils.reached_preemption_sync_point(done)
+                                                for done in range(step - steps + 1, step + 1)])
       if preempted:
         logging.warning('Preemption notice on a host: every host saves at step %d and exits.', step)
       if step % self.agree_every == 0:

@@ -429,6 +429,12 @@ def _train(state, batch, numbers, options):
                     vocabulary_loss_chunk_tokens=options.vocabulary_loss_chunk_tokens)
 
 
+def _train_steps(state, batches, numbers, options):
+  """As many train steps as `batches` has rows on its leading axis, in one program (lax.scan): the same updates as
+  that many calls of _train in order, their metrics stacked on a leading axis."""
+  return jax.lax.scan(lambda carry, batch: _train(carry, batch, numbers, options), state, batches)
+
+
 def _evaluate(params, batch, options):
   return eval_step(params, batch, model=options.model, label_smoothing=options.label_smoothing, task=options.task)
 
@@ -454,18 +460,26 @@ def create_state(model, config, mesh):
 
 class TrainStep:
   """The compiled train step with its schedule's numbers (schedule_numbers, an input of the program):
-  step(state, batch) -> (state, metrics); lower and trace, as jax.jit's, take (state, batch)."""
+  step(state, batch) -> (state, metrics); step.many(state, batches) runs one step per batch of `batches` (stacked
+  on a new leading axis) in one call, their metrics stacked; lower and trace, as jax.jit's, take (state, batch)."""
 
-  def __init__(self, jitted, options, config, replicated):
+  def __init__(self, jitted, many_jitted, options, config, replicated):
     self.jitted, self.options, self.config, self.replicated = jitted, options, config, replicated
+    self.many_jitted = many_jitted
     self.numbers = {name: np.float32(value) for name, value in schedule_numbers(config).items()}
     self._on_devices = None
 
   def __call__(self, state, batch):
+    return self.jitted(state, batch, self._numbers_on_devices(), self.options)
+
+  def many(self, state, batches):
+    return self.many_jitted(state, batches, self._numbers_on_devices(), self.options)
+
+  def _numbers_on_devices(self):
     if self._on_devices is None:  # replicated, put once (no transfer per step); every process holds them all
       self._on_devices = {name: jax.make_array_from_process_local_data(self.replicated, np.asarray(value))
                           for name, value in self.numbers.items()}
-    return self.jitted(state, batch, self._on_devices, self.options)
+    return self._on_devices
 
   def _abstract_numbers(self):
     """The numbers as the compiler sees them (a mesh of abstract devices, as for lowering for another
@@ -475,6 +489,9 @@ class TrainStep:
   def lower(self, state, batch):
     return self.jitted.lower(state, batch, self._abstract_numbers(), self.options)
 
+  def trace_many(self, state, batches):
+    return self.many_jitted.trace(state, batches, self._abstract_numbers(), self.options)
+
   def trace(self, state, batch):
     return self.jitted.trace(state, batch, self._abstract_numbers(), self.options)
 
@@ -483,13 +500,17 @@ def jit_steps(model, config, mesh, state_sharding=None):
   """(the compiled train step, a TrainStep; the compiled eval step), with explicit shardings: the state as
   `state_sharding` (default: as state_shardings gives it), the batch's rows split over every device of the
   mesh, metrics and the schedule's numbers replicated. The train state is donated, so its buffers are updated
-  in place. Adam and the schedule are built inside the step from StepOptions and the numbers it is given."""
+  in place. Adam and the schedule are built inside the step from StepOptions and the numbers it is given. The
+  steps of one call (TrainStep.many) take their batches stacked on a leading axis that is not split.
+  jax.jit compiles on first use: a run that never calls `many` never compiles it."""
   if state_sharding is None:
     state_sharding = state_shardings(model, config, mesh)
   options = StepOptions.of(model, config)
   batch_sharding, replicated = sharding.batch_sharded(mesh), sharding.replicated(mesh)
   train_jitted = jax.jit(_train, in_shardings=(state_sharding, batch_sharding, replicated),
                          out_shardings=(state_sharding, replicated), static_argnums=3, donate_argnums=0)
+  many_jitted = jax.jit(_train_steps, in_shardings=(state_sharding, sharding.steps_batch_sharded(mesh), replicated),
+                        out_shardings=(state_sharding, replicated), static_argnums=3, donate_argnums=0)
   eval_jitted = jax.jit(_evaluate, in_shardings=(state_sharding.params, batch_sharding), out_shardings=replicated,
                         static_argnums=2)
-  return TrainStep(train_jitted, options, config, replicated), lambda params, batch: eval_jitted(params, batch, options)
+  return TrainStep(train_jitted, many_jitted, options, config, replicated), lambda params, batch: eval_jitted(params, batch, options)
