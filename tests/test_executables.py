@@ -1,9 +1,12 @@
 """Saved executables (runtime/executables.py): a later process runs a program without tracing it, and never
 runs another program's executable."""
 import logging
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +43,10 @@ def saved_in(tmp_path):
   executables.enable(before)
 
 
+def saved(directory):
+  return list(directory.glob('*/*.executable'))
+
+
 def loads(program, *args, **kwargs):
   """(result, whether it came from a saved executable) of a call."""
   events = []
@@ -69,7 +76,7 @@ _PROCESS = textwrap.dedent('''
   if sys.argv[1] == 'load':
     program.jitted.lower = None  # a traced program would fail here
   np.testing.assert_allclose(program(x, w, k=3), expected, rtol=1e-4, atol=1e-5)
-  print('OK', len(list(executables.directory().iterdir())))
+  print('OK', len(list(executables.directory().glob('*/*.executable'))))
 ''')
 
 
@@ -84,8 +91,7 @@ def test_a_saved_executable_runs_in_another_process_without_tracing(tmp_path):
                        XLA_FLAGS=xla_flags_without_device_count() + ' --xla_force_host_platform_device_count=2')
   for mode in ('save', 'save', 'load'):  # the second: the program in JAX's cache, its executable saved again
     if mode == 'save':
-      for path in (tmp_path / 'saved').glob('*'):
-        path.unlink()
+      shutil.rmtree(tmp_path / 'saved', ignore_errors=True)
     result = subprocess.run([sys.executable, '-c', script, mode], capture_output=True, text=True, env=env,
                             timeout=120)
     assert result.returncode == 0 and 'OK 1' in result.stdout, (mode, result.stderr[-3000:])
@@ -100,7 +106,7 @@ def test_the_key_tells_static_arguments_shapes_and_dtypes_apart(saved_in):
     assert not loaded
     tolerance = 2e-2 if x.dtype == jnp.bfloat16 else 1e-4
     np.testing.assert_allclose(result.astype(np.float64), loop_in_numpy(x, w, k), rtol=tolerance, atol=tolerance)
-  assert len(list(saved_in.iterdir())) == len(calls)
+  assert len(saved(saved_in)) == len(calls)
   for (x, w), k in calls:  # each again in a fresh Program: its own executable
     result, loaded = loads(executables.Program(loop, static_argnames=('k',)), x, w, k=k)
     assert loaded
@@ -112,7 +118,7 @@ def test_a_damaged_executable_is_compiled_again_and_replaced(saved_in, caplog):
   # Catches a damaged file that stops the program (or is loaded and run) instead of being compiled again.
   x, w = arguments()
   executables.Program(loop, static_argnames=('k',))(x, w, k=2)
-  (path,) = saved_in.iterdir()
+  (path,) = saved(saved_in)
   path.write_bytes(path.read_bytes()[:1000])
   with caplog.at_level(logging.WARNING):
     result, loaded = loads(executables.Program(loop, static_argnames=('k',)), x, w, k=2)
@@ -134,3 +140,28 @@ def test_without_a_directory_a_program_is_plain_jit(tmp_path):
     executables.enable(before)
   assert not loaded
   np.testing.assert_allclose(result, loop_in_numpy(x, w, 2), rtol=1e-4, atol=1e-5)
+
+
+def test_the_sets_of_other_environments_beyond_the_newest_are_deleted(tmp_path):
+  """Each environment (jax version, this package's source, ...) saves into its own folder; opening one keeps it
+  and the KEEP_SETS - 1 most recently opened others, and deletes the older sets and files of the flat layout.
+  Catches a directory that grows by a set at every upgrade or edit, and a prune that deletes the newest sets
+  (or this environment's) instead of the oldest."""
+  root = tmp_path / 'executables'
+  ages = {f'{i:016x}': 1000.0 * (i + 1) for i in range(executables.KEEP_SETS + 2)}  # seconds since opened
+  for name, age in ages.items():
+    (root / name).mkdir(parents=True)
+    (root / name / 'loop-0.executable').write_bytes(b'x')
+    os.utime(root / name, (time.time() - age, time.time() - age))
+  (root / 'loop-flat.executable').write_bytes(b'x')
+  before = executables.directory()
+  executables.enable(root)
+  try:
+    x, w = arguments()
+    executables.Program(loop, static_argnames=('k',))(x, w, k=2)
+  finally:
+    executables.enable(before)
+  (own,) = [p for p in root.iterdir() if p.name not in ages]
+  assert len(list(own.glob('*.executable'))) == 1
+  newest_others = sorted(ages, key=ages.get)[:executables.KEEP_SETS - 1]
+  assert sorted(p.name for p in root.iterdir()) == sorted(newest_others + [own.name])

@@ -11,6 +11,10 @@ serialize_executable) when another process asks for the same.
 
 Only programs whose inputs live on one device go through the saved executables; the others (data-parallel
 and multi-host batches) are plain jax.jit, as are all programs until `enable` names a directory.
+
+Each environment (a jax upgrade, an edit of this package) saves into its own folder of that directory; a
+process that opens a folder deletes those beyond the KEEP_SETS most recently opened, so the directory holds a
+few sets (about 18 MB for the programs of a Multi30k test set), not one per version ever run.
 """
 import functools
 import hashlib
@@ -18,6 +22,7 @@ import os
 import pathlib
 import pickle
 import platform
+import shutil
 import tempfile
 import time
 import weakref
@@ -32,6 +37,10 @@ from jax.experimental import serialize_executable
 
 # jax.monitoring event for a program loaded from a saved executable, with its seconds and function name.
 LOADED_EVENT = '/flaxformer_nmt/executables/load_duration'
+
+# The environments whose executables are kept, this process's among them: two Pythons sharing the directory keep
+# theirs, and a jax upgrade or an edit of this package costs one compile of each program, not a set forever.
+KEEP_SETS = 4
 
 _directory = None
 _programs = weakref.WeakSet()  # every Program, so that clear() reaches their compiled programs
@@ -82,6 +91,30 @@ def environment():
       f'{jax.device_count()} x {device.platform} {device.device_kind} {getattr(device.client, "platform_version", "")}',
       f'XLA_FLAGS={os.environ.get("XLA_FLAGS", "")}',
       _cpu_features()])
+
+
+@functools.cache
+def _set_directory(directory):
+  """The folder of `directory` (a str) that holds this environment's executables: created and marked as opened
+  now; the sets beyond the KEEP_SETS most recently opened are deleted (a process still loading from one
+  compiles its programs again), and so are executables of the flat layout of earlier versions."""
+  root = pathlib.Path(directory)
+  here = root / hashlib.sha256(environment().encode()).hexdigest()[:16]
+  here.mkdir(parents=True, exist_ok=True)
+  os.utime(here)
+
+  def opened(folder):
+    try:
+      return folder.stat().st_mtime
+    except OSError:  # deleted meanwhile by another process
+      return 0.0
+
+  others = sorted((p for p in root.iterdir() if p.is_dir() and p != here), key=opened, reverse=True)
+  for stale in others[KEEP_SETS - 1:]:
+    shutil.rmtree(stale, ignore_errors=True)
+  for flat in root.glob('*.executable'):
+    flat.unlink(missing_ok=True)
+  return here
 
 
 def _signature(leaves):
@@ -144,7 +177,7 @@ class Program:
   def path(self, description):
     """The file of the executable of this program's call described by `description`."""
     digest = hashlib.sha256('\n'.join([self.name, self._options, description, environment()]).encode())
-    return _directory / f'{self.name[4:-1]}-{digest.hexdigest()[:40]}.executable'
+    return _set_directory(str(_directory)) / f'{self.name[4:-1]}-{digest.hexdigest()[:40]}.executable'
 
   def _obtain(self, args, kwargs, description):
     """The compiled program for these arguments: loaded from its saved executable (on the devices it was
