@@ -165,3 +165,21 @@ def test_the_sets_of_other_environments_beyond_the_newest_are_deleted(tmp_path):
   assert len(list(own.glob('*.executable'))) == 1
   newest_others = sorted(ages, key=ages.get)[:executables.KEEP_SETS - 1]
   assert sorted(p.name for p in root.iterdir()) == sorted(newest_others + [own.name])
+
+
+def test_a_directory_that_cannot_hold_executables_leaves_programs_compiling(tmp_path, caplog):
+  # Catches an unusable cache folder (read-only, or a file in its place) that stops the program instead of
+  # leaving it to compile as plain jit would.
+  root = tmp_path / 'executables'
+  before = executables.directory()
+  executables.enable(root)
+  root.rmdir()
+  root.write_text('not a folder')
+  try:
+    x, w = arguments()
+    with caplog.at_level(logging.WARNING):
+      result, loaded = loads(executables.Program(loop, static_argnames=('k',)), x, w, k=2)
+  finally:
+    executables.enable(before)
+  assert not loaded and 'not usable' in caplog.text
+  np.testing.assert_allclose(result, loop_in_numpy(x, w, 2), rtol=1e-4, atol=1e-5)

@@ -16,6 +16,7 @@ Each environment (a jax upgrade, an edit of this package) saves into its own fol
 process that opens a folder deletes those beyond the KEEP_SETS most recently opened, so the directory holds a
 few sets (about 18 MB for the programs of a Multi30k test set), not one per version ever run.
 """
+import contextlib
 import functools
 import hashlib
 import os
@@ -100,8 +101,12 @@ def _set_directory(directory):
   compiles its programs again), and so are executables of the flat layout of earlier versions."""
   root = pathlib.Path(directory)
   here = root / hashlib.sha256(environment().encode()).hexdigest()[:16]
-  here.mkdir(parents=True, exist_ok=True)
-  os.utime(here)
+  try:
+    here.mkdir(parents=True, exist_ok=True)
+    os.utime(here)
+  except OSError as e:  # a read-only cache: loads find nothing, saves warn, the programs still compile
+    logging.warning('Saved executables: %s not usable (%s)', here, e)
+    return here
 
   def opened(folder):
     try:
@@ -113,7 +118,8 @@ def _set_directory(directory):
   for stale in others[KEEP_SETS - 1:]:
     shutil.rmtree(stale, ignore_errors=True)
   for flat in root.glob('*.executable'):
-    flat.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+      flat.unlink()
   return here
 
 
