@@ -22,7 +22,8 @@
 #   decode      sentences/s and target tokens/s, beam 4 and greedy, of the Multi30k model in gpu_carry/m30k
 #               (bench/decode_throughput.py) on test2016 and, where carried, newstest2013
 #   dispatch    the recipe's first DISPATCH_STEPS (1,000) steps through the trainer, one step a call and then
-#               10 (config.steps_per_dispatch): the steps phase and the time outside the steps, by phase
+#               10 (config.steps_per_dispatch), validation BLEU off (the multi30k stage has it): the steps
+#               phase and the time outside the steps, by phase
 #   multi30k    configs/multi30k.py trained on the GPU for MULTI30K_MINUTES (2.5), MULTI30K_DISPATCH (10) steps a
 #               call, then test2016 BLEU, and the carried model decoded in bf16 and float32
 #   profile     the big step traced (bench/op_profile.py): time per part of the model and the costliest ops
@@ -149,7 +150,8 @@ stage_dispatch() {
     timeout 200 $PY bench/train_throughput.py --configs multi30k --trainer_steps $steps --steps 20 \
       --trainer_flag=--config.data_dir=gpu_carry/data/multi30k \
       --trainer_flag=--config.eval_bleu_tok_ref_dir=gpu_carry/data/multi30k_tok \
-      --trainer_flag=--config.steps_per_dispatch=$many
+      --trainer_flag=--config.steps_per_dispatch=$many --trainer_flag=--config.eval_bleu_every_steps=0 \
+      --trainer_flag=--config.best_checkpoint_metric=
   done
 }
 
