@@ -47,7 +47,6 @@ if os.environ.get('TESTS_XLA_OPTIMIZE', '0') != '1' and _jaxlib_older_than((0, 1
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp  # pylint: disable=wrong-import-position
-import numpy as np  # pylint: disable=wrong-import-position
 import pytest  # pylint: disable=wrong-import-position
 
 from flaxformer_nmt.models import transformer as model_lib

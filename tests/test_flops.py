@@ -6,7 +6,6 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from conftest import small_config
 from flaxformer_nmt.models import transformer as model_lib
