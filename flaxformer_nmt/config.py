@@ -234,11 +234,6 @@ def _optimization_fields(c):
   # Microbatches per update (lax.scan inside the step): the token budget on fewer devices, at the memory of
   # one microbatch. Each step's rows must divide by it (and by the device count).
   c.grad_accumulation_steps = 1
-  # Train steps per call of the compiled program (a lax.scan over that many batches): the same updates, with one
-  # host dispatch for all of them, for models whose step is short beside the host's work on it (a small model
-  # on a GPU). Needs packed batches (packed_length > 0, one shape); logging, evaluation and checkpoint
-  # intervals are multiples of it. A stop signal is acted on after the call's last step.
-  c.steps_per_dispatch = 1
   c.num_train_steps = 100_000
   # Fine-tuning / warm start (training/warm_start.py): a new run takes its parameters (only) from this training
   # workdir or checkpoint directory; init_checkpoint picks latest, averaged, best or a step of a workdir.
@@ -258,7 +253,7 @@ def _optimization_fields(c):
 
 
 def _device_fields(c):
-  """The device mesh, FLOP accounting and profiling (runtime/sharding.py, runtime/flops.py)."""
+  """The device mesh, steps per call, FLOP accounting and profiling (runtime/sharding.py, runtime/flops.py)."""
   # A ('data', 'fsdp') mesh over every device of every host; -1 = whatever the other axis
   # leaves. Default: data parallel everywhere. fsdp_parallelism > 1 splits parameters and optimizer state
   # over that many devices (for models that do not fit replicated).
@@ -269,6 +264,11 @@ def _device_fields(c):
   # operations of a small model running side by side (about 1.3x the tiny recipe's step on 2 cores). 0: JAX's
   # default, one CPU device. No effect on a GPU or TPU host's accelerators.
   c.cpu_devices = 0
+  # Train steps per call of the compiled program (a lax.scan over that many batches): the same updates, with one
+  # host dispatch for all of them, for models whose step is short beside the host's work on it (a small model
+  # on a GPU). Needs packed batches (packed_length > 0, one shape); logging, evaluation and checkpoint
+  # intervals are multiples of it. A stop signal is acted on after the call's last step.
+  c.steps_per_dispatch = 1
   # Per-device peak FLOP/s for MFU; 0 = from the table in runtime/flops.py (GPU/TPU), no MFU where unknown (CPU).
   c.peak_flops_per_device = 0.0
   # > 0: trace this many steps with jax.profiler from step profile_start_step (after compilation) into

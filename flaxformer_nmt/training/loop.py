@@ -59,6 +59,8 @@ class Run:
   # Training time before this launch, saved with each checkpoint (0 for a new run): config.max_train_minutes and
   # the logged elapsed_seconds count the run's training time across resumes, not the time between them.
   trained_seconds: float = 0.0
+  # The steps per call already dispatched in this launch (1, config.steps_per_dispatch): a first call compiles.
+  dispatched: set = dataclasses.field(default_factory=set)
 
   def close(self, last_state=None):
     """Closes what the run holds: a profile window still open (after `last_state` has run on the device; none
@@ -171,20 +173,23 @@ def evaluate_step(run, step, start_time, done):
   return evaluated
 
 
-def dispatch_steps(run, interval, step):
+def dispatch_steps(run, interval, step, clock):
   """Dispatches the next train steps after `step`: config.steps_per_dispatch of them in one call (TrainStep.many)
   from a multiple of it with that many left (every logging, evaluation and save step is such a multiple:
-  config.validate), else one; returns (how many, their metrics: device arrays, read at log and save time)."""
+  config.validate), else one; returns (how many, their metrics: device arrays, read at log and save time). The
+  first call of each program is timed as the clock's 'compiling'."""
   many = run.config.steps_per_dispatch
-  if many == 1 or step % many or step + many > run.config.num_train_steps:
-    batches = [interval.next_batch(run.train_batches)]
-    run.state, metrics = run.train_fn(run.state, sharding.put_batch(batches[0], run.batch_sharding))
-  else:
-    batches = [interval.next_batch(run.train_batches) for _ in range(many)]
-    stacked = jax.tree_util.tree_map(lambda *arrays: np.stack(arrays), *batches)
-    run.state, metrics = run.train_fn.many(run.state, sharding.put_batch(stacked, run.steps_batch_sharding))
+  count = many if step % many == 0 and step + many <= run.config.num_train_steps else 1
+  batches = [interval.next_batch(run.train_batches) for _ in range(count)]
+  with clock.phase('compiling') if count not in run.dispatched else contextlib.nullcontext():
+    if count == 1:
+      run.state, metrics = run.train_fn(run.state, sharding.put_batch(batches[0], run.batch_sharding))
+    else:
+      stacked = jax.tree_util.tree_map(lambda *arrays: np.stack(arrays), *batches)
+      run.state, metrics = run.train_fn.many(run.state, sharding.put_batch(stacked, run.steps_batch_sharding))
+  run.dispatched.add(count)
   interval.add(metrics, batches)
-  return len(batches), metrics
+  return count, metrics
 
 
 def train_and_evaluate(config, workdir):
@@ -212,8 +217,7 @@ def train_and_evaluate(config, workdir):
     spent = step < config.num_train_steps and decision.spent_before_start(run.trained_seconds)
     while step < config.num_train_steps and not spent:
       run.profiler.before_step(step)
-      with clock.phase('compiling') if step == first_step else contextlib.nullcontext():
-        steps, step_metrics = dispatch_steps(run, interval, step)
+      steps, step_metrics = dispatch_steps(run, interval, step, clock)
       in_flight.add(step_metrics)  # stop decisions below are for a step the device is about to reach
       step += steps
       run.profiler.after_step(step, run.state)

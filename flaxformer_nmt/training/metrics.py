@@ -197,9 +197,9 @@ def eval_log_line(step, metrics):
 
 
 class WallClock:
-  """A launch's wall seconds by phase (set-up, compiling the first step, validation, saves, finishing), the
-  rest being the loop's steps: `phases()` for its last log line and metrics.jsonl (`wall/...`), so that the
-  time outside the train step is read off a run (bench/train_throughput.py --trainer_steps)."""
+  """A launch's wall seconds by phase (set-up, compiling: each train program's first call, validation, saves,
+  finishing), the rest being the loop's steps: `phases()` for its last log line and metrics.jsonl (`wall/...`),
+  so that the time outside the train step is read off a run (bench/train_throughput.py --trainer_steps)."""
 
   def __init__(self):
     self.start, self.seconds = time.perf_counter(), collections.Counter()
