@@ -27,6 +27,7 @@ Python API:
   translator.translate(['A man is running.'], beam_size=4)
   translator.translate(['A man is running.'], sampling=True, top_k=10, seed=1)
 """
+import gc
 import sys
 import time
 
@@ -245,6 +246,9 @@ def main(argv):
     except (OSError, ValueError) as e:
       sys.exit(f'error: {e}')
     print('\n'.join(lines), file=sys.stderr if out is sys.stdout else sys.stdout)
+  # The interpreter's shutdown runs the collector over jax's and XLA's objects, again and again: 0.2 s of a
+  # 7 s decode of 1,000 sentences on 2 CPU cores. Frozen, they are skipped (and freed as usual).
+  gc.freeze()
 
 
 if __name__ == '__main__':
