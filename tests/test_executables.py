@@ -183,3 +183,16 @@ def test_a_directory_that_cannot_hold_executables_leaves_programs_compiling(tmp_
     executables.enable(before)
   assert not loaded and 'not usable' in caplog.text
   np.testing.assert_allclose(result, loop_in_numpy(x, w, 2), rtol=1e-4, atol=1e-5)
+
+
+def test_a_program_xla_cannot_serialize_runs_and_is_not_saved(saved_in, caplog, monkeypatch):
+  # Catches a save failure that stops the call: XLA's CPU backend refuses to serialize some programs
+  # ('UNIMPLEMENTED: `LessThan` is not serializable', a sort's comparator), and the program must still run.
+  def refuse(*unused):
+    raise jax.errors.JaxRuntimeError('UNIMPLEMENTED: `LessThan` is not serializable.')
+  monkeypatch.setattr(executables.serialize_executable, 'serialize', refuse)
+  x, w = arguments()
+  with caplog.at_level(logging.WARNING):
+    result, loaded = loads(executables.Program(loop, static_argnames=('k',)), x, w, k=2)
+  assert not loaded and 'not saved' in caplog.text and not saved(saved_in)
+  np.testing.assert_allclose(result, loop_in_numpy(x, w, 2), rtol=1e-4, atol=1e-5)

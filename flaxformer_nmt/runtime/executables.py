@@ -205,7 +205,7 @@ class Program:
     try:
       device_ids = sorted({d.id for s in jax.tree_util.tree_leaves(compiled.input_shardings) for d in s.device_set})
       _write_atomically(path, pickle.dumps((*serialize_executable.serialize(compiled), device_ids)))
-    except (OSError, ValueError, TypeError) as e:
+    except (OSError, ValueError, TypeError, jax.errors.JaxRuntimeError) as e:  # XLA may not serialize a program
       logging.warning('Executable of %s not saved (%s)', self.name, e)
     return compiled
 
