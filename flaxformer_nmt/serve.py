@@ -38,7 +38,8 @@ def define_flags():
   flags.DEFINE_string('host', '127.0.0.1', 'Address to bind (0.0.0.0 exposes the server to the network).')
   flags.DEFINE_integer('port', 8000, 'Port to bind.')
   flags.DEFINE_integer('max_batch_tokens', d.max_batch_tokens, 'Source tokens per decoded batch.')
-  flags.DEFINE_float('max_wait_ms', d.max_wait_ms, 'How long an idle server waits for more requests to batch.')
+  flags.DEFINE_float('max_wait_ms', d.max_wait_ms, 'After a batch of several requests, how long the next one '
+                     'gathers before it decodes (a request to an idle server is decoded at once).')
   flags.DEFINE_integer('max_queue', d.max_queue_sentences, 'Sentences waiting at most; more: 503 + Retry-After.')
   flags.DEFINE_float('max_queue_wait_s', d.max_queue_wait_s, 'A request the queue would reach later than this '
                      '(at the measured decoding rate) gets 503 + Retry-After at once.')
