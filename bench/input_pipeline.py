@@ -63,7 +63,7 @@ def smoke_config(config, directory):
   return config
 
 
-def main():
+def parse_args():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--config', default='configs/multi30k.py')
   parser.add_argument('--vocab', default='', help='an existing vocab.model (else one is trained and timed)')
@@ -71,7 +71,66 @@ def main():
   parser.add_argument('--epochs', type=float, default=2.0, help='epochs of batches to build')
   parser.add_argument('--threads', type=int, default=0, help='sentencepiece threads (0 = all cores)')
   parser.add_argument('--smoke', action='store_true', help='a generated tiny corpus instead of the config\'s data')
-  args = parser.parse_args()
+  return parser.parse_args()
+
+
+def vocabulary(args, config, pairs, workdir):
+  """The tokenizer of --vocab, or one trained (and timed) on the pairs as the trainer trains it."""
+  if args.vocab:
+    return tokenizer_lib.Tokenizer(args.vocab)
+  start = time.perf_counter()
+  tokenizer = tokenizer_lib.load_or_train(
+      workdir, lambda: tokenizer_lib.sample_sentences(pairs, config.sentencepiece_max_chars, config.seed),
+      vocab_size=config.vocab_size, model_type=config.sentencepiece_model_type)
+  budget = f'{config.sentencepiece_max_chars:,}' if config.sentencepiece_max_chars else 'all'
+  print(f'sample + sentencepiece training ({budget} characters): {time.perf_counter() - start:.1f} s')
+  return tokenizer
+
+
+def tokenized(pairs, tokenizer, workdir, threads):
+  """The tokenized corpus, timed cold (tokenizing and writing the cache) and warm (loading it)."""
+  cache = os.path.join(workdir, 'tokenized')
+  start = time.perf_counter()
+  corpus = data_lib.tokenize_cached(pairs, tokenizer, cache, num_threads=threads)
+  cold = time.perf_counter() - start
+  tokens = int(corpus.source.offsets[-1] + corpus.target.offsets[-1])
+  print(f'tokenize + write cache (cold): {cold:.2f} s = {len(corpus) / cold:,.0f} pairs/s, '
+        f'{tokens / cold:,.0f} tokens/s (both sides, {tokens:,} tokens)')
+  start = time.perf_counter()
+  corpus = data_lib.tokenize_cached(pairs, tokenizer, cache)
+  warm = time.perf_counter() - start
+  print(f'load cache (warm, a restarted run): {warm:.3f} s = {len(corpus) / warm:,.0f} pairs/s '
+        f'({cold / warm:.0f}x faster than tokenizing)')
+  return corpus
+
+
+def time_batches(config, corpus, examples, max_length, epochs):
+  """Builds `epochs` epochs of the config's batches (packed where it packs), without and with prefetching."""
+  for prefetch in (0, config.prefetch_batches):
+    batches = batching.TrainBatches(corpus, examples=examples, tokens_per_batch=config.tokens_per_batch,
+                                    buckets=config.length_buckets, seed=config.seed, prefetch=prefetch,
+                                    packed_length=config.packed_length,
+                                    packing_open_rows=config.packing_open_rows, max_length=max_length)
+    count = int(batches.batches_per_epoch() * epochs)
+    start = time.perf_counter()
+    real = padded = rows = 0
+    for _ in range(count):
+      batch = next(batches)
+      real += int((batch['src'] != 0).sum() + (batch['tgt_out'] != 0).sum())
+      padded += 2 * batch['src'].size
+      if 'src_segments' in batch:  # packed: segments 1..n in each row
+        rows += int(batch['src_segments'].max(axis=1).sum())
+      else:
+        rows += int((batch['src'] != 0).any(axis=1).sum())
+    seconds = time.perf_counter() - start
+    batches.close()
+    print(f'batches (prefetch {prefetch}): {count} batches in {seconds:.2f} s = {count / seconds:,.0f} batches/s, '
+          f'{rows / seconds:,.0f} examples/s, {real / seconds:,.0f} real tokens/s '
+          f'({real / padded:.1%} of padded {padded / seconds:,.0f} tokens/s)')
+
+
+def main():
+  args = parse_args()
   config = config_lib.load_config_file(args.config)
   smoke_dir = tempfile.TemporaryDirectory() if args.smoke else None
   if smoke_dir:
@@ -85,52 +144,10 @@ def main():
   print(f'read + check text: {len(pairs):,} pairs in {time.perf_counter() - start:.2f} s')
 
   with tempfile.TemporaryDirectory() as workdir:
-    if args.vocab:
-      tokenizer = tokenizer_lib.Tokenizer(args.vocab)
-    else:
-      start = time.perf_counter()
-      tokenizer = tokenizer_lib.load_or_train(
-          workdir, lambda: tokenizer_lib.sample_sentences(pairs, config.sentencepiece_max_chars, config.seed),
-          vocab_size=config.vocab_size, model_type=config.sentencepiece_model_type)
-      budget = f'{config.sentencepiece_max_chars:,}' if config.sentencepiece_max_chars else 'all'
-      print(f'sample + sentencepiece training ({budget} characters): {time.perf_counter() - start:.1f} s')
-
-    cache = os.path.join(workdir, 'tokenized')
-    start = time.perf_counter()
-    corpus = data_lib.tokenize_cached(pairs, tokenizer, cache, num_threads=args.threads)
-    cold = time.perf_counter() - start
-    tokens = int(corpus.source.offsets[-1] + corpus.target.offsets[-1])
-    print(f'tokenize + write cache (cold): {cold:.2f} s = {len(corpus) / cold:,.0f} pairs/s, '
-          f'{tokens / cold:,.0f} tokens/s (both sides, {tokens:,} tokens)')
-    start = time.perf_counter()
-    corpus = data_lib.tokenize_cached(pairs, tokenizer, cache)
-    warm = time.perf_counter() - start
-    print(f'load cache (warm, a restarted run): {warm:.3f} s = {len(corpus) / warm:,.0f} pairs/s '
-          f'({cold / warm:.0f}x faster than tokenizing)')
-
+    corpus = tokenized(pairs, vocabulary(args, config, pairs, workdir), workdir, args.threads)
     max_length = min(config.max_length, config.packed_length) if config.packed_length else config.max_length
     examples = corpus.usable(max_length)
-    for prefetch in (0, config.prefetch_batches):  # the config's batches, packed where it packs
-      batches = batching.TrainBatches(corpus, examples=examples, tokens_per_batch=config.tokens_per_batch,
-                                      buckets=config.length_buckets, seed=config.seed, prefetch=prefetch,
-                                      packed_length=config.packed_length,
-                                      packing_open_rows=config.packing_open_rows, max_length=max_length)
-      count = int(batches.batches_per_epoch() * args.epochs)
-      start = time.perf_counter()
-      real = padded = rows = 0
-      for _ in range(count):
-        batch = next(batches)
-        real += int((batch['src'] != 0).sum() + (batch['tgt_out'] != 0).sum())
-        padded += 2 * batch['src'].size
-        if 'src_segments' in batch:  # packed: segments 1..n in each row
-          rows += int(batch['src_segments'].max(axis=1).sum())
-        else:
-          rows += int((batch['src'] != 0).any(axis=1).sum())
-      seconds = time.perf_counter() - start
-      batches.close()
-      print(f'batches (prefetch {prefetch}): {count} batches in {seconds:.2f} s = {count / seconds:,.0f} batches/s, '
-            f'{rows / seconds:,.0f} examples/s, {real / seconds:,.0f} real tokens/s '
-            f'({real / padded:.1%} of padded {padded / seconds:,.0f} tokens/s)')
+    time_batches(config, corpus, examples, max_length, args.epochs)
     lengths = corpus.lengths()[examples]
     print(f'example length: mean {np.mean(lengths):.1f}, max {np.max(lengths)} tokens')
 
