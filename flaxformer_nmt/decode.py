@@ -188,6 +188,17 @@ def translate_input(FLAGS, translator, rescorer, options, out):  # pylint: disab
   return hypotheses
 
 
+def score_against_reference(FLAGS, translator, hypotheses, stream):  # pylint: disable=invalid-name
+  """Prints the written translations' scores against --reference (and --tok_reference) to `stream`."""
+  try:
+    lines, _ = evaluate.report(hypotheses, evaluate.read_text(FLAGS.reference),
+                               evaluate.read_text(FLAGS.tok_reference) if FLAGS.tok_reference else None,
+                               translator.config.target_lang, lowercase=translator.lowercase)
+  except (OSError, ValueError) as e:
+    sys.exit(f'error: {e}')
+  print('\n'.join(lines), file=stream)
+
+
 def main(argv):
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   if len(argv) > 1:
@@ -239,15 +250,9 @@ def main(argv):
       out.close()
   logging.info('Programs: %s (%.1f s)', describe_programs(counter), counter.seconds)
   if FLAGS.reference:
-    try:
-      lines, _ = evaluate.report(hypotheses, evaluate.read_text(FLAGS.reference),
-                                 evaluate.read_text(FLAGS.tok_reference) if FLAGS.tok_reference else None,
-                                 translator.config.target_lang, lowercase=translator.lowercase)
-    except (OSError, ValueError) as e:
-      sys.exit(f'error: {e}')
-    print('\n'.join(lines), file=sys.stderr if out is sys.stdout else sys.stdout)
-  # The interpreter's shutdown runs the collector over jax's and XLA's objects, again and again: 0.2 s of a
-  # 7 s decode of 1,000 sentences on 2 CPU cores. Frozen, they are skipped (and freed as usual).
+    score_against_reference(FLAGS, translator, hypotheses, sys.stderr if out is sys.stdout else sys.stdout)
+  # The interpreter's shutdown runs the collector over jax's and XLA's objects again and again (0.2 s of a 6.5 s
+  # decode of 1,000 sentences on 2 CPU cores); frozen, they are skipped, and still freed.
   gc.freeze()
 
 
