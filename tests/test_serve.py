@@ -153,6 +153,9 @@ def test_split_sentences_keeps_abbreviations_and_lower_case_continuations():
   assert server.split_text('Mr. Smith runs. He sees it! "Yes," she says.\nno. break here') == [
       ['Mr. Smith runs.', 'He sees it!', '"Yes," she says.'], ['no. break here']]
   assert server.split_text('') == [['']]
+  # An acronym with periods is no sentence end (Multi30k's test2016 line 361); the sentence after it still splits.
+  assert server.split_text('A sign says E.S.E. Electronics. The U.S. Army came. It left.') == [
+      ['A sign says E.S.E. Electronics.', 'The U.S. Army came.', 'It left.']]
 
 
 def test_attention_is_the_teacher_forced_cross_attention_of_the_answer(backend, translator):
