@@ -104,6 +104,9 @@ def define_flags():
   flags.DEFINE_integer('devices', 1, 'Devices to split each batch\'s sentences over (data parallel, the parameters '
                        'replicated on each): 1 the default device, N the first N local devices (a CPU host\'s CPU '
                        'split into N devices, one a core), 0 every local device.')
+  flags.DEFINE_bool('batch_invariant', False, 'Each line\'s translation and score independent of the other lines '
+                    'it is batched with, as the server\'s --batch_invariant answers (a CPU with bf16 dot, bfloat16 '
+                    'matmul operands); beam search about 25% slower.')
   flags.DEFINE_bool('warmup', False, 'Compile (or load from the compilation cache) every program the search may '
                     'run before reading the input, and log their count and time.')
   flags.DEFINE_integer('warmup_max_length', None, '--warmup: for sources of up to this many tokens (default: as '
@@ -208,7 +211,8 @@ def main(argv):
   cache.use_compilation_cache()
   try:
     devices = sharding.local_devices(FLAGS.devices)  # before the first computation: it may split the CPU
-    translator = Translator(FLAGS.workdir, FLAGS.checkpoint, dtype=FLAGS.dtype, devices=devices)
+    translator = Translator(FLAGS.workdir, FLAGS.checkpoint, dtype=FLAGS.dtype, devices=devices,
+                            batch_invariant=FLAGS.batch_invariant)
     rescorer = None
     if FLAGS.rerank_workdir:
       rerank_lib.check_weight(FLAGS.rerank_weight)

@@ -55,6 +55,9 @@ def define_flags():
   flags.DEFINE_enum('warmup', d.warmup, ['none', 'full'], 'full: compile (or load from the compilation cache) '
                     'every program the default search of up to --max_input_tokens pieces may run, before /ready; '
                     'none: compile on first use.')
+  flags.DEFINE_bool('batch_invariant', False, 'jax backend: answers independent of the other requests batched with '
+                    'them, equal to the decode command\'s with --batch_invariant (a CPU with bf16 dot, bfloat16 '
+                    'matmul operands); beam search about 25% slower.')
   flags.DEFINE_float('switch_interval_ms', 1.0, 'Python\'s thread switch interval (its default: 5 ms).')
   flags.DEFINE_float('graceful_timeout_s', 60.0, 'On SIGTERM, how long to wait for the requests in flight.')
   flags.DEFINE_float('keep_alive_s', 75.0, 'How long an idle connection stays open. Longer than the clients\' and '
@@ -98,7 +101,8 @@ def load_backends(FLAGS):  # pylint: disable=invalid-name
     if FLAGS.backend == 'ctranslate2':
       backends[name] = argos.CTranslate2Backend(path, device=FLAGS.device, threads=FLAGS.threads)
     else:
-      backends[name] = batcher.JaxBackend(path, FLAGS.checkpoint, dtype=FLAGS.dtype)
+      backends[name] = batcher.JaxBackend(path, FLAGS.checkpoint, dtype=FLAGS.dtype,
+                                          batch_invariant=FLAGS.batch_invariant)
     logging.info('Serving %s: %s of %s (%s)', name, backends[name].checkpoint, path, FLAGS.backend)
   return backends
 

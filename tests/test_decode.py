@@ -21,6 +21,7 @@ from flaxformer_nmt.data import corpus as data_lib
 from flaxformer_nmt.data.tokenizer import BOS_ID
 from flaxformer_nmt.decoding import translator as decode
 from flaxformer_nmt.evaluation import attention as visualize
+from flaxformer_nmt.models.transformer import cpu_has_bfloat16_dot
 from flaxformer_nmt.training import loop as train
 from flaxformer_nmt.decoding import batch_search
 from flaxformer_nmt.decoding import search as search_lib
@@ -95,6 +96,34 @@ def test_batched_translations_equal_one_sentence_at_a_time(translator, mixed):
     assert [text for text, _ in batched] == [text for text, _ in alone]
     np.testing.assert_allclose([s for _, s in batched], [s for _, s in alone], atol=1e-4)
   assert all(alone[i] == ('', 0.0) for i in (4, 8, 9))  # empty and blank lines translate to empty lines
+
+
+@pytest.fixture(scope='module')
+def bfloat16_workdir(workdir, tmp_path_factory):
+  """The toy workdir with bfloat16 matmul operands (what 'auto' gives on a bf16-dot CPU)."""
+  return copy_with_config(workdir, tmp_path_factory.mktemp('bf16') / 'run',
+                          lambda config: config['model'].update(matmul_precision='bfloat16'))
+
+
+@pytest.mark.skipif(not cpu_has_bfloat16_dot(), reason='batch-invariant decoding needs a CPU with bf16 dot')
+@pytest.mark.parametrize('beam_size', [4, 0])
+def test_a_batch_invariant_search_scores_each_sentence_as_it_would_alone(workdir, bfloat16_workdir, beam_size):
+  # Exact equality, scores to the last bit, whatever the batch: 64 sentences x 4 beams in one batch hand
+  # LayerNorm's and the normalizer's sums to YNNPACK (arrays of 4,096 floats or more), a sentence alone takes
+  # XLA's own loops and matrix-vector products. Fails without BATCH_INVARIANT_OPTIONS or without min_rows 2.
+  invariant = decode.Translator(bfloat16_workdir, batch_invariant=True)
+  lines = (workdir.parent / 'data' / 'train.en').read_text().splitlines()[:64]
+  token_lists = invariant.tokenizer.encode(lines)
+  search = lambda sources: invariant.search_tokens(sources, beam_size=beam_size, tokens_per_batch=1024)
+  together = search(token_lists)
+  assert [search([t])[0] for t in token_lists[:12]] == together[:12]
+  assert search(token_lists[12:15]) == together[12:15]
+  with pytest.raises(ValueError, match='one CPU device'):
+    decode.Translator(bfloat16_workdir, batch_invariant=True, on_device=True)
+  with pytest.raises(ValueError, match='bfloat16 matmul operands'):  # float32 matmuls depend on their row count
+    decode.Translator(workdir, batch_invariant=True)
+  result = run_cli(['--batch_invariant'], workdir, stdin='a dog .\n')  # the command hands its flag on
+  assert result.returncode != 0 and 'bfloat16 matmul operands' in result.stderr
 
 
 def test_cli_from_stdin_in_chunks_equals_the_api(workdir, translator, mixed):
@@ -439,6 +468,8 @@ def test_the_ladder_has_a_few_shapes_that_hold_every_batch():
   assert ladder.split(150, 32) == [128, 16, 2, 2, 2] and ladder.split(40, 32) == [16, 16, 16]
   assert ladder_lib.Ladder(4096, 1024, row_multiple=2).rows(32) == (128, 16, 2)
   assert ladder_lib.Ladder(4096, 1024, row_multiple=2).rows(1024) == (4, 2)
+  invariant = ladder_lib.Ladder(4096, 1024, min_rows=2)  # a batch-invariant search never runs one sentence alone
+  assert invariant.rows(32) == (128, 16, 2) and invariant.rows(1024) == (4, 2) and invariant.split(1, 32) == [2]
 
 
 def test_commands_keep_compiled_programs_in_the_user_cache(tmp_path):

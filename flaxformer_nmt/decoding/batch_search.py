@@ -47,9 +47,25 @@ def _on_device(model, params, src, lines, seed, alpha, *, cache_lengths, num_sam
   return search_lib.search(model, params, src, keys, alpha=alpha, cache_lengths=cache_lengths, **options)
 
 
+# A batch-invariant search: each sentence's translation and scores the same whatever else its batch holds (the
+# server's batches). XLA:CPU hands a sum over 4,096 elements or more to YNNPACK, which adds in another order than
+# XLA's own loops, so a batch's size decides how LayerNorm and attention round; and a lone sentence's matmuls
+# take matrix-vector kernels. Batch-invariant programs leave YNNPACK the matmuls only, and their batches hold
+# at least two sentences (Ladder.min_rows); beam search is about 25% slower (bench/RESULTS.md).
+BATCH_INVARIANT_OPTIONS = {'xla_cpu_experimental_ynn_fusion_type': 'LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT'}
+
 _BEGIN_STATIC = tuple(sorted(set(START_STATIC + RULE_STATIC))) + ('cache_length',)
 _begin_jit = executables.Program(_begin, static_argnums=(0,), static_argnames=_BEGIN_STATIC)
 _segment_jit = executables.Program(_segment, static_argnums=(0,), static_argnames=RULE_STATIC)
+_invariant_begin_jit = executables.Program(_begin, static_argnums=(0,), static_argnames=_BEGIN_STATIC,
+                                           compiler_options=BATCH_INVARIANT_OPTIONS)
+_invariant_segment_jit = executables.Program(_segment, static_argnums=(0,), static_argnames=RULE_STATIC,
+                                             compiler_options=BATCH_INVARIANT_OPTIONS)
+
+
+def _segment_programs(batch_invariant):
+  """(begin, segment): the jitted programs of a segmented search."""
+  return (_invariant_begin_jit, _invariant_segment_jit) if batch_invariant else (_begin_jit, _segment_jit)
 _DEVICE_STATIC = _BEGIN_STATIC[:-1] + ('cache_lengths', 'grow_cache')
 
 
@@ -92,7 +108,8 @@ def search_batches(model, params, token_lists, ladder, options, *, lines=None, s
                    out_sharding=None):
   """For each source (token ids ending with EOS), (tokens [K, L], scores [K]) as search.search_output gives a
   row, or None for an empty source; options: search.search's, with num_samples (> 0: sampling that many)
-  instead of sample keys, and sort_by_length. lines: each source's line number (sample keys; default
+  instead of sample keys, sort_by_length, and batch_invariant (the segmented search's batch-invariant programs,
+  BATCH_INVARIANT_OPTIONS; the ladder's min_rows 2). lines: each source's line number (sample keys; default
   0, 1, ...). on_device: see the module docstring (None: on_device_by_default). place(tree) puts a batch's
   arrays where the search runs them (data-parallel devices, several hosts' global arrays; default: as jit
   does); out_sharding: the layout of the on-device search's results (replicated, for several hosts)."""
@@ -132,7 +149,8 @@ def _segmented_batch(model, params, src, lines, seed, ladder, options, place):
       length, options.get('max_len_a', 1.0), options['extra_length'], ladder.max_position))
   src = beam_search.pad_axis(src, 1, begin_length, search_lib.PAD_ID)
   alpha, rule = options['alpha'], _static(options, RULE_STATIC)
-  inputs, state, live = _begin_jit(model, params, *place((src, lines)), seed, ladder.below(rows, begin_length),
+  begin_jit, segment_jit = _segment_programs(options.get('batch_invariant', False))
+  inputs, state, live = begin_jit(model, params, *place((src, lines)), seed, ladder.below(rows, begin_length),
                                    alpha, cache_length=begin_length, **_static(options, _BEGIN_STATIC))
   results, work = [], [(np.arange(rows), inputs, state, live)]
   while work:
@@ -141,7 +159,7 @@ def _segmented_batch(model, params, src, lines, seed, ladder, options, place):
     results += [(sentences[r], tokens[r], scores[r]) for r in np.flatnonzero(~live) if sentences[r] >= 0]
     for sentences, inputs, state in _go_on(sentences, inputs, state, live, ladder):
       stop = ladder.below(len(sentences), beam_search.cache_length(state))
-      state, live = _segment_jit(model, params, *place((inputs, state)), stop, alpha, **rule)
+      state, live = segment_jit(model, params, *place((inputs, state)), stop, alpha, **rule)
       work.append((sentences, inputs, state, live))
   return results
 
@@ -204,10 +222,10 @@ def warm_up(model, params, ladder, options, *, max_source_length=None, on_device
       rows = ladder.rows(length)[0]
       _device_batch(model, params, _empty_sources(rows, length), np.zeros(rows, np.int32), 0, ladder, options, place)
     return len(source_lengths)
-  begun = {}
+  begun, (begin_jit, segment_jit) = {}, _segment_programs(options.get('batch_invariant', False))
   for length in source_lengths:
     for rows in ladder.rows(length):
-      begun[length] = jax.device_get(_begin_jit(
+      begun[length] = jax.device_get(begin_jit(
           model, params, *place((_empty_sources(rows, length), np.zeros(rows, np.int32))), 0, 0, options['alpha'],
           cache_length=length, **_static(options, _BEGIN_STATIC)))[:2]
   top = ladder.length_for(search_lib.max_steps(source_lengths[-1], options.get('max_len_a', 1.0),
@@ -218,7 +236,7 @@ def warm_up(model, params, ladder, options, *, max_source_length=None, on_device
     for rows in ladder.rows(length):
       batch_inputs, batch_state = search_lib.take_sentences((inputs, state), np.zeros(rows, np.int64),
                                                             batch=len(inputs.src))
-      jax.block_until_ready(_segment_jit(model, params, *place((batch_inputs, batch_state)), 0, options['alpha'],
+      jax.block_until_ready(segment_jit(model, params, *place((batch_inputs, batch_state)), 0, options['alpha'],
                                          **_static(options, RULE_STATIC)))
       count += 1
   return count

@@ -35,10 +35,12 @@ def _floor_power_of_two(n):
 class Ladder:
   """The rungs of a model's search: tokens_per_batch (source tokens a batch holds at most, before the beam),
   max_position (the model's positions: the longest cache), row_multiple (every row count is a multiple of
-  it: the devices a batch is split over)."""
+  it: the devices a batch is split over), min_rows (the fewest sentences a batch has: 2 for a batch-invariant
+  search, see batch_search.BATCH_INVARIANT_OPTIONS)."""
   tokens_per_batch: int
   max_position: int
   row_multiple: int = 1
+  min_rows: int = 1
 
   @property
   def lengths(self):
@@ -59,13 +61,13 @@ class Ladder:
 
   def rows(self, length):
     """The row rungs at `length`, largest first."""
-    top = _floor_power_of_two(self.tokens_per_batch // length)
+    top = max(_floor_power_of_two(self.tokens_per_batch // length), self.min_rows)
     rungs = []
     while True:
       rungs.append(-(-top // self.row_multiple) * self.row_multiple)
-      if top == 1:
+      if top <= self.min_rows:
         break
-      top = max(top // ROW_RATIO, 1)
+      top = max(top // ROW_RATIO, self.min_rows)
     return tuple(sorted(set(rungs), reverse=True))
 
   def below(self, rows, length):

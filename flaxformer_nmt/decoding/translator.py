@@ -22,6 +22,7 @@ from flaxformer_nmt.decoding import batch_search
 from flaxformer_nmt.decoding import mbr as mbr_lib
 from flaxformer_nmt.decoding.ladder import Ladder
 from flaxformer_nmt.decoding.search import MIN_LEN
+from flaxformer_nmt.models.transformer import cpu_has_bfloat16_dot
 from flaxformer_nmt.runtime import sharding
 
 # Kept importable from here for readers that load parameters or ensembles without a Translator.
@@ -43,10 +44,13 @@ class Translator:
   their count) and the parameters replicated on each (sharding.local_devices finds them; on a CPU host, call
   it before the first computation); None: the default device alone. on_device: whether each batch searches
   in one program on the device (batch_search.py; None: on GPU and TPU, not on a CPU).
+  batch_invariant: each sentence's translation and score the same whatever else a call or batch holds (a
+  server's batches; batch_search.BATCH_INVARIANT_OPTIONS): on one CPU device with bf16 dot instructions and
+  bfloat16 matmul operands (the configs' 'auto' there); its beam search is about 25% slower.
   The decoding settings (beam size, length penalty, batch budget, max length) come from the first member.
   """
 
-  def __init__(self, workdir, checkpoint=None, dtype=None, devices=None, on_device=None):
+  def __init__(self, workdir, checkpoint=None, dtype=None, devices=None, on_device=None, batch_invariant=False):
     loaded = loader.load_for_inference(workdir, checkpoint, task='translation', dtype=dtype, ensemble=True)
     self.workdir, self.config, self.tokenizer = loaded.workdir, loaded.config, loaded.tokenizer
     self.checkpoint = loaded.description
@@ -59,7 +63,19 @@ class Translator:
       self.member_params = jax.device_put(self.member_params, sharding.replicated(self.mesh))
     # The first member, for single-model users (attention pictures teacher-force one model).
     self.model, self.params = self.models[0], self.member_params[0]
-    self.on_device = on_device
+    self.on_device, self.batch_invariant = on_device, batch_invariant
+    if batch_invariant:
+      self._check_batch_invariance()
+
+  def _check_batch_invariance(self):
+    """Raises ValueError where a batch-invariant search cannot be had (see the class docstring)."""
+    if self.mesh is not None or (batch_search.on_device_by_default() if self.on_device is None else self.on_device):
+      raise ValueError('batch_invariant decoding runs on one CPU device: the search on a GPU or TPU, or split '
+                       'over several devices, depends on the batch\'s shape')
+    if not (cpu_has_bfloat16_dot() and all(m.config.matmul_precision == 'bfloat16' for m in self.models)):
+      raise ValueError('batch_invariant decoding needs bfloat16 matmul operands on a CPU with bf16 dot '
+                       'instructions (matmul_precision auto or bfloat16, not --dtype float32): XLA:CPU\'s float32 '
+                       'matmuls of up to about 50 rows round differently from larger ones')
 
   @property
   def search_model(self):
@@ -76,7 +92,8 @@ class Translator:
     most batch_search.CPU_TOKENS_PER_BATCH)."""
     budget = tokens_per_batch or batch_search.tokens_per_batch_for(self.config.decode_tokens_per_batch,
                                                                    self.on_device)
-    return Ladder(budget, min(m.config.max_position for m in self.models), 1 if self.mesh is None else self.mesh.size)
+    return Ladder(budget, min(m.config.max_position for m in self.models), 1 if self.mesh is None else self.mesh.size,
+                  min_rows=2 if self.batch_invariant else 1)
 
   def batches(self, token_lists, tokens_per_batch=None, sort_by_length=True):
     """The ladder's (indices, padded sources) batches of token lists."""
@@ -105,7 +122,8 @@ class Translator:
       raise ValueError(f'sampling needs temperature > 0 and top_k >= 0, not {temperature} and {top_k}')
     options = dict(beam_size=beam_size, alpha=float(alpha), extra_length=int(max_len_b), max_len_a=max_len_a,
                    cache_cross_kv=cache_cross_kv, grow_cache=grow_cache, min_len=int(min_len),
-                   sort_by_length=sort_by_length, scores=bool(scores) or beam_size > 0)
+                   sort_by_length=sort_by_length, scores=bool(scores) or beam_size > 0,
+                   batch_invariant=self.batch_invariant)
     if sampling:
       options.update(beam_size=0, alpha=0.0, temperature=float(temperature), top_k=int(top_k), num_samples=n_best,
                      scores=True)

@@ -244,8 +244,8 @@ class JaxBackend:
 
   name = 'jax'
 
-  def __init__(self, workdir, checkpoint=None, dtype=None):
-    self.translator = Translator(workdir, checkpoint, dtype=dtype)
+  def __init__(self, workdir, checkpoint=None, dtype=None, batch_invariant=False):
+    self.translator = Translator(workdir, checkpoint, dtype=dtype, batch_invariant=batch_invariant)
     self.config, self.tokenizer = self.translator.config, self.translator.tokenizer
     self.source_lang, self.target_lang = self.config.source_lang, self.config.target_lang
     self.workdir, self.checkpoint = str(workdir), self.translator.checkpoint
