@@ -16,7 +16,8 @@ Starts the server on 127.0.0.1 (or loads --url, a server already running), waits
    is reported.
 
 Every 200 answer is compared with the offline decode of the same sentence (python -m flaxformer_nmt.decode on
-the same workdir and options, computed once, or --expected): a server that answers, answers right.
+the same workdir and options, computed once, or --expected): a server that answers, answers right. With
+--batch_invariant both decode batch-invariantly, and every 200 must equal its offline line whatever the batches.
 """
 import asyncio
 import collections
@@ -52,6 +53,8 @@ def define_flags():
   flags.DEFINE_float('client_timeout_s', 60.0, 'A request not answered by then counts as hung.')
   flags.DEFINE_bool('overload', False, 'Also: open-loop arrivals at 4x the best sustained rate.')
   flags.DEFINE_bool('kill_test', False, 'Also: SIGKILL the server under load and start it again.')
+  flags.DEFINE_bool('batch_invariant', False, 'Serve and decode offline with --batch_invariant: every 200 must then '
+                    'equal the offline translation exactly, whatever the batches.')
   flags.DEFINE_multi_string('server_flag', [], 'A flag for the server (repeatable), e.g. --max_wait_ms=5.')
   flags.DEFINE_string('output', None, 'Also write the results as JSON here.')
   flags.mark_flags_as_required(['sentences'])
@@ -73,7 +76,7 @@ class Tally:
             'p50_s': round(float(np.percentile(lat, 50)), 3), 'p95_s': round(float(np.percentile(lat, 95)), 3),
             'p99_s': round(float(np.percentile(lat, 99)), 3),
             'statuses': {str(k): v for k, v in sorted(self.statuses.items(), key=str)},
-            'wrong_translations': self.wrong, 'wrong_sentences': sorted(self.wrong_examples),
+            'wrong_translations': self.wrong, 'wrong_lines': sorted(i + 1 for i in self.wrong_examples),
             '503_without_retry_after': self.missing_retry_after}
 
 
@@ -209,11 +212,11 @@ def ready(url):
     return False
 
 
-def offline_translations(workdir, checkpoint, sentences_path, expected_path):
+def offline_translations(workdir, checkpoint, sentences_path, expected_path, extra_flags=()):
   """The decode command's translations of the sentences (written to expected_path once)."""
   if not os.path.exists(expected_path):
     subprocess.run([sys.executable, '-m', 'flaxformer_nmt.decode', f'--workdir={workdir}',
-                    f'--input={sentences_path}', f'--output={expected_path}',
+                    f'--input={sentences_path}', f'--output={expected_path}', *extra_flags,
                     *([f'--checkpoint={checkpoint}'] if checkpoint else [])], cwd=REPOSITORY, check=True)
   with open(expected_path, encoding='utf-8') as f:
     return f.read().split('\n')[:-1]
@@ -277,15 +280,16 @@ def main(argv):
   logging.getLogger('httpx').setLevel(logging.WARNING)  # not a line per request
   with open(FLAGS.sentences, encoding='utf-8') as f:
     sentences = f.read().split('\n')[:-1]
-  expected = offline_translations(FLAGS.workdir, FLAGS.checkpoint, FLAGS.sentences,
-                                  FLAGS.expected or os.path.join(FLAGS.workdir, 'serve_load_expected.txt'))
+  invariant = ['--batch_invariant'] if FLAGS.batch_invariant else []
+  expected = offline_translations(FLAGS.workdir, FLAGS.checkpoint, FLAGS.sentences, FLAGS.expected or os.path.join(
+      FLAGS.workdir, f'serve_load_expected{"_invariant" * FLAGS.batch_invariant}.txt'), invariant)
   if len(expected) != len(sentences):
     raise app.UsageError(f'{len(sentences)} sentences but {len(expected)} expected translations')
-  server, results = None, {'machine': os.uname().nodename, 'server_flags': FLAGS.server_flag}
+  server, results = None, {'machine': os.uname().nodename, 'server_flags': FLAGS.server_flag + invariant}
   if FLAGS.url:
     url = FLAGS.url
   else:
-    server_flags = FLAGS.server_flag + ([f'--checkpoint={FLAGS.checkpoint}'] if FLAGS.checkpoint else [])
+    server_flags = FLAGS.server_flag + invariant + ([f'--checkpoint={FLAGS.checkpoint}'] if FLAGS.checkpoint else [])
     server = ServerProcess(FLAGS.workdir, server_flags, os.path.join(FLAGS.workdir, 'serve_load_server.log'))
     results['start_to_ready_s'], results['start_to_first_answer_s'] = [round(t, 1) for t in server.start()]
     print(f'server ready in {results["start_to_ready_s"]} s', flush=True)
