@@ -57,6 +57,7 @@ BATCH_INVARIANT_OPTIONS = {'xla_cpu_experimental_ynn_fusion_type': 'LIBRARY_FUSI
 _BEGIN_STATIC = tuple(sorted(set(START_STATIC + RULE_STATIC))) + ('cache_length',)
 _begin_jit = executables.Program(_begin, static_argnums=(0,), static_argnames=_BEGIN_STATIC)
 _segment_jit = executables.Program(_segment, static_argnums=(0,), static_argnames=RULE_STATIC)
+_DEVICE_STATIC = _BEGIN_STATIC[:-1] + ('cache_lengths', 'grow_cache')
 _invariant_begin_jit = executables.Program(_begin, static_argnums=(0,), static_argnames=_BEGIN_STATIC,
                                            compiler_options=BATCH_INVARIANT_OPTIONS)
 _invariant_segment_jit = executables.Program(_segment, static_argnums=(0,), static_argnames=RULE_STATIC,
@@ -66,7 +67,6 @@ _invariant_segment_jit = executables.Program(_segment, static_argnums=(0,), stat
 def _segment_programs(batch_invariant):
   """(begin, segment): the jitted programs of a segmented search."""
   return (_invariant_begin_jit, _invariant_segment_jit) if batch_invariant else (_begin_jit, _segment_jit)
-_DEVICE_STATIC = _BEGIN_STATIC[:-1] + ('cache_lengths', 'grow_cache')
 
 
 @functools.cache
