@@ -87,12 +87,17 @@ def test_the_command_stops_resumes_and_decodes_the_members_together(toy_corpus, 
   workdir.mkdir()
   tokenizer_lib.train_sentencepiece((toy_corpus / 'train.de').read_text().splitlines(), workdir / 'vocab.model',
                                     vocab_size=config.vocab_size)
-  planted = (workdir / 'vocab.model').read_bytes()
-  args = resilience.cli_args(config, workdir)
   members = [member_workdir(workdir, k) for k in range(2)]
+  _stop_during_the_first_member(config, workdir, members, tmp_path)
+  _resume_and_score_the_members_together(config, workdir, members, toy_corpus)
+  rows = _decode_and_compare_the_ensemble_workdir(workdir, members, toy_corpus)
+  _bleu_curve_and_average(workdir, members, rows)
 
-  # A stop signal during member0: the command saves, exits 0 and does not start member1.
-  process = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+def _stop_during_the_first_member(config, workdir, members, tmp_path):
+  """A stop signal during member0: the command saves, exits 0 and does not start member1."""
+  process = subprocess.Popen(resilience.cli_args(config, workdir), cwd=tmp_path, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
   resilience.wait_for_checkpoint(members[0], 0, process)
   process.send_signal(signal.SIGTERM)
   _, stderr = process.communicate(timeout=60)
@@ -103,8 +108,13 @@ def test_the_command_stops_resumes_and_decodes_the_members_together(toy_corpus, 
   with pytest.raises(ConfigError, match='member1 has not started'):
     decode.Translator(workdir)
 
-  # The same command again finishes member0, then trains member1: its main in this process (in_process.py),
-  # which has compiled the toy model's steps and searches already.
+
+def _resume_and_score_the_members_together(config, workdir, members, toy_corpus):
+  """The same command again finishes member0, then trains member1: its main in this process (in_process.py),
+  which has compiled the toy model's steps and searches already. It ends by scoring the members together on
+  valid with the config's decode: the sacreBLEU of decoding both members' latest checkpoints at the config's
+  beam and alpha, scored here by hand."""
+  planted = (workdir / 'vocab.model').read_bytes()
   result = in_process.run(train_command, resilience.cli_flags(config, workdir))
   assert result.returncode == 0, result.stderr[-3000:]
   configs = [json.loads((m / 'config.json').read_text()) for m in members]
@@ -113,8 +123,6 @@ def test_the_command_stops_resumes_and_decodes_the_members_together(toy_corpus, 
     assert checkpoints_lib.saved_steps(member)[-1] == 100
     assert json.loads((member / ensemble.FINISHED_FILE).read_text())['step'] == 100
     assert (member / 'vocab.model').read_bytes() == planted
-  # The command ends by scoring the members together on valid with the config's decode: the sacreBLEU of
-  # decoding both members' latest checkpoints at the config's beam and alpha, scored here by hand.
   record = json.loads((workdir / ensemble.VALIDATION_FILE).read_text())
   sources, references = ((toy_corpus / f'valid.{lang}').read_text().splitlines() for lang in ('en', 'de'))
   both = decode.Translator([str(m) for m in members], checkpoint='latest')
@@ -129,7 +137,11 @@ def test_the_command_stops_resumes_and_decodes_the_members_together(toy_corpus, 
   assert not all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(first),
                                                       jax.tree_util.tree_leaves(second)))  # two seeds
 
-  # Decoding the ensemble's workdir is decoding its members together (the config's checkpoint, then another).
+
+def _decode_and_compare_the_ensemble_workdir(workdir, members, toy_corpus):
+  """Decoding the ensemble's workdir is decoding its members together (the config's checkpoint, then another);
+  compare scores it as one ensemble, a row per length penalty. Returns compare's rows."""
+  sources, references = ((toy_corpus / f'valid.{lang}').read_text().splitlines() for lang in ('en', 'de'))
   for checkpoint in (None, '90'):
     together = decode.Translator(workdir, checkpoint=checkpoint)
     assert len(together.models) == 2 and str(members[1]) in together.checkpoint
@@ -138,8 +150,7 @@ def test_the_command_stops_resumes_and_decodes_the_members_together(toy_corpus, 
                                [s for _, s in explicit.translate(sources, beam_size=2, return_scores=True)])
   with pytest.raises(ConfigError, match='member0'):
     decode.load_params(workdir)  # one set of parameters (export) is taken from a member
-  # compare scores the ensemble's workdir as one ensemble (the members as a list of workdirs: as decode's
-  # --workdir=A,B, the same Translator), a row per length penalty.
+  # The members as a list of workdirs, as decode's --workdir=A,B: the same Translator.
   result = in_process.run(compare, [f'--workdir={workdir}', '--checkpoints=90', '--beam_size=2', '--alpha=0.6,2'])
   assert result.returncode == 0, result.stderr[-3000:]
   rows = [[cell.strip() for cell in line.split('|')[1:-1]] for line in result.stdout.splitlines()
@@ -154,8 +165,13 @@ def test_the_command_stops_resumes_and_decodes_the_members_together(toy_corpus, 
   for row, hypotheses in zip(rows, by_hand):
     bleu = sacrebleu.corpus_bleu(hypotheses, [references])
     assert [float(c) for c in (row[3], row[5])] == pytest.approx([bleu.score, bleu.sys_len / bleu.ref_len], abs=0.0051)
-  # bench/bleu_curve.py: each member's rows, then the ensemble's, at the minutes of both members' training.
-  # Its main in this process too, where the members' searches are compiled already (as a subprocess: 15 s).
+  return rows
+
+
+def _bleu_curve_and_average(workdir, members, rows):
+  """bench/bleu_curve.py: each member's rows, then the ensemble's, at the minutes of both members' training (its
+  main in this process too, where the members' searches are compiled already; as a subprocess: 15 s). Then
+  averaging the ensemble's workdir averages each member's own checkpoints."""
   result = in_process.run(in_process.bench_script('bleu_curve'), [f'--workdir={workdir}', '--steps=90',
                                                                  '--splits=valid', '--beam_size=2', '--alpha=2'])
   assert result.returncode == 0, result.stderr[-3000:]
@@ -165,8 +181,6 @@ def test_the_command_stops_resumes_and_decodes_the_members_together(toy_corpus, 
   last_seconds = [[json.loads(line) for line in (m / 'metrics.jsonl').read_text().splitlines()
                    if 'elapsed_seconds' in line][-1]['elapsed_seconds'] for m in members]
   assert float(curve[2][2]) == pytest.approx(sum(last_seconds) / 60, abs=0.051)
-
-  # Averaging the ensemble's workdir averages each member's own checkpoints.
   result = subprocess.run([sys.executable, '-m', 'flaxformer_nmt.average', f'--workdir={workdir}', '--last=2'],
                           capture_output=True, text=True, timeout=300)  # the suite's one run of this command
   assert result.returncode == 0, result.stderr[-3000:]
