@@ -23,7 +23,7 @@ def read_metrics(workdir):
   return [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
 
 
-def test_training_logs_validation_bleu_and_keeps_the_best_checkpoint(trained_toy, tmp_path):
+def test_training_logs_validation_bleu_and_keeps_the_best_checkpoint(trained_toy):
   """The session's toy (conftest.trained_toy_config): validation BLEU at steps 200 and 400, the second above 0
   (a model that translates: plumbing that wrote empty or misaligned lines would score 0 there too)."""
   workdir, data, tok_dir = trained_toy, trained_toy.parent / 'data', trained_toy.parent / 'tok'
@@ -64,6 +64,12 @@ def test_training_logs_validation_bleu_and_keeps_the_best_checkpoint(trained_toy
   best_lines = (workdir / 'eval' / f'hyp_{best_step}.txt').read_text().split('\n')[:-1]
   assert best.translate(sources, beam_size=0) == best_lines
 
+
+def test_decode_and_compare_read_the_best_checkpoint(trained_toy, tmp_path):
+  workdir, data = trained_toy, trained_toy.parent / 'data'
+  sources = (data / 'valid.en').read_text().splitlines()
+  references = (data / 'valid.de').read_text().splitlines()
+  best = decode.Translator(workdir, checkpoint='best')
   # decode --checkpoint best from the command line.
   (tmp_path / 'in.en').write_text('\n'.join(sources[:3]) + '\n')
   result = in_process.run(decode_command, [f'--workdir={workdir}', '--checkpoint=best',
