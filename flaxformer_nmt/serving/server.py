@@ -80,14 +80,15 @@ def error_response(path, status, message, headers=None):
 
 _SENTENCE_END = re.compile(r'[.!?\u2026]+["\'\u201d\u2019)\]]*\s+')
 ABBREVIATIONS = frozenset('mr mrs ms dr prof st sr jr vs etc e.g i.e no nr ca bzw z.b usw'.split())
-_ACRONYM = re.compile(r'(?:[^\W\d_]\.){2,}')  # U.S., E.S.E., z.B.: letters each followed by its period
+_ACRONYM = re.compile(r'\.([^\W\d_]+)\.+$')  # ends with a period, letters, a period: U.S., E.S.E., Ph.D., p.m.
 
 
 def split_sentences(line):
   """The sentences of one line of text: a break after . ! ? (and closing quotes) followed by white space and an
   upper-case letter, digit or opening quote, but not after an abbreviation (Mr., Dr., z.B., ...), an initial
-  (J. Smith) or an acronym written with periods (the U.S. Army, E.S.E. Electronics: as Moses' sentence splitter
-  keeps them); a mark standing alone ("runs . The") always ends a sentence."""
+  (J. Smith) or an acronym written with periods whose last letters are capitals (the U.S. Army, E.S.E.
+  Electronics, a Ph.D. Student: Moses' sentence splitter's rule); a mark standing alone ("runs . The") always
+  ends a sentence."""
   sentences, start = [], 0
   for match in _SENTENCE_END.finditer(line):
     following = line[match.end():match.end() + 2]
@@ -95,11 +96,16 @@ def split_sentences(line):
     word = words[-1].rstrip('.').lower() if words else ''
     starts = following[:1].isupper() or following[:1].isdigit() or (
         following[:1] in '"\'\u201c\u201e(' and following[1:2].isupper())
-    if starts and (not word or (word not in ABBREVIATIONS and len(word) > 1 and not _ACRONYM.fullmatch(words[-1]))):
+    if starts and (not word or (word not in ABBREVIATIONS and len(word) > 1 and not _acronym(words[-1]))):
       sentences.append(line[start:match.end()].strip())
       start = match.end()
   sentences.append(line[start:].strip())
   return sentences
+
+
+def _acronym(word):
+  match = _ACRONYM.search(word)
+  return bool(match) and match.group(1).isupper()
 
 
 def split_text(text):
