@@ -55,9 +55,9 @@ def define_flags():
   flags.DEFINE_enum('warmup', d.warmup, ['none', 'full'], 'full: compile (or load from the compilation cache) '
                     'every program the default search of up to --max_input_tokens pieces may run, before /ready; '
                     'none: compile on first use.')
-  flags.DEFINE_bool('batch_invariant', False, 'jax backend: answers independent of the other requests batched with '
-                    'them, equal to the decode command\'s with --batch_invariant (a CPU with bf16 dot, bfloat16 '
-                    'matmul operands); beam search about 25% slower.')
+  flags.DEFINE_bool('batch_invariant', False, 'jax backend: translations and scores independent of the other '
+                    'requests batched with them, equal to the decode command\'s with --batch_invariant (a CPU with '
+                    'bf16 dot, bfloat16 matmul operands); 9-37% fewer sentences/s (bench/RESULTS.md).')
   flags.DEFINE_float('switch_interval_ms', 1.0, 'Python\'s thread switch interval (its default: 5 ms).')
   flags.DEFINE_float('graceful_timeout_s', 60.0, 'On SIGTERM, how long to wait for the requests in flight.')
   flags.DEFINE_float('keep_alive_s', 75.0, 'How long an idle connection stays open. Longer than the clients\' and '
@@ -121,6 +121,8 @@ def main(argv):
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if FLAGS.batch_invariant and FLAGS.backend != 'jax':
+    raise app.UsageError('--batch_invariant is the jax backend\'s search: not with --backend ctranslate2')
   try:
     import uvicorn  # pylint: disable=g-import-not-at-top
     from flaxformer_nmt.serving import server  # pylint: disable=g-import-not-at-top

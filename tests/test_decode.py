@@ -118,12 +118,19 @@ def test_a_batch_invariant_search_scores_each_sentence_as_it_would_alone(workdir
   together = search(token_lists)
   assert [search([t])[0] for t in token_lists[:12]] == together[:12]
   assert search(token_lists[12:15]) == together[12:15]
+
+
+def test_batch_invariance_is_refused_where_it_cannot_hold(workdir, bfloat16_workdir):
+  # Not silently ignored: the device's one-program search, float32 matmuls (their kernels change with the row
+  # count), and a rescorer's teacher-forced batches are not batch-invariant.
   with pytest.raises(ValueError, match='one CPU device'):
     decode.Translator(bfloat16_workdir, batch_invariant=True, on_device=True)
-  with pytest.raises(ValueError, match='bfloat16 matmul operands'):  # float32 matmuls depend on their row count
+  with pytest.raises(ValueError, match='bfloat16 matmul operands'):
     decode.Translator(workdir, batch_invariant=True)
   result = run_cli(['--batch_invariant'], workdir, stdin='a dog .\n')  # the command hands its flag on
   assert result.returncode != 0 and 'bfloat16 matmul operands' in result.stderr
+  result = run_cli(['--batch_invariant', f'--rerank_workdir={workdir}'], bfloat16_workdir, stdin='a dog .\n')
+  assert result.returncode != 0 and 'not --rerank_workdir' in result.stderr
 
 
 def test_cli_from_stdin_in_chunks_equals_the_api(workdir, translator, mixed):

@@ -137,6 +137,16 @@ def test_default_answers_equal_the_decode_command(workdir, backend):
   assert answer.json()['translations'][0].keys() == {'text'}  # optional fields only when asked for
 
 
+def test_batch_invariant_answers_are_asked_of_the_jax_search_and_refused_where_it_cannot_give_them(workdir):
+  # The flag reaches the jax backend's Translator (which refuses the toy's float32 matmuls, whose kernels change
+  # with the row count), and a CTranslate2 backend refuses it rather than ignoring it.
+  from flaxformer_nmt import serve as serve_command  # pylint: disable=g-import-not-at-top
+  result = in_process.run(serve_command, [f'--workdir={workdir}', '--batch_invariant', '--warmup=none'])
+  assert result.returncode != 0 and 'bfloat16 matmul operands' in result.stderr
+  result = in_process.run(serve_command, [f'--model=en-de={workdir}', '--backend=ctranslate2', '--batch_invariant'])
+  assert result.returncode != 0 and 'not with --backend ctranslate2' in result.stderr
+
+
 def test_paragraphs_are_split_into_sentences_and_rejoined_and_empty_texts_stay_empty(backend, translator):
   texts = ['a big dog runs . The small cat sleeps .', '', '   ', 'a red ball\nthe cat runs .\n\ndog']
   with client({'en-de': backend}) as c:
@@ -153,9 +163,10 @@ def test_split_sentences_keeps_abbreviations_and_lower_case_continuations():
   assert server.split_text('Mr. Smith runs. He sees it! "Yes," she says.\nno. break here') == [
       ['Mr. Smith runs.', 'He sees it!', '"Yes," she says.'], ['no. break here']]
   assert server.split_text('') == [['']]
-  # An acronym with periods is no sentence end (Multi30k's test2016 line 361); the sentence after it still splits.
-  assert server.split_text('A sign says E.S.E. Electronics. The U.S. Army came. It left.') == [
-      ['A sign says E.S.E. Electronics.', 'The U.S. Army came.', 'It left.']]
+  # An acronym written with periods and ending in capitals is no sentence end (Multi30k's test2016 line 361),
+  # also in brackets; the sentence after it still splits, and so does one after "p.m." (lower case, as Moses).
+  assert server.split_text('A sign says E.S.E. Electronics. The (U.S.) Army came. It left at 5 p.m. Then') == [
+      ['A sign says E.S.E. Electronics.', 'The (U.S.) Army came.', 'It left at 5 p.m.', 'Then']]
 
 
 def test_attention_is_the_teacher_forced_cross_attention_of_the_answer(backend, translator):

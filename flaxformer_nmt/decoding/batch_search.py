@@ -51,7 +51,7 @@ def _on_device(model, params, src, lines, seed, alpha, *, cache_lengths, num_sam
 # server's batches). XLA:CPU hands a sum over 4,096 elements or more to YNNPACK, which adds in another order than
 # XLA's own loops, so a batch's size decides how LayerNorm and attention round; and a lone sentence's matmuls
 # take matrix-vector kernels. Batch-invariant programs leave YNNPACK the matmuls only, and their batches hold
-# at least two sentences (Ladder.min_rows); beam search is about 25% slower (bench/RESULTS.md).
+# at least two sentences (Ladder.min_rows); beam search runs about 20% fewer sentences/s (bench/RESULTS.md).
 BATCH_INVARIANT_OPTIONS = {'xla_cpu_experimental_ynn_fusion_type': 'LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT'}
 
 _BEGIN_STATIC = tuple(sorted(set(START_STATIC + RULE_STATIC))) + ('cache_length',)
