@@ -285,7 +285,8 @@ def main(argv):
       FLAGS.workdir, f'serve_load_expected{"_invariant" * FLAGS.batch_invariant}.txt'), invariant)
   if len(expected) != len(sentences):
     raise app.UsageError(f'{len(sentences)} sentences but {len(expected)} expected translations')
-  server, results = None, {'machine': os.uname().nodename, 'server_flags': FLAGS.server_flag + invariant}
+  server, results = None, {'machine': os.uname().nodename, 'server_flags': FLAGS.server_flag,
+                            'batch_invariant': FLAGS.batch_invariant}
   if FLAGS.url:
     url = FLAGS.url
   else:
