@@ -80,7 +80,7 @@ def error_response(path, status, message, headers=None):
 
 _SENTENCE_END = re.compile(r'[.!?\u2026]+["\'\u201d\u2019)\]]*\s+')
 ABBREVIATIONS = frozenset('mr mrs ms dr prof st sr jr vs etc e.g i.e no nr ca bzw z.b usw'.split())
-_ACRONYM = re.compile(r'\.([^\W\d_]+)\.+$')  # ends with a period, letters, a period: U.S., E.S.E., Ph.D., p.m.
+_ACRONYM = re.compile(r'\.([^\W\d_]+)\.+$')  # a word ending in a period, letters and a period (U.S., p.m.)
 
 
 def split_sentences(line):
@@ -104,6 +104,7 @@ def split_sentences(line):
 
 
 def _acronym(word):
+  """Whether a word ends as U.S., E.S.E. or Ph.D. do: a period, capitals, a period (not p.m.)."""
   match = _ACRONYM.search(word)
   return bool(match) and match.group(1).isupper()
 
