@@ -110,7 +110,7 @@ def bfloat16_workdir(workdir, tmp_path_factory):
 def test_a_batch_invariant_search_scores_each_sentence_as_it_would_alone(workdir, bfloat16_workdir, beam_size):
   # Exact equality, scores to the last bit, whatever the batch: 64 sentences x 4 beams in one batch hand
   # LayerNorm's and the normalizer's sums to YNNPACK (arrays of 4,096 floats or more), a sentence alone takes
-  # XLA's own loops and matrix-vector products. Fails without BATCH_INVARIANT_OPTIONS or without min_rows 2.
+  # XLA's own loops and matrix-vector products. Fails without BATCH_INVARIANT_OPTIONS or BATCH_INVARIANT_MIN_ROWS.
   invariant = decode.Translator(bfloat16_workdir, batch_invariant=True)
   lines = (workdir.parent / 'data' / 'train.en').read_text().splitlines()[:64]
   token_lists = invariant.tokenizer.encode(lines)

@@ -13,6 +13,7 @@ model static (equal models share them), and saved as an executable that later pr
 it (runtime/executables.py); the length penalty's alpha and the stop rung are inputs, not constants.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -51,22 +52,32 @@ def _on_device(model, params, src, lines, seed, alpha, *, cache_lengths, num_sam
 # server's batches). XLA:CPU hands a sum over 4,096 elements or more to YNNPACK, which adds in another order than
 # XLA's own loops, so a batch's size decides how LayerNorm and attention round; and a lone sentence's matmuls
 # take matrix-vector kernels. Batch-invariant programs leave YNNPACK the matmuls only, and their batches hold
-# at least two sentences (Ladder.min_rows); beam search runs about 20% fewer sentences/s (bench/RESULTS.md).
+# at least BATCH_INVARIANT_MIN_ROWS sentences; beam search runs about 20% fewer sentences/s (bench/RESULTS.md).
 BATCH_INVARIANT_OPTIONS = {'xla_cpu_experimental_ynn_fusion_type': 'LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT'}
+BATCH_INVARIANT_MIN_ROWS = 2
 
 _BEGIN_STATIC = tuple(sorted(set(START_STATIC + RULE_STATIC))) + ('cache_length',)
-_begin_jit = executables.Program(_begin, static_argnums=(0,), static_argnames=_BEGIN_STATIC)
-_segment_jit = executables.Program(_segment, static_argnums=(0,), static_argnames=RULE_STATIC)
 _DEVICE_STATIC = _BEGIN_STATIC[:-1] + ('cache_lengths', 'grow_cache')
-_invariant_begin_jit = executables.Program(_begin, static_argnums=(0,), static_argnames=_BEGIN_STATIC,
-                                           compiler_options=BATCH_INVARIANT_OPTIONS)
-_invariant_segment_jit = executables.Program(_segment, static_argnums=(0,), static_argnames=RULE_STATIC,
-                                             compiler_options=BATCH_INVARIANT_OPTIONS)
 
 
-def _segment_programs(batch_invariant):
+def _segment_programs_with(**jit_options):
   """(begin, segment): the jitted programs of a segmented search."""
-  return (_invariant_begin_jit, _invariant_segment_jit) if batch_invariant else (_begin_jit, _segment_jit)
+  return (executables.Program(_begin, static_argnums=(0,), static_argnames=_BEGIN_STATIC, **jit_options),
+          executables.Program(_segment, static_argnums=(0,), static_argnames=RULE_STATIC, **jit_options))
+
+
+_begin_jit, _segment_jit = _segment_programs_with()
+_INVARIANT_PROGRAMS = _segment_programs_with(compiler_options=BATCH_INVARIANT_OPTIONS)
+
+
+def _programs_for(options):
+  """(begin, segment) of a segmented search with these options (the batch-invariant ones where asked for)."""
+  return _INVARIANT_PROGRAMS if options.get('batch_invariant') else (_begin_jit, _segment_jit)
+
+
+def _ladder_for(options, ladder):
+  """The ladder a search with these options runs on: a batch-invariant one never has a sentence alone."""
+  return dataclasses.replace(ladder, min_rows=BATCH_INVARIANT_MIN_ROWS) if options.get('batch_invariant') else ladder
 
 
 @functools.cache
@@ -108,8 +119,8 @@ def search_batches(model, params, token_lists, ladder, options, *, lines=None, s
                    out_sharding=None):
   """For each source (token ids ending with EOS), (tokens [K, L], scores [K]) as search.search_output gives a
   row, or None for an empty source; options: search.search's, with num_samples (> 0: sampling that many)
-  instead of sample keys, sort_by_length, and batch_invariant (the segmented search's batch-invariant programs,
-  BATCH_INVARIANT_OPTIONS; the ladder's min_rows 2). lines: each source's line number (sample keys; default
+  instead of sample keys, sort_by_length, and batch_invariant (the segmented search's batch-invariant programs
+  and batches, BATCH_INVARIANT_OPTIONS). lines: each source's line number (sample keys; default
   0, 1, ...). on_device: see the module docstring (None: on_device_by_default). place(tree) puts a batch's
   arrays where the search runs them (data-parallel devices, several hosts' global arrays; default: as jit
   does); out_sharding: the layout of the on-device search's results (replicated, for several hosts)."""
@@ -117,7 +128,7 @@ def search_batches(model, params, token_lists, ladder, options, *, lines=None, s
   sort_by_length = options.pop('sort_by_length', True)
   lines = np.arange(len(token_lists), dtype=np.int32) if lines is None else np.asarray(lines, np.int32)
   on_device = on_device_by_default() if on_device is None else on_device
-  place = place or (lambda tree: tree)
+  place, ladder = place or (lambda tree: tree), _ladder_for(options, ladder)
   run = functools.partial(_device_batch, out_sharding=out_sharding) if on_device else _segmented_batch
   results = [None] * len(token_lists)
   for members, src in ladder.batches(token_lists, sort_by_length, top_rows=on_device):
@@ -149,7 +160,7 @@ def _segmented_batch(model, params, src, lines, seed, ladder, options, place):
       length, options.get('max_len_a', 1.0), options['extra_length'], ladder.max_position))
   src = beam_search.pad_axis(src, 1, begin_length, search_lib.PAD_ID)
   alpha, rule = options['alpha'], _static(options, RULE_STATIC)
-  begin_jit, segment_jit = _segment_programs(options.get('batch_invariant', False))
+  begin_jit, segment_jit = _programs_for(options)
   inputs, state, live = begin_jit(model, params, *place((src, lines)), seed, ladder.below(rows, begin_length),
                                    alpha, cache_length=begin_length, **_static(options, _BEGIN_STATIC))
   results, work = [], [(np.arange(rows), inputs, state, live)]
@@ -215,14 +226,15 @@ def warm_up(model, params, ladder, options, *, max_source_length=None, on_device
   `max_source_length` tokens (None: any the model takes) with these options may run, by running each on
   empty sources: later searches compile nothing. Returns how many programs that was."""
   on_device = on_device_by_default() if on_device is None else on_device
-  place = place or (lambda tree: tree)
+  place, ladder = place or (lambda tree: tree), _ladder_for(options, ladder)
   source_lengths = ladder.source_lengths(max_source_length)
   if on_device:
     for length in source_lengths:
       rows = ladder.rows(length)[0]
       _device_batch(model, params, _empty_sources(rows, length), np.zeros(rows, np.int32), 0, ladder, options, place)
     return len(source_lengths)
-  begun, (begin_jit, segment_jit) = {}, _segment_programs(options.get('batch_invariant', False))
+  begin_jit, segment_jit = _programs_for(options)
+  begun = {}
   for length in source_lengths:
     for rows in ladder.rows(length):
       begun[length] = jax.device_get(begin_jit(

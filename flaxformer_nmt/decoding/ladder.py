@@ -11,9 +11,9 @@ row rung of S; the decoder's self-attention cache starts with S positions and gr
 when the decoder gets there, the encoder's keys/values and the source mask padded along. Row rungs at length
 L are the largest power of two whose rows x L fit the token budget, and that divided by ROW_RATIO,
 ROW_RATIO^2, ... down to min_rows sentences (one by default): a program at (rows, L) holds about the same
-number of positions at every rung, and what it holds never depends on the sentences. Where the sentences still searching fit a lower
-rung, they go on in it (batch_search.py); where they need more than the rung at the next length holds, they
-split over several batches of that length.
+number of positions at every rung, and what it holds never depends on the sentences. Where the sentences still
+searching fit a lower rung, they go on in it (batch_search.py); where they need more than the rung at the next
+length holds, they split over several batches of that length.
 """
 import dataclasses
 
@@ -35,8 +35,8 @@ def _floor_power_of_two(n):
 class Ladder:
   """The rungs of a model's search: tokens_per_batch (source tokens a batch holds at most, before the beam),
   max_position (the model's positions: the longest cache), row_multiple (every row count is a multiple of
-  it: the devices a batch is split over), min_rows (the fewest sentences a batch has: 2 for a batch-invariant
-  search, see batch_search.BATCH_INVARIANT_OPTIONS)."""
+  it: the devices a batch is split over), min_rows (the fewest sentences a batch has: more than one for a
+  batch-invariant search, batch_search.BATCH_INVARIANT_MIN_ROWS)."""
   tokens_per_batch: int
   max_position: int
   row_multiple: int = 1

@@ -93,8 +93,7 @@ class Translator:
     most batch_search.CPU_TOKENS_PER_BATCH)."""
     budget = tokens_per_batch or batch_search.tokens_per_batch_for(self.config.decode_tokens_per_batch,
                                                                    self.on_device)
-    return Ladder(budget, min(m.config.max_position for m in self.models), 1 if self.mesh is None else self.mesh.size,
-                  min_rows=2 if self.batch_invariant else 1)
+    return Ladder(budget, min(m.config.max_position for m in self.models), 1 if self.mesh is None else self.mesh.size)
 
   def batches(self, token_lists, tokens_per_batch=None, sort_by_length=True):
     """The ladder's (indices, padded sources) batches of token lists."""
