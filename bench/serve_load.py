@@ -281,8 +281,9 @@ def main(argv):
   with open(FLAGS.sentences, encoding='utf-8') as f:
     sentences = f.read().split('\n')[:-1]
   invariant = ['--batch_invariant'] if FLAGS.batch_invariant else []
-  expected = offline_translations(FLAGS.workdir, FLAGS.checkpoint, FLAGS.sentences, FLAGS.expected or os.path.join(
-      FLAGS.workdir, f'serve_load_expected{"_invariant" * FLAGS.batch_invariant}.txt'), invariant)
+  default_expected = 'serve_load_expected_invariant.txt' if FLAGS.batch_invariant else 'serve_load_expected.txt'
+  expected = offline_translations(FLAGS.workdir, FLAGS.checkpoint, FLAGS.sentences,
+                                  FLAGS.expected or os.path.join(FLAGS.workdir, default_expected), invariant)
   if len(expected) != len(sentences):
     raise app.UsageError(f'{len(sentences)} sentences but {len(expected)} expected translations')
   server, results = None, {'machine': os.uname().nodename, 'server_flags': FLAGS.server_flag,
