@@ -24,6 +24,7 @@ from flaxformer_nmt.evaluation import attention as visualize
 from flaxformer_nmt.models.transformer import cpu_has_bfloat16_dot
 from flaxformer_nmt.training import loop as train
 from flaxformer_nmt.decoding import batch_search
+from flaxformer_nmt.decoding import beam_search
 from flaxformer_nmt.decoding import search as search_lib
 
 
@@ -419,7 +420,7 @@ def test_segments_and_the_device_search_give_the_one_call_search(translator, mix
   segments = []  # (rows, cache length) of every segment after a batch's first
   segment = batch_search._segment_jit
   monkeypatch.setattr(batch_search, '_segment_jit', lambda model, params, inputs, state, *a, **k: segments.append(
-      (len(inputs.src), state.cache[0]['k'].shape[2])) or segment(model, params, inputs, state, *a, **k))
+      (len(inputs.src), beam_search.cache_length(state))) or segment(model, params, inputs, state, *a, **k))
   n = 3 if mode == 'sampling' else 1
   base = dict(beam_size=2 if mode == 'beam' else 0, alpha=0.6, temperature=1.0, top_k=0, cache_cross_kv=True,
               grow_cache=True, num_samples=n if mode == 'sampling' else 0)
@@ -465,18 +466,21 @@ def test_the_ladder_has_a_few_shapes_that_hold_every_batch():
   for length in ladder.lengths:
     rows = ladder.rows(length)
     top = max(r for r in (2 ** e for e in range(13)) if r * length <= 4096 or r == 1)
-    assert rows[0] == top and rows[-1] == 1
-    assert all(a == b * ladder_lib.ROW_RATIO or (b == 1 and a < ladder_lib.ROW_RATIO) for a, b in zip(rows, rows[1:]))
+    assert rows[0] == top and rows[-1] < ladder_lib.ROW_RATIO  # down to the last rung the ratio reaches
+    assert all(a == b * ladder_lib.ROW_RATIO for a, b in zip(rows, rows[1:]))
     for n in range(1, 3 * top + 2):
       batches = ladder.split(n, length)
       assert set(batches) <= set(rows) and 0 <= sum(batches) - n < batches[-1], (n, batches)
-      assert (sum(batches) - n) * 2 <= batches[-1], (n, batches)  # at least half of a batch holds sentences
-  assert ladder.rows(32) == (128, 16, 2, 1) and ladder.rows(1024) == (4, 1)
+      # At least half of a batch holds sentences, but where the smallest rung holds the rest.
+      assert (sum(batches) - n) * 2 <= batches[-1] or batches[-1] == rows[-1], (n, batches)
+  assert ladder.rows(32) == (128, 16, 2) and ladder.rows(64) == (64, 8, 1) and ladder.rows(1024) == (4,)
   assert ladder.split(150, 32) == [128, 16, 2, 2, 2] and ladder.split(40, 32) == [16, 16, 16]
-  assert ladder_lib.Ladder(4096, 1024, row_multiple=2).rows(32) == (128, 16, 2)
-  assert ladder_lib.Ladder(4096, 1024, row_multiple=2).rows(1024) == (4, 2)
+  assert ladder.split(3, 128) == [4] and ladder.split(5, 128) == [4, 4]
+  assert ladder_lib.Ladder(4096, 1024, row_multiple=2).rows(64) == (64, 8, 2)
+  assert ladder_lib.Ladder(4096, 1024, row_multiple=2).rows(1024) == (4,)
   invariant = ladder_lib.Ladder(4096, 1024, min_rows=2)  # a batch-invariant search never runs one sentence alone
-  assert invariant.rows(32) == (128, 16, 2) and invariant.rows(1024) == (4, 2) and invariant.split(1, 32) == [2]
+  assert invariant.rows(64) == (64, 8) and invariant.split(1, 32) == [2]
+  assert ladder_lib.Ladder(512, 1024, min_rows=2).rows(1024) == (2,)
 
 
 def test_commands_keep_compiled_programs_in_the_user_cache(tmp_path):
@@ -600,7 +604,6 @@ def test_a_right_to_left_model_writes_its_output_back_in_reading_order(workdir, 
 
 def test_teacher_forced_scores_equal_the_search_and_reverse_for_a_right_to_left_model(workdir, translator, mixed,
                                                                                        tmp_path):
-  from flaxformer_nmt.decoding import beam_search
   from flaxformer_nmt.decoding import rerank  # pylint: disable=g-import-not-at-top
   tokens = translator.tokenizer.encode(translator.prepare(mixed))
   hyps = translator.search_tokens(tokens, beam_size=3, n_best=3, alpha=0.6)
@@ -693,7 +696,6 @@ def test_beam_step_zero_on_one_row_and_greedy_without_its_normalizer_change_no_o
   # Catches a first beam step on one row per sentence that differs from the step on all K rows (its candidates,
   # their beams, the cache rows the beams copy), and a greedy pick that changes when the log-softmax's
   # normalizer is skipped.
-  from flaxformer_nmt.decoding import beam_search  # pylint: disable=g-import-not-at-top
   _, src = next(translator.ladder(256).batches(translator.tokenizer.encode(mixed), sort_by_length=False))
   search = lambda **options: jax.device_get(jax.jit(functools.partial(
       search_lib.search, translator.model, **options))(translator.params, src))

@@ -121,7 +121,7 @@ def beam_start(cache, *, batch_size, beam_size, max_length, max_lengths, bos_id)
   sequences = jnp.zeros((B, K, L + 1), jnp.int32).at[:, :, 0].set(bos_id)
   # Only the first beam starts alive: K identical beams would fill the beam with duplicates.
   alive_log_probs = jnp.tile(jnp.array([0.0] + [NEG_INF] * (K - 1), jnp.float32), (B, 1))
-  return BeamState(jnp.asarray(0), sequences, alive_log_probs, jnp.zeros_like(sequences),
+  return BeamState(jnp.asarray(0, jnp.int32), sequences, alive_log_probs, jnp.zeros_like(sequences),
                    jnp.full((B, K), NEG_INF, jnp.float32), jnp.zeros((B,), jnp.int32),
                    jnp.minimum(max_lengths, L), cache)
 
@@ -351,7 +351,7 @@ class TokenState(NamedTuple):
 def token_start(cache, *, batch_size, max_length, max_lengths, bos_id):
   N, L = batch_size, max_length
   sequences = jnp.zeros((N, L + 1), jnp.int32).at[:, 0].set(bos_id)
-  return TokenState(jnp.asarray(0), sequences, jnp.zeros((N,), jnp.bool_), jnp.zeros((N,), jnp.float32),
+  return TokenState(jnp.asarray(0, jnp.int32), sequences, jnp.zeros((N,), jnp.bool_), jnp.zeros((N,), jnp.float32),
                     jnp.minimum(max_lengths, L), cache)
 
 

@@ -100,8 +100,8 @@ class Translator:
     return self.ladder(tokens_per_batch).batches(token_lists, sort_by_length)
 
   def _place(self, tree):
-    """A batch's arrays on the devices that search it (data-parallel decoding), or as they are."""
-    return tree if self.mesh is None else sharding.spread_rows(tree, self.mesh)
+    """A batch's arrays on the devices that search it (data-parallel decoding), or on the default device."""
+    return jax.device_put(tree) if self.mesh is None else sharding.spread_rows(tree, self.mesh)
 
   def _prepare(self, beam_size=None, alpha=None, n_best=1, sampling=False, temperature=1.0, top_k=0,
                cache_cross_kv=True, grow_cache=True, sort_by_length=True, max_len_a=None, max_len_b=None,
