@@ -22,12 +22,20 @@ pytestmark = pytest.mark.usefixtures('full_float32_matmuls')
 
 def cached_step_fn(model, params, src):
   """The decoder run incrementally: one position per step against its self-attention cache, the rows (beams)
-  of a sentence sharing its encoder-decoder keys/values (as search_lib.search runs it)."""
+  of a sentence sharing its encoder-decoder keys/values (as search_lib.search runs it). A beam_search.SlotCache
+  is read through its ancestry."""
   variables = {'params': params}
   encoded = model.apply(variables, src, method=Transformer.encode)
   cross = model.apply(variables, encoded, method=Transformer.decoding_cross_kv)
-  return jax.jit(lambda tokens, index, cache: model.apply(variables, tokens, index, cache, cross, src,
-                                                          method=Transformer.decode_step))
+
+  @jax.jit
+  def step(tokens, index, cache):
+    if isinstance(cache, beam_search.SlotCache):
+      logits, slots = model.apply(variables, tokens, index, cache.slots, cross, src, cache.ancestry,
+                                  method=Transformer.decode_step)
+      return logits, cache._replace(slots=slots)
+    return model.apply(variables, tokens, index, cache, cross, src, method=Transformer.decode_step)
+  return step
 
 
 def uncached_step_fn(model, params, src, rows):
@@ -43,9 +51,15 @@ def uncached_step_fn(model, params, src, rows):
 
 
 def run_search(model, params, cached, beam_size, max_length, alpha=0.6, max_lengths=None):
+  """cached: False (the uncached reference), True (a cache row per beam, reordered every step) or 'slots' (a
+  beam_search.SlotCache, which keeps the keys/values in place)."""
   rows = max(beam_size, 1)
   batch = SRC.shape[0]
-  if cached:
+  if cached == 'slots':
+    step_fn = cached_step_fn(model, params, SRC)
+    slots = model.apply({'params': params}, batch, max_length, rows, method=Transformer.init_cache)
+    cache = beam_search.slot_cache(slots, batch, rows)
+  elif cached:
     step_fn = cached_step_fn(model, params, SRC)
     cache = model.apply({'params': params}, batch * rows, max_length, method=Transformer.init_cache)
   else:
@@ -70,10 +84,12 @@ def test_cached_decoder_step_equals_full_decoder():
     np.testing.assert_allclose(logits, full[:, index], atol=1e-4)
 
 
-@pytest.mark.parametrize('beam_size', [0, 4])  # 0 is greedy
-def test_search_with_the_cache_equals_search_without_it(beam_size):
+@pytest.mark.parametrize('beam_size,cache', [(0, True), (4, True), (4, 'slots')])  # beam size 0 is greedy
+def test_search_with_the_cache_equals_search_without_it(beam_size, cache):
+  # The slots catch a beam reading another beam's history (a wrong ancestry, slot or position in its mask) or
+  # a step writing over a position a history still reads.
   model, params = tiny_model()
-  cached = run_search(model, params, True, beam_size, 10)
+  cached = run_search(model, params, cache, beam_size, 10)
   uncached = run_search(model, params, False, beam_size, 10)
   np.testing.assert_array_equal(cached[0], uncached[0])
   np.testing.assert_allclose(cached[1], uncached[1], atol=1e-4)

@@ -2,8 +2,9 @@
 
 Both drive `step_fn(tokens [N], index, cache) -> (logits [N, V], cache)`, which feeds the token at position
 `index` (0 is BOS) and returns the distribution of the token at `index + 1`. Only the self-attention cache
-is carried and reordered between steps; anything constant per sentence (encoder keys/values) belongs in
-the closure of `step_fn`.
+is carried between steps; anything constant per sentence (encoder keys/values) belongs in the closure of
+`step_fn`. Beam search reorders a plain cache's rows after every step, or, for a SlotCache, only the table
+of which slot holds each beam's history (the keys/values stay where they were written).
 
 Beam search follows the standard finishing rule (fairseq's and CTranslate2's). Per sentence it keeps K =
 `beam_size` unfinished prefixes ("alive") and up to K finished hypotheses. Each step extends every alive
@@ -101,9 +102,24 @@ def best_extensions(logits, base, n, index, max_lengths, eos_id, forbidden_ids, 
   return -neg_scores[..., :n], tokens[..., :n]
 
 
+class SlotCache(NamedTuple):
+  """A beam search's self-attention cache that a step does not copy: beam k of a sentence writes its keys
+  and values to slot k at each position, and `ancestry` names, for each beam and position, the slot that
+  holds its history there; a step reorders that table, not the keys/values (the model's decode_step reads
+  the slots through it)."""
+  slots: Any  # the model's cache: leaves [B, H, L * K, D] (position-major)
+  ancestry: jax.Array  # [B, K, L] int32
+
+
+def slot_cache(slots, batch_size, beam_size):
+  """A SlotCache of the model's empty `slots` (before the first step, every beam's history in slot 0)."""
+  length = jax.tree_util.tree_leaves(slots)[0].shape[2] // beam_size
+  return SlotCache(slots, jnp.zeros((batch_size, beam_size, length), jnp.int32))
+
+
 class BeamState(NamedTuple):
   """A beam search of B sentences x K beams after `index` steps. Every array leads with the sentence axis
-  (the cache's leaves with its B * K rows, sentence-major), so that a batch can drop finished sentences."""
+  (a plain cache's leaves with its B * K rows, sentence-major), so that a batch can drop finished sentences."""
   index: jax.Array  # [] tokens generated so far: the position fed to the decoder next
   sequences: jax.Array  # [B, K, L + 1] the alive prefixes, BOS first
   alive_log_probs: jax.Array  # [B, K] their log P (NEG_INF: no prefix)
@@ -111,7 +127,7 @@ class BeamState(NamedTuple):
   finished_scores: jax.Array  # [B, K] log P / length penalty, best first (NEG_INF: no hypothesis)
   num_finished: jax.Array  # [B] hypotheses finished so far (the pool keeps the first K)
   max_lengths: jax.Array  # [B] each sentence's limit on generated tokens, EOS included
-  cache: Any  # leaves [B * K, ...]
+  cache: Any  # leaves [B * K, ...], or a SlotCache
 
 
 def beam_start(cache, *, batch_size, beam_size, max_length, max_lengths, bos_id):
@@ -134,7 +150,10 @@ def beam_unfinished(state):
 def beam_step(step_fn, state, *, alpha, eos_id, forbidden_ids, min_length=0):
   """One step of every sentence's search (see the module docstring for the rule)."""
   B, K = state.alive_log_probs.shape
-  logits, cache = step_fn(state.sequences[:, :, state.index].reshape(B * K), state.index, state.cache)
+  cache = state.cache
+  if isinstance(cache, SlotCache):  # each beam writes this position to its own slot
+    cache = cache._replace(ancestry=cache.ancestry.at[:, :, state.index].set(jnp.arange(K, dtype=jnp.int32)))
+  logits, cache = step_fn(state.sequences[:, :, state.index].reshape(B * K), state.index, cache)
   scores, tokens = best_extensions(logits.reshape(B, K, -1), state.alive_log_probs, 2 * K, state.index,
                                    state.max_lengths[:, None], eos_id, forbidden_ids, min_length)
   scores, beams, tokens = _top_candidates(scores, tokens, 2 * K)
@@ -148,11 +167,17 @@ def beam_first_step(step_fn, state, *, alpha, eos_id, forbidden_ids, min_length=
   give, for 1/K of its decoder work. step_fn must take any number of rows (search.py's does where the
   sentence's rows share its encoder keys/values)."""
   B, K = state.alive_log_probs.shape
-  first_rows = jax.tree_util.tree_map(lambda x: x[::K], state.cache)  # row b * K: beam 0 of sentence b
+  if isinstance(state.cache, SlotCache):  # beam 0 writes slot 0, which every beam's history starts in
+    first_rows = state.cache._replace(ancestry=state.cache.ancestry[:, :1])
+  else:
+    first_rows = jax.tree_util.tree_map(lambda x: x[::K], state.cache)  # row b * K: beam 0 of sentence b
   logits, cache = step_fn(state.sequences[:, 0, state.index], state.index, first_rows)
   scores, tokens = best_extensions(logits, state.alive_log_probs[:, 0], 2 * K, state.index, state.max_lengths,
                                    eos_id, forbidden_ids, min_length)
-  cache = jax.tree_util.tree_map(lambda x: jnp.repeat(x, K, axis=0), cache)
+  if isinstance(cache, SlotCache):
+    cache = cache._replace(ancestry=state.cache.ancestry)
+  else:
+    cache = jax.tree_util.tree_map(lambda x: jnp.repeat(x, K, axis=0), cache)
   return _beam_advance(state, scores, jnp.zeros_like(tokens), tokens, cache, alpha, eos_id)
 
 
@@ -180,7 +205,10 @@ def _beam_advance(state, scores, beams, tokens, cache, alpha, eos_id):
   alive_log_probs = jnp.take_along_axis(scores, picks, axis=1)
   beams, tokens = jnp.take_along_axis(beams, picks, axis=1), jnp.take_along_axis(tokens, picks, axis=1)
   sequences = _gather_beams(sequences, beams).at[:, :, index + 1].set(tokens)
-  cache = jax.tree_util.tree_map(lambda x: _gather_rows(x, beams), cache)
+  if isinstance(cache, SlotCache):
+    cache = cache._replace(ancestry=_gather_beams(cache.ancestry, beams))
+  else:
+    cache = jax.tree_util.tree_map(lambda x: _gather_rows(x, beams), cache)
   return BeamState(index + 1, sequences, alive_log_probs, finished_sequences, finished_scores, num_finished,
                    max_lengths, cache)
 
@@ -225,13 +253,21 @@ def pad_axis(x, axis, length, value=0):
 
 def cache_length(state):
   """The positions of a search state's self-attention cache."""
+  if isinstance(state.cache, SlotCache):
+    return state.cache.ancestry.shape[-1]
   return jax.tree_util.tree_leaves(state.cache)[0].shape[2]
 
 
 def grow_cache(state, length):
   """The state with every cache leaf zero-padded along its position axis (axis 2: leaves are [rows, heads,
-  positions, ...], the model's head-major cache) to `length` positions."""
-  return state._replace(cache=jax.tree_util.tree_map(lambda x: pad_axis(x, 2, length), state.cache))
+  positions, ...], the model's head-major cache; a SlotCache's slots hold K entries a position) to `length`
+  positions."""
+  def grow(tree, entries):  # entries a position
+    return jax.tree_util.tree_map(lambda x: pad_axis(x, 2, length * entries), tree)
+  if isinstance(state.cache, SlotCache):
+    slots, ancestry = state.cache
+    return state._replace(cache=SlotCache(grow(slots, ancestry.shape[1]), pad_axis(ancestry, 2, length)))
+  return state._replace(cache=grow(state.cache, 1))
 
 
 def grow_state(state, length):
@@ -248,7 +284,7 @@ def staged_search(unfinished, step, state, cache_lengths):
 
   cache_lengths: ascending position counts, the last one the cache's full length; the given cache has the
   first. While index < cache_lengths[i] the loop runs on a cache of that many positions, then the cache
-  grows to the next length (grow_cache). A step reads and reorders the whole cache, so the early steps, where
+  grows to the next length (grow_cache). A step reads the whole cache, so the early steps, where
   most searches end, cost a fraction of a full-length step. One loop per length, all inside the same jit: a
   later loop finds every sentence done and runs no step.
   """

@@ -27,22 +27,24 @@ def _member_inputs(model, params, src, rows, cache_cross_kv):
 
 
 def _member_step(model, params, inputs, cache_cross_kv):
-  """One model's step_fn(tokens, index, cache) -> (logits, cache) over its `_member_inputs`."""
+  """One model's step_fn(tokens, index, cache, ancestry=None) -> (logits, cache) over its `_member_inputs`
+  (ancestry: Transformer.decode_step's, for a cache of beam slots)."""
   variables = {'params': params}
   if cache_cross_kv:
     cross_kv, src = inputs
 
-    def step_fn(tokens, index, cache):
-      return model.apply(variables, tokens, index, cache, cross_kv, src, method=Transformer.decode_step)
+    def step_fn(tokens, index, cache, ancestry=None):
+      return model.apply(variables, tokens, index, cache, cross_kv, src, ancestry, method=Transformer.decode_step)
   else:
     encoded_rows, src_rows = inputs
 
-    def step_fn(tokens, index, cache):
+    def step_fn(tokens, index, cache, ancestry=None):
       # XLA would hoist a loop-invariant projection out of the loop by itself (it does on CPU), which is
       # the cache again; tying the encoder output to the step index keeps the projection in every step.
       step_encoded, _ = jax.lax.optimization_barrier((encoded_rows, index))
       step_kv = model.apply(variables, step_encoded, method=Transformer.decoding_cross_kv)
-      return model.apply(variables, tokens, index, cache, step_kv, src_rows, method=Transformer.decode_step)
+      return model.apply(variables, tokens, index, cache, step_kv, src_rows, ancestry,
+                         method=Transformer.decode_step)
   return step_fn
 
 
@@ -53,14 +55,22 @@ average_probabilities = beam_search.average_probabilities
 def _ensemble_step(step_fns):
   """One step_fn over several models (a tuple of caches): the average of their probabilities, returned as
   log probabilities (already normalized, so the search's log_softmax leaves them as they are)."""
-  def step_fn(tokens, index, caches):
+  def step_fn(tokens, index, caches, ancestry=None):
     log_probs, new_caches = [], []
     for member_step, cache in zip(step_fns, caches):
-      logits, cache = member_step(tokens, index, cache)
+      logits, cache = member_step(tokens, index, cache, ancestry)
       log_probs.append(jax.nn.log_softmax(logits.astype(jnp.float32)))
       new_caches.append(cache)
     return average_probabilities(jnp.stack(log_probs)), tuple(new_caches)
   return step_fn
+
+
+def _slot_step(step_fn):
+  """step_fn over a beam_search.SlotCache: the model reads its slots through the beams' ancestry."""
+  def step(tokens, index, cache):
+    logits, slots = step_fn(tokens, index, cache.slots, cache.ancestry)
+    return logits, cache._replace(slots=slots)
+  return step
 
 
 LIMIT_SLACK = 1e-4  # so that e.g. 0.7 * 10 gives 7 in float32 as in Python's float64
@@ -128,9 +138,11 @@ def start_search(model, params, src, sample_keys=None, *, beam_size, extra_lengt
   limits = jnp.minimum(output_limits(src, max_len_a, extra_length, max_position)[1], max_position)
   rows = sample_keys.shape[1] if sample_keys is not None else max(beam_size, 1)  # decoder rows per sentence
   inputs = tuple(_member_inputs(m, p, src, rows, cache_cross_kv) for m, p in zip(models, member_params))
-  caches = tuple(m.apply({'params': p}, batch * rows, cache_length or length, method=Transformer.init_cache)
-                 for m, p in zip(models, member_params))
+  beams = beam_size if sample_keys is None else 0  # beam search keeps its rows' keys/values in slots
+  caches = tuple(m.apply({'params': p}, batch if beams else batch * rows, cache_length or length, beams,
+                         method=Transformer.init_cache) for m, p in zip(models, member_params))
   cache = caches[0] if len(models) == 1 else caches
+  cache = beam_search.slot_cache(cache, batch, beams) if beams else cache
   common = dict(max_length=length, bos_id=BOS_ID)
   if sample_keys is not None:
     state = beam_search.token_start(cache, batch_size=batch * rows, max_lengths=jnp.repeat(limits, rows), **common)
@@ -163,6 +175,7 @@ def _search_rule(model, params, inputs, *, beam_size, alpha, temperature=1.0, to
   if beam_size == 0:
     step = functools.partial(beam_search.token_step, step_fn, None, normalize=scores, **common)
     return step, step
+  step_fn = _slot_step(step_fn)
   step = functools.partial(beam_search.beam_step, step_fn, alpha=alpha, **common)
   if not cache_cross_kv:  # the encoder's output is repeated for every row: the first step runs on all of them
     return step, step

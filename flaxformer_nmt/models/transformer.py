@@ -515,10 +515,11 @@ class DecoderLayer(nn.Module):
     self.feed_forward = FeedForward(c.d_model, c.d_ff, c.relu_dropout_rate, self.dtype, c.matmul_precision)
     self.self_block, self.feed_forward_block = sublayer(), sublayer()
 
-  def __call__(self, y, cross_kv, self_mask, cross_mask, deterministic, cache=None, index=None):
+  def __call__(self, y, cross_kv, self_mask, cross_mask, deterministic, cache=None, index=None, slots=0):
     """One decoder layer over y [B, T, d]. With `cache` (head-major keys/values [B, H, L, D] of earlier
-    positions), y holds the single position `index` and cross_kv is head-major too (decoding_cross_kv);
-    returns (y, updated cache). cross_kv/cross_mask: None without cross-attention."""
+    positions, or with slots=K a beam search's [B, H, L * K, D]: TransformerStacks.init_cache), y holds the
+    single position `index` and cross_kv is head-major too (decoding_cross_kv); returns (y, updated cache).
+    cross_kv/cross_mask: None without cross-attention."""
     incremental = cache is not None
 
     def self_attention(z):
@@ -526,6 +527,9 @@ class DecoderLayer(nn.Module):
       q, k, v = self.self_attention.project_qkv(z)
       if not incremental:
         return self.self_attention.attend(q, k, v, self_mask, deterministic)
+      if slots:
+        cache, out = self._attend_slots(cache, q, k, v, self_mask, index, slots)
+        return out.reshape(z.shape)
       head_major = lambda x: jnp.swapaxes(x, 1, 2).astype(cache['k'].dtype)  # [B, 1, H, D] -> [B, H, 1, D]
       k = jax.lax.dynamic_update_slice_in_dim(cache['k'], head_major(k), index, axis=2)
       v = jax.lax.dynamic_update_slice_in_dim(cache['v'], head_major(v), index, axis=2)
@@ -549,6 +553,19 @@ class DecoderLayer(nn.Module):
       y = self.cross_block(y, cross_attention, deterministic)
     y = self.feed_forward_block(y, lambda z: self.feed_forward(z, deterministic), deterministic)
     return y, cache
+
+  def _attend_slots(self, cache, q, k, v, mask, index, slots):
+    """(cache, attention output [B, Kq, H, D]) of a step over a beam search's `slots` per position, [B, H,
+    L * slots, D] (position-major): the Kq rows of each sentence (q, k, v [B * Kq, 1, H, D], sentence-major;
+    Kq is `slots`, or 1 at the first step) write their keys/values to slots 0..Kq-1 of position `index`,
+    then attend together, as Kq query positions, to all L x slots entries of their sentence, `mask` ([B, 1,
+    Kq, L * slots]) keeping each row's own history."""
+    B, H, _, D = cache['k'].shape
+    to_slots = lambda x: jnp.swapaxes(x.reshape(B, -1, H, D), 1, 2).astype(cache['k'].dtype)  # [B, H, Kq, D]
+    cache = {name: jax.lax.dynamic_update_slice_in_dim(cache[name], to_slots(x), index * slots, axis=2)
+             for name, x in (('k', k), ('v', v))}
+    out = self.self_attention.attend(q.reshape(B, -1, H, D), cache['k'], cache['v'], mask, True, kv_head_major=True)
+    return cache, out
 
 
 REMAT_POLICIES = {
@@ -694,28 +711,38 @@ class TransformerStacks(nn.Module):
 
   # --- Incremental decoding ---
 
-  def init_cache(self, batch_size, max_length):
+  def init_cache(self, batch_size, max_length, beams=0):
     """Zeroed self-attention keys/values for `max_length` positions, one dict per decoder layer, head-major:
-    [B, H, max_length, D] (positions on axis 2)."""
+    [B, H, max_length, D] (positions on axis 2). beams > 0: a beam search's slots, [B, H, max_length * beams,
+    D] for B sentences (position-major): beam k writes slot k, and decode_step's `ancestry` says which slot
+    holds each beam's history at each position, so that a step reorders that small table instead of copying
+    the cache."""
     c = self.config
-    shape = (batch_size, c.num_heads, max_length, c.d_model // c.num_heads)
+    shape = (batch_size, c.num_heads, max_length * max(beams, 1), c.d_model // c.num_heads)
     return [{'k': jnp.zeros(shape, self.dtype), 'v': jnp.zeros(shape, self.dtype)}
             for _ in range(c.num_decoder_layers)]
 
-  def decode_step(self, tokens, index, cache, cross_kv=None, src=None):
+  def decode_step(self, tokens, index, cache, cross_kv=None, src=None, ancestry=None):
     """tokens [N] at position `index` -> (logits [N, V], cache with this position's keys/values).
     cross_kv (from decoding_cross_kv) and src [B, S] (for its padding): the encoder's, or None for a decoder
     without cross-attention. B may divide N: rows b * N/B .. (b + 1) * N/B - 1 (a sentence's beams or samples)
-    then share sentence b's keys/values."""
-    max_length = cache[0]['k'].shape[2]
+    then share sentence b's keys/values. With a cache of beam slots (init_cache's `beams`), ancestry
+    [B, N/B, L] int: the slot that holds row b * N/B + k's history at each position (its own at `index`)."""
+    max_length = cache[0]['k'].shape[2] if ancestry is None else ancestry.shape[-1]
+    slots = 0 if ancestry is None else cache[0]['k'].shape[2] // max_length
     # The query may see cached positions 0..index, never the unwritten slots after it. One query per row:
     # the dense masks (XLA path), not cuDNN's length form.
-    self_mask = AttentionMask((jnp.arange(max_length) <= index)[None, None, None, :])
+    seen = jnp.arange(max_length) <= index
+    if ancestry is None:
+      self_mask = AttentionMask(seen[None, None, None, :])
+    else:  # [B, 1, rows, L * slots]: a row sees position t in the slot its history holds it in
+      mask = (ancestry[:, :, :, None] == jnp.arange(slots)) & seen[:, None]
+      self_mask = AttentionMask(mask.reshape(mask.shape[0], 1, mask.shape[1], -1))
     cross_mask = None if src is None else AttentionMask((src != PAD_ID)[:, None, None, :])
     y = self.embed(tokens[:, None], jnp.full((1, 1), index), deterministic=True)
     new_cache = []
     for layer, kv, layer_cache in zip(self.decoder_layers, cross_kv or [None] * len(cache), cache):
-      y, layer_cache = layer(y, kv, self_mask, cross_mask, True, cache=layer_cache, index=index)
+      y, layer_cache = layer(y, kv, self_mask, cross_mask, True, cache=layer_cache, index=index, slots=slots)
       new_cache.append(layer_cache)
     return self.logits(y)[:, 0], new_cache
 
