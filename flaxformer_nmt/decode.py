@@ -106,7 +106,7 @@ def define_flags():
                        'split into N devices, one a core), 0 every local device.')
   flags.DEFINE_bool('batch_invariant', False, 'Each line\'s translation and score independent of the other lines '
                     'it is batched with, as the server\'s --batch_invariant answers (a CPU with bf16 dot, bfloat16 '
-                    'matmul operands); about 20% fewer sentences/s in beam search.')
+                    'matmul operands); about 25% fewer sentences/s in beam search.')
   flags.DEFINE_bool('warmup', False, 'Compile (or load from the compilation cache) every program the search may '
                     'run before reading the input, and log their count and time.')
   flags.DEFINE_integer('warmup_max_length', None, '--warmup: for sources of up to this many tokens (default: as '
@@ -224,9 +224,9 @@ def main(argv):
   except (OSError, ValueError) as e:
     sys.exit(f'error: {e}')
   beam_size = 0 if FLAGS.greedy else FLAGS.beam_size
-  logging.info('Translating with %s of %s (%s) on %d %s device%s', translator.checkpoint, FLAGS.workdir,
-               describe_method(FLAGS, translator.config.beam_size if beam_size is None else beam_size, rescorer), len(devices),
-               devices[0].platform, 's' * (len(devices) > 1))
+  method = describe_method(FLAGS, translator.config.beam_size if beam_size is None else beam_size, rescorer)
+  logging.info('Translating with %s of %s (%s) on %d %s device%s', translator.checkpoint, FLAGS.workdir, method,
+               len(devices), devices[0].platform, 's' * (len(devices) > 1))
   options = dict(beam_size=beam_size, alpha=FLAGS.alpha, n_best=FLAGS.n_best,
                  tokens_per_batch=FLAGS.tokens_per_batch, max_len_a=FLAGS.max_len_a, max_len_b=FLAGS.max_len_b,
                  min_len=FLAGS.min_len)

@@ -466,20 +466,23 @@ def test_the_ladder_has_a_few_shapes_that_hold_every_batch():
   for length in ladder.lengths:
     rows = ladder.rows(length)
     top = max(r for r in (2 ** e for e in range(13)) if r * length <= 4096 or r == 1)
-    assert rows[0] == top and rows[-1] < ladder_lib.ROW_RATIO  # down to the last rung the ratio reaches
-    assert all(a == b * ladder_lib.ROW_RATIO for a, b in zip(rows, rows[1:]))
+    assert rows[0] == top and rows[-1] == 1
+    assert all(a == b * ladder_lib.ROW_RATIO or (b == 1 and a < ladder_lib.ROW_RATIO) for a, b in zip(rows, rows[1:]))
     for n in range(1, 3 * top + 2):
       batches = ladder.split(n, length)
       assert set(batches) <= set(rows) and 0 <= sum(batches) - n < batches[-1], (n, batches)
-      # At least half of a batch holds sentences, but where the smallest rung holds the rest.
-      assert (sum(batches) - n) * 2 <= batches[-1] or batches[-1] == rows[-1], (n, batches)
-  assert ladder.rows(32) == (128, 16, 2) and ladder.rows(64) == (64, 8, 1) and ladder.rows(1024) == (4,)
+      assert (sum(batches) - n) * 2 <= batches[-1], (n, batches)  # at least half of a batch holds sentences
+  assert ladder.rows(32) == (128, 16, 2, 1) and ladder.rows(64) == (64, 8, 1) and ladder.rows(1024) == (4, 1)
   assert ladder.split(150, 32) == [128, 16, 2, 2, 2] and ladder.split(40, 32) == [16, 16, 16]
-  assert ladder.split(3, 128) == [4] and ladder.split(5, 128) == [4, 4]
+  assert ladder.split(3, 128) == [4] and ladder.split(5, 128) == [4, 1]
+  # Batches fill the top rung, the last the smallest rung that holds it: a lone sentence (a server's request)
+  # searches in a few rows, not among a top rung's empty ones.
+  sizes = lambda n: [len(src) for _, src in ladder.batches([[5, 3]] * n)]
+  assert sizes(1) == [1] and sizes(5) == [32] and sizes(260) == [256, 4] and sizes(300) == [256, 256]
   assert ladder_lib.Ladder(4096, 1024, row_multiple=2).rows(64) == (64, 8, 2)
-  assert ladder_lib.Ladder(4096, 1024, row_multiple=2).rows(1024) == (4,)
+  assert ladder_lib.Ladder(4096, 1024, row_multiple=2).rows(1024) == (4, 2)
   invariant = ladder_lib.Ladder(4096, 1024, min_rows=2)  # a batch-invariant search never runs one sentence alone
-  assert invariant.rows(64) == (64, 8) and invariant.split(1, 32) == [2]
+  assert invariant.rows(64) == (64, 8, 2) and invariant.split(1, 32) == [2]
   assert ladder_lib.Ladder(512, 1024, min_rows=2).rows(1024) == (2,)
 
 

@@ -3,9 +3,9 @@
 - segments (CPU): a batch searches until its cache is full or its searching sentences fit a lower row rung;
   the host then reads it back, keeps the finished sentences' results, and goes on with the others only, in
   that rung's rows (or in several batches of the next length's rung, the cache grown), as CTranslate2 and
-  fairseq drop finished sentences. What runs is a `begin` program (the encoder and the first step) per source
-  length, in its top rung of rows, and a `segment` program per (rows, cache length) a batch goes on in: all
-  rungs of the ladder, whatever the data.
+  fairseq drop finished sentences. What runs is a `begin` program (the encoder and the first step) per (rows,
+  source length) a batch starts in and a `segment` program per (rows, cache length) it goes on in: all rungs
+  of the ladder, whatever the data.
 - on the device (GPU, TPU): each batch's whole search in one program (search.search, the cache growing
   inside it), with no host round trip until its results: one program per source length rung.
 
@@ -52,7 +52,7 @@ def _on_device(model, params, src, lines, seed, alpha, *, cache_lengths, num_sam
 # server's batches). XLA:CPU hands a sum over 4,096 elements or more to YNNPACK, which adds in another order than
 # XLA's own loops, so a batch's size decides how LayerNorm and attention round; and a lone sentence's matmuls
 # take matrix-vector kernels. Batch-invariant programs leave YNNPACK the matmuls only, and their batches hold
-# at least BATCH_INVARIANT_MIN_ROWS sentences; beam search runs about 20% fewer sentences/s (bench/RESULTS.md).
+# at least BATCH_INVARIANT_MIN_ROWS sentences; beam search runs about 25% fewer sentences/s (bench/RESULTS.md).
 BATCH_INVARIANT_OPTIONS = {'xla_cpu_experimental_ynn_fusion_type': 'LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT'}
 BATCH_INVARIANT_MIN_ROWS = 2
 
@@ -239,13 +239,13 @@ def warm_up(model, params, ladder, options, *, max_source_length=None, on_device
   begin_jit, segment_jit = _programs_for(options)
   begun = {}
   for length in source_lengths:
-    rows = ladder.rows(length)[0]
-    begun[length] = jax.device_get(begin_jit(
-        model, params, *place((_empty_sources(rows, length), np.zeros(rows, np.int32))), 0, options['alpha'],
-        cache_length=length, **_static(options, _BEGIN_STATIC)))
+    for rows in ladder.rows(length):
+      begun[length] = jax.device_get(begin_jit(
+          model, params, *place((_empty_sources(rows, length), np.zeros(rows, np.int32))), 0, options['alpha'],
+          cache_length=length, **_static(options, _BEGIN_STATIC)))
   top = ladder.length_for(search_lib.max_steps(source_lengths[-1], options.get('max_len_a', 1.0),
                                                options['extra_length'], ladder.max_position))
-  count, (inputs, state) = len(source_lengths), begun[source_lengths[0]]
+  count, (inputs, state) = sum(len(ladder.rows(length)) for length in source_lengths), begun[source_lengths[0]]
   for length in (c for c in ladder.lengths if c <= top):
     inputs, state = begun.get(length) or (grow_inputs(inputs, length), beam_search.grow_state(state, length))
     for rows in ladder.rows(length):

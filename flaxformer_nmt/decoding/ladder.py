@@ -3,15 +3,15 @@ data.
 
   ladder = Ladder(tokens_per_batch=4096, max_position=1024)
   ladder.lengths             # (16, 32, 64, 128, 256, 512, 1024): padded source and cache lengths
-  ladder.rows(32)            # (128, 16, 2): sentences a batch holds at that length
+  ladder.rows(32)            # (128, 16, 2, 1): sentences a batch holds at that length
   ladder.batches(token_lists)
 
-A source batch is padded to a length rung S (the smallest that holds its longest sentence) and to the top row
-rung of S; the decoder's self-attention cache starts with S positions and grows to the next length rung
-when the decoder gets there, the encoder's keys/values and the source mask padded along. Row rungs at length
-L are the largest power of two whose rows x L fit the token budget, and that divided by ROW_RATIO,
-ROW_RATIO^2, ... while at least min_rows sentences (one by default) remain: a program at (rows, L) holds about the same
-number of positions at every rung, and what it holds never depends on the sentences. Where the sentences still
+A source batch is padded to a length rung S (the smallest that holds its longest sentence) and to a row rung of
+S (the top one, but for a last batch that a smaller one holds); the decoder's self-attention cache starts with S
+positions and grows to the next length rung when the decoder gets there, the encoder's keys/values and the source
+mask padded along. Row rungs at length L are the largest power of two whose rows x L fit the token budget, and
+that divided by ROW_RATIO, ROW_RATIO^2, ... down to min_rows sentences (one by default): a program at (rows, L)
+holds about the same number of positions at every rung, and what it holds never depends on the sentences. Where the sentences still
 searching fit a lower rung, they go on in it (batch_search.py); where they need more than the rung at the next
 length holds, they split over several batches of that length.
 """
@@ -23,7 +23,7 @@ from flaxformer_nmt.data.tokenizer import PAD_ID
 
 MIN_LENGTH = 16  # the shortest padded source and cache
 # Between neighbouring row rungs of one length: with 8, the beam search of Multi30k test2016 (512 tokens a batch)
-# runs 9 programs; a batch's last sentences search in the smallest rung, 4 rows at 16 positions.
+# runs 12 programs. The smallest rung is min_rows whatever the ratio: a server's lone sentence searches alone.
 ROW_RATIO = 8
 
 
@@ -62,8 +62,8 @@ class Ladder:
   def rows(self, length):
     """The row rungs at `length`, largest first."""
     rungs = [max(_floor_power_of_two(self.tokens_per_batch // length), self.min_rows)]
-    while rungs[-1] // ROW_RATIO >= self.min_rows:
-      rungs.append(rungs[-1] // ROW_RATIO)
+    while rungs[-1] > self.min_rows:
+      rungs.append(max(rungs[-1] // ROW_RATIO, self.min_rows))
     return tuple(sorted({-(-r // self.row_multiple) * self.row_multiple for r in rungs}, reverse=True))
 
   def below(self, rows, length):
@@ -90,19 +90,20 @@ class Ladder:
 
   def batches(self, token_lists, sort_by_length=True):
     """(indices, padded source [rows, length]) batches of the sources (token ids ending with EOS) on the
-    ladder, each in its length's top rung of rows (one shape per length: a search that drops finished
-    sentences goes on in lower rungs). Sorted by length, each length rung's sentences fill batches in
-    length order; sort_by_length=False keeps input order (to measure what sorting saves): consecutive
-    sentences fill a batch while the top rung of their longest one's length holds them. Empty sentences (EOS
-    alone) are left out: they translate to empty lines. Padding rows are empty (all PAD)."""
+    ladder: batches of its length's top rung of rows, the last in the smallest rung that holds the rest (a
+    search that drops finished sentences goes on in lower rungs). Sorted by length, each length rung's
+    sentences fill batches in length order; sort_by_length=False keeps input order (to measure what sorting
+    saves): consecutive sentences fill a batch while the top rung of their longest one's length holds them.
+    Empty sentences (EOS alone) are left out: they translate to empty lines. Padding rows are empty (all
+    PAD)."""
     lengths = [len(t) for t in token_lists]
     nonempty = [i for i, n in enumerate(lengths) if n > 1]
     groups = self._sorted_groups(lengths, nonempty) if sort_by_length else self._input_order_groups(lengths, nonempty)
     for length, members in groups:
-      top = self.rows(length)[0]
-      for start in range(0, len(members), top):
-        chunk = members[start:start + top]
-        src = np.full((top, length), PAD_ID, np.int32)
+      rungs = self.rows(length)
+      for start in range(0, len(members), rungs[0]):
+        chunk = members[start:start + rungs[0]]
+        src = np.full((min(r for r in rungs if r >= len(chunk)), length), PAD_ID, np.int32)
         for r, i in enumerate(chunk):
           src[r, :lengths[i]] = token_lists[i]
         yield list(chunk), src
