@@ -472,18 +472,12 @@ def test_the_ladder_has_a_few_shapes_that_hold_every_batch():
       batches = ladder.split(n, length)
       assert set(batches) <= set(rows) and 0 <= sum(batches) - n < batches[-1], (n, batches)
       assert (sum(batches) - n) * 2 <= batches[-1], (n, batches)  # at least half of a batch holds sentences
-  assert ladder.rows(32) == (128, 16, 2, 1) and ladder.rows(64) == (64, 8, 1) and ladder.rows(1024) == (4, 1)
+  assert ladder.rows(32) == (128, 16, 2, 1) and ladder.rows(1024) == (4, 1)
   assert ladder.split(150, 32) == [128, 16, 2, 2, 2] and ladder.split(40, 32) == [16, 16, 16]
-  assert ladder.split(3, 128) == [4] and ladder.split(5, 128) == [4, 1]
-  # Batches fill the top rung, the last the smallest rung that holds it: a lone sentence (a server's request)
-  # searches in a few rows, not among a top rung's empty ones.
-  sizes = lambda n: [len(src) for _, src in ladder.batches([[5, 3]] * n)]
-  assert sizes(1) == [1] and sizes(5) == [32] and sizes(260) == [256, 4] and sizes(300) == [256, 256]
-  assert ladder_lib.Ladder(4096, 1024, row_multiple=2).rows(64) == (64, 8, 2)
+  assert ladder_lib.Ladder(4096, 1024, row_multiple=2).rows(32) == (128, 16, 2)
   assert ladder_lib.Ladder(4096, 1024, row_multiple=2).rows(1024) == (4, 2)
   invariant = ladder_lib.Ladder(4096, 1024, min_rows=2)  # a batch-invariant search never runs one sentence alone
-  assert invariant.rows(64) == (64, 8, 2) and invariant.split(1, 32) == [2]
-  assert ladder_lib.Ladder(512, 1024, min_rows=2).rows(1024) == (2,)
+  assert invariant.rows(32) == (128, 16, 2) and invariant.rows(1024) == (4, 2) and invariant.split(1, 32) == [2]
 
 
 def test_commands_keep_compiled_programs_in_the_user_cache(tmp_path):

@@ -3,9 +3,8 @@
 - segments (CPU): a batch searches until its cache is full or its searching sentences fit a lower row rung;
   the host then reads it back, keeps the finished sentences' results, and goes on with the others only, in
   that rung's rows (or in several batches of the next length's rung, the cache grown), as CTranslate2 and
-  fairseq drop finished sentences. What runs is a `begin` program (the encoder and the first step) per (rows,
-  source length) a batch starts in and a `segment` program per (rows, cache length) it goes on in: all rungs
-  of the ladder, whatever the data.
+  fairseq drop finished sentences. What runs is a `begin` program per (rows, source length) a batch starts in
+  and a `segment` program per (rows, cache length) it goes on in: all rungs of the ladder, whatever the data.
 - on the device (GPU, TPU): each batch's whole search in one program (search.search, the cache growing
   inside it), with no host round trip until its results: one program per source length rung.
 
@@ -29,13 +28,14 @@ START_STATIC = ('beam_size', 'extra_length', 'max_len_a', 'cache_cross_kv', 'num
 RULE_STATIC = ('beam_size', 'temperature', 'top_k', 'cache_cross_kv', 'min_len', 'scores')
 
 
-def _begin(model, params, src, lines, seed, alpha, *, cache_length, num_samples=0, **options):
-  """(inputs, state) of a padded source batch's search after its first step (search.start_search,
-  search.take_first_step), sampling keys drawn here from (seed, line numbers)."""
+def _begin(model, params, src, lines, seed, stop, alpha, *, cache_length, num_samples=0, **options):
+  """start_search and its first segment (search.run_segment) of a padded source batch, sampling keys drawn
+  here from (seed, line numbers); returns (inputs, state, [B] still searching)."""
   keys = search_lib.line_keys(seed, lines, num_samples) if num_samples else None
   inputs, state = search_lib.start_search(model, params, src, keys, cache_length=cache_length, length=cache_length,
                                           **options)
-  return inputs, search_lib.take_first_step(model, params, inputs, state, alpha=alpha, **options)
+  state, live = search_lib.run_segment(model, params, inputs, state, stop, first=True, alpha=alpha, **options)
+  return inputs, state, live
 
 
 def _segment(model, params, inputs, state, stop, alpha, **options):
@@ -52,7 +52,7 @@ def _on_device(model, params, src, lines, seed, alpha, *, cache_lengths, num_sam
 # server's batches). XLA:CPU hands a sum over 4,096 elements or more to YNNPACK, which adds in another order than
 # XLA's own loops, so a batch's size decides how LayerNorm and attention round; and a lone sentence's matmuls
 # take matrix-vector kernels. Batch-invariant programs leave YNNPACK the matmuls only, and their batches hold
-# at least BATCH_INVARIANT_MIN_ROWS sentences; beam search runs about 25% fewer sentences/s (bench/RESULTS.md).
+# at least BATCH_INVARIANT_MIN_ROWS sentences; beam search runs about 20% fewer sentences/s (bench/RESULTS.md).
 BATCH_INVARIANT_OPTIONS = {'xla_cpu_experimental_ynn_fusion_type': 'LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT'}
 BATCH_INVARIANT_MIN_ROWS = 2
 
@@ -122,18 +122,16 @@ def search_batches(model, params, token_lists, ladder, options, *, lines=None, s
   instead of sample keys, sort_by_length, and batch_invariant (the segmented search's batch-invariant programs
   and batches, BATCH_INVARIANT_OPTIONS). lines: each source's line number (sample keys; default
   0, 1, ...). on_device: see the module docstring (None: on_device_by_default). place(tree) puts a batch's
-  arrays where the search runs them (data-parallel devices, several hosts' global arrays; default:
-  jax.device_put: every program is called with device arrays, so each is saved once, not once for arrays
-  and once more for host copies); out_sharding: the layout of the on-device search's results (replicated,
-  for several hosts)."""
+  arrays where the search runs them (data-parallel devices, several hosts' global arrays; default: as jit
+  does); out_sharding: the layout of the on-device search's results (replicated, for several hosts)."""
   options = dict(options)
   sort_by_length = options.pop('sort_by_length', True)
   lines = np.arange(len(token_lists), dtype=np.int32) if lines is None else np.asarray(lines, np.int32)
   on_device = on_device_by_default() if on_device is None else on_device
-  place, ladder = place or jax.device_put, _ladder_for(options, ladder)
+  place, ladder = place or (lambda tree: tree), _ladder_for(options, ladder)
   run = functools.partial(_device_batch, out_sharding=out_sharding) if on_device else _segmented_batch
   results = [None] * len(token_lists)
-  for members, src in ladder.batches(token_lists, sort_by_length):
+  for members, src in ladder.batches(token_lists, sort_by_length, top_rows=on_device):
     batch_lines = np.full(len(src), -1, np.int32)  # padding rows sample line -1's keys, and are dropped
     batch_lines[:len(members)] = lines[members]
     for row, tokens, scores in run(model, params, src, batch_lines, seed, ladder, options, place):
@@ -163,10 +161,9 @@ def _segmented_batch(model, params, src, lines, seed, ladder, options, place):
   src = beam_search.pad_axis(src, 1, begin_length, search_lib.PAD_ID)
   alpha, rule = options['alpha'], _static(options, RULE_STATIC)
   begin_jit, segment_jit = _programs_for(options)
-  begun = begin_jit(model, params, *place((src, lines)), seed, alpha, cache_length=begin_length,
-                    **_static(options, _BEGIN_STATIC))
-  state, live = segment_jit(model, params, *place(begun), ladder.below(rows, begin_length), alpha, **rule)
-  results, work = [], [(np.arange(rows), begun[0], state, live)]
+  inputs, state, live = begin_jit(model, params, *place((src, lines)), seed, ladder.below(rows, begin_length),
+                                   alpha, cache_length=begin_length, **_static(options, _BEGIN_STATIC))
+  results, work = [], [(np.arange(rows), inputs, state, live)]
   while work:
     sentences, inputs, state, live = jax.device_get(work.pop())
     tokens, scores = search_lib.search_output(inputs, state)
@@ -229,7 +226,7 @@ def warm_up(model, params, ladder, options, *, max_source_length=None, on_device
   `max_source_length` tokens (None: any the model takes) with these options may run, by running each on
   empty sources: later searches compile nothing. Returns how many programs that was."""
   on_device = on_device_by_default() if on_device is None else on_device
-  place, ladder = place or jax.device_put, _ladder_for(options, ladder)
+  place, ladder = place or (lambda tree: tree), _ladder_for(options, ladder)
   source_lengths = ladder.source_lengths(max_source_length)
   if on_device:
     for length in source_lengths:
@@ -241,8 +238,8 @@ def warm_up(model, params, ladder, options, *, max_source_length=None, on_device
   for length in source_lengths:
     for rows in ladder.rows(length):
       begun[length] = jax.device_get(begin_jit(
-          model, params, *place((_empty_sources(rows, length), np.zeros(rows, np.int32))), 0, options['alpha'],
-          cache_length=length, **_static(options, _BEGIN_STATIC)))
+          model, params, *place((_empty_sources(rows, length), np.zeros(rows, np.int32))), 0, 0, options['alpha'],
+          cache_length=length, **_static(options, _BEGIN_STATIC)))[:2]
   top = ladder.length_for(search_lib.max_steps(source_lengths[-1], options.get('max_len_a', 1.0),
                                                options['extra_length'], ladder.max_position))
   count, (inputs, state) = sum(len(ladder.rows(length)) for length in source_lengths), begun[source_lengths[0]]

@@ -6,12 +6,12 @@ data.
   ladder.rows(32)            # (128, 16, 2, 1): sentences a batch holds at that length
   ladder.batches(token_lists)
 
-A source batch is padded to a length rung S (the smallest that holds its longest sentence) and to a row rung of
-S (the top one, but for a last batch that a smaller one holds); the decoder's self-attention cache starts with S
-positions and grows to the next length rung when the decoder gets there, the encoder's keys/values and the source
-mask padded along. Row rungs at length L are the largest power of two whose rows x L fit the token budget, and
-that divided by ROW_RATIO, ROW_RATIO^2, ... down to min_rows sentences (one by default): a program at (rows, L)
-holds about the same number of positions at every rung, and what it holds never depends on the sentences. Where the sentences still
+A source batch is padded to a length rung S (the smallest that holds its longest sentence) and its rows to a
+row rung of S; the decoder's self-attention cache starts with S positions and grows to the next length rung
+when the decoder gets there, the encoder's keys/values and the source mask padded along. Row rungs at length
+L are the largest power of two whose rows x L fit the token budget, and that divided by ROW_RATIO,
+ROW_RATIO^2, ... down to min_rows sentences (one by default): a program at (rows, L) holds about the same
+number of positions at every rung, and what it holds never depends on the sentences. Where the sentences still
 searching fit a lower rung, they go on in it (batch_search.py); where they need more than the rung at the next
 length holds, they split over several batches of that length.
 """
@@ -22,8 +22,8 @@ import numpy as np
 from flaxformer_nmt.data.tokenizer import PAD_ID
 
 MIN_LENGTH = 16  # the shortest padded source and cache
-# Between neighbouring row rungs of one length: with 8, the beam search of Multi30k test2016 (512 tokens a batch)
-# runs 12 programs. The smallest rung is min_rows whatever the ratio: a server's lone sentence searches alone.
+# Between neighbouring row rungs of one length. 4 compiles 13 programs for Multi30k test2016 (beam 5), 8 compiles
+# 11 at the same speed (2-core CPU).
 ROW_RATIO = 8
 
 
@@ -61,10 +61,14 @@ class Ladder:
 
   def rows(self, length):
     """The row rungs at `length`, largest first."""
-    rungs = [max(_floor_power_of_two(self.tokens_per_batch // length), self.min_rows)]
-    while rungs[-1] > self.min_rows:
-      rungs.append(max(rungs[-1] // ROW_RATIO, self.min_rows))
-    return tuple(sorted({-(-r // self.row_multiple) * self.row_multiple for r in rungs}, reverse=True))
+    top = max(_floor_power_of_two(self.tokens_per_batch // length), self.min_rows)
+    rungs = []
+    while True:
+      rungs.append(-(-top // self.row_multiple) * self.row_multiple)
+      if top <= self.min_rows:
+        break
+      top = max(top // ROW_RATIO, self.min_rows)
+    return tuple(sorted(set(rungs), reverse=True))
 
   def below(self, rows, length):
     """The largest row rung at `length` below `rows` (0: none): a batch of `rows` rows goes on in it once the
@@ -88,22 +92,23 @@ class Ladder:
     top = self.length_for(max_source_length) if max_source_length else self.lengths[-1]
     return tuple(length for length in self.lengths if length <= top)
 
-  def batches(self, token_lists, sort_by_length=True):
+  def batches(self, token_lists, sort_by_length=True, top_rows=False):
     """(indices, padded source [rows, length]) batches of the sources (token ids ending with EOS) on the
-    ladder: batches of its length's top rung of rows, the last in the smallest rung that holds the rest (a
-    search that drops finished sentences goes on in lower rungs). Sorted by length, each length rung's
-    sentences fill batches in length order; sort_by_length=False keeps input order (to measure what sorting
-    saves): consecutive sentences fill a batch while the top rung of their longest one's length holds them.
-    Empty sentences (EOS alone) are left out: they translate to empty lines. Padding rows are empty (all
-    PAD)."""
+    ladder. Sorted by length, each length rung's sentences fill batches of split's rows in length order;
+    sort_by_length=False keeps input order (to measure what sorting saves): consecutive sentences fill a
+    batch while the top rung of their longest one's length holds them. Empty sentences (EOS alone) are left
+    out: they translate to empty lines. Padding rows are empty (all PAD). top_rows=True: every batch has its
+    length's top rung of rows (one shape per length, for a search that does not drop sentences)."""
     lengths = [len(t) for t in token_lists]
     nonempty = [i for i, n in enumerate(lengths) if n > 1]
     groups = self._sorted_groups(lengths, nonempty) if sort_by_length else self._input_order_groups(lengths, nonempty)
     for length, members in groups:
-      rungs = self.rows(length)
-      for start in range(0, len(members), rungs[0]):
-        chunk = members[start:start + rungs[0]]
-        src = np.full((min(r for r in rungs if r >= len(chunk)), length), PAD_ID, np.int32)
+      start = 0
+      top = self.rows(length)[0]
+      for rows in ([top] * -(-len(members) // top) if top_rows else self.split(len(members), length)):
+        chunk = members[start:start + rows]
+        start += rows
+        src = np.full((rows, length), PAD_ID, np.int32)
         for r, i in enumerate(chunk):
           src[r, :lengths[i]] = token_lists[i]
         yield list(chunk), src

@@ -46,7 +46,7 @@ class Translator:
   in one program on the device (batch_search.py; None: on GPU and TPU, not on a CPU).
   batch_invariant: each sentence's translation and score the same whatever else a call or batch holds (a
   server's batches; batch_search.BATCH_INVARIANT_OPTIONS): on one CPU device with bf16 dot instructions and
-  bfloat16 matmul operands (model.matmul_precision 'bfloat16', or 'auto' there); about 25% fewer sentences/s
+  bfloat16 matmul operands (model.matmul_precision 'bfloat16', or 'auto' there); about 20% fewer sentences/s
   in beam search. Attention pictures (the server's return_attention) are not covered.
   The decoding settings (beam size, length penalty, batch budget, max length) come from the first member.
   """
@@ -100,8 +100,8 @@ class Translator:
     return self.ladder(tokens_per_batch).batches(token_lists, sort_by_length)
 
   def _place(self, tree):
-    """A batch's arrays on the devices that search it (data-parallel decoding), or on the default device."""
-    return jax.device_put(tree) if self.mesh is None else sharding.spread_rows(tree, self.mesh)
+    """A batch's arrays on the devices that search it (data-parallel decoding), or as they are."""
+    return tree if self.mesh is None else sharding.spread_rows(tree, self.mesh)
 
   def _prepare(self, beam_size=None, alpha=None, n_best=1, sampling=False, temperature=1.0, top_k=0,
                cache_cross_kv=True, grow_cache=True, sort_by_length=True, max_len_a=None, max_len_b=None,
