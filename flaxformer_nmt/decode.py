@@ -106,7 +106,7 @@ def define_flags():
                        'split into N devices, one a core), 0 every local device.')
   flags.DEFINE_bool('batch_invariant', False, 'Each line\'s translation and score independent of the other lines '
                     'it is batched with, as the server\'s --batch_invariant answers (a CPU with bf16 dot, bfloat16 '
-                    'matmul operands); about 25% fewer sentences/s in beam search.')
+                    'matmul operands); about 20% fewer sentences/s in beam search.')
   flags.DEFINE_bool('warmup', False, 'Compile (or load from the compilation cache) every program the search may '
                     'run before reading the input, and log their count and time.')
   flags.DEFINE_integer('warmup_max_length', None, '--warmup: for sources of up to this many tokens (default: as '
