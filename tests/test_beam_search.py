@@ -58,7 +58,7 @@ def run_search(model, params, cached, beam_size, max_length, alpha=0.6, max_leng
   if cached == 'slots':
     step_fn = cached_step_fn(model, params, SRC)
     slots = model.apply({'params': params}, batch, max_length, rows, method=Transformer.init_cache)
-    cache = beam_search.slot_cache(slots, batch, rows)
+    cache = beam_search.slot_cache(slots, rows)
   elif cached:
     step_fn = cached_step_fn(model, params, SRC)
     cache = model.apply({'params': params}, batch * rows, max_length, method=Transformer.init_cache)

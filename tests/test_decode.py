@@ -691,7 +691,7 @@ def test_the_trainers_validation_bleu_reads_a_right_to_left_model_in_reading_ord
 
 def test_beam_step_zero_on_one_row_and_greedy_without_its_normalizer_change_no_output(translator, mixed, monkeypatch):
   # Catches a first beam step on one row per sentence that differs from the step on all K rows (its candidates,
-  # their beams, the cache rows the beams copy), and a greedy pick that changes when the log-softmax's
+  # their beams, the cache slots the beams read), and a greedy pick that changes when the log-softmax's
   # normalizer is skipped.
   _, src = next(translator.ladder(256).batches(translator.tokenizer.encode(mixed), sort_by_length=False))
   search = lambda **options: jax.device_get(jax.jit(functools.partial(

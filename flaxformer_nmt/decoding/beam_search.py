@@ -111,10 +111,10 @@ class SlotCache(NamedTuple):
   ancestry: jax.Array  # [B, K, L] int32
 
 
-def slot_cache(slots, batch_size, beam_size):
+def slot_cache(slots, beam_size):
   """A SlotCache of the model's empty `slots` (before the first step, every beam's history in slot 0)."""
-  length = jax.tree_util.tree_leaves(slots)[0].shape[2] // beam_size
-  return SlotCache(slots, jnp.zeros((batch_size, beam_size, length), jnp.int32))
+  batch_size, _, entries = jax.tree_util.tree_leaves(slots)[0].shape[:3]
+  return SlotCache(slots, jnp.zeros((batch_size, beam_size, entries // beam_size), jnp.int32))
 
 
 class BeamState(NamedTuple):

@@ -142,7 +142,7 @@ def start_search(model, params, src, sample_keys=None, *, beam_size, extra_lengt
   caches = tuple(m.apply({'params': p}, batch if beams else batch * rows, cache_length or length, beams,
                          method=Transformer.init_cache) for m, p in zip(models, member_params))
   cache = caches[0] if len(models) == 1 else caches
-  cache = beam_search.slot_cache(cache, batch, beams) if beams else cache
+  cache = beam_search.slot_cache(cache, beams) if beams else cache
   common = dict(max_length=length, bos_id=BOS_ID)
   if sample_keys is not None:
     state = beam_search.token_start(cache, batch_size=batch * rows, max_lengths=jnp.repeat(limits, rows), **common)
