@@ -12,8 +12,10 @@ Open http://127.0.0.1:8000/ for the page, /docs for the API. Requests from all c
 Ctrl-C) stops accepting connections, answers the requests already received, then exits 0. Needs the serve
 extra: pip install -e ".[serve]". See docs/serving.md.
 """
+import os
 import signal
 import sys
+import threading
 
 from absl import app, flags, logging
 
@@ -145,6 +147,10 @@ def main(argv):
   signal.signal(signal.SIGTERM, lambda signum, frame: None)
   uvicorn.Server(config).run()
   logging.info('Stopped.')
+  if any(t.name == server.WARM_UP_THREAD and t.is_alive() for t in threading.enumerate()):
+    # Stopped while compiling: the interpreter's finalization would abort inside XLA (exit 134).
+    logging.flush()
+    os._exit(0)  # pylint: disable=protected-access
 
 
 if __name__ == '__main__':

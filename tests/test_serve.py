@@ -167,6 +167,12 @@ def test_split_sentences_keeps_abbreviations_and_lower_case_continuations():
   # also in brackets; the sentence after it still splits, and so does one after "p.m." (lower case, as Moses).
   assert server.split_text('A sign says E.S.E. Electronics. The (U.S.) Army came. It left at 5 p.m. Then') == [
       ['A sign says E.S.E. Electronics.', 'The (U.S.) Army came.', 'It left at 5 p.m.', 'Then']]
+  # Runs of marks end a sentence once; an abbreviation is found after a long sentence, and none across the start
+  # of its sentence (the last word is read from a window of the line's last characters).
+  assert server.split_text('It ends... Then more!!! And?! So ' + '.' * 5000) == [
+      ['It ends...', 'Then more!!!', 'And?!', 'So ' + '.' * 5000]]
+  long = 'A ' + 'very ' * 40 + 'long line by Dr. Who. Dr. Nobody came. Then'
+  assert server.split_text(long) == [[long[:long.index(' Dr. Nobody')], 'Dr. Nobody came.', 'Then']]
 
 
 def test_attention_is_the_teacher_forced_cross_attention_of_the_answer(backend, translator):
@@ -221,6 +227,10 @@ BAD_REQUESTS = [  # (body, status, message)
     (json.dumps({'model': 'fr-en', 'text': ['a dog']}), 404, 'model \'fr-en\' is not served; this server serves '
      'en-de (en->de)'),
     (json.dumps({'text': ['a dog' * 60]}), 413, 'the request body is over the limit of 200 bytes (--max_body_bytes)'),
+    # JSON may escape a lone surrogate, which no tokenizer takes (was a plain-text 500).
+    ('{"text": ["a dog", "a \\ud800 dog"]}', 400, 'text[1] is not valid Unicode (surrogates not allowed at character '
+     '2)'),
+    ('{"text": ["a dog"], "alpha": Infinity}', 422, 'alpha: Input should be a finite number'),
 ]
 
 
@@ -230,6 +240,26 @@ def test_bad_requests_get_one_clear_error(backend, body, status, message):
     answer = c.post('/v1/translate', content=body, headers={'Content-Type': 'application/json'})
     assert (answer.status_code, answer.json()) == (status, {'detail': message})
     assert c.post('/v1/translate', json={'text': ['a dog']}).status_code == 200  # and the server goes on
+
+
+def test_blank_lines_and_empty_texts_count_against_no_limit(backend):
+  with client({'en-de': backend}, max_sentences=2) as c:
+    answer = c.post('/v1/translate', json={'text': ['', '\n' * 50, 'a dog . The cat runs .'] + [''] * 50})
+  assert answer.status_code == 200 and [t['text'] for t in answer.json()['translations']][:2] == ['', '\n' * 50]
+
+
+def test_attention_larger_than_the_limit_is_refused_naming_it(backend, monkeypatch):
+  sentence = 'a small man sees a big red dog .'
+  with client({'en-de': backend}) as c:
+    weights = np.asarray(c.post('/v1/translate', json={'text': [sentence], 'return_attention': True}).json()[
+        'translations'][0]['attention']['weights'])
+    monkeypatch.setattr(server, 'MAX_ATTENTION_WEIGHTS', 2 * weights.size - 1)
+    # Two texts of the same sentence: 2 x the weights (a rule that counted one text, or the sources only, passes).
+    refused = c.post('/v1/translate', json={'text': [sentence] * 2, 'return_attention': True})
+    assert (refused.status_code, refused.json()) == (413, {'detail': (
+        f'return_attention: the attention of this request holds {2 * weights.size} weights; the limit is '
+        f'{2 * weights.size - 1} (ask for fewer or shorter texts at a time)')})
+    assert c.post('/v1/translate', json={'text': [sentence] * 2}).status_code == 200
 
 
 def test_the_token_limit_counts_the_model_pieces_and_a_longer_sentence_is_refused_not_cut(backend):
@@ -349,6 +379,22 @@ def test_ready_only_after_the_warm_up(backend):
     assert c.post('/v1/translate', json={'text': ['dog']}).status_code == 200
 
 
+class FailingWarmUp(Gate):
+  def warm_up(self, *args):
+    raise RuntimeError('out of memory')
+
+
+def test_a_failed_warm_up_is_reported_and_refuses_without_retry_after(backend):
+  with client({'en-de': FailingWarmUp(backend)}, warmup='full') as c:
+    wait_until(lambda: c.get('/health').status_code == 503)
+    reason = 'the warm-up failed: RuntimeError: out of memory'
+    assert c.get('/health').json() == {'status': 'failed', 'reason': reason}
+    assert c.get('/ready').json() == {'ready': False, 'reason': reason}
+    refused = c.post('/v1/translate', json={'text': ['dog']})
+  assert (refused.status_code, refused.json()) == (503, {'detail': f'the server cannot translate: {reason}'})
+  assert 'Retry-After' not in refused.headers
+
+
 def test_a_server_stopped_during_its_warm_up_does_not_wait_for_it(backend):
   gate = Gate(backend)
   start = time.time()
@@ -404,6 +450,7 @@ def test_cors_is_off_unless_an_origin_is_given(backend):
 def test_libretranslate_routes(backend, translator):
   texts = ['a big dog runs .', 'the cat runs .']
   want = [text for text, _ in expected(translator, texts)]
+  beam = backend.defaults()['beam_size']
   with client({'en-de': backend}) as c:
     assert c.post('/translate', json={'q': texts[0], 'source': 'en', 'target': 'de', 'format': 'text'}).json() == {
         'translatedText': want[0]}
@@ -420,10 +467,22 @@ def test_libretranslate_routes(backend, translator):
               ({'source': 'en', 'target': 'de'}, 400, 'Invalid request: missing q parameter'),
               ({'q': 'a', 'source': 'en', 'target': 'de', 'format': 'html'}, 400,
                'format \'html\' is not supported: only "text"'),
-              ({'q': 5, 'source': 'en', 'target': 'de'}, 422, 'q: must be a string or a list of strings')]
+              ({'q': 5, 'source': 'en', 'target': 'de'}, 422, 'q: must be a string or a list of strings'),
+              # Errors name LibreTranslate's fields, not /v1's.
+              ({'q': 'a', 'source': 'en', 'target': 'de', 'alternatives': 4}, 400, 'alternatives=4 is over the '
+               f'limit of {beam - 1} (the model\'s beam size {beam} less one)'),
+              ({'q': ['a', 'dog ' * 300], 'source': 'en', 'target': 'de'}, 413, 'q[1] has a sentence of')]
     for body, status, message in errors:
       answer = c.post('/translate', json=body)
-      assert (answer.status_code, answer.json()) == (status, {'error': message})
+      assert answer.status_code == status and answer.json()['error'].startswith(message), answer.json()
+    answer = c.post('/translate', content='{"q": "a \\ud800", "source": "en", "target": "de"}')
+    assert (answer.status_code, answer.json()) == (400, {'error': 'q is not valid Unicode (surrogates not allowed at '
+                                                                  'character 2)'})
+    # Percent-escapes that unescape to no UTF-8 are refused, not replaced.
+    answer = c.post('/translate', content=b'q=a+%FF+dog&source=en&target=de',
+                    headers={'Content-Type': 'application/x-www-form-urlencoded'})
+    assert (answer.status_code, answer.json()) == (400, {'error': 'the form is not valid UTF-8 once unescaped '
+                                                                  '(invalid start byte)'})
 
 
 def test_metrics_count_requests_batches_and_tokens(backend, translator):
@@ -515,6 +574,32 @@ def test_sigterm_drains_the_requests_in_flight_then_exits_0(workdir, translator,
       process.kill()
   output = (tmp_path / 'server.log').read_text()
   assert 'Application shutdown complete' in output and 'Stopped.' in output, output[-3000:]
+
+
+def test_sigterm_during_the_warm_up_exits_0(workdir, tmp_path):
+  # The interpreter's exit used to abort inside XLA while the warm-up thread compiled (exit 134).
+  port = free_port()
+  with open(tmp_path / 'server.log', 'w', encoding='utf-8') as log:
+    process = subprocess.Popen([sys.executable, '-m', 'flaxformer_nmt.serve', f'--workdir={workdir}',
+                                f'--port={port}', '--warmup=full'], env=conftest.subprocess_env(), stdout=log,
+                               stderr=subprocess.STDOUT)
+  url = f'http://127.0.0.1:{port}'
+  try:
+    wait_until(lambda: status(f'{url}/ready') is not None, timeout=180)
+    assert status(f'{url}/ready') == 503  # still compiling
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(60) == 0
+  finally:
+    if process.poll() is None:
+      process.kill()
+
+
+def status(url):
+  """The status code of GET url, None while nothing listens."""
+  try:
+    return httpx.get(url, timeout=2).status_code
+  except httpx.TransportError:
+    return None
 
 
 def ready(url):

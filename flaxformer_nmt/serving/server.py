@@ -78,7 +78,10 @@ def error_response(path, status, message, headers=None):
   return responses.JSONResponse(body, status, headers=headers)
 
 
-_SENTENCE_END = re.compile(r'[.!?\u2026]+["\'\u201d\u2019)\]]*\s+')
+# A match starts where a run of marks starts (the look-behind): otherwise a long run of marks with no space after
+# it is tried from each of its characters, in time quadratic in the run.
+_SENTENCE_END = re.compile(r'(?<![.!?\u2026])[.!?\u2026]+["\'\u201d\u2019)\]]*\s+')
+_LAST_WORD_CHARS = 100  # the last word before a mark is read from this many characters (an abbreviation is shorter)
 ABBREVIATIONS = frozenset('mr mrs ms dr prof st sr jr vs etc e.g i.e no nr ca bzw z.b usw'.split())
 _ACRONYM = re.compile(r'\.([^\W\d_]+)\.+$')  # a word ending in a period, letters and a period (U.S., p.m.)
 
@@ -92,7 +95,7 @@ def split_sentences(line):
   sentences, start = [], 0
   for match in _SENTENCE_END.finditer(line):
     following = line[match.end():match.end() + 2]
-    words = line[start:match.start() + 1].split()
+    words = line[max(start, match.start() - _LAST_WORD_CHARS):match.start() + 1].split()
     word = words[-1].rstrip('.').lower() if words else ''
     starts = following[:1].isupper() or following[:1].isdigit() or (
         following[:1] in '"\'\u201c\u201e(' and following[1:2].isupper())
@@ -123,7 +126,7 @@ class TranslateRequest(pydantic.BaseModel):
                                    'lines.')
   beam_size: Optional[int] = pydantic.Field(None, ge=0, description='0: greedy; default: the model\'s.')
   n_best: int = pydantic.Field(1, ge=1, description='Translations per text, best first (at most beam_size).')
-  alpha: Optional[float] = pydantic.Field(None, ge=0, description='Length penalty exponent; default: the '
+  alpha: Optional[float] = pydantic.Field(None, ge=0, allow_inf_nan=False, description='Length penalty exponent; default: the '
                                           'model\'s.')
   max_length: Optional[int] = pydantic.Field(None, ge=1, description='At most this many target pieces per '
                                              'sentence (default: source length + the model\'s extra length).')
@@ -196,7 +199,7 @@ def libre_api_key(body, headers, query_string):
   """LibreTranslate's api_key field: from a JSON or form body, or the query string."""
   content_type = headers.get('content-type', '')
   try:
-    if body and 'json' in content_type:
+    if body and ('json' in content_type or not content_type):  # as libre_fields reads it
       data = json.loads(body)
       key = data.get('api_key') if isinstance(data, dict) else None
       return key if isinstance(key, str) else None
@@ -349,33 +352,43 @@ class Service:
       raise ApiError(400, str(e)) from None
     return options
 
-  def _encode(self, name, backend, texts):
-    """(per text its lines of sentence indices, the sentences' token ids); 413 naming a limit."""
+  def _encode(self, name, backend, texts, names):
+    """(per text its lines of sentence indices, the sentences' token ids); 400 or 413 naming the text (`names`,
+    as the request calls each) or the limit. Blank lines and empty texts count against no limit."""
     layout, sentences = [], []
-    for text in texts:
+    for text, text_name in zip(texts, names):
+      try:
+        text.encode('utf-8')
+      except UnicodeEncodeError as e:  # JSON may escape a lone surrogate (\ud800), which is no text
+        raise ApiError(400, f'{text_name} is not valid Unicode ({e.reason} at character {e.start})') from None
       lines = []
       for line in split_text(text):
         lines.append(list(range(len(sentences), len(sentences) + len(line))))
         sentences += line
       layout.append(lines)
-    if len(sentences) > self.settings.max_sentences:
-      raise ApiError(413, f'the request holds {len(sentences)} sentences; the limit is --max_sentences='
+    count = sum(1 for sentence in sentences if sentence)
+    if count > self.settings.max_sentences:
+      raise ApiError(413, f'the request holds {count} sentences; the limit is --max_sentences='
                      f'{self.settings.max_sentences}')
     token_lists = backend.encode(sentences)
     limit = self.input_limits[name]
-    for text_index, lines in enumerate(layout):
+    for text_name, lines in zip(names, layout):
       for i in (i for line in lines for i in line):
         if len(token_lists[i]) - 1 > limit:
-          raise ApiError(413, f'text[{text_index}] has a sentence of {len(token_lists[i]) - 1} tokens; the limit is '
+          raise ApiError(413, f'{text_name} has a sentence of {len(token_lists[i]) - 1} tokens; the limit is '
                          f'{limit} (--max_input_tokens={self.settings.max_input_tokens}, and what the model holds)')
     return layout, token_lists
 
-  async def translate(self, name, texts, options, n_best=1, scores=False, attention=False):
-    """The answer entries of `texts`, in order (see the module docstring)."""
+  async def translate(self, name, texts, options, n_best=1, scores=False, attention=False, names=None):
+    """The answer entries of `texts`, in order (see the module docstring); names: how errors call each text
+    (default text[0], text[1], ...). Splitting, encoding and the answers' rendering run off the event loop."""
     if not self.ready:
+      if self.warmup_error:
+        raise ApiError(503, f'the server cannot translate: {self.warmup_error}')
       raise ApiError(503, 'the server is warming up (compiling its searches): see GET /ready', {'Retry-After': '5'})
     backend = self.backends[name]
-    layout, token_lists = self._encode(name, backend, texts)
+    names = names or [f'text[{i}]' for i in range(len(texts))]
+    layout, token_lists = await asyncio.to_thread(self._encode, name, backend, texts, names)
     nonempty = [i for i, tokens in enumerate(token_lists) if len(tokens) > 1]
     key = (name, tuple(sorted(options.items())))
     try:
@@ -390,7 +403,27 @@ class Service:
     answers = [None] * len(token_lists)
     for i, answer in zip(nonempty, found):
       answers[i] = answer
-    return [text_answer(backend, lines, token_lists, answers, n_best, scores, attention) for lines in layout]
+    if attention:
+      check_attention_size(layout, answers)
+    return await asyncio.to_thread(lambda: [text_answer(backend, lines, token_lists, answers, n_best, scores,
+                                                        attention) for lines in layout])
+
+
+# return_attention's weights a request may ask for (layers x target x source pieces of each text, summed):
+# about 2 MB of JSON.
+MAX_ATTENTION_WEIGHTS = 250_000
+
+
+def check_attention_size(layout, answers):
+  """413 where the attention pictures of a request's texts would hold more than MAX_ATTENTION_WEIGHTS weights."""
+  total = 0
+  for lines in layout:
+    shapes = [answers[i].attention.shape for line in lines for i in line if answers[i] is not None]  # [layers, T, S]
+    if shapes:
+      total += shapes[0][0] * sum(shape[1] for shape in shapes) * sum(shape[2] for shape in shapes)
+  if total > MAX_ATTENTION_WEIGHTS:
+    raise ApiError(413, f'return_attention: the attention of this request holds {total} weights; the limit is '
+                   f'{MAX_ATTENTION_WEIGHTS} (ask for fewer or shorter texts at a time)')
 
 
 def text_answer(backend, lines, token_lists, answers, n_best, scores, attention):
@@ -430,6 +463,9 @@ def attention_entry(backend, pairs):
           'weights': np.round(weights.astype(np.float64), 6).tolist()}
 
 
+WARM_UP_THREAD = 'warm-up'
+
+
 def in_daemon_thread(fn, *args):
   """An awaitable of fn(*args) run on a daemon thread: a server stopped while it runs exits without waiting.
   (The warm-up runs so; no batch runs before it has ended, as requests are refused until then.)"""
@@ -447,7 +483,7 @@ def in_daemon_thread(fn, *args):
       result, method = e, future.set_exception
     with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
       loop.call_soon_threadsafe(settle, method, result)
-  threading.Thread(target=target, name='warm-up', daemon=True).start()
+  threading.Thread(target=target, name=WARM_UP_THREAD, daemon=True).start()
   return future
 
 
@@ -486,7 +522,11 @@ async def libre_fields(request):
   content_type = request.headers.get('content-type', '')
   body = await request.body()
   if 'x-www-form-urlencoded' in content_type:
-    return {k: v[0] for k, v in urllib.parse.parse_qs(body.decode('utf-8'), keep_blank_values=True).items()}
+    try:  # percent-escapes may spell bytes that are no UTF-8
+      fields = urllib.parse.parse_qs(body.decode('utf-8'), keep_blank_values=True, errors='strict')
+    except UnicodeDecodeError as e:
+      raise ApiError(400, f'the form is not valid UTF-8 once unescaped ({e.reason})') from None
+    return {k: v[0] for k, v in fields.items()}
   if 'json' in content_type or not content_type:
     try:
       data = json.loads(body) if body else {}
@@ -528,7 +568,8 @@ def add_api_routes(app, service):
     options = service.options(backend, request.beam_size, request.n_best, request.alpha, request.max_length)
     translations = await service.translate(name, request.text, options, request.n_best, request.return_scores,
                                            request.return_attention)
-    return {'model': name, 'translations': translations}
+    # Plain JSON (FastAPI's encoder walks every attention weight again, on the event loop).
+    return responses.JSONResponse({'model': name, 'translations': translations})
 
   @app.get('/v1/models')
   async def models():
@@ -548,8 +589,13 @@ def add_libretranslate_routes(app, service):
     """LibreTranslate's translate: {"q", "source", "target", "format": "text"} -> {"translatedText"}."""
     texts, single, source, target, alternatives = libre_request(await libre_fields(request))
     name, backend = service.by_languages(source, target)
+    beam_size = backend.defaults()['beam_size']
+    if alternatives >= max(beam_size, 1):
+      raise ApiError(400, f'alternatives={alternatives} is over the limit of {max(beam_size - 1, 0)} (the model\'s '
+                     f'beam size {beam_size} less one)')
     options = service.options(backend, n_best=alternatives + 1)
-    found = await service.translate(name, texts, options, n_best=alternatives + 1)
+    names = ['q'] if single else [f'q[{i}]' for i in range(len(texts))]
+    found = await service.translate(name, texts, options, n_best=alternatives + 1, names=names)
     translated = [t['text'] for t in found]
     body = {'translatedText': translated[0] if single else translated}
     if alternatives:
@@ -575,6 +621,8 @@ def add_status_routes(app, service, metrics):
   """GET /health, /ready, /metrics, and the page."""
   @app.get('/health')
   async def health():
+    if service.warmup_error:  # the process cannot translate: a supervisor should restart it
+      return responses.JSONResponse({'status': 'failed', 'reason': service.warmup_error}, 503)
     return {'status': 'ok'}
 
   @app.get('/ready')
@@ -621,6 +669,8 @@ def create_app(backends, settings=None):
   app.add_exception_handler(ApiError, lambda request, e: error_response(request.url.path, e.status, e.message,
                                                                         e.headers))
   app.add_exception_handler(fastapi_exceptions.RequestValidationError, validation_error)
+  app.add_exception_handler(Exception, lambda request, e: error_response(
+      request.url.path, 500, f'internal error: {type(e).__name__}'))
   add_api_routes(app, service)
   add_libretranslate_routes(app, service)
   add_status_routes(app, service, metrics)
