@@ -77,7 +77,7 @@ def define_flags():
   flags.DEFINE_enum('dtype', None, list(DTYPES), 'Compute dtype for decoding (default: the config\'s, auto = '
                     'bfloat16 on GPU/TPU, float32 on CPU); float32 also keeps the matmul operands float32 where '
                     'the config rounds them to bfloat16 (config.model.matmul_precision).')
-  flags.DEFINE_integer('beam_size', None, 'Beam width (default: the config\'s); 0 is greedy.')
+  flags.DEFINE_integer('beam_size', None, 'Beam width (default: the config\'s); 0 is greedy.', lower_bound=0)
   flags.DEFINE_bool('greedy', False, 'Greedy decoding (same as --beam_size=0).')
   flags.DEFINE_float('alpha', None, 'Length penalty exponent (default: the config\'s).')
   flags.DEFINE_bool('sampling', False, 'Sample translations from the model instead of searching.')
@@ -100,7 +100,7 @@ def define_flags():
                     'plain: one translation per input line. fairseq: S-i, H-i (score, pieces), D-i (score, text).')
   flags.DEFINE_integer('tokens_per_batch', None, 'Source tokens per batch (default: the config\'s '
                        'decode_tokens_per_batch, on a CPU at most 512).')
-  flags.DEFINE_integer('buffer_lines', 5000, 'Lines read and translated at a time.')
+  flags.DEFINE_integer('buffer_lines', 5000, 'Lines read and translated at a time.', lower_bound=1)
   flags.DEFINE_integer('devices', 1, 'Devices to split each batch\'s sentences over (data parallel, the parameters '
                        'replicated on each): 1 the default device, N the first N local devices (a CPU host\'s CPU '
                        'split into N devices, one a core), 0 every local device.')
@@ -125,6 +125,8 @@ def check_flag_combinations(FLAGS):  # pylint: disable=invalid-name
                          'not with --mbr, --sampling, greedy search, --n_best or --format=fairseq')
   if FLAGS.batch_invariant and FLAGS.rerank_workdir:
     raise app.UsageError('--batch_invariant covers the search, not --rerank_workdir\'s rescoring: not together')
+  if FLAGS.tok_reference and not FLAGS.reference:
+    raise app.UsageError('--tok_reference scores alongside --reference: give both')
   if FLAGS.n_best > 1 and FLAGS.format == 'plain' and not FLAGS.mbr:
     raise app.UsageError('--n_best > 1 gives several lines per input: use --format=fairseq (or choose one: --mbr)')
 
@@ -166,13 +168,30 @@ def warm_up(translator, options, max_length):
                time.time() - start)
 
 
-def translate_input(FLAGS, translator, rescorer, options, out):  # pylint: disable=invalid-name
-  """Translates --input chunk by chunk (--buffer_lines) into `out`, logging the pace; returns the written
-  translations where --reference will score them."""
+def open_files(FLAGS):  # pylint: disable=invalid-name
+  """(the input's chunks, the output stream): the input opened first, so that a missing one, or one that is
+  also --output, stops the command before the output file is emptied."""
+  if FLAGS.output != '-' and FLAGS.input != '-' and (
+      epath.Path(FLAGS.output).resolve() == epath.Path(FLAGS.input).resolve()):
+    sys.exit(f'error: --output {FLAGS.output} is the --input file: writing would empty it first')
+  try:
+    chunks = data_lib.read_chunks(FLAGS.input, FLAGS.buffer_lines)
+  except OSError as e:
+    sys.exit(f'error: {FLAGS.input}: {e}')
+  try:
+    return chunks, sys.stdout if FLAGS.output == '-' else epath.Path(FLAGS.output).open('w', encoding='utf-8')
+  except OSError as e:
+    sys.exit(f'error: {FLAGS.output}: {e}')
+
+
+def translate_input(FLAGS, translator, rescorer, options, chunks, out):  # pylint: disable=invalid-name
+  """Translates the input's chunks (--buffer_lines lines each) into `out`, logging the pace; returns the
+  written translations where --reference will score them."""
   hypotheses, done, target_tokens, start = [], 0, 0, time.time()
-  for chunk in data_lib.read_chunks(FLAGS.input, FLAGS.buffer_lines):
+  for chunk in chunks:
     chunk = translator.prepare(chunk)
-    token_lists = translator.tokenizer.encode(chunk)
+    # Cut to the model's positions here (the search would), so that a rescorer reads what the search read.
+    token_lists = translator.fit_to_positions(translator.tokenizer.encode(chunk), first_line=done)
     results = translator.search_tokens(token_lists, first_line=done, **options)
     texts = [[translator.tokenizer.decode(ids) for ids, _ in hyps] for hyps in results]
     chosen = choose_candidates(FLAGS, translator, rescorer, token_lists, results, texts)
@@ -242,11 +261,11 @@ def main(argv):
     sys.exit(f'error: {e}')
   if FLAGS.warmup:
     warm_up(translator, options, FLAGS.warmup_max_length)
-  out = sys.stdout if FLAGS.output == '-' else epath.Path(FLAGS.output).open('w', encoding='utf-8')
+  chunks, out = open_files(FLAGS)
   counter = cache.ProgramCounter()
   try:
     with counter:
-      hypotheses = translate_input(FLAGS, translator, rescorer, options, out)
+      hypotheses = translate_input(FLAGS, translator, rescorer, options, chunks, out)
   except OSError as e:
     sys.exit(f'error: {FLAGS.input}: {e}')
   except ValueError as e:  # bad input (the message names the line) or bad option values

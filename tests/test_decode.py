@@ -1,5 +1,6 @@
 """The translate CLI and API on a tiny trained workdir: order, empty lines, streaming, fairseq lines, sampling,
 batching switches, attention pictures."""
+import dataclasses
 import functools
 import json
 import re
@@ -235,19 +236,23 @@ def test_visualize_cli_writes_pngs(workdir, tmp_path):
     assert str(path) in result.stdout
 
 
-def test_a_source_longer_than_the_positions_is_cut_with_its_line_named(translator, caplog, monkeypatch):
+def test_a_source_longer_than_the_positions_is_cut_with_its_line_named(workdir, translator, caplog, monkeypatch):
   from flaxformer_nmt.data.tokenizer import EOS_ID  # pylint: disable=g-import-not-at-top
   lists = [[5] * 10 + [EOS_ID], [6] * 40 + [EOS_ID], [7] * 29 + [EOS_ID], [8] * 5000 + [EOS_ID]]
   cut = decode.fit_to_positions(lists, max_position=80, extra_length=50, first_line=100)
   assert cut[0] == lists[0] and cut[2] == lists[2]  # 30 tokens: exactly the limit, kept whole
   assert cut[1] == [6] * 29 + [EOS_ID] and cut[3] == [8] * 29 + [EOS_ID]
   assert 'Input lines 102, 104: longer than the model allows' in caplog.text
-  # Through the translator: a 5,000-word line is cut (and said so), not silently clamped.
+  # Through the translator: a 5,000-word line is cut (and said so), not silently clamped. An ensemble cuts to its
+  # shortest member's positions (cut to the first member's, the line overflowed the other's batch: a crash).
   caplog.clear()
-  # A short cut keeps the search quick. setitem, not setattr: setattr's undo deletes a ConfigDict field.
-  monkeypatch.setitem(translator.config.model, 'max_position', 80)
+  ensemble = decode.Translator(workdir, checkpoint='20,20')
+  first, second = ensemble.models
+  # A short cut keeps the search quick.
+  monkeypatch.setattr(ensemble, 'models', (first, second.clone(config=dataclasses.replace(second.config,
+                                                                                          max_position=80))))
   long_line = ' '.join(['a big dog runs .'] * 1000)
-  outputs = translator.translate(['a dog .', long_line], beam_size=0)
+  outputs = ensemble.translate(['a dog .', long_line], beam_size=0)
   assert len(outputs) == 2
   assert 'Input line 2: longer than the model allows (max_position 80 - max_decode_extra_length 10' in caplog.text
 
@@ -374,8 +379,11 @@ def test_cli_max_len_limits_the_output_and_rejects_bad_values(workdir, translato
   assert max(len(p.split()) for p in pieces) == 2  # the toy model does not stop by itself within 2 pieces
   api = translator.translate(mixed, beam_size=0, max_len_a=0, max_len_b=2)
   assert [line.split('\t')[2] for line in result.stdout.splitlines() if line.startswith('D-')] == api
+  # A limit of no token for a one-piece source (0.5 x 1 + 0) left only EOS, and n-best slots of padding.
   for bad, name in ((['--max_len_a=-1'], 'max_len_a'), (['--max_len_a=0', '--max_len_b=0'], 'max_len_a'),
-                    (['--min_len=-1'], 'min_len')):
+                    (['--max_len_a=0.5', '--max_len_b=0'], 'max_len_a'), (['--min_len=-1'], 'min_len'),
+                    (['--beam_size=-2'], 'beam_size'), (['--buffer_lines=0'], 'buffer_lines'),
+                    (['--tok_reference=x.de'], '--reference')):
     result = run_cli(bad + [f'--output={tmp_path / "out.de"}'], workdir, stdin='a dog .\n')
     assert result.returncode == 1 and name in result.stderr
     assert not (tmp_path / 'out.de').exists()
@@ -389,6 +397,19 @@ def test_cli_max_len_limits_the_output_and_rejects_bad_values(workdir, translato
     for step in search_lib._search_rule(translator.model, translator.params, inputs, beam_size=beam_size,
                                         alpha=0.6, min_len=3):
       assert step.keywords['min_length'] == 3
+
+
+def test_cli_never_empties_the_output_for_a_bad_input_or_output(workdir, tmp_path):
+  out = tmp_path / 'out.de'
+  out.write_text('earlier translations\n')
+  for args, message in (([f'--input={tmp_path / "missing.en"}'], 'missing.en'),
+                        ([f'--input={out}'], 'is the --input file')):
+    result = run_cli(args + [f'--output={out}'], workdir)
+    assert result.returncode == 1 and message in result.stderr, result.stderr[-2000:]
+    assert out.read_text() == 'earlier translations\n'
+  result = run_cli([f'--output={tmp_path / "no_dir" / "out.de"}'], workdir, stdin='a dog .\n')
+  assert result.returncode == 1 and f'error: {tmp_path / "no_dir" / "out.de"}' in result.stderr
+  assert 'Traceback' not in result.stderr
 
 
 def test_bfloat16_decoding_computes_in_bfloat16(workdir, translator, mixed):
@@ -622,6 +643,10 @@ def test_teacher_forced_scores_equal_the_search_and_reverse_for_a_right_to_left_
   turned = rerank.score_pairs(r2l, [s for s, _, _ in pairs], [data_lib.reverse_before_eos(t) for _, t, _ in pairs])
   np.testing.assert_allclose(turned, forced, rtol=1e-5, atol=1e-5)
   assert beam_search.length_penalty(7, 0.6) == ((5 + 7) / 6) ** 0.6
+  # A pair past the position table is refused (the lookup would clamp to its last row: a wrong score, silently).
+  positions = translator.model.config.max_position
+  with pytest.raises(ValueError, match=f'{positions + 1} tokens is longer than the scoring model\'s {positions}'):
+    rerank.score_pairs(translator, [tokens[0], [5] * positions + tokens[0][-1:]], [pairs[0][1]] * 2)
 
 
 def test_reranking_chooses_by_the_weighted_sum_in_the_api_and_compare(workdir, translator, mixed, tmp_path):

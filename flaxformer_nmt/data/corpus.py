@@ -44,9 +44,16 @@ def read_lines(path):
 
 
 def read_chunks(path, size):
-  """Lists of up to `size` lines of a file or stdin (-), read as they arrive; bad UTF-8 names the line."""
+  """Lists of up to `size` lines of a file or stdin (-), read as they arrive; bad UTF-8 names the line. The
+  file opens here (a missing one raises OSError now, not at the first chunk)."""
+  if size < 1:
+    raise ValueError(f'chunks of {size} lines: give at least 1')
   name = '<stdin>' if path == '-' else path
   stream = sys.stdin.buffer if path == '-' else epath.Path(path).open('rb')  # gs:// too
+  return _chunks(stream, name, size)
+
+
+def _chunks(stream, name, size):
   number = 0
   try:
     while raw_lines := list(itertools.islice(stream, size)):

@@ -17,8 +17,9 @@ A finished hypothesis scores log P / lp(n) with the GNMT length penalty lp(n) = 
 n counts the generated tokens, EOS included (BOS not): "EOS" alone has n = 1.
 Stopping rule (fairseq's): a sentence is done once K hypotheses have finished (the first K to finish; of
 one step's, the better ones) or at its length limit. A sentence of n source tokens may produce at most
-n + extra tokens: EOS is forced at that length, so every sentence finishes at least one hypothesis. The
-loop exits when every sentence is done; the finished hypotheses come back sorted by score.
+floor(max_len_a * n + extra) tokens (search.output_limits): EOS is forced at that length, so every sentence
+finishes at least one hypothesis. The loop exits when every sentence is done; the finished hypotheses come
+back sorted by score.
 `min_length` (every search; 0 by default here, 1 in decode.py as fairseq's --min-len and CTranslate2's
 min_decoding_length) forbids EOS while fewer tokens have been generated: with 1, a non-empty source never
 gets an empty output, whatever the model prefers. A row's length limit wins over it.

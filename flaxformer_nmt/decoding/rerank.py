@@ -12,7 +12,7 @@ teacher-forced:
   combined(y) = (1 - w) * s(y) + w * log Q(y|x) / lp(n)
 w = 0 keeps the search's choice; w = 1 lets the rescorer alone choose among the candidates.
 
-The translator and rescorer are decode.Translator objects (this module stands below decode.py, as mbr.py).
+The translator and rescorer are translator.Translator objects (this module stands below decode.py, as mbr.py).
 """
 import functools
 
@@ -52,6 +52,10 @@ def score_pairs(translator, source_lists, target_lists, tokens_per_batch=None):
   right_to_left = data_lib.right_to_left(translator.config)
   targets = [data_lib.reverse_before_eos(t) if right_to_left else list(t) for t in target_lists]
   lengths = [max(len(s), len(t)) for s, t in zip(source_lists, targets)]
+  positions = min(m.config.max_position for m in translator.models)
+  if lengths and max(lengths) > positions:  # past the table every position would read its last row
+    raise ValueError(f'a source or target of {max(lengths)} tokens is longer than the scoring model\'s '
+                     f'{positions} positions')
   order = sorted(range(len(lengths)), key=lengths.__getitem__)
   tokens_per_batch = tokens_per_batch or translator.config.decode_tokens_per_batch
   scores = np.zeros(len(lengths), np.float64)
@@ -121,7 +125,8 @@ def rerank_sources(translator, rescorer, sources, beam_size=None, alpha=None, n_
   beam_size = translator.config.beam_size if beam_size is None else beam_size
   if beam_size < 1:
     raise ValueError('reranking needs a beam search\'s n best (beam_size >= 1)')
-  token_lists = translator.tokenizer.encode(translator.prepare(sources))
+  # Cut to the model's positions here (the search would), so that the rescorer reads what the search read.
+  token_lists = translator.fit_to_positions(translator.tokenizer.encode(translator.prepare(sources)))
   candidates = translator.search_tokens(token_lists, beam_size=beam_size, alpha=alpha, n_best=n_best or beam_size,
                                         **options)
   reranker = Reranker(rescorer, token_lists, candidates, alpha)

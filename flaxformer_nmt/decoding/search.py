@@ -124,7 +124,7 @@ def start_search(model, params, src, sample_keys=None, *, beam_size, extra_lengt
   """(inputs, state) of the search of a padded source batch [B, S], before its first step: `inputs` holds what
   the steps read and never change (each member's encoder-decoder keys/values and source, the sample keys),
   `state` the search itself (beam_search.BeamState or TokenState). Both lead with the sentence axis, so a
-  host loop may drop finished sentences between segments (batching.py).
+  host loop may drop finished sentences between segments (batch_search.py).
 
   The self-attention cache gets `cache_length` positions and the state room for `length` tokens (default
   both: max_steps of the batch, every step it may take); each row's limit on its tokens (output_limits) is

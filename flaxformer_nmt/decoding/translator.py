@@ -109,12 +109,15 @@ class Translator:
     """(the ladder, the options of batch_search.search_batches), checked."""
     max_len_a = 1.0 if max_len_a is None else float(max_len_a)
     max_len_b = self.config.max_decode_extra_length if max_len_b is None else max_len_b
-    if max_len_a < 0 or max_len_b < 0 or int(max_len_b) != max_len_b or (max_len_a == 0 and max_len_b < 1):
+    if max_len_a < 0 or max_len_b < 0 or int(max_len_b) != max_len_b or max_len_a + max_len_b < 1:
       raise ValueError(f'max_len_a={max_len_a} and max_len_b={max_len_b} must leave room for a token: '
-                       'max_len_a >= 0, max_len_b a whole number >= 0, not both 0')
+                       'max_len_a >= 0, max_len_b a whole number >= 0, max_len_a + max_len_b >= 1 (the limit '
+                       'of a one-piece source)')
     if min_len < 0 or int(min_len) != min_len:
       raise ValueError(f'min_len={min_len} must be a whole number >= 0')
     beam_size = self.config.beam_size if beam_size is None else beam_size
+    if beam_size < 0:
+      raise ValueError(f'beam_size={beam_size} must be >= 0 (0: greedy)')
     alpha = self.config.length_penalty_alpha if alpha is None else alpha
     if n_best < 1 or (not sampling and n_best > max(beam_size, 1)):
       raise ValueError(f'n_best={n_best} must be between 1 and the beam size ({beam_size})')
@@ -147,8 +150,7 @@ class Translator:
     chunks samples as the whole list would. cache_cross_kv=False, grow_cache=False and sort_by_length=False
     switch off three speed-ups, for measuring them.
     """
-    token_lists = fit_to_positions(token_lists, self.config.model.max_position,
-                                   self.config.max_decode_extra_length, first_line)
+    token_lists = self.fit_to_positions(token_lists, first_line)
     ladder, options = self._prepare(n_best=n_best, sampling=sampling, **options)
     lines = [first_line + i for i in range(len(token_lists))]
     found = batch_search.search_batches(self.search_model, self.search_params, token_lists, ladder, options,
@@ -156,6 +158,12 @@ class Translator:
     empty = [([], 0.0)] * n_best
     return [empty if f is None else [(reading_order(self.config, f[0][k]), float(f[1][k])) for k in range(n_best)]
             for f in found]
+
+  def fit_to_positions(self, token_lists, first_line=0):
+    """Sources cut to what every member's position table holds (module fit_to_positions), as the search
+    cuts them."""
+    return fit_to_positions(token_lists, self.ladder().max_position, self.config.max_decode_extra_length,
+                            first_line)
 
   def warm_up(self, token_lists, n_best=1, sampling=False, **options):
     """Runs search_tokens(token_lists, ...) once, which compiles every shape that the same call will run:
