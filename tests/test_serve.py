@@ -429,6 +429,8 @@ def test_api_keys_guard_every_route_but_health_and_the_page(backend):
         'error': 'a valid API key is required: send the header "Authorization: Bearer KEY" or the api_key field'}
     assert c.post('/translate', json=dict(libre, api_key='first-key')).status_code == 200
     assert c.post('/translate', data=dict(libre, api_key='second-key')).status_code == 200
+    # A JSON body without a Content-Type is read as JSON (libre_fields does), its key too.
+    assert c.post('/translate', content=json.dumps(dict(libre, api_key='first-key'))).status_code == 200
     assert c.get('/languages?api_key=first-key').status_code == 200
 
 
