@@ -363,6 +363,7 @@ def validate(config):
   _validate_counts(config)
   _validate_data(config)
   _validate_schedule(config)
+  _validate_model(config)
   _validate_checkpoints(config)
   _validate_dispatch(config)
   _validate_regularizers(config)
@@ -425,6 +426,12 @@ def _validate_data(config):
 
 
 def _validate_schedule(config):
+  for field in ('num_train_steps', 'warmup_steps'):  # the warm-up divides by its steps: 0 gives no rate at all
+    if not isinstance(config[field], int) or config[field] < 1:
+      raise ConfigError(f'config.{field}={config[field]!r}: use a whole number >= 1')
+  if not 0.0 <= config.label_smoothing < 1.0:
+    raise ConfigError(f'config.label_smoothing={config.label_smoothing} is a probability mass: use 0 (off) to '
+                      'below 1')
   if config.learning_rate_schedule == 'inverse_sqrt' and config.learning_rate <= 0:
     raise ConfigError(f"config.learning_rate={config.learning_rate}: config.learning_rate_schedule='inverse_sqrt' "
                       'needs a peak learning rate > 0')
@@ -433,8 +440,29 @@ def _validate_schedule(config):
                       f'{config.num_train_steps} (the ramp ends at the last update)')
 
 
+def _validate_model(config):
+  """The model's shape, dropout rates and the mesh it trains on."""
+  m = config.model
+  if m.d_model % m.num_heads:
+    raise ConfigError(f'config.model.d_model={m.d_model} is not divisible by config.model.num_heads={m.num_heads}: '
+                      'each head takes d_model / num_heads features')
+  for field in ('dropout_rate', 'attention_dropout_rate', 'relu_dropout_rate'):
+    if not 0.0 <= m[field] < 1.0:
+      raise ConfigError(f'config.model.{field}={m[field]} is a probability: use 0 (off) to below 1')
+  buckets = config.length_buckets
+  if not buckets or not all(isinstance(b, int) and b > 0 for b in buckets) or list(buckets) != sorted(buckets):
+    raise ConfigError(f'config.length_buckets={buckets!r}: use increasing whole numbers of tokens, e.g. '
+                      '"(16, 32, 64)"')
+  for field in ('data_parallelism', 'fsdp_parallelism'):
+    if not isinstance(config[field], int) or not (config[field] == -1 or config[field] >= 1):
+      raise ConfigError(f'config.{field}={config[field]!r}: use a number of devices >= 1, or -1 (what the other '
+                        'axis leaves)')
+
+
 def _validate_checkpoints(config):
   """config.decode_checkpoint names a checkpoint the run will have, and what keeps one exists."""
+  if not isinstance(config.keep_checkpoints, int) or config.keep_checkpoints < 0:
+    raise ConfigError(f'config.keep_checkpoints={config.keep_checkpoints!r}: use 0 (keep all) or more')
   if config.decode_checkpoint == 'averaged' and config.average_last_checkpoints <= 0:
     raise ConfigError("config.decode_checkpoint='averaged' needs config.average_last_checkpoints > 0 (now "
                       f'{config.average_last_checkpoints}): nothing would be averaged')

@@ -61,7 +61,7 @@ def main(argv):
   except (data_lib.DataError, ConfigError, tokenizer_lib.TokenizerError, NonFiniteError,
           checkpoints_lib.AveragingError, checkpoints_lib.CheckpointMismatchError,
           checkpoints_lib.CheckpointStorageError, checkpoints_lib.CheckpointsDamagedError,
-          warm_start.WarmStartError) as e:
+          warm_start.WarmStartError, sharding.MeshError) as e:
     logging.error('%s', e)
     sys.exit(f'error: {e}')
 

@@ -30,6 +30,29 @@ def test_average_of_the_last_k_is_their_mean(tmp_path):
   np.testing.assert_allclose(params['bias'], (saved[3]['bias'] + saved[4]['bias']) / 2, rtol=1e-6)
 
 
+def test_last_k_of_the_loader_is_the_window_average_takes_and_bad_counts_are_refused(tmp_path):
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import loader  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  store = checkpoints_lib.Checkpoints(tmp_path, keep=0)
+  for step in (10, 20, 22):  # 22: an off-interval final save
+    save(store, step, {'w': jnp.full((2,), float(step))})
+  store.wait()
+  config = config_lib.base_config()
+  config.checkpoint_every_steps = 10
+  workdir_lib.save_or_check_config(config, tmp_path)
+  # The raw newest two (20, 22) would put the final save beside the regular one before it.
+  params, description = loader.load_params(tmp_path, 'last:2')
+  assert description == 'the average of checkpoints [10, 20]'
+  np.testing.assert_allclose(params['w'], [15.0, 15.0])
+  assert checkpoints_lib.average_last(tmp_path, last=2) == [10, 20]
+  for last in (0, -1):  # on_grid[-0:] averaged them all, [-(-1):] all but the oldest
+    with pytest.raises(checkpoints_lib.AveragingError, match=f'average the last {last} checkpoints: give 1'):
+      checkpoints_lib.average_last(tmp_path, last=last)
+  with pytest.raises(checkpoints_lib.AveragingError, match='more than once'):
+    checkpoints_lib.average_last(tmp_path, steps=['20', '20', '10'])
+
+
 def test_mismatched_shapes_are_refused_by_name(tmp_path):
   store = checkpoints_lib.Checkpoints(tmp_path, keep=0)
   save(store, 1, {'w': jnp.zeros((2, 3))})

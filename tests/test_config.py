@@ -182,6 +182,13 @@ def test_a_workdir_refuses_a_different_model(tmp_path):
   from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   config = config_lib.base_config()
   workdir_lib.save_or_check_config(config, tmp_path)
+  # A start that failed before it built anything (config.json alone) binds no later run.
+  config.model.d_model = 256
+  workdir_lib.save_or_check_config(config, tmp_path)
+  assert workdir_lib.load_config(tmp_path).model.d_model == 256
+  config.model.d_model = 512
+  workdir_lib.save_or_check_config(config, tmp_path)
+  (tmp_path / 'vocab.model').write_bytes(b'')  # now it built something for that model
   workdir_lib.save_or_check_config(config, tmp_path)  # the same model is fine
   config.beam_size, config.model.attention_impl = 7, 'einsum'  # decoding and runtime fields may change
   workdir_lib.save_or_check_config(config, tmp_path)
@@ -199,6 +206,7 @@ def test_a_workdir_refuses_to_resume_with_another_target_order_case_or_key_gener
   from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   config = config_lib.base_config()
   workdir_lib.save_or_check_config(config, tmp_path)
+  (tmp_path / 'vocab.model').write_bytes(b'')
   before = config[field]
   config[field] = value
   with pytest.raises(workdir_lib.ConfigError, match=f'config.{field}={before!r}, now {value!r}'):
@@ -237,6 +245,7 @@ def test_a_saved_config_of_another_version_is_refused_naming_the_field_and_the_f
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
   from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   workdir_lib.save_or_check_config(config_lib.base_config(), tmp_path)
+  (tmp_path / 'vocab.model').write_bytes(b'')  # a workdir that built its model: its config.json binds
   saved = json.loads((tmp_path / 'config.json').read_text())
   edit(saved)
   (tmp_path / 'config.json').write_text(json.dumps(saved))
@@ -366,6 +375,27 @@ def _with(config, field, value):
   copy = config.copy_and_resolve_references()
   copy[field] = value
   return copy
+
+
+@pytest.mark.parametrize('field, value, message', [
+    # Each was trained with, or failed later with a traceback: every checkpoint deleted (keep -1), no learning
+    # rate (warmup 0), a NaN rate (warmup -10), a loss past its minimum (smoothing 1.5), XLA's reshape error.
+    ('keep_checkpoints', -1, r'use 0 \(keep all\) or more'), ('warmup_steps', 0, 'use a whole number >= 1'),
+    ('warmup_steps', -10, 'use a whole number >= 1'), ('num_train_steps', 0, 'use a whole number >= 1'),
+    ('label_smoothing', 1.5, 'is a probability mass'), ('label_smoothing', -0.1, 'is a probability mass'),
+    ('model.d_model', 100, 'is not divisible by config.model.num_heads=8'),
+    ('model.dropout_rate', 1.0, 'is a probability'), ('model.attention_dropout_rate', -0.5, 'is a probability'),
+    ('length_buckets', (), 'use increasing whole numbers'), ('length_buckets', ('abc',), 'use increasing whole'),
+    ('length_buckets', (32, 16), 'use increasing whole'), ('data_parallelism', 0, r'or -1 \(what the other'),
+    ('fsdp_parallelism', -2, r'or -1 \(what the other')])
+def test_out_of_range_values_are_named(field, value, message):
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  c = config_lib.base_config()
+  c.data_dir = '/data'
+  section, _, name = field.rpartition('.')
+  (c[section] if section else c)[name] = value
+  with pytest.raises(config_lib.ConfigError, match=f'config.{re.escape(field)}=.*{message}'):
+    config_lib.validate(c)
 
 
 def test_bad_names_are_refused_with_the_values_they_take():

@@ -60,10 +60,12 @@ def test_an_ensemble_workdir_is_not_resumed_as_one_run_nor_the_reverse(tmp_path)
   config = small_config(tmp_path / 'data')
   config.ensemble_members = 2
   save_or_check_config(config, tmp_path / 'ens')
+  member_workdir(tmp_path / 'ens', 0).mkdir(parents=True)  # what its first member's start leaves
   config.ensemble_members = 1
   with pytest.raises(ConfigError, match='ensemble_members=2, now 1'):
     save_or_check_config(config, tmp_path / 'ens')
   save_or_check_config(config, tmp_path / 'one')
+  (tmp_path / 'one' / 'vocab.model').write_bytes(b'')
   config.ensemble_members = 3
   with pytest.raises(ConfigError, match='ensemble_members=1, now 3'):
     save_or_check_config(config, tmp_path / 'one')

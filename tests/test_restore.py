@@ -265,3 +265,23 @@ def test_a_run_on_rbg_keys_resumes_exactly_and_keeps_its_generator(toy_corpus, t
   config.prng_impl = 'threefry2x32'
   with pytest.raises(workdir_lib.ConfigError, match=r"config.prng_impl='rbg', now 'threefry2x32'"):
     train.train_and_evaluate(config, tmp_path / 'resumed')
+
+
+def test_a_checkpoint_without_trained_seconds_resumes_from_zero():
+  # Checkpoints written before the data position recorded the training time hold no such entry.
+  class Store:
+    def restore_newest_good(self, abstract, vocab_sha256):
+      del abstract, vocab_sha256
+      return {'w': jnp.ones(2)}, {'epoch': 1, 'batch': 7, 'seed': 0}
+
+  class Batches:
+    def restore(self, data_state, allow_batching_change):
+      del allow_batching_change
+      self.data_state = data_state
+
+  batches, config = Batches(), config_lib.base_config()
+  tokenizer = tokenizer_lib.Tokenizer.__new__(tokenizer_lib.Tokenizer)
+  tokenizer.sha256 = 'abc'
+  state, seconds = train.restore_or_start(config, {'w': jnp.zeros(2)}, None, Store(), batches, tokenizer)
+  assert seconds == 0.0 and batches.data_state == {'epoch': 1, 'batch': 7, 'seed': 0}
+  np.testing.assert_array_equal(state['w'], [1.0, 1.0])

@@ -413,7 +413,11 @@ def average_last(workdir, last=None, steps=None, every_steps=None):
   available = saved_steps(workdir)
   if steps:
     steps = sorted(int(s) for s in steps)
+    if len(set(steps)) < len(steps):  # a repeated step would weigh more than the others
+      raise AveragingError(f'steps {steps} name a checkpoint more than once')
   else:
+    if last is None or last < 1:
+      raise AveragingError(f'average the last {last} checkpoints: give 1 or more')
     if every_steps is None:
       every_steps = regular_save_interval(workdir)
     steps = averaging_window(available, last, every_steps)

@@ -54,7 +54,9 @@ def load_params(workdir, checkpoint=None):
     params, info = best_checkpoint.load_best(workdir)
     return jax.device_put(params), f'the best checkpoint (step {info["step"]}, {info["metric"]} {info["value"]:.4g})'
   if checkpoint.startswith('last:'):
-    steps = checkpoints_lib.saved_steps(workdir)[-int(checkpoint[5:]):]
+    # The window `average` and the trainer's average take (an off-interval final save is left out).
+    steps = checkpoints_lib.averaging_window(checkpoints_lib.saved_steps(workdir), int(checkpoint[5:]),
+                                             checkpoints_lib.regular_save_interval(workdir))
     return jax.device_put(checkpoints_lib.average_params(workdir, steps)), f'the average of checkpoints {steps}'
   steps = checkpoints_lib.saved_steps(workdir)
   step = (steps[-1] if steps else None) if checkpoint == 'latest' else int(checkpoint)

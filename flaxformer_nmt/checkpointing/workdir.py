@@ -69,9 +69,10 @@ def read_config(path):
 
 def save_or_check_config(config, workdir):
   """Writes config.json on the first run; later runs must describe the same model (and stay one run, or an
-  ensemble's members, as they began)."""
+  ensemble's members, as they began) once the workdir holds anything besides config.json (a start that failed
+  before it built anything, e.g. on a vocabulary size sentencepiece refused, binds no later run)."""
   path = epath.Path(workdir) / CONFIG_FILENAME
-  if path.exists():
+  if path.exists() and any(p.name != CONFIG_FILENAME for p in path.parent.iterdir()):
     saved = read_config(path)
     if (saved.ensemble_members > 1) != (config.ensemble_members > 1):
       raise ConfigError(f'{path} was trained with config.ensemble_members={saved.ensemble_members}, now '

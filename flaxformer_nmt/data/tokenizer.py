@@ -74,6 +74,22 @@ def train_sentencepiece(sentences, model_path, *, vocab_size, model_type='bpe', 
   """
   sentences = [s for s in sentences if s]
   model = io.BytesIO()
+  try:
+    _train(sentences, model, vocab_size, model_type, character_coverage, user_defined_symbols)
+  except RuntimeError as e:  # e.g. a vocabulary smaller than the reserved ids and characters
+    raise TokenizerError(f'sentencepiece could not learn a {vocab_size}-piece vocabulary (config.vocab_size): '
+                         f'{str(e).strip()}') from None
+  path = epath.Path(model_path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  # Write then rename, so a crash never leaves a half-written vocabulary behind.
+  tmp = path.parent / (path.name + '.tmp')
+  tmp.write_bytes(model.getvalue())
+  tmp.rename(path)
+  logging.info('Trained a %d-piece sentencepiece model on %d sentences: %s', vocab_size, len(sentences), path)
+  return path
+
+
+def _train(sentences, model, vocab_size, model_type, character_coverage, user_defined_symbols):
   spm.SentencePieceTrainer.train(
       sentence_iterator=iter(sentences),
       model_writer=model,
@@ -88,14 +104,6 @@ def train_sentencepiece(sentences, model_path, *, vocab_size, model_type='bpe', 
       minloglevel=2,
       user_defined_symbols=list(user_defined_symbols),
   )
-  path = epath.Path(model_path)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  # Write then rename, so a crash never leaves a half-written vocabulary behind.
-  tmp = path.parent / (path.name + '.tmp')
-  tmp.write_bytes(model.getvalue())
-  tmp.rename(path)
-  logging.info('Trained a %d-piece sentencepiece model on %d sentences: %s', vocab_size, len(sentences), path)
-  return path
 
 
 class Tokenizer:

@@ -119,7 +119,7 @@ def restore_or_start(config, state, state_sharding, checkpoints, train_batches, 
       state = warm_start.load_params(state, state_sharding, config, tokenizer)
     return state, 0.0
   state, data_state = restored
-  trained_seconds = float(data_state.pop(TRAINED_SECONDS))
+  trained_seconds = float(data_state.pop(TRAINED_SECONDS, 0.0))  # absent from checkpoints of earlier versions
   train_batches.restore(data_state, allow_batching_change=config.allow_batching_change)
   if config.init_from:
     logging.info('Resuming this workdir; config.init_from=%s is ignored (it only starts new runs)', config.init_from)
