@@ -223,8 +223,14 @@ def test_an_error_after_a_save_keeps_the_save_and_closes_the_run(toy_corpus, tmp
   monkeypatch.undo()
   train.train_and_evaluate(config, tmp_path / 'w')
   with open(tmp_path / 'w' / 'metrics.jsonl') as f:
-    starts = [r['step'] for r in map(json.loads, f) if 'run/trained_seconds_at_start' in r]
-  assert starts == [0, 10]
+    records = [json.loads(line) for line in f]
+  assert [r['step'] for r in records if 'run/trained_seconds_at_start' in r] == [0, 10]
+  # Step 10's evaluation, cut short, runs first on resume (it resumes at step 11), once; step 20's as scheduled.
+  assert [r['step'] for r in records if 'eval/loss' in r] == [10, 20]
+  assert json.loads((tmp_path / 'w' / train.EVALUATED_FILE).read_text()) == {'step': 20}
+  train.train_and_evaluate(config, tmp_path / 'w')  # a finished run, run again, evaluates nothing again
+  with open(tmp_path / 'w' / 'metrics.jsonl') as f:
+    assert [r['step'] for r in map(json.loads, f) if 'eval/loss' in r] == [10, 20]
 
 
 def test_checkpoints_by_elapsed_minutes(toy_corpus, tmp_path):

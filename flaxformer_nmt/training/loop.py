@@ -7,6 +7,7 @@ checkpoints checkpointing/checkpoints.py. The command is flaxformer_nmt/train.py
 """
 import contextlib
 import dataclasses
+import json
 import time
 from typing import Any, Callable
 
@@ -22,6 +23,7 @@ from flaxformer_nmt.checkpointing.workdir import build_model, save_or_check_conf
 from flaxformer_nmt.data import batching
 from flaxformer_nmt.data.pipeline import input_pipeline
 from flaxformer_nmt.models import transformer as model_lib
+from flaxformer_nmt.runtime import distributed
 from flaxformer_nmt.runtime import flops as flops_lib
 from flaxformer_nmt.runtime import sharding
 from flaxformer_nmt.runtime.profiler import Profiler
@@ -35,6 +37,8 @@ from flaxformer_nmt.training import warm_start
 
 # The run's training time at a checkpoint, saved beside its data position.
 TRAINED_SECONDS = 'trained_seconds'
+# {"step": S}: the newest step whose due evaluations all ended (catch_up_evaluation).
+EVALUATED_FILE = 'evaluated.json'
 
 
 @dataclasses.dataclass
@@ -159,8 +163,8 @@ def log_eval(run, step, start_time):
 
 
 def evaluate_step(run, step, start_time, done):
-  """The validation metrics due at this step (loss, BLEU: bleu_eval.py), logged and offered to the best
-  checkpoint; returns them (empty when none is due)."""
+  """The validation metrics due at this step (loss, BLEU: validation.py), logged and offered to the best
+  checkpoint, then recorded as done (EVALUATED_FILE); returns them (empty when none is due)."""
   evaluated = {}
   if step % run.config.eval_every_steps == 0 or done:
     evaluated.update(log_eval(run, step, start_time))
@@ -170,7 +174,24 @@ def evaluate_step(run, step, start_time, done):
     evaluated.update(bleu_metrics)
   if evaluated and run.best is not None:
     run.best.update(step, run.state.params, evaluated)
+  if evaluated and distributed.is_leader():  # written whole, then renamed: a kill leaves the old one or the new
+    tmp = run.workdir / f'.{EVALUATED_FILE}.tmp'
+    tmp.write_text(json.dumps({'step': step}))
+    tmp.replace(run.workdir / EVALUATED_FILE)
   return evaluated
+
+
+def catch_up_evaluation(run, step, start_time):
+  """The evaluations due at a resumed run's first step, where the run before saved that step and stopped
+  before they ended (a kill during the validation decode, a stop signal: the save comes first); returns
+  their metrics (empty where none were missed)."""
+  done = step >= run.config.num_train_steps
+  due = step % run.config.eval_every_steps == 0 or done or run.validation_bleu.due(step, done)
+  path = run.workdir / EVALUATED_FILE  # the workdir is shared by every host: they all decide alike
+  if step == 0 or not due or (path.exists() and json.loads(path.read_text())['step'] == step):
+    return {}
+  logging.info('Evaluating step %d first: the run that saved it stopped before its evaluation ended', step)
+  return evaluate_step(run, step, start_time, done)
 
 
 def dispatch_steps(run, interval, step, clock):
@@ -206,7 +227,8 @@ def train_and_evaluate(config, workdir):
   # Where this launch's clock starts (bench/bleu_curve.py reads it to join the minutes of resumed launches).
   run.log.write(step, {'run/trained_seconds_at_start': run.trained_seconds})
   interval = metrics_lib.TrainInterval(run.throughput, config.skip_nonfinite_updates)
-  last = {}
+  with clock.phase('validation'):
+    last = catch_up_evaluation(run, step, start_time)
   preemption_sync = preemption.preemption_sync_available(step)
   # An error that escapes the loop (a failed evaluation, a device out of memory) first lets the save in flight
   # finish: rerunning the command resumes from it.
