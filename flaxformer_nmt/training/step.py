@@ -342,7 +342,7 @@ def train_step(state, batch, *, model, optimizer, schedule, label_smoothing, gra
   # training loop decides (at its next host sync) whether to stop or to go on counting skipped updates.
   finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
   keep_if_finite = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
-  params, opt_state = keep_if_finite(params, state.params), keep_if_finite(opt_state, state.opt_state)
+  params, opt_state = keep_if_finite(params, state.params), _keep_moments_if_finite(finite, opt_state, state.opt_state)
   metrics = {
       'loss_sum': loss_sum, 'nll_sum': nll_sum, 'target_tokens': tokens,
       # Tokens read by the encoder (translation: the source; MLM: the whole text; LM: none).
@@ -353,6 +353,14 @@ def train_step(state, batch, *, model, optimizer, schedule, label_smoothing, gra
   if rdrop_alpha > 0:
     metrics['rdrop_divergence_sum'] = divergence_sum  # part of loss_sum, times rdrop_alpha
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def _keep_moments_if_finite(finite, new, old):
+  """The optimizer state after an update that was dropped (not `finite`): the old moments, the new step counts,
+  so that the schedule stays at state.step (the rate the log shows and the config gives that step)."""
+  is_count = lambda path: isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == 'count'
+  return jax.tree_util.tree_map_with_path(lambda path, n, o: n if is_count(path) else jnp.where(finite, n, o),
+                                          new, old)
 
 
 def _source_tokens(task, batch):
