@@ -59,7 +59,8 @@ def test_the_hour_is_the_longer_recipe_cut_to_an_hour():
   assert {k for k in hour.keys() | recipe.keys() if hour.get(k) != recipe.get(k)} == {
       'num_train_steps', 'cooldown_steps', 'max_train_minutes'}
   assert (hour['model.d_model'], hour['model.pre_layer_norm'], hour['vocab_size']) == (128, True, 8000)
-  assert (hour['num_train_steps'], hour['cooldown_steps'], hour['max_train_minutes']) == (6500, 3250, 58.0)
+  # No time guard: a slower machine trains the same steps for longer (the schedule is step-bound).
+  assert (hour['num_train_steps'], hour['cooldown_steps'], hour['max_train_minutes']) == (6500, 3250, 0.0)
   # The last 5 averaged lie within the cooldown, and the run keeps them until it averages them.
   assert hour['checkpoint_every_steps'] * hour['average_last_checkpoints'] <= hour['cooldown_steps']
   assert hour['keep_checkpoints'] >= hour['average_last_checkpoints']
