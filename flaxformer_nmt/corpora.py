@@ -38,12 +38,12 @@ def main(argv):
   if len(argv) != 2 or argv[1] not in ('prepare', 'export'):
     raise app.UsageError('usage: python -m flaxformer_nmt.corpora prepare|export --config CONFIG [...]')
   config = flags.FLAGS.config
+  if argv[1] == 'export' and not (flags.FLAGS.split and flags.FLAGS.output_dir):  # before any download
+    raise app.UsageError('export needs --split and --output_dir')
   try:
     if config.data_source == 'tfds':
       prepare_tfds(config.tfds_name, config.tfds_data_dir)
     if argv[1] == 'export':
-      if not flags.FLAGS.split or not flags.FLAGS.output_dir:
-        raise app.UsageError('export needs --split and --output_dir')
       pairs = open_split(config, flags.FLAGS.split)
       for path in export_text(pairs, flags.FLAGS.output_dir, flags.FLAGS.split, config.source_lang,
                               config.target_lang):

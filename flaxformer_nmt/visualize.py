@@ -67,12 +67,12 @@ def main(argv):
       return
     translator = decode.Translator(FLAGS.workdir, FLAGS.checkpoint)
     maps = attention_maps(translator, sentences, beam_size=FLAGS.beam_size)
+    for m in maps:
+      print(f'{m["source"]}\n-> {m["translation"]}')
+    for path in write_pictures(maps, FLAGS.output_dir):
+      print(path)
   except (OSError, ValueError) as e:
     sys.exit(f'error: {e}')
-  for m in maps:
-    print(f'{m["source"]}\n-> {m["translation"]}')
-  for path in write_pictures(maps, FLAGS.output_dir):
-    print(path)
 
 
 if __name__ == '__main__':

@@ -768,3 +768,23 @@ def test_cli_warmup_compiles_what_the_translation_then_runs(workdir):
   assert result.returncode == 0, result.stderr[-3000:]
   assert re.search(r'Warm-up: \d+ search programs', result.stderr), result.stderr[-2000:]
   assert 'Programs: 0 compiled, 0 loaded' in result.stderr, result.stderr[-2000:]
+
+
+def test_commands_refuse_empty_files_nan_alphas_and_bad_checkpoint_names_up_front(workdir, tmp_path):
+  from flaxformer_nmt import compare  # pylint: disable=g-import-not-at-top  (the command)
+  from flaxformer_nmt import evaluate as evaluate_command  # pylint: disable=g-import-not-at-top  (the command)
+  empty, one = tmp_path / 'empty', tmp_path / 'one'
+  empty.write_text('')
+  one.write_text('a dog .\n')
+  # sacreBLEU raised IndexError on no lines; a wrong checkpoint name came after the rows before it were decoded.
+  result = in_process.run(evaluate_command, [f'--hyp={empty}', f'--ref={empty}'])
+  assert result.returncode == 1 and 'no lines to score' in result.stderr, result.stderr[-2000:]
+  common = ['--workdir', str(workdir), '--input', str(one), '--ref', str(one)]
+  result = in_process.run(compare, common + ['--checkpoints', 'latest,lst:10'])
+  assert result.returncode == 1 and "'lst:10' is none of" in result.stderr and '| latest' not in result.stdout
+  for args, message in ((['--input', str(empty), '--ref', str(empty)], 'no lines to translate'),
+                        (common[2:] + ['--alpha', 'nan'], 'are finite numbers')):
+    result = in_process.run(compare, common[:2] + ['--checkpoints', 'latest'] + args)
+    assert result.returncode == 1 and message in result.stderr, result.stderr[-2000:]
+  result = run_cli(['--alpha=nan'], workdir, stdin='a dog .\n')  # wrote empty lines
+  assert result.returncode == 1 and 'alpha=nan must be a finite number' in result.stderr

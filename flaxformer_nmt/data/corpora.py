@@ -213,7 +213,8 @@ def open_split(config, split):
 
 
 def export_text(pairs, output_dir, split, source_lang, target_lang):
-  """Writes `{split}.{source_lang}` / `{split}.{target_lang}` files (for decode --input and evaluate --ref)."""
+  """Writes `{split}.{source_lang}` / `{split}.{target_lang}` files (for decode --input and evaluate --ref), the
+  text as training reads it (whitespace normalized; lowercased for a lowercased config)."""
   output_dir = epath.Path(output_dir)
   output_dir.mkdir(parents=True, exist_ok=True)
   source, target = pairs.read(range(len(pairs)))

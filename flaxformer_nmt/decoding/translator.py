@@ -11,6 +11,8 @@ programs, whatever the sentences. On a CPU a batch decodes in segments and goes 
 sentences only, in fewer rows, as CTranslate2 and fairseq drop finished sentences; on GPU and TPU each batch
 searches in one program on the device.
 """
+import math
+
 import jax
 from absl import logging
 
@@ -119,6 +121,8 @@ class Translator:
     if beam_size < 0:
       raise ValueError(f'beam_size={beam_size} must be >= 0 (0: greedy)')
     alpha = self.config.length_penalty_alpha if alpha is None else alpha
+    if not math.isfinite(alpha):  # nan ranks every hypothesis alike: empty outputs
+      raise ValueError(f'alpha={alpha} must be a finite number')
     if n_best < 1 or (not sampling and n_best > max(beam_size, 1)):
       raise ValueError(f'n_best={n_best} must be between 1 and the beam size ({beam_size})')
     if sampling and (temperature <= 0 or top_k < 0):

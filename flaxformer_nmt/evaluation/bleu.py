@@ -63,6 +63,8 @@ def report(hypotheses, references, tokenized_references=None, lang='de', lowerca
   case-insensitive (a model of config.lowercase writes lowercase text)."""
   if len(hypotheses) != len(references):
     raise ValueError(f'{len(hypotheses)} hypotheses but {len(references)} references')
+  if not references:
+    raise ValueError('no lines to score: the hypotheses and references are empty')
   score, signature = sacrebleu_score(hypotheses, references, lowercase)
   chrf, chrf_signature = chrf_score(hypotheses, references, lowercase)
   lines = [f'BLEU = {score:.2f}  ({signature})', f'chrF = {chrf:.2f}  ({chrf_signature})']

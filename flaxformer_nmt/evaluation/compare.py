@@ -1,5 +1,6 @@
 """Scoring one or more checkpoints on a split: the sentences, their BLEU (sacreBLEU and lowercased tokenized),
 and the rows of the table the compare command prints."""
+import math
 import time
 
 import sacrebleu
@@ -28,6 +29,8 @@ def sentences(config, split=None, input_path=None, ref_path=None, tok_ref_path=N
   if len(sources) != len(references) or (tok_references is not None and len(tok_references) != len(sources)):
     raise ValueError(f'{input_path}, {ref_path}{", " + str(tok_ref_path) if tok_ref_path else ""}: different '
                      'numbers of lines')
+  if not sources:
+    raise ValueError(f'{input_path}: no lines to translate and score')
   return description, sources, references, tok_references
 
 
@@ -82,6 +85,9 @@ def alpha_values(values, default, flag='--alpha', what='length penalty exponents
   if not values:
     return [default]
   try:
-    return [float(v) for v in values]
+    numbers = [float(v) for v in values]
   except ValueError:
-    raise ValueError(f'{flag}={",".join(values)}: {what} are numbers, e.g. 0.3,0.5') from None
+    numbers = []
+  if len(numbers) < len(values) or not all(math.isfinite(n) for n in numbers):
+    raise ValueError(f'{flag}={",".join(values)}: {what} are finite numbers, e.g. 0.3,0.5')
+  return numbers
