@@ -408,7 +408,8 @@ def _validate_counts(config):
 
 
 def _validate_data(config):
-  if config.data_source == 'text' and not config.data_dir:
+  files_named = config.task != 'translation' and config.text_train_file and config.text_eval_file
+  if config.data_source == 'text' and not config.data_dir and not files_named:
     raise ConfigError('config.data_dir is empty: pass --config.data_dir=DIR holding {split}.{lang} files')
   if config.data_source == 'tfds' and not config.tfds_name:
     raise ConfigError("config.tfds_name is empty: name a TFDS builder, e.g. 'wmt14_translate/de-en'")

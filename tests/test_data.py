@@ -439,3 +439,12 @@ def test_the_pipeline_gives_right_to_left_targets_to_training_and_validation(toy
     assert len(forward) == len(backward) > 0
     assert [(s, tuple(data_lib.reverse_before_eos(t))) for s, t in forward] == backward
   assert any(len(t) > 2 for _, t in pairs[False][0])  # reversing changed something
+
+
+def test_a_corpus_with_no_pair_within_the_length_limit_is_one_clear_error(toy_corpus, tmp_path):
+  from conftest import small_config  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.data import pipeline  # pylint: disable=g-import-not-at-top
+  config = small_config(toy_corpus)
+  config.max_length = 2  # every toy sentence is longer: the first batch raised IndexError
+  with pytest.raises(data_lib.DataError, match='no training pair with both sides non-empty and at most 2 tokens'):
+    pipeline.input_pipeline(config, tmp_path, num_devices=1)

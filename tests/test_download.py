@@ -241,6 +241,28 @@ def test_a_data_dir_holding_the_runs_own_splits_is_not_downloaded_into(tmp_path,
     download.ensure_corpus(config)
 
 
+def test_a_language_model_fetches_nothing_for_the_splits_it_reads_elsewhere_or_not_at_all(tmp_path, monkeypatch):
+  """An LM reads the target side only (it used to fetch Multi30k, or fail offline, for want of train.en), and
+  nothing from data_dir where text_train_file and text_eval_file are named (data_dir may then be empty)."""
+  monkeypatch.setenv(download.URL_ENV, 'http://127.0.0.1:9')  # any fetch fails
+  monkeypatch.setattr(download.time, 'sleep', lambda seconds: None)
+  monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / 'cache'))
+  config = load_config('lm_multi30k')
+  config.data_dir = str(tmp_path)
+  for name in ('train.de', 'valid.de'):
+    (tmp_path / name).write_text('ein hund .\n')
+  download.ensure_corpus(config)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['train.de', 'valid.de']
+  config.data_dir, config.text_train_file, config.text_eval_file = '', str(tmp_path / 'train.de'), str(
+      tmp_path / 'valid.de')
+  assert download.files_read(config) == []
+  download.ensure_corpus(config)
+  config_lib.validate(config)  # no data_dir needed
+  config.text_eval_file = ''
+  with pytest.raises(config_lib.ConfigError, match='config.data_dir is empty'):
+    config_lib.validate(config)
+
+
 def test_a_corrupted_download_stops_training_with_one_error(file_server, tmp_path, monkeypatch):
   root, url, _ = file_server
   serve_toy_multi30k(root, monkeypatch)

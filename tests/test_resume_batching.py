@@ -75,6 +75,15 @@ def test_a_changed_batching_is_refused_naming_the_setting_or_continued_in_the_sa
       make(**change).restore(state)
   with pytest.raises(batching.BatchingError, match='config.seed=3, now 4'):
     make(seed=4).restore(state)
+  # Another training set of as many examples (edited text): its own plan, so refused too (a count alone let it in).
+  edited = numbered_corpus(np.random.default_rng(2).integers(2, 30, size=300))
+  with pytest.raises(batching.BatchingError, match='training_lengths was'):
+    batching.TrainBatches(edited, tokens_per_batch=200, buckets=BUCKETS, seed=3, prefetch=0,
+                          max_length=64).restore(state)
+  # A position saved before a field was recorded is compared on the fields it has.
+  older = json.loads(json.dumps(state))
+  del older['batching']['training_lengths']
+  make().restore(older)
   # Allowed: the same epoch, at the same fraction of it (4 of the old epoch's batches), with a warning.
   doubled = make(tokens_per_batch=400)
   with caplog.at_level(logging.WARNING):

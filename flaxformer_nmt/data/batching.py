@@ -9,6 +9,7 @@ machine; the position `{'epoch', 'batch', 'seed', 'batching'}` saved with a chec
 On several hosts every host plans the same global batches (from the lengths of all pairs) and builds only its
 own slice of rows: the hosts' rows are disjoint and together are the global batch.
 """
+import hashlib
 import queue
 import threading
 
@@ -245,7 +246,9 @@ class TrainBatches:
                      'max_length': max_length, 'packed_length': int(packed_length),
                      'packing_open_rows': int(packing_open_rows) if packed_length else 0,
                      'batch_rows_multiple': int(multiple_of), 'bpe_dropout': float(bpe_dropout),
-                     'bidirectional_epochs': int(bidirectional_epochs), 'training_examples': int(examples.size)}
+                     'bidirectional_epochs': int(bidirectional_epochs), 'training_examples': int(examples.size),
+                     # Another training set of as many examples (edited text) plans other batches too.
+                     'training_lengths': hashlib.sha256(np.asarray(lengths, np.int64)[examples].tobytes()).hexdigest()[:16]}
     self.plans = EpochPlans(corpus, examples, tokens_per_batch=tokens_per_batch, buckets=tuple(buckets), seed=seed,
                             multiple_of=multiple_of, pad_rows_to=pad_rows_to, process_index=process_index,
                             process_count=process_count, packed_length=packed_length,
@@ -271,8 +274,10 @@ class TrainBatches:
                           f'{self.seed}: resume with the original seed, or start a new --workdir')
     self.close()
     epoch, batch = int(state['epoch']), int(state['batch'])
-    changed = [f'config.{field} was {state["batching"].get(field)!r}, now {value!r}'
-               for field, value in self.batching.items() if state['batching'].get(field) != value]
+    # A field the checkpoint lacks was not recorded when it was written: nothing to compare.
+    changed = [f'{"" if field.startswith("training_") else "config."}{field} was {state["batching"][field]!r}, '
+               f'now {value!r}' for field, value in self.batching.items()
+               if field in state['batching'] and state['batching'][field] != value]
     if changed and not allow_batching_change:
       raise BatchingError(
           f"the checkpoint's data position (epoch {epoch}, batch {batch}) belongs to other batches: "

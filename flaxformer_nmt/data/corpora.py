@@ -131,7 +131,8 @@ class TextLines:
       if max_line_chars and len(line) > max_line_chars:
         if not skip_bad_pairs:
           raise data_lib.DataError(f'{path}:{number}: line of {len(line):,} characters (config.max_line_chars='
-                                   f'{max_line_chars:,}); fix the data or set --config.skip_bad_pairs=true')
+                                   f'{max_line_chars:,}); for documents this long pass --config.max_line_chars=0 '
+                                   '(no limit), or drop such lines: --config.skip_bad_pairs=true')
         bad += 1
       elif line:
         keep.append(line)

@@ -113,9 +113,7 @@ def ensure_corpus(config, is_leader=True, barrier=lambda name: None):
     return
   if config.data_download != 'multi30k':
     raise data_lib.DataError(f"config.data_download={config.data_download!r}: use 'multi30k' or '' (never)")
-  needed = [epath.Path(config.data_dir) / f'{split}.{lang}' for split in (config.train_split, config.eval_split)
-            for lang in (config.source_lang, config.target_lang)]
-  if all(path.exists() for path in needed):
+  if all(path.exists() for path in files_read(config)):  # none at all: nothing to fetch
     return
   try:
     if is_leader:
@@ -128,6 +126,18 @@ def ensure_corpus(config, is_leader=True, barrier=lambda name: None):
         'copy the corpus to this machine (python -m flaxformer_nmt.download --data_dir DIR, on a machine with '
         'internet, writes DIR and DIR_tok) and pass --config.data_dir=DIR (and '
         '--config.eval_bleu_tok_ref_dir=DIR_tok for tokenized BLEU).') from None
+
+
+def files_read(config):
+  """The files of config.data_dir a run reads: both sides of the train and eval splits for translation, the
+  target side for a language model (lm, mlm), except the splits it reads from text_train_file/text_eval_file."""
+  translation = config.task == 'translation'
+  langs = (config.source_lang, config.target_lang) if translation else (config.target_lang,)
+  files = []
+  for split, named in ((config.train_split, config.text_train_file), (config.eval_split, config.text_eval_file)):
+    if translation or not named:
+      files += [epath.Path(config.data_dir) / f'{split}.{lang}' for lang in langs]
+  return files
 
 
 def ensure_multi30k(data_dir, tok_dir='', base_url=None):

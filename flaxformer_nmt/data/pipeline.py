@@ -35,6 +35,9 @@ def input_pipeline(config, workdir, num_devices):
     train_corpus = data_lib.split_long(train_corpus, max_length)
     eval_corpus = data_lib.split_long(eval_corpus, max_length)
   train_examples = train_corpus.usable(max_length)
+  if not len(train_examples):
+    raise data_lib.DataError(f'{train_pairs.description}: no training pair with both sides non-empty and at most '
+                             f'{max_length} tokens a side (config.max_length, config.packed_length)')
   logging.info('Training pairs: %d of %d kept (at most %d tokens a side) from %s; validation pairs: %d',
                len(train_examples), len(train_corpus), max_length, train_pairs.description,
                len(eval_corpus.usable()))
