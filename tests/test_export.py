@@ -202,6 +202,11 @@ def test_int8_export_loads_and_scores_close_to_float32(workdir, tmp_path):
 def test_export_errors_name_the_problem(workdir, exported, tmp_path):
   result = run_export(workdir, exported)  # not empty
   assert result.returncode == 1 and '--force' in result.stderr
+  before = sorted(p.name for p in workdir.iterdir())
+  for output in (workdir, workdir.parent):  # --force deleted the run, then failed reading its vocabulary
+    result = run_export(workdir, output, '--force')
+    assert result.returncode == 1 and 'holds the workdir' in result.stderr, result.stderr[-2000:]
+  assert sorted(p.name for p in workdir.iterdir()) == before
   result = run_export(workdir, tmp_path / 'x', '--checkpoint=999')
   assert result.returncode == 1 and 'no checkpoint 999' in result.stderr
   result = run_export(tmp_path / 'nowhere', tmp_path / 'y')

@@ -157,6 +157,9 @@ def export_ctranslate2(workdir, output_dir, checkpoint=None, quantization=None, 
   if quantization is not None and quantization not in QUANTIZATIONS:
     raise ExportError(f'--quantization must be one of {QUANTIZATIONS}, not {quantization!r}')
   output_dir = epath.Path(output_dir)
+  run = epath.Path(workdir).resolve()
+  if output_dir.resolve() in (run, *run.parents):  # --force would delete the run before reading it
+    raise ExportError(f'--output_dir {output_dir} holds the workdir {workdir}: choose another --output_dir')
   if output_dir.exists() and any(output_dir.iterdir()) and not force:
     raise ExportError(f'{output_dir} exists and is not empty: choose another --output_dir or pass --force')
   config = workdir_lib.load_config(workdir)
