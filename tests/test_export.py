@@ -252,3 +252,13 @@ def test_the_readme_of_a_lowercased_model_lowercases_its_inputs(tmp_path):
     config.lowercase = lowercase
     export.write_readme(tmp_path, workdir='w', checkpoint='checkpoint 1', config=config, quantization=None)
     assert line in (tmp_path / 'README.md').read_text()
+
+
+def test_the_ctranslate2_length_penalty_has_our_penalty_slope_at_the_expected_length():
+  from flaxformer_nmt.serving import ctranslate2 as ct2_export  # pylint: disable=g-import-not-at-top
+  ours = lambda n, alpha: alpha * np.log((5 + n) / 6)  # log of GNMT's ((5 + n) / 6)^alpha
+  for alpha, pieces in ((2.0, 12), (0.6, 3), (1.0, 40)):
+    n, h = pieces + 1.0, 1e-4  # the translation's expected length, EOS counted
+    slope = (ours(n + h, alpha) - ours(n - h, alpha)) / (2 * h)
+    penalty = ct2_export.length_penalty_for(alpha, pieces)
+    assert penalty * (np.log(n + h) - np.log(n - h)) / (2 * h) == pytest.approx(slope, abs=0.01 / n)

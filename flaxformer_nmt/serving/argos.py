@@ -165,8 +165,9 @@ class CTranslate2Backend:
 
   Each sentence gets its own length limit, as in our search (max_len_a * source pieces + max_len_b tokens
   before EOS): the sentences of a batch are decoded in groups of one limit, since CTranslate2's
-  max_decoding_length is one limit per call. Scores are CTranslate2's (its length normalization,
-  log probability / length^alpha); attention is CTranslate2's one averaged map, reported as one layer.
+  max_decoding_length is one limit per call, and in groups of one length penalty
+  (ctranslate2.length_penalty_for: CTranslate2's length^penalty closest to our alpha at each source length).
+  Scores are CTranslate2's (log probability / length^penalty); attention is CTranslate2's one averaged map, reported as one layer.
   """
 
   name = 'ctranslate2'
@@ -209,11 +210,12 @@ class CTranslate2Backend:
     groups = {}
     for i, tokens in enumerate(token_lists):
       limit = math.floor(options['max_len_a'] * (len(tokens) - 1) + options['max_len_b'] + 1e-4)
-      groups.setdefault(max(limit, 1), []).append(i)
-    for limit, members in groups.items():
+      penalty = ct2_export.length_penalty_for(options['alpha'], len(tokens) - 1)
+      groups.setdefault((max(limit, 1), penalty), []).append(i)
+    for (limit, penalty), members in groups.items():
       results = self.translator.translate_batch(
           [self.tokenizer.pieces(token_lists[i][:-1]) for i in members], beam_size=max(options['beam_size'], 1),
-          num_hypotheses=n_best, length_penalty=options['alpha'], max_decoding_length=limit,
+          num_hypotheses=n_best, length_penalty=penalty, max_decoding_length=limit,
           min_decoding_length=1, return_scores=True, suppress_sequences=SUPPRESSED,
           return_attention=any(attention[i] for i in members), max_batch_size=tokens_per_batch, batch_type='tokens')
       for i, result in zip(members, results):
