@@ -248,7 +248,8 @@ class TrainBatches:
                      'batch_rows_multiple': int(multiple_of), 'bpe_dropout': float(bpe_dropout),
                      'bidirectional_epochs': int(bidirectional_epochs), 'training_examples': int(examples.size),
                      # Another training set of as many examples (edited text) plans other batches too.
-                     'training_lengths': hashlib.sha256(np.asarray(lengths, np.int64)[examples].tobytes()).hexdigest()[:16]}
+                     'training_lengths': hashlib.sha256(
+                         np.asarray(lengths, np.int64)[examples].tobytes()).hexdigest()[:16]}
     self.plans = EpochPlans(corpus, examples, tokens_per_batch=tokens_per_batch, buckets=tuple(buckets), seed=seed,
                             multiple_of=multiple_of, pad_rows_to=pad_rows_to, process_index=process_index,
                             process_count=process_count, packed_length=packed_length,

@@ -167,7 +167,8 @@ class CTranslate2Backend:
   before EOS): the sentences of a batch are decoded in groups of one limit, since CTranslate2's
   max_decoding_length is one limit per call, and in groups of one length penalty
   (ctranslate2.length_penalty_for: CTranslate2's length^penalty closest to our alpha at each source length).
-  Scores are CTranslate2's (log probability / length^penalty); attention is CTranslate2's one averaged map, reported as one layer.
+  Scores are CTranslate2's (log probability / length^penalty); attention is CTranslate2's one averaged map,
+  reported as one layer.
   """
 
   name = 'ctranslate2'

@@ -126,8 +126,8 @@ class TranslateRequest(pydantic.BaseModel):
                                    'lines.')
   beam_size: Optional[int] = pydantic.Field(None, ge=0, description='0: greedy; default: the model\'s.')
   n_best: int = pydantic.Field(1, ge=1, description='Translations per text, best first (at most beam_size).')
-  alpha: Optional[float] = pydantic.Field(None, ge=0, allow_inf_nan=False, description='Length penalty exponent; default: the '
-                                          'model\'s.')
+  alpha: Optional[float] = pydantic.Field(None, ge=0, allow_inf_nan=False, description='Length penalty exponent; '
+                                          'default: the model\'s.')
   max_length: Optional[int] = pydantic.Field(None, ge=1, description='At most this many target pieces per '
                                              'sentence (default: source length + the model\'s extra length).')
   return_scores: bool = False

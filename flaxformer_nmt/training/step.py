@@ -341,8 +341,7 @@ def train_step(state, batch, *, model, optimizer, schedule, label_smoothing, gra
   # A NaN/Inf loss or gradient never reaches the parameters: the update is dropped here, on device, and the
   # training loop decides (at its next host sync) whether to stop or to go on counting skipped updates.
   finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
-  keep_if_finite = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
-  params, opt_state = keep_if_finite(params, state.params), _keep_moments_if_finite(finite, opt_state, state.opt_state)
+  params, opt_state = _keep_if_finite(finite, (params, opt_state), (state.params, state.opt_state))
   metrics = {
       'loss_sum': loss_sum, 'nll_sum': nll_sum, 'target_tokens': tokens,
       # Tokens read by the encoder (translation: the source; MLM: the whole text; LM: none).
@@ -355,9 +354,9 @@ def train_step(state, batch, *, model, optimizer, schedule, label_smoothing, gra
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-def _keep_moments_if_finite(finite, new, old):
-  """The optimizer state after an update that was dropped (not `finite`): the old moments, the new step counts,
-  so that the schedule stays at state.step (the rate the log shows and the config gives that step)."""
+def _keep_if_finite(finite, new, old):
+  """The new parameters and optimizer state where the update is `finite`, else the old ones but for the
+  optimizer's step counts, which go on so that the schedule stays at state.step (the rate logged)."""
   is_count = lambda path: isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == 'count'
   return jax.tree_util.tree_map_with_path(lambda path, n, o: n if is_count(path) else jnp.where(finite, n, o),
                                           new, old)
