@@ -7,8 +7,9 @@ a whole process (import, load, translate), and the warm search inside one proces
 
 For every input and for beam search (the config's beam size and length penalty, or --beam_size) and greedy:
 - `decode command`: `python -m flaxformer_nmt.decode` in a fresh process, first with an empty compilation cache
-  (cold: everything compiles), then again on that cache (warm): wall seconds from process start to exit, peak
-  RSS, and the programs it compiled or loaded (its own log line).
+  (cold: everything compiles), then again on that cache (warm): wall seconds from process start to its output's
+  last write (as CTranslate2's process is timed) and to its exit, peak RSS, and the programs it compiled or
+  loaded (its own log line).
 - `ctranslate2 process`: a fresh Python process that imports ctranslate2 and sentencepiece, loads the export
   (flaxformer_nmt.export, --compute_type), reads and prepares the input as the decode command does, translates
   it (beam size, length penalty alpha, max_decoding_length = longest source + max_decode_extra_length,
@@ -124,7 +125,8 @@ def export(workdir, checkpoint, directory, compute_type):
 
 
 def decode_command(FLAGS, source, output, beam_size, cache_dir):  # pylint: disable=invalid-name
-  """The decode command on `source` as a user runs it: (seconds, MB, 'compiled/loaded programs, seconds')."""
+  """The decode command on `source` as a user runs it: (seconds to its output's last write, MB, 'compiled/loaded
+  programs, seconds', seconds to its exit)."""
   command = [sys.executable, '-m', 'flaxformer_nmt.decode', f'--workdir={FLAGS.workdir}',
              f'--checkpoint={FLAGS.checkpoint}', f'--input={source}', f'--output={output}', f'--beam_size={beam_size}']
   if FLAGS.alpha is not None:
@@ -135,10 +137,11 @@ def decode_command(FLAGS, source, output, beam_size, cache_dir):  # pylint: disa
     command.append(f'--tokens_per_batch={FLAGS.tokens_per_batch}')
   env = dict(os.environ, FLAXFORMER_NMT_CACHE=cache_dir)
   env.pop('JAX_COMPILATION_CACHE_DIR', None)
+  launched = time.time()
   seconds, megabytes, log = run_process(command, env)
   found = PROGRAMS_LINE.search(log)
   programs = f'{found[1]} compiled, {int(found[2]) + int(found[3])} loaded, {float(found[4]):.1f} s' if found else '?'
-  return seconds, megabytes, programs
+  return os.stat(output).st_mtime - launched, megabytes, programs, seconds
 
 
 def alpha_of(FLAGS, translator):  # pylint: disable=invalid-name
@@ -229,12 +232,13 @@ def bench_input(FLAGS, translator, model_dir, path, scratch):  # pylint: disable
 
 def print_table(rows):
   print('\n| input | search | programs (first pass) | warm sentences/s | CTranslate2 warm sentences/s | time x CT2 '
-        '| decode command cold s / MB (programs) | warm cache s / MB (programs) | CTranslate2 process s / MB '
-        '| cold x CT2 | warm x CT2 | lines identical to CT2 |')
+        '| decode command cold: s to its last line / MB (programs) | warm cache: s / MB (programs) '
+        '| CTranslate2 process s / MB | cold x CT2 | warm x CT2 | lines identical to CT2 |')
   print('|---|---|---|---:|---:|---:|---|---|---|---:|---:|---:|')
   for r in rows:
     ratio = f'{r["theirs"] / r["ours"]:.2f}' if r['theirs'] else '-'
-    process = lambda key: (f'{r[key][0]:.1f} / {r[key][1]:.0f} ({r[key][2]})' if key in r else '-')
+    process = lambda key: (f'{r[key][0]:.1f} ({r[key][3]:.1f} to exit) / {r[key][1]:.0f} ({r[key][2]})'
+                           if key in r else '-')
     ct2 = f'{r["ct2"][0]:.1f} / {r["ct2"][1]:.0f}' if 'ct2' in r else '-'
     against = lambda key: f'{r[key][0] / r["ct2"][0]:.2f}' if key in r and 'ct2' in r else '-'
     same = f'{100 * r["identical"]:.1f}%' if 'identical' in r else '-'
