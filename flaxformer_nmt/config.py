@@ -364,10 +364,10 @@ def validate(config):
   _validate_data(config)
   _validate_schedule(config)
   _validate_model(config)
+  _validate_translation_options(config)
   _validate_checkpoints(config)
   _validate_dispatch(config)
   _validate_regularizers(config)
-  _validate_translation_options(config)
 
 
 def _validate_fields(config):
@@ -538,6 +538,9 @@ def _validate_translation_options(config):
       'ensemble_members': (config.ensemble_members > 1 and config.ensemble_members, 'decodes the members together '
                            '(generate and fill_mask take one model)'),
       'target_right_to_left': (config.target_right_to_left, 'reverses the targets'),
+      'eval_bleu_every_steps': (config.eval_bleu_every_steps, 'translates the validation set'),
+      'best_checkpoint_metric': (config.best_checkpoint_metric in ('bleu', 'tok_bleu') and
+                                 config.best_checkpoint_metric, 'is validation BLEU'),
   }
   if config.task != 'translation':
     for field, (value, what) in translation_only.items():

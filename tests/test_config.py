@@ -352,6 +352,24 @@ def test_the_chunked_vocabulary_loss_is_refused_where_it_cannot_work():
     config_lib.validate(c)
 
 
+def test_validation_bleu_is_refused_for_the_language_models():
+  """--config.task=lm on a translation recipe (configs/multi30k.py: BLEU every 1,000 steps, the best by BLEU)
+  stops before training, naming the field: the LM has no source to translate, and its first BLEU evaluation
+  crashed after 1,000 steps."""
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  c = config_lib.base_config()
+  c.data_dir, c.task = '/data', 'lm'
+  c.eval_bleu_every_steps, c.best_checkpoint_metric = 1000, 'bleu'
+  with pytest.raises(config_lib.ConfigError, match=r"config.eval_bleu_every_steps=1000 translates .* not 'lm'"):
+    config_lib.validate(c)
+  c.eval_bleu_every_steps, c.task = 0, 'mlm'  # refused as BLEU, not as a BLEU metric without BLEU evaluations
+  with pytest.raises(config_lib.ConfigError, match=r"config.best_checkpoint_metric='bleu' is validation BLEU.* "
+                     "not 'mlm'"):
+    config_lib.validate(c)
+  c.best_checkpoint_metric = 'loss'
+  config_lib.validate(c)
+
+
 def test_steps_per_dispatch_is_refused_where_a_call_would_mix_shapes_or_pass_over_a_log_or_save_step():
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
   c = config_lib.base_config()
