@@ -71,6 +71,12 @@ def main(argv):
   for name in f.checkpoints:  # all before the first one decodes
     if not checkpoints_lib.is_checkpoint_name(name):
       raise app.UsageError(f'--checkpoints: {name!r} is none of {checkpoints_lib.CHECKPOINT_NAMES}')
+  if f.ref and not f.input:
+    raise app.UsageError('--ref is the references of --input: give --input too (a --split has its own)')
+  if f.input and f.split:
+    raise app.UsageError('--input and --split each name the sentences: give one')
+  if f.rerank_workdir and not f.rerank_weight:
+    raise app.UsageError('--rerank_weight is empty: give the rescorer\'s weights, e.g. 0.3,0.5')
   checkpoints_lib.quiet_orbax_logs()
   cache.use_compilation_cache()  # every checkpoint decodes the same shapes
   try:
@@ -79,6 +85,9 @@ def main(argv):
     # member's config names the split and the decoding defaults.
     config = workdir_lib.load_config(loader.ensemble_members(f.workdir, None)[0][0])
     description, sources, references, tok_references = sentences(config, f.split, f.input, f.ref, f.tok_ref)
+    for name in f.checkpoints:  # every one saved, before the first decodes
+      for workdir, checkpoint in loader.ensemble_members(f.workdir, name):
+        loader.check_checkpoint(workdir, checkpoint)
     beam_size = config.beam_size if f.beam_size is None else f.beam_size
     alphas = alpha_values(f.alpha, config.length_penalty_alpha)
     n_best = (f.n_best or beam_size) if f.mbr else 1

@@ -212,14 +212,38 @@ def translate_input(FLAGS, translator, rescorer, options, chunks, out):  # pylin
   return hypotheses
 
 
-def score_against_reference(FLAGS, translator, hypotheses, stream):  # pylint: disable=invalid-name
-  """Prints the written translations' scores against --reference (and --tok_reference) to `stream`."""
+def read_references(FLAGS):  # pylint: disable=invalid-name
+  """(--reference's lines, --tok_reference's or None), read before anything is translated: a missing or bad file
+  and, where --input is a file, a count of lines other than the input's stop the command first; None without
+  --reference."""
+  if not FLAGS.reference:
+    return None
+  lines = {}
+  for flag in ('reference', 'tok_reference'):
+    path = FLAGS[flag].value
+    try:
+      lines[flag] = evaluate.read_text(path) if path else None
+    except (OSError, ValueError) as e:
+      sys.exit(f'error: --{flag}: {e}')
+  if FLAGS.input != '-':
+    try:
+      with epath.Path(FLAGS.input).open('rb') as f:
+        count = sum(1 for _ in f)
+    except OSError as e:
+      sys.exit(f'error: {FLAGS.input}: {e}')
+    for flag, text in lines.items():
+      if text is not None and len(text) != count:
+        sys.exit(f'error: --{flag} {FLAGS[flag].value} has {len(text)} lines but --input {FLAGS.input} has {count}')
+  return lines['reference'], lines['tok_reference']
+
+
+def score_against_reference(FLAGS, translator, hypotheses, references, stream):  # pylint: disable=invalid-name
+  """Prints the written translations' scores against (--reference's, --tok_reference's) lines to `stream`."""
   try:
-    lines, _ = evaluate.report(hypotheses, evaluate.read_text(FLAGS.reference),
-                               evaluate.read_text(FLAGS.tok_reference) if FLAGS.tok_reference else None,
-                               translator.config.target_lang, lowercase=translator.lowercase)
-  except (OSError, ValueError) as e:
-    sys.exit(f'error: {e}')
+    lines, _ = evaluate.report(hypotheses, *references, translator.config.target_lang,
+                               lowercase=translator.lowercase)
+  except ValueError as e:
+    sys.exit(f'error: --reference {FLAGS.reference}: {e}')
   print('\n'.join(lines), file=stream)
 
 
@@ -259,6 +283,7 @@ def main(argv):
     translator.check_options(**options)
   except ValueError as e:
     sys.exit(f'error: {e}')
+  references = read_references(FLAGS)
   if FLAGS.warmup:
     warm_up(translator, options, FLAGS.warmup_max_length)
   chunks, out = open_files(FLAGS)
@@ -275,7 +300,8 @@ def main(argv):
       out.close()
   logging.info('Programs: %s (%.1f s)', describe_programs(counter), counter.seconds)
   if FLAGS.reference:
-    score_against_reference(FLAGS, translator, hypotheses, sys.stderr if out is sys.stdout else sys.stdout)
+    score_against_reference(FLAGS, translator, hypotheses, references,
+                            sys.stderr if out is sys.stdout else sys.stdout)
   # The interpreter's shutdown runs the collector over jax's and XLA's objects again and again (0.2 s of a 6.5 s
   # decode of 1,000 sentences on 2 CPU cores); frozen, they are skipped, and still freed.
   gc.freeze()

@@ -22,12 +22,19 @@ def define_flags():
 
 
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   f = flags.FLAGS
   try:
-    lines, _ = report(read_text(f.hyp), read_text(f.ref), read_text(f.tok_ref) if f.tok_ref else None, f.lang,
-                      lowercase=f.lowercase)
+    texts = {flag: read_text(f[flag].value) for flag in ('hyp', 'ref', 'tok_ref') if f[flag].value}
   except (OSError, ValueError) as e:
+    sys.exit(f'error: {e}')
+  for flag, text in texts.items():
+    if len(text) != len(texts['hyp']):
+      sys.exit(f'error: --{flag} {f[flag].value} has {len(text)} lines but --hyp {f.hyp} has {len(texts["hyp"])}')
+  try:
+    lines, _ = report(texts['hyp'], texts['ref'], texts.get('tok_ref'), f.lang, lowercase=f.lowercase)
+  except ValueError as e:
     sys.exit(f'error: {e}')
   print('\n'.join(lines))
 

@@ -9,8 +9,10 @@ import sacrebleu
 
 import in_process
 from conftest import small_config, subprocess_env
+from flaxformer_nmt import compare as compare_command
 from flaxformer_nmt import config as config_lib
 from flaxformer_nmt import decode as decode_command
+from flaxformer_nmt import evaluate as evaluate_command
 from flaxformer_nmt.checkpointing import best as best_checkpoint
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
 from flaxformer_nmt.config import ConfigError
@@ -92,6 +94,71 @@ def test_decode_and_compare_read_the_best_checkpoint(trained_toy, tmp_path):
   assert rows[1][1] == 'the average of checkpoints [300, 400]'
   latest_hyp = (workdir / 'eval' / 'hyp_400.txt').read_text().split('\n')[:-1]
   assert float(rows[2][3]) == pytest.approx(sacrebleu.corpus_bleu(latest_hyp, [references]).score, abs=0.005)
+
+
+def test_references_and_checkpoints_are_checked_before_anything_is_translated(trained_toy, tmp_path):
+  """decode's --reference and compare's --checkpoints were read only after the translating: a missing or
+  misaligned reference, or a step the workdir does not have, cost a whole decode (and decode's output file)
+  first."""
+  workdir, data = trained_toy, trained_toy.parent / 'data'
+  sources = (data / 'valid.en').read_text().splitlines()[:2]
+  (tmp_path / 'in.en').write_text('\n'.join(sources) + '\n')
+  (tmp_path / 'three.de').write_text('a\nb\nc\n')
+  (tmp_path / 'bad.de').write_bytes(b'ein hund .\nzwei \xff katzen .\n')
+  out = tmp_path / 'out.de'
+  for reference, message in ((tmp_path / 'missing.de', f'error: --reference: {tmp_path / "missing.de"}: file not '
+                              'found'),
+                             (tmp_path / 'three.de', f'error: --reference {tmp_path / "three.de"} has 3 lines but '
+                              f'--input {tmp_path / "in.en"} has 2'),
+                             (tmp_path / 'bad.de', f'error: --reference: {tmp_path / "bad.de"}:2: invalid UTF-8')):
+    result = in_process.run(decode_command, [f'--workdir={workdir}', '--checkpoint=latest', '--greedy',
+                                             f'--input={tmp_path / "in.en"}', f'--output={out}',
+                                             f'--reference={reference}'])
+    assert result.returncode == 1 and message in result.stderr, result.stderr[-2000:]
+    assert not out.exists() and 'sentences/s' not in result.stderr
+
+  (tmp_path / 'ref.de').write_text('\n'.join((data / 'valid.de').read_text().splitlines()[:2]) + '\n')
+  result = in_process.run(compare_command, [f'--workdir={workdir}', '--checkpoints=latest,12345', '--beam_size=0',
+                                            f'--input={tmp_path / "in.en"}', f'--ref={tmp_path / "ref.de"}'])
+  assert result.returncode == 1 and 'no checkpoint 12345 in' in result.stderr, result.stderr[-2000:]
+  assert '| latest |' not in result.stdout
+  for flags_given, message in ((['--ref=x.de'], '--ref is the references of --input'),
+                               ([f'--input={tmp_path / "in.en"}', '--ref=x.de', '--split=valid'], 'give one'),
+                               ([f'--rerank_workdir={workdir}', '--rerank_weight='], '--rerank_weight is empty')):
+    result = in_process.run(compare_command, [f'--workdir={workdir}'] + flags_given)
+    assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
+
+
+def test_references_are_read_line_for_line_as_the_decode_command_reads_its_input(tmp_path):
+  """A lone \\r inside a line is text, not a line end (the decode command splits its input at \\n alone): read
+  in text mode, a reference with one gained a line and every later line was scored against the wrong one."""
+  path = tmp_path / 'ref.de'
+  path.write_bytes(b'ein hund .\r\nzwei\rkatzen .\n\ndrei \xc3\xa4pfel')
+  assert evaluate.read_text(path) == ['ein hund .', 'zwei\rkatzen .', '', 'drei \u00e4pfel']
+  path.write_bytes(b'ok\nzwei \xff katzen .\n')
+  with pytest.raises(ValueError, match=f'{path}:2: invalid UTF-8'):
+    evaluate.read_text(path)
+
+
+def test_tokenized_bleu_lowercases_the_tokenized_references_too():
+  """'lowercased moses-tokenized' BLEU lowercased the hypotheses alone: a cased tokenized reference scored a
+  perfect translation 22.09 (the official lc.norm.tok files are lowercase already)."""
+  hypotheses = ['Ein Hund läuft über die grüne Wiese.', 'Zwei Männer spielen Fußball im Park.']
+  cased_references = ['Ein Hund läuft über die grüne Wiese .', 'Zwei Männer spielen Fußball im Park .']
+  assert evaluate.tokenized_bleu(hypotheses, cased_references, 'de')[0] == pytest.approx(100.0)
+
+
+def test_evaluate_names_the_files_whose_lines_differ_and_refuses_stray_arguments(tmp_path):
+  (tmp_path / 'hyp.de').write_text('a\nb\n')
+  (tmp_path / 'ref.de').write_text('a\nb\nc\n')
+  result = in_process.run(evaluate_command, [f'--hyp={tmp_path / "hyp.de"}', f'--ref={tmp_path / "ref.de"}'])
+  assert result.returncode == 1, result.stderr
+  assert f'error: --ref {tmp_path / "ref.de"} has 3 lines but --hyp {tmp_path / "hyp.de"} has 2' in result.stderr
+  result = in_process.run(evaluate_command, [f'--hyp={tmp_path / "hyp.de"}', f'--ref={tmp_path / "hyp.de"}',
+                                             str(tmp_path / 'other.de')])
+  assert result.returncode != 0 and 'unexpected arguments' in result.stderr, result.stderr
+  result = in_process.run(evaluate_command, [f'--hyp={tmp_path / "hyp.de"}', f'--ref={tmp_path / "hyp.de"}'])
+  assert result.returncode == 0 and 'chrF = 100.00' in result.stdout, result.stderr
 
 
 def fake_params(value):

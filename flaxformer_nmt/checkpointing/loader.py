@@ -58,12 +58,38 @@ def load_params(workdir, checkpoint=None):
     steps = checkpoints_lib.averaging_window(checkpoints_lib.saved_steps(workdir), int(checkpoint[5:]),
                                              checkpoints_lib.regular_save_interval(workdir))
     return jax.device_put(checkpoints_lib.average_params(workdir, steps)), f'the average of checkpoints {steps}'
+  step = _saved_step(workdir, checkpoint)
+  return jax.device_put(checkpoints_lib.saved_params(workdir, step)), f'checkpoint {step}'
+
+
+def _saved_step(workdir, checkpoint):
+  """The step that `latest` or a step number names; FileNotFoundError where the workdir has none such."""
   steps = checkpoints_lib.saved_steps(workdir)
   step = (steps[-1] if steps else None) if checkpoint == 'latest' else int(checkpoint)
   if step not in steps:
     raise FileNotFoundError(f'no checkpoint {checkpoint} in {checkpoints_lib.checkpoint_directory(workdir)}; '
                             f'there are {steps}')
-  return jax.device_put(checkpoints_lib.saved_params(workdir, step)), f'checkpoint {step}'
+  return step
+
+
+def check_checkpoint(workdir, checkpoint):
+  """Raises what load_params would where the workdir has no checkpoint `checkpoint` (a name it takes; None:
+  the config's), reading no parameters: a command that loads several checkpoints one after another checks
+  them all before the first."""
+  workdir_lib.single_run(workdir)
+  checkpoint = default_checkpoint(workdir) if checkpoint is None else checkpoint
+  if not checkpoints_lib.is_checkpoint_name(checkpoint):
+    raise ValueError(f'--checkpoint must be {checkpoints_lib.CHECKPOINT_NAMES}, not {checkpoint!r}')
+  averaged = checkpoints_lib.absolute(workdir) / checkpoints_lib.AVERAGED_DIR
+  if checkpoint == 'averaged' and not (averaged / 'averaged.json').exists():
+    raise FileNotFoundError(f'{averaged} not found: run `python -m flaxformer_nmt.average --workdir {workdir}` first')
+  if checkpoint == 'best' and best_checkpoint.read_info(workdir) is None:
+    raise FileNotFoundError(f'{best_checkpoint.directory(workdir) / best_checkpoint.INFO_FILENAME} not found: no '
+                            'best checkpoint was kept (config.best_checkpoint_metric)')
+  if checkpoint.startswith('last:') and not checkpoints_lib.saved_steps(workdir):
+    raise FileNotFoundError(f'no checkpoints to average in {checkpoints_lib.checkpoint_directory(workdir)}')
+  if checkpoint == 'latest' or checkpoint.isdigit():
+    _saved_step(workdir, checkpoint)
 
 
 def _split_list(value):

@@ -18,6 +18,8 @@ import functools
 import sacrebleu
 from etils import epath
 
+from flaxformer_nmt.data.corpus import DataError
+
 
 @functools.lru_cache(maxsize=None)
 def _moses(lang):
@@ -42,9 +44,11 @@ def sacrebleu_score(hypotheses, references, lowercase=False):
 
 
 def tokenized_bleu(hypotheses, tokenized_references, lang):
-  """(score, description) of lowercased Moses-tokenized BLEU against already-tokenized references."""
+  """(score, description) of lowercased Moses-tokenized BLEU against already-tokenized references (lowercased
+  too: the official lc.norm.tok files already are)."""
   bleu = sacrebleu.BLEU(tokenize='none', force=True)
-  result = bleu.corpus_score(moses_lowercase_tokenize(hypotheses, lang), [list(tokenized_references)])
+  references = [line.lower() for line in tokenized_references]
+  result = bleu.corpus_score(moses_lowercase_tokenize(hypotheses, lang), [references])
   return result.score, f'lowercased moses-tokenized ({lang}) | {bleu.get_signature()}'
 
 
@@ -54,8 +58,22 @@ def chrf_score(hypotheses, references, lowercase=False):
 
 
 def read_text(path):
-  lines = epath.Path(path).read_text(encoding='utf-8').split('\n')
-  return lines[:-1] if lines and lines[-1] == '' else lines
+  """The lines of a UTF-8 file as they are, split at \\n alone (\\r\\n ends a line too) as the decode command
+  reads its input, so that line i of a reference is line i of the translations; errors name the file and
+  line."""
+  path = epath.Path(path)
+  if not path.exists():
+    raise DataError(f'{path}: file not found')
+  lines = path.read_bytes().split(b'\n')
+  if lines and lines[-1] == b'':
+    lines.pop()
+  text = []
+  for number, line in enumerate(lines, start=1):
+    try:
+      text.append(line.decode('utf-8').rstrip('\r'))
+    except UnicodeDecodeError as e:
+      raise DataError(f'{path}:{number}: invalid UTF-8 ({e.reason} at byte {e.start})') from None
+  return text
 
 
 def report(hypotheses, references, tokenized_references=None, lang='de', lowercase=False):
