@@ -148,6 +148,31 @@ def test_tokenized_bleu_lowercases_the_tokenized_references_too():
   assert evaluate.tokenized_bleu(hypotheses, cased_references, 'de')[0] == pytest.approx(100.0)
 
 
+# Lines of Multi30k's valid and test2016 (German) beside their official lc.norm.tok form: the normalization of
+# German quotes, XML escapes of quotes and apostrophes, hyphens and parentheses kept.
+OFFICIAL_TOKENIZED = (
+    ('Eine Frau hält einen großen Scheck für "Kids\' Food Basket".',
+     'eine frau hält einen großen scheck für &quot; kids &apos; food basket &quot; .'),
+    ('Zwei Jungen essen ihr McDonald\'s-Menü im Außenbereich, umgeben von vielen anderen Leuten.',
+     'zwei jungen essen ihr mcdonald &apos; s-menü im außenbereich , umgeben von vielen anderen leuten .'),
+    ('Zwei Mädchen (eine in Blau und die andere in Pink) liefern sich ein Rennen auf Rollschuhen.',
+     'zwei mädchen ( eine in blau und die andere in pink ) liefern sich ein rennen auf rollschuhen .'),
+    ('Eine junge Frau in „Straßenkleidung“ und Stiefeln führt eine Ballettübung an einem See aus.',
+     'eine junge frau in &quot; straßenkleidung &quot; und stiefeln führt eine ballettübung an einem see aus .'),
+    ('Ein Jugendlicher in einem schwarzen T-Shirt mit dem Aufdruck "Asian Pacific 2007" sitzt und spielt eine '
+     'Trommel.', 'ein jugendlicher in einem schwarzen t-shirt mit dem aufdruck &quot; asian pacific 2007 &quot; '
+     'sitzt und spielt eine trommel .'),
+)
+
+
+def test_the_moses_recipe_gives_the_official_tokenized_references():
+  """The hypotheses' tokenization is the references': the same lines through moses_lowercase_tokenize equal
+  Multi30k's lc.norm.tok lines (a recipe without the escapes, the punctuation normalization or the lowercasing
+  would score translations against text they can never match)."""
+  raw, official = zip(*OFFICIAL_TOKENIZED)
+  assert evaluate.moses_lowercase_tokenize(raw, 'de') == list(official)
+
+
 def test_evaluate_names_the_files_whose_lines_differ_and_refuses_stray_arguments(tmp_path):
   (tmp_path / 'hyp.de').write_text('a\nb\n')
   (tmp_path / 'ref.de').write_text('a\nb\nc\n')
