@@ -14,6 +14,8 @@ pipeline:
       0.6123  reitet    Ein Mann reitet ein Pferd .
 
 All masks of a text are predicted together, from the text as given (BERT's one-pass prediction).
+Blank input lines are skipped. Every text is checked (a <mask>, at most the model's positions) before anything
+is printed; an error names the argument or the input line.
 
 Python API:
   filler = FillMask('runs/mlm_m30k')
@@ -38,17 +40,30 @@ def define_flags():
   flags.mark_flags_as_required(['workdir'])
 
 
+def read_texts(argv, path):
+  """(names, texts): the arguments (named argument 1, 2, ...), else the non-blank lines of --input (named
+  file:line, counting every line)."""
+  if argv[1:]:
+    return [f'argument {i}' for i in range(1, len(argv))], list(argv[1:])
+  name = '<stdin>' if path == '-' else path
+  lines = [line for chunk in data_lib.read_chunks(path, 1 << 30) for line in chunk]
+  numbered = [(f'{name}:{number}', line) for number, line in enumerate(lines, start=1) if line.strip()]
+  return [name for name, _ in numbered], [line for _, line in numbered]
+
+
 def main(argv):
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   checkpoints_lib.quiet_orbax_logs()
   cache.use_compilation_cache()
   try:
     filler = FillMask(FLAGS.workdir, FLAGS.checkpoint)
-    read = data_lib.read_chunks
-    texts = list(argv[1:]) or [line for chunk in read(FLAGS.input, 1 << 30) for line in chunk if line.strip()]
+    if not 1 <= FLAGS.top_k <= filler.vocab_size:
+      sys.exit(f'error: --top_k={FLAGS.top_k}: give 1 to {filler.vocab_size} (the vocabulary\'s size)')
+    names, texts = read_texts(argv, FLAGS.input)
+    token_lists = filler.encode_checked(texts, names)  # every text checked before anything is printed
     for start in range(0, len(texts), 256):
-      chunk = texts[start:start + 256]
-      for text, per_mask in zip(chunk, filler.fill(chunk, top_k=FLAGS.top_k)):
+      results = filler.fill_ids(token_lists[start:start + 256], top_k=FLAGS.top_k)
+      for text, per_mask in zip(texts[start:start + 256], results):
         print('\n'.join(format_results(text, per_mask)), flush=True)
   except (OSError, ValueError) as e:
     sys.exit(f'error: {e}')

@@ -5,8 +5,10 @@ r"""Text generation with a trained language model (a workdir trained with config
   echo "Eine Frau" | python -m flaxformer_nmt.generate --workdir runs/lm_m30k --greedy
 
 Each prompt (an empty one generates unconditionally, from BOS alone) is continued token by token until EOS
-or --max_new_tokens; one output line per sample, prompt and continuation together, prompts in order and
-each prompt's samples together. Tokens are drawn from softmax(logits / temperature), restricted to the
+or --max_new_tokens; one output line per sample, the prompt as given followed by the continuation (a space
+between them where the continuation starts a new word), prompts in order and each prompt's samples together.
+A prompt that with BOS and --max_new_tokens exceeds the model's positions is an error naming its --prompt or
+input line, before anything is generated. Tokens are drawn from softmax(logits / temperature), restricted to the
 --top_k most likely tokens and then to the smallest set whose probability reaches --top_p (the order of
 Hugging Face's and nanoGPT's samplers); --greedy takes the most likely token. Sample j of prompt i depends
 only on (--seed, i, j), whatever the batching.
@@ -46,12 +48,27 @@ def define_flags():
   flags.mark_flags_as_required(['workdir'])
 
 
+def check_lengths(generator, prompt_ids, max_new_tokens):
+  """Before anything is generated: a ValueError naming the first prompt (its --prompt or its line of --input)
+  that with BOS and --max_new_tokens does not fit the model's positions."""
+  long = generator.too_long(prompt_ids, max_new_tokens)
+  if long is None:
+    return
+  FLAGS = flags.FLAGS  # pylint: disable=invalid-name
+  where = (f'--prompt number {long + 1}' if FLAGS.prompt is not None
+           else f'{"<stdin>" if FLAGS.input == "-" else FLAGS.input}:{long + 1}')
+  raise ValueError(f'{where}: BOS + {len(prompt_ids[long])} prompt tokens + {max_new_tokens} new tokens '
+                   f'(--max_new_tokens) exceed the model\'s {generator.config.model.max_position} positions')
+
+
 def main(argv):
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]} (prompts go in --prompt "...")')
   checkpoints_lib.quiet_orbax_logs()
   cache.use_compilation_cache()
+  if FLAGS.prompts_per_batch < 1:
+    sys.exit(f'error: --prompts_per_batch={FLAGS.prompts_per_batch}: give at least 1')
   try:
     generator = Generator(FLAGS.workdir, FLAGS.checkpoint)
     if FLAGS.prompt is not None:
@@ -59,17 +76,18 @@ def main(argv):
     else:
       read = data_lib.read_chunks
       prompts = [line for chunk in read(FLAGS.input, 1 << 30) for line in chunk]
+    prompt_ids = generator.encode_prompt(prompts)
+    check_lengths(generator, prompt_ids, FLAGS.max_new_tokens)
     logging.info('Generating from %s of %s', generator.checkpoint, FLAGS.workdir)
     options = dict(max_new_tokens=FLAGS.max_new_tokens, greedy=FLAGS.greedy, temperature=FLAGS.temperature,
                    top_k=FLAGS.top_k, top_p=FLAGS.top_p, num_samples=FLAGS.num_samples, seed=FLAGS.seed,
                    use_cache=FLAGS.cache)
     for start in range(0, len(prompts), FLAGS.prompts_per_batch):
-      chunk = prompts[start:start + FLAGS.prompts_per_batch]
-      prompt_ids = generator.encode_prompt(chunk)
-      results = generator.generate_ids(prompt_ids, first_prompt=start, **options)
-      for p, samples in zip(prompt_ids, results):
+      end = start + FLAGS.prompts_per_batch
+      results = generator.generate_ids(prompt_ids[start:end], first_prompt=start, **options)
+      for prompt, samples in zip(prompts[start:end], results):
         for ids in samples:
-          print(generator.tokenizer.decode(p + ids), flush=True)
+          print(generator.continued(prompt, ids), flush=True)
   except (OSError, ValueError) as e:
     sys.exit(f'error: {e}')
 

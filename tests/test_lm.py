@@ -1,10 +1,13 @@
 """The decoder-only LM and the masked LM (lm.py), generation (generate.py) and their data, against
 independent computations: NumPy losses and nucleus sets, full-prefix reruns, counts of the masking."""
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flaxformer_nmt import config as config_lib
 from flaxformer_nmt.data import batching
 from flaxformer_nmt.data import corpus as data_lib
 from flaxformer_nmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
@@ -152,12 +155,27 @@ def test_mlm_loss_counts_only_the_selected_positions():
   assert float(sums['correct']) == hits
 
 
-def test_the_train_steps_masking_changes_with_the_step():
+def test_the_train_steps_masking_changes_with_the_step_and_repeats_at_the_same_step(monkeypatch):
+  """Rule: the real train step draws the MLM's masks from the step (a new mask at every step), and the same
+  state at the same step masks the same positions (an exact resume masks as the straight run did)."""
   model, params = tiny('mlm', sharpen=1.0)
+  optimizer, schedule = train_step_lib.make_optimizer(config_lib.base_config())
+  state = train_step_lib.init_state(model, optimizer, seed=0).replace(params=params)
   tokens = jnp.asarray(np.random.default_rng(4).integers(5, VOCAB, (8, 32)), jnp.int32)
-  a = lm.forward('mlm', model, params, {'src': tokens}, True, mask_rng=jax.random.PRNGKey(0))[1]
-  b = lm.forward('mlm', model, params, {'src': tokens}, True, mask_rng=jax.random.PRNGKey(1))[1]
-  assert not np.array_equal(a, b)
+  masks, bert_mask = [], lm.bert_mask
+
+  def recorded(rng, tokens, **options):  # bert_mask, its targets (PAD where not selected) kept
+    inputs, targets = bert_mask(rng, tokens, **options)
+    jax.debug.callback(lambda t: masks.append(np.asarray(t) != PAD_ID), targets)
+    return inputs, targets
+  monkeypatch.setattr(lm, 'bert_mask', recorded)
+  step = jax.jit(lambda s: train_step_lib.train_step(s, {'src': tokens}, model=model, optimizer=optimizer,
+                                                     schedule=schedule, label_smoothing=0.0, task='mlm'))
+  for number in (3, 4, 3):
+    jax.block_until_ready(step(state.replace(step=jnp.asarray(number, jnp.int32))))
+  assert len(masks) == 3 and all(m.sum() > 0 for m in masks)
+  assert not np.array_equal(masks[0], masks[1])  # steps 3 and 4
+  np.testing.assert_array_equal(masks[0], masks[2])  # step 3 twice
 
 
 # --- Generation ----------------------------------------------------------------------------------------------
@@ -193,6 +211,64 @@ def test_greedy_generation_equals_argmax_of_full_reruns():
         break
     generated = list(out[row, :len(sequence) - 1])
     assert generated == sequence[1:]
+
+
+def tiny_generator(monkeypatch, model, params):
+  """A Generator around a tiny LM (no workdir: loader.load_for_inference returns it), its search's outputs
+  [N, positions] kept in `generator.outputs`."""
+  loaded = types.SimpleNamespace(config=types.SimpleNamespace(model=model.config), tokenizer=None, model=model,
+                                 params=params, description='tiny')
+  monkeypatch.setattr(generate.loader, 'load_for_inference', lambda *args, **kwargs: loaded)
+  generator = generate.Generator('tiny')
+  generator.outputs, search = [], generator._generate
+
+  def recorded(*args, **kwargs):
+    tokens = search(*args, **kwargs)
+    generator.outputs.append(np.asarray(tokens))
+    return tokens
+  generator._generate = recorded
+  return generator
+
+
+def test_a_prompt_fits_where_bos_prompt_and_new_tokens_fit_the_positions(monkeypatch):
+  """Rule: BOS + prompt + max_new_tokens <= max_position (the final EOS is never fed back); the padded
+  prompts stay within the positions too, and the tokens are those of full reruns at every position."""
+  model, params = tiny('lm')  # max_position 128
+  generator = tiny_generator(monkeypatch, model, params)
+  prompts = [[7, 8], list(np.random.default_rng(6).integers(5, VOCAB, 101))]  # BOS + 101 + 26 new = 128
+  out = generator.generate_ids(prompts, max_new_tokens=26, greedy=True)
+  assert generator.outputs[-1].shape[1] <= 128  # the positions the search holds
+  assert generator.generate_ids(prompts, max_new_tokens=26, greedy=True, use_cache=False) == out
+  full_model = jax.jit(lambda tokens: model.apply({'params': params}, tokens))
+  for prompt, [new] in zip(prompts, out):  # an independent loop: argmax of full reruns over all 128 positions
+    sequence, expected = [BOS_ID] + [int(t) for t in prompt], []
+    while len(expected) < 26:
+      padded = np.full((1, 128), PAD_ID, np.int32)
+      padded[0, :len(sequence)] = sequence
+      logits = np.array(full_model(jnp.asarray(padded)))[0, len(sequence) - 1]
+      logits[[PAD_ID, BOS_ID]] = -np.inf
+      if logits.argmax() == EOS_ID:
+        break
+      sequence.append(int(logits.argmax()))
+      expected.append(sequence[-1])
+    assert new == expected
+  assert len(out[1][0]) == 26  # this prompt's last new token read position 127
+  with pytest.raises(ValueError, match=r"^prompts\[1\]: BOS \+ 101 prompt tokens \+ 27 new tokens exceed the "
+                     r"model's 128 positions$"):
+    generator.generate_ids(prompts, max_new_tokens=27, greedy=True)
+
+
+@pytest.mark.parametrize('prompt, continuation, starts_word, expected', [
+    ('Ein Mann', 'reitet ein Pferd.', True, 'Ein Mann reitet ein Pferd.'),  # a new word: one space
+    ('Ein Man', 'n reitet', False, 'Ein Mann reitet'),  # the prompt's last word continued: no space
+    ('Ein  Mann \t', 'reitet', True, 'Ein  Mann reitet'),  # trailing whitespace replaced, the rest as typed
+    ('Über 😀', 'ein', True, 'Über 😀 ein'),  # characters outside a vocabulary kept
+    ('', 'Ein Mann', True, 'Ein Mann'),  # unconditional: the continuation alone
+    ('Ein Mann ', '', False, 'Ein Mann '),  # nothing generated: the prompt as it is
+])
+def test_the_prompt_text_is_joined_to_its_continuation(prompt, continuation, starts_word, expected):
+  """Rule: the output is the prompt as given, then the continuation, a space between them where it starts a word."""
+  assert generate.join_continuation(prompt, continuation, starts_word) == expected
 
 
 @pytest.mark.parametrize('options', [dict(greedy=True), dict(temperature=0.8, top_k=5), dict(top_p=0.9)])

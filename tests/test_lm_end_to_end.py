@@ -1,11 +1,13 @@
 """One tiny run per language-model task: train, checkpoint, resume exactly, then generate / fill masks through
 the CLI and the Python API, and draw self-attention; and the monolingual corpora they read."""
+import pathlib
+
 import jax
 import numpy as np
 import pytest
 
 import in_process
-from conftest import small_config
+from conftest import small_config, write_toy_corpus
 from flaxformer_nmt import fill_mask as fill_mask_command
 from flaxformer_nmt import generate as generate_command
 from flaxformer_nmt.data import corpora
@@ -16,6 +18,7 @@ from flaxformer_nmt.decoding import generator as generate
 from flaxformer_nmt.decoding import translator as decode
 from flaxformer_nmt.evaluation import attention as visualize
 from flaxformer_nmt.training import loop as train
+from flaxformer_nmt.training import warm_start
 
 
 def lm_config(toy_corpus, task):
@@ -48,11 +51,32 @@ def assert_resumes_exactly(config, tmp_path):
   return metrics
 
 
-def test_language_model_trains_resumes_and_generates(toy_corpus, tmp_path):
-  config = lm_config(toy_corpus, 'lm')
-  metrics = assert_resumes_exactly(config, tmp_path)
+def trained_run(tmp_path_factory, task):
+  """(workdir, metrics) of a tiny run of `task` on the toy corpus, its resume checked (assert_resumes_exactly)."""
+  root = tmp_path_factory.mktemp(task)
+  metrics = assert_resumes_exactly(lm_config(write_toy_corpus(root / 'data'), task), root)
+  return str(root / 'run'), metrics
+
+
+@pytest.fixture(scope='module')
+def lm_run(tmp_path_factory):
+  return trained_run(tmp_path_factory, 'lm')
+
+
+@pytest.fixture(scope='module')
+def mlm_run(tmp_path_factory):
+  return trained_run(tmp_path_factory, 'mlm')
+
+
+def last_error(result):
+  """A command's error line (the last line on stderr), after checking it failed and printed nothing."""
+  assert result.returncode != 0 and result.stdout == ''
+  return result.stderr.strip().splitlines()[-1]
+
+
+def test_language_model_trains_resumes_and_generates(lm_run, tmp_path):
+  workdir, metrics = lm_run
   assert np.isfinite(metrics['eval/perplexity']) and metrics['train/source_tokens_per_second'] == 0
-  workdir = str(tmp_path / 'run')
   lines = run_cli(generate_command, f'--workdir={workdir}', '--prompt=ein grosser', '--prompt=der',
                   '--num_samples=2', '--max_new_tokens=6', '--seed=3', '--top_p=0.9', as_subprocess=True)
   assert len(lines) == 4 and all(l.startswith('ein grosser') for l in lines[:2]) and lines[2].startswith('der')
@@ -71,12 +95,10 @@ def test_language_model_trains_resumes_and_generates(toy_corpus, tmp_path):
   assert len(visualize.write_self_attention_pictures(maps, tmp_path / 'pictures')) == 2
 
 
-def test_masked_language_model_trains_resumes_and_fills_masks(toy_corpus, tmp_path):
-  config = lm_config(toy_corpus, 'mlm')
-  metrics = assert_resumes_exactly(config, tmp_path)
+def test_masked_language_model_trains_resumes_and_fills_masks(mlm_run):
+  workdir, metrics = mlm_run
   assert 0 <= metrics['eval/accuracy'] <= 1 and np.isfinite(metrics['eval/perplexity'])
-  workdir = str(tmp_path / 'run')
-  tokenizer = tokenizer_lib.Tokenizer(tmp_path / 'run' / 'vocab.model')
+  tokenizer = tokenizer_lib.Tokenizer(f'{workdir}/vocab.model')
   assert tokenizer.mask_id == 4  # the user-defined piece right after the reserved ids
   lines = run_cli(fill_mask_command, f'--workdir={workdir}', '--top_k=3', 'ein <mask> hund <mask> .',
                   as_subprocess=True)
@@ -104,11 +126,102 @@ def test_masked_language_model_trains_resumes_and_fills_masks(toy_corpus, tmp_pa
   # The text with the first mask filled and the second left as it was.
   assert result[0][0][2].startswith('ein') and result[0][0][2].endswith('hund <mask> .')
   assert result[0][0][2].count('<mask>') == 1
-  with pytest.raises(ValueError, match='has no <mask>'):
-    filler.fill(['ein hund'])
+  with pytest.raises(ValueError, match="^text 2: no <mask> in 'ein hund'$"):
+    filler.fill(['ein <mask> .', 'ein hund'])
   maps = visualize.self_attention_maps(workdir, ['ein <mask> hund .'])
   np.testing.assert_allclose(maps[0]['self'].sum(-1), 1.0, atol=1e-5)
   assert '<mask>' in maps[0]['pieces']
+
+
+def test_generate_prints_each_prompt_as_given_then_its_continuation(lm_run):
+  """Rule: an output line is the prompt as typed (a character outside the vocabulary kept, not decoded to ⁇),
+  then a space where the continuation's first piece starts a word, then the continuation decoded alone."""
+  workdir, _ = lm_run
+  prompts = ['ein 😀 Hund', 'der', 'ein gros']
+  lines = run_cli(generate_command, f'--workdir={workdir}', *(f'--prompt={p}' for p in prompts), '--greedy',
+                  '--max_new_tokens=5')
+  generator = generate.Generator(workdir)
+  ids = generator.generate_ids(generator.encode_prompt(prompts), greedy=True, max_new_tokens=5)
+  assert len(lines) == 3 and lines[0].startswith('ein 😀 Hund')
+  for prompt, line, [new] in zip(prompts, lines, ids):
+    assert new, 'an empty continuation tests no joining'
+    space = ' ' if generator.tokenizer.sp.id_to_piece(new[0]).startswith('\u2581') else ''
+    assert line == prompt + space + generator.tokenizer.sp.decode(new)
+  assert generator.generate(prompts, greedy=True, max_new_tokens=5) == [[line] for line in lines]
+
+
+def test_generate_refuses_a_too_long_prompt_by_its_line_before_generating(lm_run, tmp_path):
+  """Rule: BOS + prompt + --max_new_tokens must fit the model's 1024 positions; the error names the input line
+  and the real token count, and nothing is generated first. --prompts_per_batch must be at least 1."""
+  workdir, _ = lm_run
+  generator = generate.Generator(workdir)
+  long = 'ein grosser hund ' * 20
+  count = len(generator.tokenizer.sp.encode(long))
+  path = tmp_path / 'prompts.txt'
+  path.write_text(f'ein\n\nder\n{long}\n')
+  result = in_process.run(generate_command, [f'--workdir={workdir}', f'--input={path}', '--prompts_per_batch=1',
+                                             f'--max_new_tokens={1024 - count}', '--greedy'])
+  assert last_error(result) == (f'error: {path}:4: BOS + {count} prompt tokens + {1024 - count} new tokens '
+                                "(--max_new_tokens) exceed the model's 1024 positions")
+  result = in_process.run(generate_command, [f'--workdir={workdir}', '--prompt=ein', f'--prompt={long}',
+                                             f'--max_new_tokens={1024 - count}'])
+  assert last_error(result).startswith(f'error: --prompt number 2: BOS + {count} prompt tokens')
+  result = in_process.run(generate_command, [f'--workdir={workdir}', '--prompt=ein', '--prompts_per_batch=0'])
+  assert last_error(result) == 'error: --prompts_per_batch=0: give at least 1'
+
+
+def test_fill_mask_checks_every_text_before_printing_and_names_its_line(mlm_run, tmp_path):
+  """Rule: a text without <mask> or over the model's positions is an error naming its input line (blank lines
+  counted) and its real token count, before any text is printed; --top_k is at most the vocabulary's size."""
+  workdir, _ = mlm_run
+  filler = fill_mask.FillMask(workdir)
+  path = tmp_path / 'texts.txt'
+  path.write_text('ein <mask> hund .\n\n' * 150 + 'ein hund .\n')  # line 301, after 150 good texts
+  result = in_process.run(fill_mask_command, [f'--workdir={workdir}', f'--input={path}'])
+  assert last_error(result) == f"error: {path}:301: no <mask> in 'ein hund .'"
+  long = 'ein <mask> ' + 'grosser hund ' * 500
+  count = len(filler.encode(long))
+  assert count > 1024
+  path.write_text(f'ein <mask> .\n{long}\n')
+  result = in_process.run(fill_mask_command, [f'--workdir={workdir}', f'--input={path}'])
+  assert last_error(result) == f"error: {path}:2: {count} tokens (EOS included) exceed the model's 1024 positions"
+  vocabulary = filler.tokenizer.vocab_size
+  result = in_process.run(fill_mask_command, [f'--workdir={workdir}', f'--top_k={vocabulary + 1}', 'ein <mask> .'])
+  assert last_error(result) == f"error: --top_k={vocabulary + 1}: give 1 to {vocabulary} (the vocabulary's size)"
+  # The whole vocabulary: probabilities that sum to one.
+  everything = filler.fill(['ein <mask> .'], top_k=vocabulary)[0][0]
+  assert len(everything) == vocabulary and abs(sum(p for _, p, _ in everything) - 1) < 1e-4
+  with pytest.raises(ValueError, match=f'^top_k={vocabulary + 1}: give 1 to {vocabulary}'):
+    filler.fill(['ein <mask> .'], top_k=vocabulary + 1)
+
+
+def test_self_attention_refuses_a_text_over_the_models_positions(lm_run, mlm_run):
+  """Rule: a text longer than max_position (1024) is an error naming it and its token count, never drawn with
+  positions clamped to the table's last."""
+  long = 'ein ' * 1100
+  for workdir, _ in (lm_run, mlm_run):
+    count = 1 + len(tokenizer_lib.Tokenizer(f'{workdir}/vocab.model').sp.encode(long))  # with BOS (LM) or EOS (MLM)
+    with pytest.raises(ValueError) as refused:
+      visualize.self_attention_maps(workdir, ['ein hund .', long])
+    assert str(refused.value) == f"text 2 ('{long[:40]}...'): {count} tokens exceed the model's 1024 positions"
+
+
+def test_an_mlm_refuses_to_warm_start_from_a_vocabulary_without_mask(lm_run, tmp_path):
+  """Rule: an MLM (config.task=mlm) warm-started from an LM run is a WarmStartError (train's one-line error)
+  naming config.init_from and the vocabulary without <mask>, before the vocabulary is copied; so is a workdir
+  that already holds such a copy."""
+  workdir, _ = lm_run
+  config = lm_config(write_toy_corpus(tmp_path / 'data'), 'mlm')
+  config.init_from = workdir
+  with pytest.raises(warm_start.WarmStartError) as refused:
+    train.train_and_evaluate(config, tmp_path / 'mlm')
+  assert str(refused.value) == (f'config.init_from={workdir}: the MLM (config.task=mlm) needs a <mask> piece in its '
+                                f'vocabulary and {workdir}/vocab.model has none: warm-start an MLM from an MLM run')
+  assert not (tmp_path / 'mlm' / 'vocab.model').exists()
+  (tmp_path / 'copied').mkdir()
+  (tmp_path / 'copied' / 'vocab.model').write_bytes(pathlib.Path(workdir, 'vocab.model').read_bytes())
+  with pytest.raises(warm_start.WarmStartError, match=f"{tmp_path / 'copied' / 'vocab.model'} has none"):
+    train.train_and_evaluate(config, tmp_path / 'copied')
 
 
 def test_a_generator_refuses_a_workdir_of_another_task(trained_toy):

@@ -35,14 +35,40 @@ class FillMask:
     space = self.tokenizer.sp.piece_to_id('\u2581')
     return [t for i, t in enumerate(ids) if not (t == space and i + 1 < len(ids) and ids[i + 1] == self.mask_id)]
 
+  @property
+  def vocab_size(self):
+    return self.model.config.vocab_size
+
+  def check_top_k(self, top_k):
+    if not 1 <= top_k <= self.vocab_size:
+      raise ValueError(f'top_k={top_k}: give 1 to {self.vocab_size} (the vocabulary\'s size)')
+
+  def encode_checked(self, texts, names=None):
+    """`encode` of each text, each checked for a <mask> and for the model's positions; a ValueError names the
+    first text that fails by names[i] (default: text i + 1)."""
+    names = names or [f'text {i}' for i in range(1, len(texts) + 1)]
+    max_position = self.config.model.max_position
+    token_lists = [self.encode(text) for text in texts]
+    for name, text, ids in zip(names, texts, token_lists):
+      if self.mask_id not in ids:
+        raise ValueError(f'{name}: no {MASK} in {text!r}')
+      if len(ids) > max_position:
+        raise ValueError(f'{name}: {len(ids)} tokens (EOS included) exceed the model\'s {max_position} positions')
+    return token_lists
+
   def predict_ids(self, token_lists, top_k=5):
     """For each token list, per mask (in order), the top_k [(piece id, probability)]."""
+    self.check_top_k(top_k)
     token_lists = [list(t) for t in token_lists]
     if not token_lists:
       return []
-    width = batching.bucket_length(max(len(t) for t in token_lists), self.config.length_buckets)
-    if width > self.config.model.max_position:
-      raise ValueError(f'a text of {width} tokens exceeds the model\'s {self.config.model.max_position} positions')
+    max_position = self.config.model.max_position
+    longest = max(range(len(token_lists)), key=lambda b: len(token_lists[b]))
+    if len(token_lists[longest]) > max_position:
+      raise ValueError(f'token_lists[{longest}]: {len(token_lists[longest])} tokens exceed the model\'s '
+                       f'{max_position} positions')
+    # The length bucket, at most the positional table's length.
+    width = min(batching.bucket_length(len(token_lists[longest]), self.config.length_buckets), max_position)
     tokens = batching.pad_rows(token_lists, len(token_lists), width)
     probs, ids = jax.device_get(self._predict(self.params, tokens, top_k=int(top_k)))
     return [[[(int(ids[b, t, j]), float(probs[b, t, j])) for j in range(top_k)]
@@ -52,12 +78,11 @@ class FillMask:
   def fill(self, texts, top_k=5):
     """For each text (str with `<mask>`s), per mask, the top_k (piece as text, probability, the text with
     this mask filled by the piece and the other masks left as they are)."""
-    if top_k < 1:
-      raise ValueError(f'top_k must be at least 1, not {top_k}')
-    token_lists = [self.encode(text) for text in texts]
-    for number, ids in enumerate(token_lists, start=1):
-      if self.mask_id not in ids:
-        raise ValueError(f'text {number} has no {MASK}: {texts[number - 1]!r}')
+    self.check_top_k(top_k)
+    return self.fill_ids(self.encode_checked(texts), top_k)
+
+  def fill_ids(self, token_lists, top_k=5):
+    """`fill` of texts already through encode_checked."""
     results = []
     for ids, masks in zip(token_lists, self.predict_ids(token_lists, top_k)):
       positions = [t for t, token in enumerate(ids) if token == self.mask_id]

@@ -15,6 +15,7 @@ from flaxformer_nmt.decoding import search as search_lib
 from flaxformer_nmt.models import lm
 
 NEG_INF = beam_search.NEG_INF
+WORD_START = '\u2581'  # sentencepiece's mark of a piece that starts a word
 
 
 def top_k_filter(log_probs, top_k):
@@ -39,10 +40,11 @@ def top_p_filter(log_probs, top_p):
 
 
 def _step_functions(model, params, rows, max_length, use_cache):
-  """(step_fn, initial cache) for beam_search's loop: the KV cache, or the whole prefix rerun per step."""
+  """(step_fn, initial cache) for beam_search's loop: the KV cache, or the whole prefix rerun per step; both
+  hold positions 0..max_length-1 (the last step feeds position max_length - 1 and is given EOS)."""
   variables = {'params': params}
   if use_cache:
-    cache = model.apply(variables, rows, max_length + 1, method=lm.DecoderOnlyLM.init_cache)
+    cache = model.apply(variables, rows, max_length, method=lm.DecoderOnlyLM.init_cache)
 
     def cached_step(tokens, index, cache):
       return model.apply(variables, tokens, index, cache, method=lm.DecoderOnlyLM.decode_step)
@@ -53,7 +55,7 @@ def _step_functions(model, params, rows, max_length, use_cache):
     prefix = prefix.at[:, index].set(tokens)
     logits = model.apply(variables, prefix, True)
     return jax.lax.dynamic_index_in_dim(logits, index, axis=1, keepdims=False), prefix
-  return full_step, jnp.zeros((rows, max_length + 1), jnp.int32)
+  return full_step, jnp.zeros((rows, max_length), jnp.int32)
 
 
 def generate_tokens(model, params, prompts, prompt_lengths, keys, *, max_new_tokens, greedy, temperature, top_k,
@@ -102,12 +104,14 @@ class Generator:
                        f'got {temperature}, {top_k}, {top_p}, {max_new_tokens}, {num_samples}')
     if not prompt_ids:
       return []
-    # Prompt widths rounded up to a multiple of 16 (few shapes to compile); the longest prompt plus the new
-    # tokens must fit the positional table.
-    width = -(-(1 + max(len(p) for p in prompt_ids)) // 16) * 16
-    if width + max_new_tokens > self.config.model.max_position:
-      raise ValueError(f'a prompt of {width - 1} tokens + {max_new_tokens} new tokens exceed the model\'s '
-                       f'{self.config.model.max_position} positions')
+    max_position = self.config.model.max_position
+    long = self.too_long(prompt_ids, max_new_tokens)
+    if long is not None:
+      raise ValueError(f'prompts[{first_prompt + long}]: BOS + {len(prompt_ids[long])} prompt tokens + '
+                       f'{max_new_tokens} new tokens exceed the model\'s {max_position} positions')
+    # Prompt widths rounded up to a multiple of 16 (few shapes to compile), at most what leaves the new tokens
+    # room: the search's width + max_new_tokens positions stay within the positional table.
+    width = min(-(-(1 + max(len(p) for p in prompt_ids)) // 16) * 16, max_position - max_new_tokens)
     rows = [[BOS_ID] + list(p) for p in prompt_ids for _ in range(num_samples)]
     prompts = batching.pad_rows(rows, len(rows), width)
     lengths = np.array([len(r) for r in rows], np.int32)
@@ -122,12 +126,31 @@ class Generator:
       out.append(new[:new.index(EOS_ID)] if EOS_ID in new else new)
     return [out[i * num_samples:(i + 1) * num_samples] for i in range(len(prompt_ids))]
 
+  def too_long(self, prompt_ids, max_new_tokens):
+    """The index of the first prompt that with BOS and `max_new_tokens` exceeds the model's positions, or None."""
+    room = self.config.model.max_position - 1 - max_new_tokens
+    return next((i for i, p in enumerate(prompt_ids) if len(p) > room), None)
+
   def encode_prompt(self, texts):
     lowercase = tokenizer_lib.lowercase_of(self.config)  # a model of config.lowercase learnt lowercased text
     return [ids[:-1] for ids in self.tokenizer.encode([tokenizer_lib.prepare_text(t, lowercase) for t in texts])]
 
+  def continued(self, prompt, ids):
+    """The prompt text as given, followed by the decoded continuation `ids` (see join_continuation)."""
+    starts_word = bool(ids) and self.tokenizer.sp.id_to_piece(int(ids[0])).startswith(WORD_START)
+    return join_continuation(prompt, self.tokenizer.decode(ids), starts_word)
+
   def generate(self, prompts, **options):
     """For each prompt (str), a list of `num_samples` texts: the prompt continued. Options as generate_ids."""
-    prompt_ids = self.encode_prompt(prompts)
-    results = self.generate_ids(prompt_ids, **options)
-    return [[self.tokenizer.decode(p + ids) for ids in samples] for p, samples in zip(prompt_ids, results)]
+    results = self.generate_ids(self.encode_prompt(prompts), **options)
+    return [[self.continued(prompt, ids) for ids in samples] for prompt, samples in zip(prompts, results)]
+
+
+def join_continuation(prompt, continuation, starts_word):
+  """`prompt` followed by `continuation` (decoded on its own, without a leading space): the prompt's trailing
+  whitespace is replaced by one space where the continuation's first piece starts a word, by nothing where it
+  continues the prompt's last word; an empty continuation leaves the prompt as it is."""
+  if not continuation:
+    return prompt
+  head = prompt.rstrip()
+  return head + (' ' if head and starts_word else '') + continuation

@@ -90,7 +90,12 @@ def self_attention_maps(workdir, sentences, checkpoint='latest'):
     token_lists = [runner.encode(text) for text in sentences]
   else:
     raise ValueError(f'{workdir} is a translation workdir: use attention_maps')
-  length = batching.bucket_length(max(map(len, token_lists)), runner.config.length_buckets)
+  max_position = runner.config.model.max_position
+  for number, (text, ids) in enumerate(zip(sentences, token_lists), start=1):
+    if len(ids) > max_position:
+      start = text if len(text) <= 40 else text[:40] + '...'
+      raise ValueError(f'text {number} ({start!r}): {len(ids)} tokens exceed the model\'s {max_position} positions')
+  length = min(batching.bucket_length(max(map(len, token_lists)), runner.config.length_buckets), max_position)
   tokens = batching.pad_rows(token_lists, len(token_lists), length)
   found = find_attention_weights(jax.device_get(_sown_self(runner.model, runner.params, tokens)))
   stack = 'decoder' if task == 'lm' else 'encoder'

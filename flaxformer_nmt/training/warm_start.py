@@ -19,6 +19,7 @@ from etils import epath
 
 from flaxformer_nmt.checkpointing import best as best_checkpoint
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
+from flaxformer_nmt.data import tokenizer as tokenizer_lib
 from flaxformer_nmt.data.tokenizer import VOCAB_FILENAME
 from flaxformer_nmt.runtime import distributed
 
@@ -80,15 +81,27 @@ def resolve(init_from, init_checkpoint='latest'):
 
 def adopt_vocabulary(config, workdir):
   """Before the tokenizer is loaded: a new workdir fine-tuning from init_from gets the source's vocab.model
-  (the embeddings belong to it) unless it has a vocabulary already."""
+  (the embeddings belong to it) unless it has a vocabulary already. The vocabulary of an MLM
+  (config.task='mlm') must have a <mask> piece: a source trained as an LM or translation model has none."""
   target = epath.Path(workdir) / VOCAB_FILENAME
-  if not config.init_from or target.exists() or not distributed.is_leader():
+  if not config.init_from or not distributed.is_leader():
+    return
+  if target.exists():
+    _check_mask_piece(config, target)
     return
   _, _, source, _ = resolve(config.init_from, config.init_checkpoint)
   if source is None:
     return
+  _check_mask_piece(config, source / VOCAB_FILENAME)
   target.write_bytes((source / VOCAB_FILENAME).read_bytes())
   logging.info('Vocabulary copied from %s (config.init_from)', source / VOCAB_FILENAME)
+
+
+def _check_mask_piece(config, vocabulary):
+  if config.task == 'mlm' and tokenizer_lib.Tokenizer(vocabulary).mask_id is None:
+    raise WarmStartError(f'config.init_from={config.init_from}: the MLM (config.task=mlm) needs a '
+                         f'{tokenizer_lib.MASK_PIECE} piece in its vocabulary and {vocabulary} has none: warm-start '
+                         'an MLM from an MLM run')
 
 
 def _sha256(path):
