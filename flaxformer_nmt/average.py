@@ -1,5 +1,7 @@
-r"""Averages the parameters of the last K checkpoints (or of chosen steps) of a workdir.
+r"""Averages the parameters of the last K checkpoints saved at the regular interval (or of chosen steps) of a
+workdir: K is config.average_last_checkpoints, the window the trainer averages when it ends, unless --last is given.
 
+  python -m flaxformer_nmt.average --workdir runs/m30k
   python -m flaxformer_nmt.average --workdir runs/m30k --last 5
   python -m flaxformer_nmt.average --workdir runs/m30k --steps 1500,1750
   python -m flaxformer_nmt.decode --workdir runs/m30k --checkpoint averaged ...
@@ -15,9 +17,22 @@ from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
 from flaxformer_nmt.checkpointing import workdir as workdir_lib
 
 
+DEFAULT_LAST = 5  # --last of a workdir whose trainer averaged nothing (config.average_last_checkpoints=0)
+
+
+def window(workdir, last):
+  """`last` (--last), else the K the workdir's trainer averages (config.average_last_checkpoints; DEFAULT_LAST
+  where that is 0)."""
+  if last is not None:
+    return last
+  return workdir_lib.load_config(workdir).average_last_checkpoints or DEFAULT_LAST
+
+
 def define_flags():
   flags.DEFINE_string('workdir', None, 'Training workdir.')
-  flags.DEFINE_integer('last', 5, 'Average the newest K checkpoints.')
+  flags.DEFINE_integer('last', None, 'Average the newest K checkpoints saved at the regular interval (a final save '
+                       'off it is left out). Default: the workdir\'s config.average_last_checkpoints, or '
+                       f'{DEFAULT_LAST} where that is 0.')
   flags.DEFINE_list('steps', None, 'Average exactly these steps instead of --last.')
   flags.mark_flags_as_required(['workdir'])
 
@@ -29,7 +44,8 @@ def main(argv):
   try:
     # An ensemble's workdir (config.ensemble_members): each member averages its own checkpoints.
     for workdir in workdir_lib.member_workdirs(flags.FLAGS.workdir):
-      steps = checkpoints_lib.average_last(workdir, flags.FLAGS.last, flags.FLAGS.steps)
+      last = None if flags.FLAGS.steps else window(workdir, flags.FLAGS.last)
+      steps = checkpoints_lib.average_last(workdir, last, flags.FLAGS.steps)
       print(f'averaged checkpoints {steps} -> {workdir}/{checkpoints_lib.AVERAGED_DIR}')
   except (checkpoints_lib.AveragingError, FileNotFoundError, ValueError) as e:
     sys.exit(f'error: {e}')

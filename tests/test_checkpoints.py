@@ -77,3 +77,81 @@ def test_listing_the_steps_of_a_workdir_without_checkpoints_writes_nothing(tmp_p
   (tmp_path / 'empty').mkdir()
   assert checkpoints_lib.saved_steps(tmp_path / 'empty') == []
   assert list((tmp_path / 'empty').iterdir()) == []
+
+
+def saved_run(workdir, steps, keep=0, every_steps=None):
+  """Hand-made checkpoints of parameters {'w': [step, step]} at `steps`."""
+  store = checkpoints_lib.Checkpoints(workdir, keep=keep, every_steps=every_steps)
+  for step in steps:
+    save(store, step, {'w': jnp.full((2,), float(step))})
+  store.wait()
+  store.close()
+
+
+def test_a_failed_new_average_leaves_the_old_one_and_a_missing_one_is_named(tmp_path, monkeypatch):
+  """Wrong rule caught: re-averaging removed averaged/params before writing the new one, so a failed write (disk
+  full, a kill) left averaged.json naming parameters that were gone, and reading them crashed with
+  AttributeError ('NoneType' ... 'tree') instead of an error naming the missing path."""
+  import errno  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import best as best_lib  # pylint: disable=g-import-not-at-top
+  saved_run(tmp_path, (10, 20))
+  checkpoints_lib.average_last(tmp_path, steps=[10, 20])
+
+  async def no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, 'No space left on device')
+  monkeypatch.setattr(ocp.StandardCheckpointHandler, 'async_save', no_space)
+  with pytest.raises(OSError, match='No space left'):
+    checkpoints_lib.average_last(tmp_path, steps=[10])
+  monkeypatch.undo()
+  params, info = checkpoints_lib.load_averaged(tmp_path)
+  assert info == {'steps': [10, 20]}
+  np.testing.assert_array_equal(params['w'], [15.0, 15.0])
+  assert checkpoints_lib.average_last(tmp_path, steps=[10]) == [10]  # the next write replaces it
+  assert checkpoints_lib.load_averaged(tmp_path)[1] == {'steps': [10]}
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['averaged', 'checkpoints']
+  # Parameters that are gone (or were never written whole) are named, for the averaged and the best checkpoint.
+  (tmp_path / 'averaged' / 'params').rename(tmp_path / 'elsewhere')
+  with pytest.raises(FileNotFoundError, match=re.escape(f'{tmp_path}/averaged/params not found')):
+    checkpoints_lib.load_averaged(tmp_path)
+  (tmp_path / 'averaged' / 'params').mkdir()
+  with pytest.raises(FileNotFoundError, match='averaged/params holds no checkpoint'):
+    checkpoints_lib.load_averaged(tmp_path)
+  (tmp_path / 'best').mkdir()
+  (tmp_path / 'best' / 'best.json').write_text('{"metric": "loss", "step": 20, "value": 1.0, "params": "params_20"}')
+  with pytest.raises(FileNotFoundError, match='best/params_20 not found'):
+    best_lib.load_best(tmp_path)
+
+
+def test_the_average_command_takes_the_window_the_trainer_averages(tmp_path):
+  """Wrong rule caught: without --last the command averaged the newest 5, whatever the workdir's
+  config.average_last_checkpoints, and so replaced the trainer's average with another window."""
+  import in_process  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import average  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  saved_run(tmp_path, (10, 20, 30, 40, 50))
+  config = config_lib.base_config()
+  config.checkpoint_every_steps, config.average_last_checkpoints = 10, 2
+  workdir_lib.save_or_check_config(config, tmp_path)
+  result = in_process.run(average, [f'--workdir={tmp_path}'])
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert checkpoints_lib.load_averaged(tmp_path)[1] == {'steps': [40, 50]}
+  assert in_process.run(average, [f'--workdir={tmp_path}', '--last=3']).returncode == 0
+  assert checkpoints_lib.load_averaged(tmp_path)[1] == {'steps': [30, 40, 50]}
+  config.average_last_checkpoints = 0  # the trainer averaged nothing: the flag's documented default
+  workdir_lib.write_config(config, tmp_path)
+  assert in_process.run(average, [f'--workdir={tmp_path}']).returncode == 0
+  assert checkpoints_lib.load_averaged(tmp_path)[1] == {'steps': [10, 20, 30, 40, 50]}
+
+
+def test_retention_keeps_the_regular_saves_an_off_interval_save_would_push_out(tmp_path):
+  """Wrong rule caught: rotation kept the newest `keep` of any kind, so a stop signal's save (35) and the final one
+  (45) pushed regular saves out and the average of the last 2 became [40] alone instead of [30, 40]. Saving by
+  time alone (nothing on the interval) still keeps the newest `keep`."""
+  saved_run(tmp_path / 'steps', (10, 20, 30, 35, 40, 45), keep=3, every_steps=10)
+  assert checkpoints_lib.saved_steps(tmp_path / 'steps') == [20, 30, 35, 40, 45]
+  assert checkpoints_lib.average_last(tmp_path / 'steps', last=2, every_steps=10) == [30, 40]
+  saved_run(tmp_path / 'time', (3, 7, 12, 16), keep=2, every_steps=1000)
+  assert checkpoints_lib.saved_steps(tmp_path / 'time') == [12, 16]

@@ -247,3 +247,35 @@ def test_checkpoints_by_elapsed_minutes(toy_corpus, tmp_path):
   config.keep_checkpoints = 0
   train.train_and_evaluate(config, tmp_path / 'w')
   assert checkpoints_lib.saved_steps(tmp_path / 'w') == [1, 2, 3, 4]
+
+
+def test_a_second_stop_signal_waits_for_the_stop_save(toy_corpus, tmp_path, monkeypatch, caplog):
+  """Wrong rule caught: the signal handlers were restored as the loop ended, before the stop's save was waited
+  for, so a second Ctrl-C while it was written reached the default handler (KeyboardInterrupt) and killed the run
+  with only the save's temporary folder left. Here the handler found before the run stands for the default one."""
+  config = small_config(toy_corpus)
+  config.eval_every_steps = 100
+  reached_default = []
+  previous = signal.signal(signal.SIGINT, lambda signum, frame: reached_default.append(signum))
+  after_step, wait = preemption.StopDecision.after_step, checkpoints_lib.Checkpoints.wait
+  waits = []
+
+  def ctrl_c_at_step_2(self, step, steps=1):
+    if step == 2:
+      signal.raise_signal(signal.SIGINT)
+    return after_step(self, step, steps)
+
+  def ctrl_c_while_saving(self):
+    if not waits:
+      signal.raise_signal(signal.SIGINT)
+    waits.append(True)
+    wait(self)
+  monkeypatch.setattr(preemption.StopDecision, 'after_step', ctrl_c_at_step_2)
+  monkeypatch.setattr(checkpoints_lib.Checkpoints, 'wait', ctrl_c_while_saving)
+  try:
+    train.train_and_evaluate(config, tmp_path / 'w')
+  finally:
+    signal.signal(signal.SIGINT, previous)
+  assert not reached_default
+  assert any('already stopping' in r.getMessage() for r in caplog.records)
+  assert checkpoints_lib.saved_steps(tmp_path / 'w') == [2]

@@ -15,6 +15,7 @@ from conftest import small_config
 from flaxformer_nmt import config as config_lib
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
 from flaxformer_nmt.checkpointing import workdir as workdir_lib
+from flaxformer_nmt.data import batching
 from flaxformer_nmt.data import tokenizer as tokenizer_lib
 from flaxformer_nmt.models import transformer as model_lib
 from flaxformer_nmt.training import loop as train
@@ -285,3 +286,34 @@ def test_a_checkpoint_without_trained_seconds_resumes_from_zero():
   state, seconds = train.restore_or_start(config, {'w': jnp.zeros(2)}, None, Store(), batches, tokenizer)
   assert seconds == 0.0 and batches.data_state == {'epoch': 1, 'batch': 7, 'seed': 0}
   np.testing.assert_array_equal(state['w'], [1.0, 1.0])
+
+
+def test_a_step_damaged_a_second_time_is_set_aside_beside_the_first(tmp_path):
+  """Wrong rule caught: setting aside used corrupt_checkpoints/STEP as it was, so a step damaged again after an
+  earlier one of that step was set aside stopped the restart with FileExistsError."""
+  state = fresh_state()
+  write_checkpoints(tmp_path, state, (1,))
+  for _ in range(2):
+    directory = write_checkpoints(tmp_path, state, (2,))
+    (directory / '2' / checkpoints_lib.COMMIT_MARKER).unlink()
+    with checkpoints_lib.Checkpoints(tmp_path) as store:
+      restored, _ = store.restore_newest_good(checkpoints_lib.abstract_like(state))
+    assert int(restored.step) == 1
+  assert sorted(p.name for p in (tmp_path / 'corrupt_checkpoints').iterdir()) == ['2', '2.1']
+
+
+def test_a_refused_resume_leaves_config_json_as_it_was(toy_corpus, tmp_path):
+  """Wrong rule caught: config.json was rewritten with the new settings before the checkpoint's data position
+  refused them, so the error's advice (revert the field in config.json) found the refused value there. A
+  resume that is accepted records its settings."""
+  config = small_config(toy_corpus)
+  config.num_train_steps, config.checkpoint_every_steps, config.eval_every_steps = 2, 2, 100
+  train.train_and_evaluate(config, tmp_path / 'w')
+  recorded = (tmp_path / 'w' / 'config.json').read_text()
+  config.seed, config.num_train_steps = 7, 3
+  with pytest.raises(batching.BatchingError, match='config.seed=0, now 7'):
+    train.train_and_evaluate(config, tmp_path / 'w')
+  assert (tmp_path / 'w' / 'config.json').read_text() == recorded
+  config.seed = 0
+  train.train_and_evaluate(config, tmp_path / 'w')
+  assert workdir_lib.load_config(tmp_path / 'w').num_train_steps == 3

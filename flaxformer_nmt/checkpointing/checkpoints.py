@@ -2,13 +2,16 @@
 
 Each checkpoint holds two items: `state` (step, parameters, optimizer state, dropout key) and `data` (the
 training iterator's position, a small JSON dict), so a restarted run continues where the last one stopped.
-Only the newest `keep` checkpoints are kept. Orbax writes each checkpoint to a temporary directory and renames
+Only the newest `keep` checkpoints are kept, and with them the newest `keep` of those saved at the regular interval
+(step % every_steps == 0), so that a save off it (a stop signal's, the final one) never pushes a regular one out of
+the averaging window (averaging_window). Orbax writes each checkpoint to a temporary directory and renames
 it when complete (with a commit marker, commit_success.txt), so a half-written one is never listed.
 
 A restart tells three kinds of restore failure apart (restore_newest_good):
 - damaged: no commit marker, unreadable tree metadata, truncated or missing array files. The checkpoint is
-  moved to `{workdir}/corrupt_checkpoints/` with a warning naming it and the previous one is tried, so
-  retention can never delete the last good checkpoint in its favour.
+  moved to `{workdir}/corrupt_checkpoints/` (as STEP, or STEP.1, STEP.2, ... beside an earlier one) with a
+  warning naming it and the previous one is tried, so retention can never delete the last good checkpoint in
+  its favour.
 - mismatched: the stored tree, shapes or vocabulary differ from what the config builds (read from the
   checkpoint's own metadata, before any array is read). The run stops before anything is moved, with an
   error naming the differing entries and the ways forward.
@@ -16,7 +19,8 @@ A restart tells three kinds of restore failure apart (restore_newest_good):
   the run; it never moves a checkpoint.
 
 Averaging (the paper averages the last 5 or 20 checkpoints) reads the parameters alone, one checkpoint at a
-time, into a float32 running sum, and writes `{workdir}/averaged/` with the steps it averaged.
+time, into a float32 running sum, and writes `{workdir}/averaged/` with the steps it averaged. A new average is
+written whole beside the old one and then renamed into its place, so a failed write leaves the old one as it was.
 """
 import functools
 import json
@@ -35,6 +39,7 @@ from flaxformer_nmt.config import CHECKPOINT_NAMES, is_checkpoint_name  # pylint
 
 CHECKPOINT_DIR = 'checkpoints'
 AVERAGED_DIR = 'averaged'
+AVERAGED_INFO = 'averaged.json'
 CORRUPT_DIR = 'corrupt_checkpoints'
 COMMIT_MARKER = 'commit_success.txt'  # written by orbax as the last file of a finished checkpoint
 # Tensorstore statuses of a store that cannot be reached or refuses us now (not of bytes that are wrong).
@@ -166,10 +171,14 @@ class Checkpoints:
   storage_attempts = 4
   storage_retry_seconds = 2.0
 
-  def __init__(self, workdir, keep=5, async_save=True):
+  def __init__(self, workdir, keep=5, async_save=True, every_steps=None):
     self.directory = checkpoint_directory(workdir)
+    policies = ocp.checkpoint_managers
+    policy = policies.LatestN(keep) if keep else None
+    if keep and every_steps:  # see the module's docstring
+      policy = policies.AnyPreservationPolicy([policy, policies.EveryNSteps(every_steps, max_to_keep=keep)])
     options = ocp.CheckpointManagerOptions(
-        preservation_policy=ocp.checkpoint_managers.LatestN(keep) if keep else None,
+        preservation_policy=policy,
         create=True,
         enable_async_checkpointing=async_save,
     )
@@ -278,9 +287,19 @@ class Checkpoints:
           f'{self.directory.parent / CORRUPT_DIR}. Rerunning the same command starts training from step 0.')
     return None
 
+  def _aside_path(self, step):
+    """corrupt_checkpoints/STEP, or STEP.1, STEP.2, ... where an earlier damaged checkpoint STEP lies there."""
+    aside = self.directory.parent / CORRUPT_DIR / str(step)
+    copies = 0
+    while aside.exists():
+      copies += 1
+      aside = aside.with_name(f'{step}.{copies}')
+    return aside
+
   def _set_aside(self, damaged):
     for step, reason in damaged:
-      aside = self.directory.parent / CORRUPT_DIR / str(step)
+      # Process 0 moves it (the others name the folder only: they would race its rename).
+      aside = self._aside_path(step) if jax.process_index() == 0 else self.directory.parent / CORRUPT_DIR
       logging.warning('Checkpoint %d in %s is damaged (%s); moved it to %s and tried the previous one.', step,
                       self.directory, reason, aside)
       if jax.process_index() == 0:
@@ -342,12 +361,18 @@ def _not_step_metadata_notice(record):
 
 
 def read_params(path, subtree=None):
-  """A tree of host numpy arrays saved at `path` (or only its `subtree` item), read without a template."""
+  """A tree of host numpy arrays saved at `path` (or only its `subtree` item), read without a template.
+  FileNotFoundError naming `path` where it holds no checkpoint (missing, or without its tree metadata)."""
+  if not epath.Path(path).exists():
+    raise FileNotFoundError(f'{path} not found')
   absl_logger = std_logging.getLogger('absl')
   absl_logger.addFilter(_not_step_metadata_notice)
   try:
     with ocp.PyTreeCheckpointer() as checkpointer:
-      metadata = checkpointer.metadata(path).item_metadata.tree
+      metadata = checkpointer.metadata(path).item_metadata
+      if metadata is None:
+        raise FileNotFoundError(f'{path} holds no checkpoint (its tree metadata is missing)')
+      metadata = metadata.tree
       if subtree is not None:
         metadata = {subtree: metadata[subtree]}
       restore_args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), metadata)
@@ -445,15 +470,21 @@ def _check_same_shapes(a, b, step_a, step_b):
 
 
 def save_averaged(workdir, params, steps):
-  """Writes `{workdir}/averaged/` (parameters + averaged.json naming the steps), replacing an older one."""
+  """Writes `{workdir}/averaged/` (parameters + averaged.json naming the steps), replacing an older one: the new
+  one is written whole into `.averaged.tmp/` and renamed into place, the older one removed only then."""
   directory = absolute(workdir) / AVERAGED_DIR
-  checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(directory / 'params', params, force=True)
-  checkpointer.wait_until_finished()
-  checkpointer.close()
-  # The orbax save above is collective (every host calls it); the small index is written by process 0.
+  staged, retired = directory.with_name(f'.{AVERAGED_DIR}.tmp'), directory.with_name(f'.{AVERAGED_DIR}.old')
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(staged / 'params', params, force=True)  # force: over what a failed write left there
+    checkpointer.wait_until_finished()
+  # The orbax save above is collective (every host calls it); the index and the renames are process 0's.
   if jax.process_index() == 0:
-    (directory / 'averaged.json').write_text(json.dumps({'steps': [int(s) for s in steps]}))
+    (staged / AVERAGED_INFO).write_text(json.dumps({'steps': [int(s) for s in steps]}))
+    retired.rmtree(missing_ok=True)
+    if directory.exists():
+      directory.rename(retired)  # a kill before the next rename leaves the older one whole there
+    staged.rename(directory)
+    retired.rmtree(missing_ok=True)
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices('averaged.json written')
   return directory
@@ -462,6 +493,6 @@ def save_averaged(workdir, params, steps):
 def load_averaged(workdir):
   """(parameters as host arrays, info) of the workdir's averaged checkpoint."""
   directory = absolute(workdir) / AVERAGED_DIR
-  if not (directory / 'averaged.json').exists():
+  if not (directory / AVERAGED_INFO).exists():
     raise FileNotFoundError(f'{directory} not found: run `python -m flaxformer_nmt.average --workdir {workdir}` first')
-  return read_params(directory / 'params'), json.loads((directory / 'averaged.json').read_text())
+  return read_params(directory / 'params'), json.loads((directory / AVERAGED_INFO).read_text())

@@ -1,5 +1,6 @@
-"""A training workdir's recorded config: config.json, written by the first run, checked by every later one,
-read by decoding, averaging and export, and the model it describes.
+"""A training workdir's recorded config: config.json, written by the first run (and by a later one once its
+checkpoint accepted it), checked by every later one, read by decoding, averaging and export, and the model it
+describes.
 
 Training and decoding both stand on this module; decoding never imports the trainer.
 """
@@ -68,9 +69,15 @@ def read_config(path):
 
 
 def save_or_check_config(config, workdir):
-  """Writes config.json on the first run; later runs must describe the same model (and stay one run, or an
-  ensemble's members, as they began) once the workdir holds anything besides config.json (a start that failed
-  before it built anything, e.g. on a vocabulary size sentencepiece refused, binds no later run)."""
+  """check_config, then write_config."""
+  check_config(config, workdir)
+  write_config(config, workdir)
+
+
+def check_config(config, workdir):
+  """ConfigError unless `config` may train in `workdir`: once it holds anything besides config.json, a later run
+  must describe the same model (and stay one run, or an ensemble's members, as it began); a start that failed
+  before it built anything, e.g. on a vocabulary size sentencepiece refused, binds no later run."""
   path = epath.Path(workdir) / CONFIG_FILENAME
   if path.exists() and any(p.name != CONFIG_FILENAME for p in path.parent.iterdir()):
     saved = read_config(path)
@@ -83,6 +90,11 @@ def save_or_check_config(config, workdir):
       if fields[field] != value:
         raise ConfigError(f'{path} was trained with config.{field}={value!r}, now {fields[field]!r}: a resumed run '
                           'keeps its model, vocabulary and key generator. Use a new --workdir or the original value.')
+
+
+def write_config(config, workdir):
+  """Writes `config` to the workdir's config.json (the one decoding, averaging and export read)."""
+  path = epath.Path(workdir) / CONFIG_FILENAME
   distributed.barrier('config read')  # nobody reads a half-written file
   if distributed.is_leader():
     path.parent.mkdir(parents=True, exist_ok=True)

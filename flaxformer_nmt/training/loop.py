@@ -19,7 +19,7 @@ from etils import epath
 from flaxformer_nmt import config as config_lib
 from flaxformer_nmt.checkpointing import best as best_lib
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
-from flaxformer_nmt.checkpointing.workdir import build_model, save_or_check_config
+from flaxformer_nmt.checkpointing.workdir import build_model, check_config, write_config
 from flaxformer_nmt.data import batching
 from flaxformer_nmt.data.pipeline import input_pipeline
 from flaxformer_nmt.models import transformer as model_lib
@@ -85,7 +85,12 @@ def set_up(config, workdir):
   model_lib.ModelConfig.from_config(config, config.vocab_size)
   workdir = epath.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
-  save_or_check_config(config, workdir)
+  check_config(config, workdir)
+  # A new run records its config at once (a run killed after its first save leaves a workdir decode can read); a
+  # resumed one once its checkpoint and data position accepted it: a refused resume leaves config.json as it was.
+  resuming = bool(checkpoints_lib.saved_steps(workdir))
+  if not resuming:
+    write_config(config, workdir)
 
   mesh = sharding.mesh_from_config(config)
   num_devices = mesh.devices.size
@@ -100,9 +105,12 @@ def set_up(config, workdir):
   model = build_model(config, tokenizer)
   state, state_sharding = train_step_lib.create_state(model, config, mesh)
   logging.info('Model: %s parameters, %s', f'{model_lib.count_params(state.params):,}', model.config)
-  checkpoints = checkpoints_lib.Checkpoints(workdir, keep=config.keep_checkpoints)
+  checkpoints = checkpoints_lib.Checkpoints(workdir, keep=config.keep_checkpoints,
+                                            every_steps=config.checkpoint_every_steps)
   with preemption.closed_on_error(train_batches, checkpoints):  # a refused resume leaves no thread behind
     state, trained_seconds = restore_or_start(config, state, state_sharding, checkpoints, train_batches, tokenizer)
+    if resuming:
+      write_config(config, workdir)
   train_fn, eval_fn = train_step_lib.jit_steps(model, config, mesh, state_sharding)
   peak = flops_lib.peak_flops_per_device(override=config.peak_flops_per_device)
   return Run(config, workdir, sharding.batch_sharded(mesh), sharding.steps_batch_sharded(mesh), train_batches,
@@ -263,6 +271,8 @@ def train_and_evaluate(config, workdir):
         logging.info('Stopping at step %d after %s (%s)', step, metrics_lib.duration(time.time() - start_time),
                      decision.reason)
         break
+    with clock.phase('saves'):  # the last save is written before the signal handlers go: a second Ctrl-C waits
+      run.checkpoints.wait()
   if decision.reason == 'config.max_train_minutes' and step < config.num_train_steps:
     warn_time_cut(config, step)
   finish(run, step, decision, clock)
@@ -272,8 +282,8 @@ def train_and_evaluate(config, workdir):
 
 
 def finish(run, step, decision, clock):
-  """Writes this launch's time by phase (up to finishing: the log closes here), waits for the last save and
-  closes everything; a run that ended (by steps or time), not one paused by a stop signal, averages its last
+  """Writes this launch's time by phase (up to finishing: the log closes here) and closes everything (the loop
+  waited for the last save); a run that ended (by steps or time), not one paused by a stop signal, averages its last
   checkpoints for decoding and is marked finished (ensemble.py). Logs the time by phase, finishing included."""
   run.log.write(step, clock.phases())
   with clock.phase('finishing'):

@@ -55,7 +55,8 @@ class StepsInFlight:
 
 
 class StopSignal:
-  """SIGTERM/SIGINT (a preemption notice, Ctrl-C) ask the loop to save after the current step and exit 0.
+  """SIGTERM/SIGINT (a preemption notice, Ctrl-C) ask the loop to save after the current step and exit 0; a
+  further one, while the run is stopping, is logged and ignored (the loop waits for its save inside the block).
 
   handle_sigterm=False leaves SIGTERM to JAX's preemption sync manager (a Python handler would replace its
   handler, and the other hosts would never hear of the notice).
@@ -68,6 +69,10 @@ class StopSignal:
 
   def _handle(self, signum, frame):
     del frame
+    if self.received is not None:
+      logging.warning('Received %s again: the run is already stopping; ignored until its checkpoint is written '
+                      '(SIGKILL stops it at once and loses that checkpoint).', signal.Signals(signum).name)
+      return
     self.received = signal.Signals(signum).name
     logging.warning('Received %s: finishing this step, saving a checkpoint, then exiting.', self.received)
 
