@@ -2,11 +2,13 @@
 vocabulary, clear errors for another vocabulary or shape, and resuming wins over init_from."""
 import json
 import logging
+import shutil
 
 import numpy as np
 import pytest
 
 from conftest import small_config
+from flaxformer_nmt.checkpointing import best as best_checkpoint
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
 from flaxformer_nmt.checkpointing.workdir import build_model
 from flaxformer_nmt.data import tokenizer as tokenizer_lib
@@ -113,3 +115,32 @@ def test_another_vocabulary_or_shape_is_a_clear_error(source, tmp_path):
                            r'\(32, 48\) in this config'):
     train.train_and_evaluate(config, workdir)
   assert not (workdir / 'checkpoints').exists() or not list((workdir / 'checkpoints').iterdir())
+
+
+def test_a_checkpoint_directory_away_from_its_workdir_is_checked_against_its_recorded_vocabulary(source, tmp_path):
+  """A checkpoint copied out of its workdir has no vocab.model beside it: the vocabulary its save recorded
+  decides (the check was skipped, and a run with another vocabulary took its embeddings). best/ is a
+  checkpoint directory too (best.json names its parameters)."""
+  config, source_dir = source
+  config = config.copy_and_resolve_references()
+  lonely = tmp_path / 'lonely' / '5'
+  shutil.copytree(source_dir / 'checkpoints' / '5', lonely)
+  assert warm_start.resolve(lonely)[2] is None  # no vocabulary found beside it
+  config.init_from = str(lonely)
+  workdir = tmp_path / 'other_vocab'
+  workdir.mkdir()
+  text = [line.upper() for line in (source_dir.parent / 'data' / 'train.en').read_text().splitlines()]
+  tokenizer_lib.train_sentencepiece(text * 2, workdir / 'vocab.model', vocab_size=config.vocab_size)
+  with pytest.raises(warm_start.WarmStartError, match=r'another vocabulary \(recorded in the checkpoint sha256'):
+    train.train_and_evaluate(config, workdir)
+  workdir = tmp_path / 'same_vocab'  # the source's vocabulary: accepted
+  workdir.mkdir()
+  shutil.copy(source_dir / 'vocab.model', workdir / 'vocab.model')
+  config.num_train_steps = 1
+  train.train_and_evaluate(config, workdir)
+  assert checkpoints_lib.saved_steps(workdir) == [1]
+
+  run = tmp_path / 'with_best'
+  params = checkpoints_lib.saved_params(source_dir, 5)
+  best_checkpoint.BestCheckpoint(run, 'bleu').update(5, params, {'eval/bleu': 1.0})
+  assert warm_start.resolve(run / 'best')[:2] == (run / 'best' / 'params_5', None)

@@ -2,15 +2,17 @@
 
   --config.init_from=runs/m30k                                 # its newest checkpoint
   --config.init_from=runs/m30k --config.init_checkpoint=averaged  # or best, or a step number
-  --config.init_from=runs/m30k/checkpoints/1800                # a checkpoint directory
+  --config.init_from=runs/m30k/checkpoints/1800                # a checkpoint directory (or averaged/, best/)
 
 Only the parameters are taken: the optimizer state, the learning-rate schedule and the step start afresh
 (step 0), as fairseq's --restore-file with --reset-optimizer --reset-lr-scheduler does. The vocabulary must be
 the source's: a new workdir without one gets a copy of the source's vocab.model, and a different one (by
-sha256) or a parameter of another shape is an error naming it. A workdir that already has checkpoints
+sha256; for a checkpoint directory away from its workdir, against the sha256 its save recorded) or a parameter
+of another shape is an error naming it. A workdir that already has checkpoints
 resumes from them and ignores init_from.
 """
 import hashlib
+import json
 
 import jax
 import numpy as np
@@ -36,8 +38,10 @@ def _params_dir(path):
   """Where the parameter tree of a checkpoint-like directory is: (orbax directory, subtree or None)."""
   if (path / 'state').is_dir():  # a training checkpoint, checkpoints/{step}
     return path / 'state', 'params'
-  if (path / 'params').is_dir():  # averaged/ (and a best/ written the same way)
+  if (path / 'params').is_dir():  # averaged/
     return path / 'params', None
+  if (path / best_checkpoint.INFO_FILENAME).exists():  # best/: best.json names its parameters
+    return path / json.loads((path / best_checkpoint.INFO_FILENAME).read_text())['params'], None
   if (path / '_METADATA').exists():  # a parameter tree saved by itself
     return path, None
   raise WarmStartError(f'config.init_from={path}: neither a training workdir nor a checkpoint directory '
@@ -108,15 +112,32 @@ def _sha256(path):
   return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _recorded_vocab_sha256(path):
+  """The vocab.model sha256 a training checkpoint directory's save recorded (Checkpoints.save), or None."""
+  try:
+    metadata = json.loads((path / '_CHECKPOINT_METADATA').read_text())
+  except (OSError, ValueError):
+    return None
+  return ((metadata.get('custom_metadata') or {}) if isinstance(metadata, dict) else {}).get('vocab_sha256')
+
+
 def load_params(state, state_sharding, config, tokenizer):
   """`state` with the parameters of config.init_from, placed like `state_sharding.params`; the step, the
   optimizer state and the dropout key stay those of the fresh state."""
   directory, subtree, source, description = resolve(config.init_from, config.init_checkpoint)
-  if source is not None and _sha256(source / VOCAB_FILENAME) != tokenizer.sha256:
+  if source is not None:
+    theirs, where = _sha256(source / VOCAB_FILENAME), source / VOCAB_FILENAME
+  else:  # a checkpoint directory away from its workdir: the vocabulary its save recorded
+    theirs, where = _recorded_vocab_sha256(checkpoints_lib.absolute(config.init_from)), 'recorded in the checkpoint'
+    if theirs is None:
+      logging.warning('config.init_from=%s: no vocab.model beside it and none recorded in it; its embeddings are '
+                      'taken as made for this run\'s vocabulary, unchecked', config.init_from)
+  if theirs is not None and theirs != tokenizer.sha256:
     raise WarmStartError(
-        f'config.init_from: {description} was trained with another vocabulary ({source / VOCAB_FILENAME} '
-        f'sha256 {_sha256(source / VOCAB_FILENAME)[:12]}..., this run {tokenizer.sha256[:12]}...): its '
-        'embeddings do not fit. Start the new run in an empty --workdir (it copies the source vocabulary).')
+        f'config.init_from: {description} was trained with another vocabulary ({where} '
+        f'sha256 {theirs[:12]}..., this run {tokenizer.sha256[:12]}...): its embeddings do not fit. Start the new '
+        'run in an empty --workdir beside the source\'s vocab.model (it copies it), or put that vocab.model in '
+        '--workdir.')
   params = checkpoints_lib.read_params(directory, subtree)
   expected = {f'params.{k}': v for k, v in checkpoints_lib.tree_signature(state.params).items()}
   differences = checkpoints_lib.describe_mismatch(
