@@ -181,7 +181,8 @@ def test_steps_run_several_a_call_log_save_and_resume_as_steps_run_one_at_a_time
     return {r['step']: r[name] for r in records if name in r}
 
   (one, one_saved), (many, many_saved) = launches(tmp_path / 'one', 1), launches(tmp_path / 'many', 4)
-  assert many_saved == one_saved == [8, 12, 14]  # the newest 3 (config.keep_checkpoints)
+  # The newest 3 (config.keep_checkpoints), and the newest 3 at the 4-step interval: the final 14 is off it.
+  assert many_saved == one_saved == [4, 8, 12, 14]
   assert sorted(values(many, 'train/loss')) == [4, 6, 8, 12, 14]
   for name in ('train/loss', 'train/nll', 'train/learning_rate', 'eval/loss'):
     want = values(one, name)
@@ -201,3 +202,47 @@ def test_the_run_records_its_wall_time_by_phase(trained_toy):
   # Validation (two greedy BLEU decodes of the validation split and two loss passes) takes longer than the
   # four asynchronous saves' share of the loop.
   assert phases['wall/validation'] > phases['wall/saves']
+
+
+def test_a_profile_window_inside_a_call_of_several_steps_is_traced(tmp_path, monkeypatch):
+  """With config.steps_per_dispatch the calls begin at multiples of it: a window that starts between two of
+  them (10..13 with calls at 0, 8, 16) was never traced, as only a call beginning inside it started the trace."""
+  from flaxformer_nmt.runtime import profiler as profiler_lib  # pylint: disable=g-import-not-at-top
+  events = []
+  monkeypatch.setattr(jax.profiler, 'start_trace', lambda directory: events.append('start'))
+  monkeypatch.setattr(jax.profiler, 'stop_trace', lambda: events.append('stop'))
+  for steps, calls in ((8, (0, 8, 16, 24)), (1, range(20))):
+    events.clear()
+    profile = profiler_lib.Profiler(tmp_path, start=10, steps=4)
+    for step in calls:
+      profile.before_step(step, steps)
+      events.append(step)
+      profile.after_step(step + steps, jax.numpy.zeros(()))
+    traced = events[events.index('start') + 1:events.index('stop')]
+    assert events.count('start') == events.count('stop') == 1
+    assert traced == ([8] if steps == 8 else [10, 11, 12, 13]), events
+
+
+def test_the_first_call_of_each_batch_shape_is_timed_as_compiling(monkeypatch):
+  """Length-bucketed batches compile the train step once per bucket: each bucket's first call is compiling,
+  not step time (only the first call per steps-per-call count was, so the other buckets' compiles went into
+  the steps' time, tokens/s and MFU)."""
+  import types  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.training import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  shapes = [(4, 16), (4, 16), (2, 32), (4, 16), (2, 32), (1, 64)]
+  batches = iter({'src': np.zeros(shape, np.int32), 'tgt': np.zeros(shape, np.int32)} for shape in shapes)
+  run = types.SimpleNamespace(train_batches=None, dispatched=set(), state=0, batch_sharding=None,
+                              train_fn=lambda state, batch: (state + 1, {}))
+  interval = types.SimpleNamespace(next_batch=lambda _: next(batches), add=lambda metrics, batches: None)
+  phases = []
+
+  class Clock(metrics_lib.WallClock):
+    def phase(self, name):
+      phases.append((run.state, name))
+      return super().phase(name)
+
+  monkeypatch.setattr(train.sharding, 'put_batch', lambda batch, sharding: batch)
+  for _ in shapes:
+    train.dispatch_steps(run, interval, 1, Clock())
+  assert phases == [(0, 'compiling'), (2, 'compiling'), (5, 'compiling')]

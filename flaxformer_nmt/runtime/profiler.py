@@ -15,8 +15,10 @@ class Profiler:
     self.enabled = steps > 0 and distributed.is_leader()
     self.active = False
 
-  def before_step(self, step):
-    if self.enabled and self.start <= step < self.stop and not self.active:  # a call may run several steps
+  def before_step(self, step, steps=1):
+    """Before a call that runs `steps` steps after `step`: the trace starts with the first call that runs a step
+    of the window (a call of several steps may begin before it)."""
+    if self.enabled and step < self.stop and step + steps > self.start and not self.active:
       jax.profiler.start_trace(self.directory)
       self.active = True
 

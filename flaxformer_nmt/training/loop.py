@@ -63,7 +63,7 @@ class Run:
   # Training time before this launch, saved with each checkpoint (0 for a new run): config.max_train_minutes and
   # the logged elapsed_seconds count the run's training time across resumes, not the time between them.
   trained_seconds: float = 0.0
-  # The steps per call already dispatched in this launch (1, config.steps_per_dispatch): a first call compiles.
+  # The programs already dispatched in this launch, as (steps per call, batch shapes): a first call compiles.
   dispatched: set = dataclasses.field(default_factory=set)
 
   def close(self, last_state=None):
@@ -202,23 +202,29 @@ def catch_up_evaluation(run, step, start_time):
   return evaluate_step(run, step, start_time, done)
 
 
-def dispatch_steps(run, interval, step, clock):
-  """Dispatches the next train steps after `step`: config.steps_per_dispatch of them in one call (TrainStep.many)
-  from a multiple of it with that many left (every logging, evaluation and save step is such a multiple:
-  config.validate), else one; returns (how many, their metrics: device arrays, read at log and save time). The
-  first call of each program is timed as the clock's 'compiling'."""
-  many = run.config.steps_per_dispatch
-  count = many if step % many == 0 and step + many <= run.config.num_train_steps else 1
+def steps_in_call(config, step):
+  """How many train steps the call after `step` runs: config.steps_per_dispatch of them (TrainStep.many) from a
+  multiple of it with that many left (every logging, evaluation and save step is such a multiple:
+  config.validate), else one."""
+  many = config.steps_per_dispatch
+  return many if step % many == 0 and step + many <= config.num_train_steps else 1
+
+
+def dispatch_steps(run, interval, count, clock):
+  """Dispatches the next `count` train steps (steps_in_call) in one call; returns their metrics (device arrays,
+  read at log and save time). The first call of each program (steps per call, batch shapes: a length bucket
+  compiles its own) is timed as the clock's 'compiling'."""
   batches = [interval.next_batch(run.train_batches) for _ in range(count)]
-  with clock.phase('compiling') if count not in run.dispatched else contextlib.nullcontext():
+  program = (count, tuple(np.shape(x) for x in jax.tree_util.tree_leaves(batches[0])))
+  with clock.phase('compiling') if program not in run.dispatched else contextlib.nullcontext():
     if count == 1:
       run.state, metrics = run.train_fn(run.state, sharding.put_batch(batches[0], run.batch_sharding))
     else:
       stacked = jax.tree_util.tree_map(lambda *arrays: np.stack(arrays), *batches)
       run.state, metrics = run.train_fn.many(run.state, sharding.put_batch(stacked, run.steps_batch_sharding))
-  run.dispatched.add(count)
+  run.dispatched.add(program)
   interval.add(metrics, batches)
-  return count, metrics
+  return metrics
 
 
 def train_and_evaluate(config, workdir):
@@ -246,8 +252,9 @@ def train_and_evaluate(config, workdir):
     in_flight = preemption.StepsInFlight()
     spent = step < config.num_train_steps and decision.spent_before_start(run.trained_seconds)
     while step < config.num_train_steps and not spent:
-      run.profiler.before_step(step)
-      steps, step_metrics = dispatch_steps(run, interval, step, clock)
+      steps = steps_in_call(config, step)
+      run.profiler.before_step(step, steps)
+      step_metrics = dispatch_steps(run, interval, steps, clock)
       in_flight.add(step_metrics)  # stop decisions below are for a step the device is about to reach
       step += steps
       run.profiler.after_step(step, run.state)
