@@ -30,7 +30,7 @@ def define_flags():
   config_flags.DEFINE_config_file('config', None, 'Python config file (configs/*.py).', lock_config=True)
   flags.DEFINE_string('workdir', None, 'Directory (or gs:// URL) for the vocabulary, checkpoints and logs.')
   flags.DEFINE_enum('distributed', 'auto', distributed.MODES,
-                    'Multi-host start: auto (a coordinator address, SLURM, Open MPI or a Cloud TPU VM), on, off.')
+                    'Multi-host start: auto (coordinator address, srun step, Open MPI or Cloud TPU VM), on, off.')
   flags.DEFINE_string('coordinator_address', None, 'host:port of process 0 (default: $JAX_COORDINATOR_ADDRESS).')
   flags.DEFINE_integer('num_processes', None, 'Processes in the job (default: $JAX_NUM_PROCESSES).')
   flags.DEFINE_integer('process_id', None, 'This process, 0..num_processes-1 (default: $JAX_PROCESS_ID).')
@@ -49,8 +49,11 @@ def main(argv):
       logging.info('Host CPU split into %d devices (config.cpu_devices)', flags.FLAGS.config.cpu_devices)
   except sharding.MeshError as e:
     sys.exit(f'error: {e}')
-  distributed.initialize(flags.FLAGS.distributed, flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
-                         flags.FLAGS.process_id)
+  try:
+    distributed.initialize(flags.FLAGS.distributed, flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
+                           flags.FLAGS.process_id)
+  except distributed.DistributedError as e:
+    sys.exit(f'error: {e}')
   cache.use_compilation_cache()  # a resumed or repeated run loads its train step and searches
   try:
     if flags.FLAGS.config.ensemble_members > 1:  # several runs in turn, in member directories

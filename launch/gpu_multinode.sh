@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Trains on N GPU nodes x G GPUs: one process per node drives that node's G GPUs; process 0's host is the
-# coordinator. Each node gets JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID, which
-# flaxformer_nmt.distributed passes to jax.distributed.initialize. Started over ssh (the repository and its
-# lean environment must already be at --repo on every node, and --workdir on storage every node sees), or
-# with --slurm as one srun step (JAX reads SLURM's variables itself). With --tfds-data-dir (a directory every
+# coordinator. Each node gets JAX_COORDINATOR_ADDRESS (the first host without its user@), JAX_NUM_PROCESSES and
+# JAX_PROCESS_ID, which flaxformer_nmt.distributed passes to jax.distributed.initialize. Started over ssh (the
+# repository and its lean environment must already be at --repo on every node, and --workdir on storage every
+# node sees), or with --slurm as one srun step of one task per node (JAX reads SLURM's variables itself;
+# flaxformer_nmt.distributed gives each task all its node's GPUs). With --tfds-data-dir (a directory every
 # node reads: shared filesystem or gs://), the first node alone installs the [tfds] extra (TensorFlow) and
 # prepares the config's TFDS builder into it before training starts; every node trains with that directory.
 #
@@ -14,7 +15,7 @@
 set -euo pipefail
 
 usage() {
-  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,/^set /s/^# \{0,1\}//p' "$0"  # the comment above
   echo "options: (--hosts H1,H2,... | --slurm --nodes N) [--gpus-per-node 8] [--port 12355] [--repo DIR]"
   echo "         [--python python3] [--tfds-data-dir DIR] [--dry-run] -- TRAIN_ARGS..."
   exit "${1:-2}"
@@ -66,7 +67,7 @@ fi
 [[ -n "$HOSTS" ]] || { echo "--hosts (or --slurm) is required" >&2; usage; }
 IFS=, read -r -a HOST_LIST <<< "$HOSTS"
 NUM=${#HOST_LIST[@]}
-COORDINATOR="${HOST_LIST[0]}:$PORT"
+COORDINATOR="${HOST_LIST[0]#*@}:$PORT"  # ssh takes user@host; the coordinator address is host:port
 if [[ -n "$TFDS_DATA_DIR" ]]; then
   run ssh "${HOST_LIST[0]}" "$PREPARE"  # waited for: no node trains before the data is prepared
 fi

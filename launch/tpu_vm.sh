@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Trains on every worker of a Cloud TPU VM slice: (optionally) creates the TPU VM, copies this repository to
-# every worker and installs it there without TensorFlow; with --tfds-data-dir, worker 0 alone installs the
-# [tfds] extra (TensorFlow) and prepares the config's TFDS builder once into that gs:// directory; then the
-# same training command (the same config, --config.tfds_data_dir included) starts on all workers, which read
-# the prepared data. Each worker runs one process; flaxformer_nmt.distributed finds the others through the
-# TPU metadata server. Keep --workdir and the data on gs://.
+# every worker and installs it there without TensorFlow, into a Python 3.12 virtual environment made by uv
+# (.venv in --remote-dir, ~/flaxformer_nmt; the runtime image's python3, 3.10, is older than the package
+# needs; --no-install reuses an earlier run's); with --tfds-data-dir, worker 0 alone installs the [tfds] extra
+# (TensorFlow) and prepares the config's TFDS builder once into that gs:// directory; then the same training
+# command (the same config, --config.tfds_data_dir included) starts on all workers, which read the prepared
+# data. Each worker runs one process; flaxformer_nmt.distributed finds the others through the TPU metadata
+# server. Keep --workdir and the data on gs://.
 #
 #   launch/tpu_vm.sh --name nmt --zone us-central2-b --accelerator-type v4-32 --create \
 #       --tfds-data-dir gs://BUCKET/tensorflow_datasets \
@@ -13,7 +15,7 @@
 set -euo pipefail
 
 usage() {
-  sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,/^set /s/^# \{0,1\}//p' "$0"  # the comment above
   echo "options: --name NAME --zone ZONE [--project P] [--accelerator-type v4-8] [--version RUNTIME] [--create]"
   echo "         [--tfds-data-dir gs://DIR] [--repo DIR] [--remote-dir DIR] [--no-install] [--dry-run]"
   echo "         -- TRAIN_ARGS..."
@@ -75,15 +77,21 @@ fi
 on_workers all "mkdir -p ~/$REMOTE_DIR"
 run "${GCLOUD[@]}" scp --recurse --worker=all "${WHERE[@]}" "$REPO/pyproject.toml" "$REPO/README.md" \
   "$REPO/flaxformer_nmt" "$REPO/configs" "$NAME:~/$REMOTE_DIR/"
+# uv (installed with the image's python3) fetches Python 3.12 where the image has none; the commands below run
+# in ~/$REMOTE_DIR and use the environment's interpreter.
+UV="python3 -m uv"
+UV_INSTALL="$UV pip install -q --python .venv/bin/python"
 if [[ "$INSTALL" == 1 ]]; then
   # The lean install: training reads prepared array_record data without TensorFlow.
-  on_workers all "cd ~/$REMOTE_DIR && python3 -m pip install -q -U 'jax[tpu]' && python3 -m pip install -q -e ."
+  on_workers all "cd ~/$REMOTE_DIR && python3 -m pip install -q --user -U uv \
+&& $UV venv -q --allow-existing --python 3.12 .venv && $UV_INSTALL -U 'jax[tpu]' -e ."
 fi
 if [[ -n "$TFDS_DATA_DIR" ]]; then
   # Once, before any training process starts: the download and conversion need TensorFlow (worker 0 only).
   TFDS_INSTALL=""
-  [[ "$INSTALL" == 1 ]] && TFDS_INSTALL="python3 -m pip install -q -e '.[tfds]' && "
-  on_workers 0 \
-    "cd ~/$REMOTE_DIR && ${TFDS_INSTALL}python3 -m flaxformer_nmt.corpora prepare $(quote "${CONFIG_ARGS[@]}")"
+  [[ "$INSTALL" == 1 ]] && TFDS_INSTALL="$UV_INSTALL -e '.[tfds]' && "
+  on_workers 0 "cd ~/$REMOTE_DIR && ${TFDS_INSTALL}.venv/bin/python -m flaxformer_nmt.corpora prepare \
+$(quote "${CONFIG_ARGS[@]}")"
 fi
-on_workers all "cd ~/$REMOTE_DIR && python3 -m flaxformer_nmt.train --distributed=auto $(quote "${ARGS[@]}")"
+on_workers all \
+  "cd ~/$REMOTE_DIR && .venv/bin/python -m flaxformer_nmt.train --distributed=auto $(quote "${ARGS[@]}")"

@@ -2,6 +2,7 @@
 both, resume; the resumed run ends where an uninterrupted two-process run ends."""
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -109,29 +110,114 @@ def test_sigterm_to_one_process_makes_both_save_the_same_step_and_the_resume_is_
     np.testing.assert_array_equal(a, b)
 
 
-def test_single_machine_without_coordinator_does_not_initialize(monkeypatch):
-  for name in ('JAX_COORDINATOR_ADDRESS', 'SLURM_NTASKS', 'SLURM_JOB_ID', 'OMPI_COMM_WORLD_SIZE'):
+# Every variable the start reads: the tests set what they simulate on a clean environment.
+LAUNCH_VARIABLES = ('JAX_COORDINATOR_ADDRESS', 'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID', 'JAX_LOCAL_DEVICE_IDS',
+                    'CUDA_VISIBLE_DEVICES', 'SLURM_STEP_NUM_NODES', 'OMPI_COMM_WORLD_SIZE',
+                    'OMPI_COMM_WORLD_LOCAL_SIZE', 'SLURM_JOB_ID', 'SLURM_STEP_NODELIST', 'SLURM_NTASKS',
+                    'SLURM_PROCID', 'SLURM_LOCALID')
+# What srun --nodes 2 --ntasks-per-node 1 --gpus-per-node 8 gives the task on the second node.
+SRUN_TASK = {'SLURM_JOB_ID': '1234', 'SLURM_STEP_NODELIST': 'gpu[1-2]', 'SLURM_NTASKS': '2', 'SLURM_PROCID': '1',
+             'SLURM_LOCALID': '0', 'SLURM_STEP_NUM_NODES': '2', 'CUDA_VISIBLE_DEVICES': '0,1,2,3,4,5,6,7'}
+
+
+@pytest.fixture
+def clean_environment(monkeypatch):
+  for name in LAUNCH_VARIABLES:
     monkeypatch.delenv(name, raising=False)
   monkeypatch.setattr(distributed, 'on_cloud_tpu_vm', lambda: False)
+  return monkeypatch
+
+
+def test_single_machine_without_coordinator_does_not_initialize(clean_environment):
   assert distributed.initialize('auto') is False
   assert distributed.initialize('off', coordinator_address='localhost:1') is False
   with pytest.raises(ValueError, match='--distributed'):
     distributed.initialize('sometimes')
 
 
-def test_cluster_detection_reads_the_launchers_environment(monkeypatch):
-  monkeypatch.setattr(distributed, 'on_cloud_tpu_vm', lambda: False)
-  for name in ('SLURM_NTASKS', 'SLURM_JOB_ID', 'OMPI_COMM_WORLD_SIZE'):
-    monkeypatch.delenv(name, raising=False)
+def test_cluster_detection_reads_the_variables_jax_reads(clean_environment):
+  """SLURM_JOB_ID with SLURM_NTASKS > 1 is also what an salloc or sbatch shell has; JAX's SLURM detection needs
+  SLURM_STEP_NODELIST, SLURM_PROCID and SLURM_LOCALID too (an srun step's tasks), so only all of them together
+  are a SLURM job."""
+  monkeypatch = clean_environment
   assert distributed.cluster_from_environment() is None
   monkeypatch.setenv('SLURM_JOB_ID', '7')
-  monkeypatch.setenv('SLURM_NTASKS', '1')
-  assert distributed.cluster_from_environment() is None  # a one-task allocation: a single process
   monkeypatch.setenv('SLURM_NTASKS', '16')
+  assert distributed.cluster_from_environment() is None  # an salloc or sbatch shell: not a task of a step
+  for name, value in SRUN_TASK.items():
+    monkeypatch.setenv(name, value)
   assert distributed.cluster_from_environment() == 'slurm'
+  monkeypatch.setenv('SLURM_NTASKS', '1')
+  assert distributed.cluster_from_environment() is None  # a one-task step: a single process
   monkeypatch.delenv('SLURM_NTASKS')
   monkeypatch.setenv('OMPI_COMM_WORLD_SIZE', '4')
   assert distributed.cluster_from_environment() == 'openmpi'
   monkeypatch.delenv('OMPI_COMM_WORLD_SIZE')
   monkeypatch.setattr(distributed, 'on_cloud_tpu_vm', lambda: True)
   assert distributed.cluster_from_environment() == 'tpu'
+
+
+def initialize_as_jax_would(monkeypatch, environment):
+  """The coordinator, process count, process id and local device ids JAX settles on for distributed.initialize's
+  call in `environment` (JAX's own cluster detection fills in what the call leaves unset)."""
+  from jax._src import clusters  # pylint: disable=g-import-not-at-top
+  for name, value in environment.items():
+    monkeypatch.setenv(name, value)
+  calls = []
+  monkeypatch.setattr(jax.distributed, 'initialize', lambda **kwargs: calls.append(kwargs))
+  assert distributed.initialize('auto')
+  (call,) = calls
+  return clusters.ClusterEnv.auto_detect_unset_distributed_params(
+      call['coordinator_address'], call['num_processes'], call['process_id'], call.get('local_device_ids'), None,
+      None)
+
+
+def test_one_srun_task_per_node_drives_all_the_nodes_gpus(clean_environment):
+  """With one process per node, JAX's SLURM detection alone would give each process the single GPU numbered
+  SLURM_LOCALID (GPU 0 of 8); the task must get all GPUs of its node. One task per GPU keeps JAX's choice."""
+  assert initialize_as_jax_would(clean_environment, SRUN_TASK) == ('gpu1:62674', 2, 1, list(range(8)))
+  one_per_gpu = dict(SRUN_TASK, SLURM_NTASKS='16', SLURM_PROCID='9', SLURM_LOCALID='1')
+  assert initialize_as_jax_would(clean_environment, one_per_gpu) == ('gpu1:62674', 16, 9, [1])
+  clean_environment.setenv('JAX_LOCAL_DEVICE_IDS', '0,1')  # the user's choice: left to JAX, which reads it
+  assert distributed.local_device_ids('slurm') is None
+
+
+@pytest.mark.parametrize('mode,environment,message', [
+    # An salloc or sbatch shell: the job has two tasks, but this process is not one of them.
+    ('auto', {'SLURM_JOB_ID': '5', 'SLURM_NTASKS': '2'}, 'run it under srun'),
+    ('on', {'SLURM_JOB_ID': '5', 'SLURM_NTASKS': '2', 'SLURM_PROCID': '0'}, 'SLURM_STEP_NODELIST, SLURM_LOCALID unset'),
+    ('on', {}, 'set JAX_COORDINATOR_ADDRESS (--coordinator_address), JAX_NUM_PROCESSES'),
+    ('auto', {'JAX_COORDINATOR_ADDRESS': 'h:1'}, 'without JAX_NUM_PROCESSES (--num_processes), JAX_PROCESS_ID'),
+    ('auto', {'JAX_COORDINATOR_ADDRESS': 'h:1', 'JAX_NUM_PROCESSES': 'two', 'JAX_PROCESS_ID': '0'},
+     "JAX_NUM_PROCESSES must be an integer, not 'two'")])
+def test_a_start_that_lacks_something_raises_an_error_naming_it(clean_environment, mode, environment, message):
+  """A multi-process start that cannot proceed raises DistributedError naming what is missing, never JAX's
+  ValueError ('coordinator_address should be defined.') or int()'s."""
+  for name, value in environment.items():
+    clean_environment.setenv(name, value)
+  with pytest.raises(distributed.DistributedError, match=re.escape(message)):
+    distributed.initialize(mode)
+
+
+def test_a_start_jax_refuses_raises_an_error(clean_environment):
+  """What jax.distributed.initialize refuses (an id out of range, a coordinator that does not answer) reaches
+  the trainer as DistributedError, not as JAX's exception."""
+  def refuse(**_):
+    raise ValueError('process_id and num_processes must be nonnegative, with process_id < num_processes.')
+  clean_environment.setattr(jax.distributed, 'initialize', refuse)
+  with pytest.raises(distributed.DistributedError, match='failed: process_id and num_processes'):
+    distributed.initialize('on', 'localhost:1', 2, 5)
+
+
+def test_the_trainer_reports_a_bad_start_in_one_error_line(tmp_path):
+  """`python -m flaxformer_nmt.train` in an salloc shell (SLURM_NTASKS=2, no srun step) exits non-zero with one
+  `error:` line saying to run it under srun, not a traceback."""
+  env = subprocess_env(JAX_PLATFORMS='cpu', SLURM_JOB_ID='5', SLURM_NTASKS='2')
+  for name in ('JAX_COORDINATOR_ADDRESS', 'SLURM_STEP_NODELIST'):
+    env.pop(name, None)
+  out = subprocess.run([sys.executable, '-m', 'flaxformer_nmt.train', '--config', 'configs/multi30k.py',
+                        '--workdir', str(tmp_path / 'w')], cwd=os.path.dirname(HERE), env=env,
+                       capture_output=True, text=True, timeout=300, check=False)
+  assert out.returncode != 0 and 'Traceback' not in out.stderr, out.stderr
+  last = out.stderr.strip().splitlines()[-1]
+  assert last.startswith('error: this SLURM job has 2 tasks') and 'srun' in last, out.stderr

@@ -3,6 +3,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
@@ -39,6 +40,15 @@ def test_gpu_multinode_over_ssh_gives_every_node_its_process_id():
     assert 'CUDA_VISIBLE_DEVICES=0,1,2,3 ' in remote
     assert module_args(shlex.split(remote), 'flaxformer_nmt.train') == [
         '--distributed=on', '--config', 'configs/big.py', '--workdir', '/shared/run big']
+
+
+def test_gpu_multinode_coordinator_address_is_the_first_host_without_its_ssh_user():
+  """`--hosts alice@node1,...`: ssh needs the user, but JAX_COORDINATOR_ADDRESS must be host:port, never
+  alice@node1:port."""
+  commands = dry_run('gpu_multinode.sh', '--hosts', 'alice@node1,bob@node2', '--', '--config', 'c')
+  assert [host for _, host, _ in commands] == ['alice@node1', 'bob@node2']
+  for _, _, remote in commands:
+    assert 'JAX_COORDINATOR_ADDRESS=node1:12355 ' in remote
 
 
 def test_gpu_multinode_prepares_once_on_the_first_node_before_any_node_trains():
@@ -88,6 +98,39 @@ def test_tpu_vm_creates_copies_installs_prepares_on_worker_0_and_trains_on_all_w
   assert module_args(remote['prepare'], 'flaxformer_nmt.corpora') == ['prepare'] + CONFIG_ARGS + shared
   assert module_args(remote['train'], 'flaxformer_nmt.train') == ['--distributed=auto'] + TRAIN_ARGS + shared
   assert module_args(remote['train'], 'flaxformer_nmt.corpora') is None and '.[tfds]' not in remote['train']
+
+
+def steps(words):
+  """A command line's `&&`-separated commands, each a list of words."""
+  commands = [[]]
+  for word in words:
+    if word == '&&':
+      commands.append([])
+    else:
+      commands[-1].append(word)
+  return commands
+
+
+def test_tpu_vm_runs_every_python_command_in_a_new_enough_python():
+  """The TPU runtime image's python3 is 3.10, older than pyproject's requires-python: every worker gets a
+  virtual environment of a Python that satisfies it (made by uv), and installation, preparation and training use
+  that environment; the image's python3 only installs uv and runs it."""
+  with open(os.path.join(os.path.dirname(LAUNCH), 'pyproject.toml'), 'rb') as f:
+    assert tomllib.load(f)['project']['requires-python'] == '>=3.11'
+  commands = dry_run('tpu_vm.sh', '--name', 'nmt', '--zone', 'z', '--tfds-data-dir', 'gs://b/tfds', '--',
+                     *TRAIN_ARGS)
+  install, prepare, train = [steps(shlex.split(c[c.index('--command') + 1])) for c in commands[2:]]  # after scp
+  assert install[1] == ['python3', '-m', 'pip', 'install', '-q', '--user', '-U', 'uv']
+  venv = install[2]
+  assert venv[:4] == ['python3', '-m', 'uv', 'venv'] and venv[-1] == '.venv'
+  assert tuple(int(x) for x in venv[venv.index('--python') + 1].split('.')) >= (3, 11)
+  uv_installs = [install[3], prepare[1]]  # the lean install on every worker, [tfds] on worker 0
+  for words in uv_installs:
+    assert words[:5] == ['python3', '-m', 'uv', 'pip', 'install']
+    assert words[words.index('--python') + 1] == '.venv/bin/python'
+  assert install[3][-2:] == ['-e', '.'] and prepare[1][-2:] == ['-e', '.[tfds]']
+  assert prepare[2][:3] == ['.venv/bin/python', '-m', 'flaxformer_nmt.corpora']
+  assert train[1][:3] == ['.venv/bin/python', '-m', 'flaxformer_nmt.train']
 
 
 def test_tpu_vm_without_a_tfds_directory_prepares_nothing():

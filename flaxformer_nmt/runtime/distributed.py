@@ -4,9 +4,16 @@
   - explicit: a coordinator address from the argument or JAX_COORDINATOR_ADDRESS, with the number of
     processes and this process's id from the arguments or JAX_NUM_PROCESSES / JAX_PROCESS_ID
     (launch/gpu_multinode.sh sets these on every node);
-  - SLURM (srun with more than one task) and Open MPI (mpirun): JAX reads the job's environment;
+  - SLURM (a task of an srun step with more than one task: the variables JAX reads, SLURM_JOB_ID,
+    SLURM_STEP_NODELIST, SLURM_NTASKS, SLURM_PROCID and SLURM_LOCALID) and Open MPI (mpirun): JAX reads the
+    job's environment;
   - Cloud TPU VMs: JAX asks the TPU metadata server for the workers (launch/tpu_vm.sh).
-Otherwise (one machine) nothing is initialized and jax runs as a single process.
+Otherwise (one machine) nothing is initialized and jax runs as a single process. A start that lacks what it
+needs (a SLURM job of several tasks outside srun, `on` without a job, an explicit start missing a value, a
+non-integer JAX_NUM_PROCESSES) raises DistributedError naming what is missing.
+
+Under SLURM or Open MPI JAX gives each process the one GPU numbered by its local rank (one process per GPU);
+with one process per node, initialize() passes all the node's GPUs instead (JAX_LOCAL_DEVICE_IDS overrides).
 
 Detection only reads the environment and /dev: initializing a jax backend first would make
 jax.distributed.initialize fail.
@@ -20,11 +27,24 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 MODES = ('auto', 'on', 'off')
+# What JAX's SLURM detection reads: all are set in the tasks of an srun step, not in an salloc or sbatch shell.
+SLURM_STEP_VARIABLES = ('SLURM_JOB_ID', 'SLURM_STEP_NODELIST', 'SLURM_NTASKS', 'SLURM_PROCID', 'SLURM_LOCALID')
+EXPLICIT = (('JAX_COORDINATOR_ADDRESS', '--coordinator_address'), ('JAX_NUM_PROCESSES', '--num_processes'),
+            ('JAX_PROCESS_ID', '--process_id'))
+
+
+class DistributedError(Exception):
+  """The environment or flags do not describe a multi-process start that can proceed."""
 
 
 def _env_int(name):
-  value = os.environ.get(name)
-  return int(value) if value not in (None, '') else None
+  value = os.environ.get(name, '').strip()
+  if not value:
+    return None
+  try:
+    return int(value)
+  except ValueError:
+    raise DistributedError(f'{name} must be an integer, not {value!r}') from None
 
 
 def on_cloud_tpu_vm():
@@ -33,9 +53,16 @@ def on_cloud_tpu_vm():
           and bool(glob.glob('/dev/accel*') or glob.glob('/dev/vfio/[0-9]*')))
 
 
+def _slurm_job_outside_step():
+  """SLURM_NTASKS > 1 in a SLURM job, but not in a task of an srun step (an salloc or sbatch shell)."""
+  tasks = _env_int('SLURM_NTASKS')
+  return bool(os.environ.get('SLURM_JOB_ID') and tasks and tasks > 1
+              and not all(name in os.environ for name in SLURM_STEP_VARIABLES))
+
+
 def cluster_from_environment():
   """The launcher whose environment describes a multi-process job, or None."""
-  if _env_int('SLURM_NTASKS') and _env_int('SLURM_NTASKS') > 1 and os.environ.get('SLURM_JOB_ID'):
+  if all(name in os.environ for name in SLURM_STEP_VARIABLES) and (_env_int('SLURM_NTASKS') or 0) > 1:
     return 'slurm'
   if _env_int('OMPI_COMM_WORLD_SIZE') and _env_int('OMPI_COMM_WORLD_SIZE') > 1:
     return 'openmpi'
@@ -44,11 +71,55 @@ def cluster_from_environment():
   return None
 
 
+def _one_process_per_node(cluster):
+  if cluster == 'slurm':
+    nodes = _env_int('SLURM_STEP_NUM_NODES')
+    return nodes is not None and nodes == _env_int('SLURM_NTASKS')
+  if cluster == 'openmpi':
+    return _env_int('OMPI_COMM_WORLD_LOCAL_SIZE') == 1
+  return False
+
+
+def local_device_ids(cluster):
+  """All of this node's GPUs (0..n-1 of CUDA_VISIBLE_DEVICES, else of /dev/nvidiaN) when it runs one process of
+  a SLURM or Open MPI job, where JAX would keep only GPU SLURM_LOCALID / the local rank; else None (JAX's
+  choice, or JAX_LOCAL_DEVICE_IDS)."""
+  if os.environ.get('JAX_LOCAL_DEVICE_IDS') or not _one_process_per_node(cluster):
+    return None
+  visible = os.environ.get('CUDA_VISIBLE_DEVICES')
+  if visible is not None:
+    count = len([device for device in visible.split(',') if device.strip()])
+  else:
+    count = len(glob.glob('/dev/nvidia[0-9]*'))
+  return list(range(count)) or None
+
+
+def _check_start(mode, cluster, settings):
+  """Raises DistributedError if a start in `mode` lacks what it needs; returns whether to initialize."""
+  if cluster is None and _slurm_job_outside_step() and settings[0] is None:
+    unset = ', '.join(name for name in SLURM_STEP_VARIABLES if name not in os.environ)
+    raise DistributedError(f'this SLURM job has {os.environ["SLURM_NTASKS"]} tasks but this process is not one '
+                           f'of them ({unset} unset): run it under srun (launch/gpu_multinode.sh --slurm), or '
+                           'pass --distributed=off for one process')
+  if cluster is not None:
+    return True
+  if mode == 'auto' and settings[0] is None:
+    return False
+  missing = [f'{name} ({flag})' for (name, flag), value in zip(EXPLICIT, settings) if value is None]
+  if missing and settings[0] is None:
+    raise DistributedError('--distributed=on found no srun step, Open MPI job or Cloud TPU VM: set '
+                           + ', '.join(missing))
+  if missing:
+    raise DistributedError(f'coordinator {settings[0]} given without ' + ', '.join(missing))
+  return True
+
+
 def initialize(mode='auto', coordinator_address=None, num_processes=None, process_id=None):
   """Joins the distributed runtime when this is a multi-process job; returns True if it did.
 
-  mode 'off' never initializes; 'on' always does (JAX auto-detects what the arguments leave unset); 'auto'
-  initializes given a coordinator address (argument or environment) or a detected cluster.
+  mode 'off' never initializes; 'on' always does (JAX detects what the arguments leave unset from a SLURM step,
+  an Open MPI job or a Cloud TPU VM); 'auto' initializes given a coordinator address (argument or environment)
+  or a detected cluster. Raises DistributedError when the start lacks something or JAX refuses it.
   """
   if mode not in MODES:
     raise ValueError(f'--distributed must be one of {MODES}, not {mode!r}')
@@ -59,16 +130,18 @@ def initialize(mode='auto', coordinator_address=None, num_processes=None, proces
   coordinator_address = coordinator_address or os.environ.get('JAX_COORDINATOR_ADDRESS') or None
   num_processes = num_processes if num_processes is not None else _env_int('JAX_NUM_PROCESSES')
   process_id = process_id if process_id is not None else _env_int('JAX_PROCESS_ID')
-  cluster = None
-  if mode == 'auto' and coordinator_address is None:
-    cluster = cluster_from_environment()
-    if cluster is None:
-      return False
-  logging.info('Joining the distributed runtime (%s): coordinator %s, %s processes, process id %s',
+  cluster = cluster_from_environment()
+  if not _check_start(mode, cluster, (coordinator_address, num_processes, process_id)):
+    return False
+  devices = local_device_ids(cluster)
+  logging.info('Joining the distributed runtime (%s): coordinator %s, %s processes, process id %s, GPUs %s',
                cluster or 'explicit', coordinator_address or 'auto', num_processes or 'auto',
-               process_id if process_id is not None else 'auto')
-  jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                             process_id=process_id)
+               process_id if process_id is not None else 'auto', devices or 'auto')
+  try:
+    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                               process_id=process_id, local_device_ids=devices)
+  except (ValueError, TypeError, RuntimeError) as e:
+    raise DistributedError(f'joining the distributed runtime ({cluster or "explicit"}) failed: {e}') from e
   logging.info('Process %d of %d: %d local devices, %d in all', jax.process_index(), jax.process_count(),
                jax.local_device_count(), jax.device_count())
   return True
