@@ -59,7 +59,7 @@ def define_flags():
                     'none: compile on first use.')
   flags.DEFINE_bool('batch_invariant', False, 'jax backend: translations and scores independent of the other '
                     'requests batched with them, equal to the decode command\'s with --batch_invariant (a CPU with '
-                    'bf16 dot, bfloat16 matmul operands); 9-37% fewer sentences/s (bench/RESULTS.md).')
+                    'bf16 dot, bfloat16 matmul operands); 21-42% fewer sentences/s (bench/RESULTS.md).')
   flags.DEFINE_float('switch_interval_ms', 1.0, 'Python\'s thread switch interval (its default: 5 ms).')
   flags.DEFINE_float('graceful_timeout_s', 60.0, 'On SIGTERM, how long to wait for the requests in flight.')
   flags.DEFINE_float('keep_alive_s', 75.0, 'How long an idle connection stays open. Longer than the clients\' and '
