@@ -90,14 +90,25 @@ EOF
   fi
 }
 
+# Runs a command of a stage and keeps the largest exit status so far in the stage's $worst: a stage of several
+# commands returns its worst one's, not the last one's.
+run() {
+  "$@"
+  local status=$?
+  [ $status -gt $worst ] && worst=$status
+  return 0
+}
+
 stage_env() {
-  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,power.limit --format=csv
-  $PY -c "
+  local worst=0
+  run nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,power.limit --format=csv
+  run $PY -c "
 import importlib.metadata as md, jax
 print('jax', jax.__version__, jax.devices(), jax.default_backend())
 print({n: md.version(n) for n in ('jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'ml-collections', 'sentencepiece',
                                   'sacrebleu', 'tensorstore', 'numpy')})
 import flaxformer_nmt; print('flaxformer_nmt imports from', flaxformer_nmt.__file__)"
+  return $worst
 }
 
 stage_tests() {
@@ -114,29 +125,33 @@ stage_suite() {
 stage_diagnose() {
   # Each attention path's error against a float32 'highest' reference, and the padding test under full
   # float32 matmuls (a GPU's default runs float32 matmuls as TF32)
-  timeout 150 $PY bench/gpu_attention_check.py
-  JAX_DEFAULT_MATMUL_PRECISION=highest timeout 60 $PY -m pytest -q -p no:cacheprovider tests/test_model.py \
+  local worst=0
+  run timeout 150 $PY bench/gpu_attention_check.py
+  run env JAX_DEFAULT_MATMUL_PRECISION=highest timeout 60 $PY -m pytest -q -p no:cacheprovider tests/test_model.py \
     -k no_position_sees_padding
+  return $worst
 }
 
 stage_throughput() {
-  local tt="$PY bench/train_throughput.py"
+  local tt="$PY bench/train_throughput.py" worst=0
   # base and big at two lengths, dtype and attention 'auto' (bf16, cuDNN flash attention on a GPU)
-  timeout 200 $tt --configs base,big --lengths 32,64 --tokens_per_batch 16384 "${TT_SIZES[@]}"
+  run timeout 200 $tt --configs base,big --lengths 32,64 --tokens_per_batch 16384 "${TT_SIZES[@]}"
   # XLA's attention on the same big step
-  timeout 100 $tt --nocheck_xla_flops --configs big --lengths 64 --tokens_per_batch 16384 --attention_impl xla \
+  run timeout 100 $tt --nocheck_xla_flops --configs big --lengths 64 --tokens_per_batch 16384 --attention_impl xla \
     "${TT_SIZES[@]}"
+  return $worst
 }
 
 stage_memory() {
-  local tt="$PY bench/train_throughput.py --nocheck_xla_flops"
+  local tt="$PY bench/train_throughput.py --nocheck_xla_flops" worst=0
   # remat policies at a larger budget, then the largest budget that fits without remat, then with 'dots'
-  timeout 150 $tt --configs big --lengths 64 --tokens_per_batch 32768 --remat none,dots,full "${TT_SIZES[@]}"
-  timeout 150 $tt --configs big --lengths 64 --tokens_per_batch 65536,131072,262144 --remat none,dots \
+  run timeout 150 $tt --configs big --lengths 64 --tokens_per_batch 32768 --remat none,dots,full "${TT_SIZES[@]}"
+  run timeout 150 $tt --configs big --lengths 64 --tokens_per_batch 65536,131072,262144 --remat none,dots \
     "${TT_SIZES[@]}"
   # The chunked vocabulary loss (no [tokens, 37k] logits nor their gradient) at the budgets that do not fit without it
-  timeout 150 $tt --configs big --lengths 64 --tokens_per_batch 131072,262144 --remat none \
+  run timeout 150 $tt --configs big --lengths 64 --tokens_per_batch 131072,262144 --remat none \
     --vocabulary_loss_chunk_tokens 8192 "${TT_SIZES[@]}"
+  return $worst
 }
 
 stage_decode() {
@@ -145,31 +160,33 @@ stage_decode() {
 }
 
 stage_dispatch() {
-  local steps=${DISPATCH_STEPS:-1000}
+  local steps=${DISPATCH_STEPS:-1000} worst=0
   for many in 1 10; do
-    timeout 200 $PY bench/train_throughput.py --configs multi30k --trainer_steps $steps --steps 20 \
+    run timeout 200 $PY bench/train_throughput.py --configs multi30k --trainer_steps $steps --steps 20 \
       --trainer_flag=--config.data_dir=gpu_carry/data/multi30k \
       --trainer_flag=--config.eval_bleu_tok_ref_dir=gpu_carry/data/multi30k_tok \
       --trainer_flag=--config.steps_per_dispatch=$many --trainer_flag=--config.eval_bleu_every_steps=0 \
       --trainer_flag=--config.best_checkpoint_metric=
   done
+  return $worst
 }
 
 stage_multi30k() {
-  local workdir=/tmp/m30k_gpu
+  local workdir=/tmp/m30k_gpu worst=0
   local start=$SECONDS
-  timeout 600 $PY -m flaxformer_nmt.train --config configs/multi30k.py --workdir $workdir \
+  run timeout 600 $PY -m flaxformer_nmt.train --config configs/multi30k.py --workdir $workdir \
     --config.data_dir=gpu_carry/data/multi30k --config.eval_bleu_tok_ref_dir=gpu_carry/data/multi30k_tok \
     --config.steps_per_dispatch=${MULTI30K_DISPATCH:-10} "${TRAIN_SIZES[@]}"
   echo "# training wall time: $((SECONDS - start)) s"
   grep -h '"eval/tok_bleu"' $workdir/metrics.jsonl | tail -5
-  timeout 90 $PY -m flaxformer_nmt.compare --workdir $workdir --checkpoints latest --split test2016
+  run timeout 90 $PY -m flaxformer_nmt.compare --workdir $workdir --checkpoints latest --split test2016
   # bf16 against float32 decoding of the same CPU-trained weights (the numerics of decode's dtype 'auto')
   for dtype in bfloat16 float32; do
-    timeout 60 $PY -m flaxformer_nmt.decode --workdir gpu_carry/m30k --checkpoint averaged --dtype $dtype \
+    run timeout 60 $PY -m flaxformer_nmt.decode --workdir gpu_carry/m30k --checkpoint averaged --dtype $dtype \
       --input gpu_carry/data/multi30k/test2016.en --reference gpu_carry/data/multi30k/test2016.de \
       --tok_reference gpu_carry/data/multi30k_tok/test2016.de --output "$OUT/test2016.$dtype.de"
   done
+  return $worst
 }
 
 stage_profile() {
@@ -181,6 +198,8 @@ stage_profile() {
 setup
 for stage in "$@"; do
   echo "=== $stage ($(date -u +%H:%M:%S))"
+  # The stage's own status, not grep's (1 where it filtered every line) nor tee's
   "stage_$stage" 2>&1 | tee "$OUT/$stage.log" | grep --line-buffered -v -E '^(W|I)[0-9]{4} '
-  echo "=== $stage exit $? ($(date -u +%H:%M:%S))"
+  status=${PIPESTATUS[0]}
+  echo "=== $stage exit $status ($(date -u +%H:%M:%S))"
 done

@@ -48,9 +48,9 @@ Each config trains its task's model (config.task: translation, lm, mlm). tok/s c
 side: translation reads as many source tokens again; the LM and the MLM read only these.
 
 Batches are full rows of random tokens (no padding), `tokens_per_batch` per side over all devices (data
-parallel). Model FLOPs are analytic (flaxformer_nmt/flops.py: 3x the forward matmuls, attention included);
-the first config's compiled step is also checked against XLA's own FLOP count. MFU needs a peak: the
-table in flops.py for GPUs/TPUs, or --peak (per device); on CPU it is left out.
+parallel). Model FLOPs are analytic (flaxformer_nmt/runtime/flops.py: 3x the forward matmuls, attention
+included); the first config's compiled step is also checked against XLA's own FLOP count. MFU needs a peak:
+the table in flops.py for GPUs/TPUs, or --peak (per device); on CPU it is left out.
 """
 import itertools
 import json
@@ -215,21 +215,23 @@ def variant_flags():
 def alternate_variants(name, peak, matmul):
   """Every --attention_impl x --remat x --prng_impl x --vocabulary_loss_chunk_tokens variant of one config, timed
   by single steps in turn (the order reversed every round) and reported as medians: in one process the step keeps
-  getting faster for minutes, so variants timed one after the other favour the later ones (bench/RESULTS.md)."""
-  variants = [(f'{a or "-"}/{r or "-"}' + (f'/{p}' if p else '') + (f'/c{c}' if c else ''), *build(name, a, r, p, c))
-              for a, r, p, c in variant_flags()]
+  getting faster for minutes, so variants timed one after the other favour the later ones (bench/RESULTS.md).
+  Each variant's steps go on from its latest state, shape after shape (a step donates the state it is given)."""
+  runs = []
+  for a, r, p, c in variant_flags():
+    model, state, train_fn, mesh, vocab, config = build(name, a, r, p, c)
+    runs.append({'label': f'{a or "-"}/{r or "-"}' + (f'/{p}' if p else '') + (f'/c{c}' if c else ''),
+                 'model': model, 'state': state, 'fn': train_fn, 'mesh': mesh, 'vocab': vocab, 'config': config})
   rng = np.random.default_rng(0)
-  *_, mesh, _, config = variants[0]
-  for rows, length in batch_shapes(mesh, config):
-    runs = []
-    for label, model, state, train_fn, mesh, vocab, _ in variants:
-      batch = sharding.put_batch(synthetic_batch(rng, (rows, length), vocab, _SEGMENTS.value),
-                                 sharding.batch_sharded(mesh))
-      state, _ = train_fn(state, batch)  # compile + warm-up
-      jax.block_until_ready(state)
-      analytic = flops_lib.train_flops(model.config, vocab, rows * length, rows * length, length, length)
-      runs.append({'label': label, 'fn': train_fn, 'state': state, 'batch': batch, 'analytic': analytic,
-                   'seconds': []})
+  for rows, length in batch_shapes(runs[0]['mesh'], runs[0]['config']):
+    for run in runs:
+      run['batch'] = sharding.put_batch(synthetic_batch(rng, (rows, length), run['vocab'], _SEGMENTS.value),
+                                        sharding.batch_sharded(run['mesh']))
+      run['state'], _ = run['fn'](run['state'], run['batch'])  # compile + warm-up
+      jax.block_until_ready(run['state'])
+      run['analytic'] = flops_lib.train_flops(run['model'].config, run['vocab'], rows * length, rows * length,
+                                              length, length)
+      run['seconds'] = []
     for round_ in range(_STEPS.value):
       for run in (runs if round_ % 2 == 0 else runs[::-1]):
         start = time.perf_counter()

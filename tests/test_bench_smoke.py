@@ -60,6 +60,35 @@ def test_gpu_session():
   assert [m for m in sorted(modules) if not os.path.exists(os.path.join(REPO, *m.split('.')) + '.py')] == []
 
 
+# A stand-in for the Python that bench/gpu_session.sh runs: absl lines only (the console filters them), and the
+# exit status its stage's command is given here.
+_STUB_PYTHON = r"""#!/usr/bin/env bash
+[ "$1" = - ] && exit 0  # setup's query of the dependencies to install: none
+echo 'I1205 12:00:00.000000 1 stub.py:1] an absl line'
+case "$*" in
+  *pytest*) exit 0 ;;
+  *--attention_impl\ xla*) exit 0 ;;
+  *train_throughput*) exit 3 ;;
+  *decode_throughput*) exit 124 ;;
+esac
+"""
+
+
+def test_gpu_session_reports_each_stage_s_own_worst_status(tmp_path):
+  """Each stage's line gives its own exit status, and a stage of several commands its worst one's. Catches the
+  status of the console filter's grep (1 where it filtered every line: a stage that passed reads as failed, a
+  time limit's 124 is lost) and a stage that reports only its last command's status."""
+  stub = tmp_path / 'python'
+  stub.write_text(_STUB_PYTHON)
+  stub.chmod(0o755)
+  env = dict(os.environ, OUT=str(tmp_path / 'out'), PY=str(stub))
+  result = subprocess.run(['bash', os.path.join(BENCH, 'gpu_session.sh'), 'tests', 'throughput', 'decode'], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=60)
+  statuses = re.findall(r'^=== (\w+) exit (\d+)', result.stdout, re.M)
+  assert statuses == [('tests', '0'), ('throughput', '3'), ('decode', '124')], (result.stdout, result.stderr)
+  assert 'an absl line' in (tmp_path / 'out' / 'tests.log').read_text()
+
+
 def test_input_pipeline():
   out = run_script('input_pipeline', '--smoke')
   assert 'tokenize + write cache (cold)' in out and 'load cache (warm' in out
@@ -93,6 +122,16 @@ def test_train_throughput(tmp_path):
                    '256', '--steps', '2', '--vocab_size', '64', '--nocheck_xla_flops', '--profile_dir',
                    str(tmp_path / 'profile'), '--profile_top', '3')
   assert 'multi30k_tiny' in out and '# profile of' in out, out
+
+
+def test_train_throughput_alternates_over_several_shapes():
+  """--alternate over two lengths: each variant's steps at the second shape go on from the state its steps at
+  the first returned. Catches the second shape handed the state the first shape's steps donated ('Array has been
+  deleted')."""
+  out = run_script('train_throughput', '--configs', 'multi30k_tiny', '--lengths', '16,32', '--tokens_per_batch',
+                   '256', '--steps', '1', '--vocab_size', '64', '--nocheck_xla_flops', '--alternate')
+  rows = re.findall(r'^\s*-/- +(\d+) +\d+ ', out, re.M)
+  assert rows == ['16', '32'], out
 
 
 def test_bleu_curve(toy):

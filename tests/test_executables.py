@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from etils import epath
 
 from conftest import subprocess_env, xla_flags_without_device_count
 from flaxformer_nmt.runtime import executables
@@ -195,4 +196,51 @@ def test_a_program_xla_cannot_serialize_runs_and_is_not_saved(saved_in, caplog, 
   with caplog.at_level(logging.WARNING):
     result, loaded = loads(executables.Program(loop, static_argnames=('k',)), x, w, k=2)
   assert not loaded and 'not saved' in caplog.text and not saved(saved_in)
+  np.testing.assert_allclose(result, loop_in_numpy(x, w, 2), rtol=1e-4, atol=1e-5)
+
+
+def add_iota(x):
+  return x + jnp.arange(3)
+
+
+def test_the_key_tells_jax_trace_settings_apart(saved_in):
+  """A program saved without jax_enable_x64, then called with it (in the same Program, and in a fresh one as a
+  process started with JAX_ENABLE_X64=1 has): plain jit traces again and gives int64. Catches a key, in memory
+  or on disk, that leaves out JAX's trace settings: the int32 program of the other setting is run."""
+  x = np.ones(3, np.int32)
+  program = executables.Program(add_iota)
+  assert program(x).dtype == np.int32
+  before = jax.config.jax_enable_x64
+  jax.config.update('jax_enable_x64', True)
+  try:
+    same_program = np.asarray(program(x)).dtype
+    executables.clear()
+    result, loaded = loads(executables.Program(add_iota), x)
+  finally:
+    jax.config.update('jax_enable_x64', before)
+  assert same_program == np.int64 and result.dtype == np.int64 and loaded
+  assert len(saved(saved_in)) == 2
+
+
+def test_a_remote_directory_turns_saved_executables_off_and_writes_nothing_here(tmp_path, monkeypatch, caplog):
+  """A gs:// directory (JAX's persistent cache on a bucket) leaves the programs as plain jit, with a warning.
+  Catches such a path read as a local one ('gs:/bucket/...', relative): executables written into a folder
+  'gs:' under the working directory."""
+  monkeypatch.chdir(tmp_path)
+  gpath, local_mkdir = type(epath.Path('gs://bucket')), type(epath.Path('gs://bucket')).mkdir
+  def mkdir(self, *args, **kwargs):  # the bucket exists: creating a folder there succeeds
+    if not str(self).startswith('gs://'):
+      local_mkdir(self, *args, **kwargs)
+  monkeypatch.setattr(gpath, 'mkdir', mkdir)
+  before = executables.directory()
+  try:
+    with caplog.at_level(logging.WARNING):
+      executables.enable('gs://bucket/jax_cache/executables')
+      x, w = arguments()
+      result, loaded = loads(executables.Program(loop, static_argnames=('k',)), x, w, k=2)
+    directory = executables.directory()
+  finally:
+    executables.enable(before)
+  assert directory is None and not loaded and 'not on a local file system' in caplog.text
+  assert not list(tmp_path.iterdir())
   np.testing.assert_allclose(result, loop_in_numpy(x, w, 2), rtol=1e-4, atol=1e-5)

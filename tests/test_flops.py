@@ -94,6 +94,14 @@ def test_peak_table_and_override():
   assert flops.peak_flops_per_device('cpu', override=1e12) == 1e12
 
 
+def test_nvl_cards_get_their_own_peak():
+  """The H100 NVL and H200 NVL (device_kind 'NVIDIA H100 NVL', 'NVIDIA H200 NVL') run dense bf16 at 835 TFLOP/s.
+  Catches them matched by the generic 'H100'/'H200' entries, whose SXM 989 TFLOP/s understates their MFU."""
+  assert flops.peak_flops_per_device('NVIDIA H100 NVL') == 835e12
+  assert flops.peak_flops_per_device('NVIDIA H200 NVL') == 835e12
+  assert flops.peak_flops_per_device('NVIDIA H200') == 989e12
+
+
 def xla_flops(lowered):
   analysis = lowered.cost_analysis()
   analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis

@@ -4,13 +4,15 @@ or compiling it again.
 JAX's persistent compilation cache (cache.py) saves the compiling, but a process still traces each function
 into a jaxpr and lowers it to find the cache entry: for a search program of the decoder that is about as long
 as running it (0.5-0.9 s a program on a 2-core CPU). A `Program` is jax.jit with a second, outer cache: keyed
-by its function's name, static arguments and the abstract values of the others, together with what the
-executable depends on besides (jax, jaxlib, flax and this package's source, the device, the CPU's
-instruction set, XLA's flags), it keeps the compiled program in `directory()` and loads it from there (jax's
+by its function's name, static arguments, the abstract values of the others and JAX's settings that change
+a trace (jax_enable_x64, the default matmul precision, ...), together with what the executable depends on
+besides (jax, jaxlib, flax and this package's source, the device, the CPU's instruction set, XLA's flags),
+it keeps the compiled program in `directory()` and loads it from there (jax's
 serialize_executable) when another process asks for the same.
 
 Only programs whose inputs live on one device go through the saved executables; the others (data-parallel
-and multi-host batches) are plain jax.jit, as are all programs until `enable` names a directory.
+and multi-host batches) are plain jax.jit, as are all programs until `enable` names a directory on a local
+file system (one on a remote store, gs://..., leaves them off).
 
 Each environment (a jax upgrade, an edit of this package) saves into its own folder of that directory; a
 process that opens a folder deletes those beyond the KEEP_SETS most recently opened, so the directory holds a
@@ -34,6 +36,7 @@ import jaxlib
 import numpy as np
 from absl import logging
 from etils import epath
+from jax._src import config as jax_config
 from jax.experimental import serialize_executable
 
 # jax.monitoring event for a program loaded from a saved executable, with its seconds and function name.
@@ -48,11 +51,17 @@ _programs = weakref.WeakSet()  # every Program, so that clear() reaches their co
 
 
 def enable(directory):
-  """Saves and loads executables in `directory` (created if missing); None turns them off."""
+  """Saves and loads executables in `directory` (created if missing); None turns them off, and so does a
+  directory on a remote store (gs://...): keeping the folders (their times, the pruning) and the atomic writes
+  of the files need a local file system."""
   global _directory
   if directory is not None:
     directory = epath.Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    if '://' in str(directory):
+      logging.warning('Saved executables off: %s is not on a local file system', directory)
+      directory = None
+    else:
+      directory.mkdir(parents=True, exist_ok=True)
   _directory = directory
 
 
@@ -92,6 +101,22 @@ def environment():
       f'{jax.device_count()} x {device.platform} {device.device_kind} {getattr(device.client, "platform_version", "")}',
       f'XLA_FLAGS={os.environ.get("XLA_FLAGS", "")}',
       _cpu_features()])
+
+
+def _trace_settings():
+  """JAX's settings that change what a function traces to (jax_enable_x64, jax_default_matmul_precision, ...:
+  those jax.jit keys its programs by) and the default PRNG implementation (a key made inside the function),
+  read at every call: a process may change them while it runs."""
+  return jax_config.trace_context(), jax.config.jax_default_prng_impl
+
+
+def _described(settings):
+  """`_trace_settings()` as text that another process writes alike: sets sorted, and objects that only their
+  address describes (JAX's axis environment, empty outside a trace) left out."""
+  context, prng_impl = settings
+  values = [sorted(map(repr, v)) if isinstance(v, (set, frozenset)) else v for v in context
+            if type(v).__repr__ is not object.__repr__]
+  return repr((values, prng_impl))
 
 
 @functools.cache
@@ -168,11 +193,12 @@ class Program:
     signature = _signature(leaves)
     if signature is None:
       return self.jitted(*args, **kwargs)
-    key = (static, tree, signature)
+    settings = _trace_settings()
+    key = (static, tree, signature, settings)
     compiled = self._compiled.get(key)
     if compiled is None:  # on disk, the devices by id too (a sharding's repr may not name them)
       devices = sorted({d.id for x in leaves if isinstance(x, jax.Array) for d in x.sharding.device_set})
-      description = repr((static, str(tree), signature, devices))
+      description = repr((static, str(tree), signature, devices, _described(settings)))
       compiled = self._compiled[key] = self._obtain(args, kwargs, description)
     return compiled(*dynamic_args, **dynamic_kwargs)
 
