@@ -86,9 +86,9 @@ def set_up(config, workdir):
   workdir = epath.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   check_config(config, workdir)
-  # A new run records its config at once (a run killed after its first save leaves a workdir decode can read); a
-  # resumed one once its checkpoint and data position accepted it: a refused resume leaves config.json as it was.
-  resuming = bool(checkpoints_lib.saved_steps(workdir))
+  # A new run records its config at once (a run killed after its first save leaves a workdir decode can read); one
+  # that may resume, once its checkpoint and data position accepted it: a refused resume leaves config.json as it was.
+  resuming = checkpoints_lib.checkpoint_directory(workdir).is_dir()
   if not resuming:
     write_config(config, workdir)
 
