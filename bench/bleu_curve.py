@@ -70,9 +70,11 @@ def read_log(workdir):
   """(step -> training seconds summed over resumed runs, [validation BLEU records]) from metrics.jsonl.
 
   Each launch of the trainer logs where its clock starts ('run/trained_seconds_at_start'): the training time
-  saved with the checkpoint it resumed from, so its elapsed_seconds continue the run's minutes. A launch that
-  starts from 0 after earlier ones (a checkpoint written by a trainer that did not save its clock), or logs no
-  start at all (older trainers), started its clock again: the earlier launches' last reading is added to it.
+  saved with the checkpoint it resumed from, so its elapsed_seconds continue the run's minutes. Where the
+  previous launch read more than that (it ran on past the checkpoint and was killed, or started from 0 after
+  a trainer that did not save its clock), the difference is added to what follows: the time of the lost steps
+  counts. A launch that logs no start at all (older trainers) and whose clock goes back started it again: the
+  earlier launches' last reading is added to it.
   """
   elapsed, bleu = {}, []
   offset, previous = 0.0, 0.0  # seconds not on this launch's clock; its last reading
@@ -81,8 +83,7 @@ def read_log(workdir):
     record = json.loads(line)
     if 'run/trained_seconds_at_start' in record:
       start, marked = record['run/trained_seconds_at_start'], True
-      if start == 0 and previous > 0:
-        offset += previous
+      offset += max(0.0, previous - start)  # the previous launch's time past the checkpoint this one resumed
       previous = start
     if 'elapsed_seconds' in record:
       if not marked and record['elapsed_seconds'] < previous:  # an older trainer's resume: its clock started again

@@ -1,12 +1,16 @@
 r"""Our decoder beside its CTranslate2 export (float32 and int8) on the same weights: speed, BLEU, empty
 lines and the share of lines identical to ours.
 
-  python bench/ctranslate2_export.py --workdir runs/m30k --checkpoint averaged [--threads 2] [--max_sentences N]
+  python bench/ctranslate2_export.py --workdir runs/m30k --checkpoint averaged [--threads 2] [--max_sentences N] \
+      [--dtype float32]
 
 Exports the checkpoint with flaxformer_nmt.export (float32 and int8) into a temporary directory, then
-translates Multi30k test2016 (`--input`, `--reference`, `--tok_reference`) with beam 4 and greedy search:
-ours (Translator, warmed up so compilation is excluded) and CTranslate2 (`translate_batch` on the whole
-input with `max_batch_size` 64 sorted by length, `intra_threads=--threads`). Our beam uses the config's
+translates Multi30k test2016 (`--input`, `--reference`, `--tok_reference`) with the config's beam size and
+greedy search: ours (Translator with --dtype, default the config's, warmed up so compilation is excluded;
+its row names the compute dtype and the matmul operands' precision the model runs with, e.g. bfloat16
+operands where the config's matmul_precision is auto on a CPU with bf16 dot instructions) and CTranslate2
+(`translate_batch` on the whole input with `max_batch_size` 64 sorted by length, `intra_threads=--threads`,
+default every CPU). Our beam uses the config's
 GNMT length penalty ((5 + n) / 6)^alpha; CTranslate2's closest is length_penalty=alpha on length^alpha: the
 row "identical lines" measures how far apart that leaves the two. Timings are decoding only (tokenization
 and detokenization excluded on both sides). Prints a Markdown table.
@@ -36,7 +40,8 @@ def define_flags():
   flags.DEFINE_string('reference', str(DATA / 'multi30k' / 'test2016.de'), 'Raw references (sacreBLEU).')
   flags.DEFINE_string('tok_reference', str(DATA / 'multi30k_tok' / 'test2016.de'), 'Tokenized references.')
   flags.DEFINE_integer('max_sentences', 0, 'Use the first N sentences (0: all).')
-  flags.DEFINE_integer('threads', 2, 'CTranslate2 intra_threads (match the cores JAX uses).')
+  flags.DEFINE_integer('threads', os.cpu_count(), 'CTranslate2 intra_threads (default: every CPU, as JAX uses).')
+  flags.DEFINE_enum('dtype', None, list(decode.DTYPES), 'Ours: the compute dtype (default: the config\'s).')
   flags.mark_flags_as_required(['workdir'])
 
 
@@ -69,7 +74,9 @@ def main(argv):
   del argv
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   checkpoints_lib.quiet_orbax_logs()
-  translator = decode.Translator(FLAGS.workdir, FLAGS.checkpoint)
+  translator = decode.Translator(FLAGS.workdir, FLAGS.checkpoint, dtype=FLAGS.dtype)
+  m = translator.model.config
+  ours_name = f'ours (JAX, {m.dtype}, {m.matmul_precision} matmuls)'
   sp, c = translator.tokenizer.sp, translator.config
   sources = evaluate.read_text(FLAGS.input)
   references = evaluate.read_text(FLAGS.reference)
@@ -84,9 +91,9 @@ def main(argv):
     for quantization in ('float32', 'int8'):
       export.export_ctranslate2(FLAGS.workdir, f'{tmp}/{quantization}', FLAGS.checkpoint,
                                 None if quantization == 'float32' else quantization)
-    for mode, beam_size in (('beam 4', c.beam_size), ('greedy', 0)):
+    for mode, beam_size in ((f'beam {c.beam_size}', c.beam_size), ('greedy', 0)):
       reference_ids, seconds = ours(translator, token_lists, beam_size)
-      systems = [('ours (JAX, float32)', reference_ids, seconds)]
+      systems = [(ours_name, reference_ids, seconds)]
       for quantization in ('float32', 'int8'):
         out, seconds = theirs(f'{tmp}/{quantization}', quantization, pieces, max(beam_size, 1),
                               c.length_penalty_alpha, FLAGS.threads, max_lengths)

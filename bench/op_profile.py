@@ -73,10 +73,14 @@ def instruction_of(event, sources):
   return None
 
 
+# Instructions whose events hold their bodies' ops: their time is counted in those ops already.
+CONTAINERS = frozenset({'while', 'call', 'conditional'})
+
+
 def rank_ops(events, sources, steps):
   """[(ms per step, calls per step, name)] of the trace's complete events that ran an HLO instruction (or a
-  library kernel: LIBRARY_KERNELS), largest first. A thunk nested in another (a while body's ops) counts in
-  both."""
+  library kernel: LIBRARY_KERNELS), largest first. A container (CONTAINERS: a while loop) is listed with its
+  body's ops, which are listed too: part_sums leaves containers out."""
   total_us, calls = collections.Counter(), collections.Counter()
   for event in events:
     name = instruction_of(event, sources) if event.get('ph') == 'X' else None
@@ -141,17 +145,18 @@ def print_profile(hlo_text, run_steps, *, steps, directory, top, step_ms):
   if not ranked:
     print(f'# profile: no XLA operations found in the trace (in {directory})')
     return
-  traced_ms = sum(ms for ms, _, _ in ranked)
-  print(f'# profile of {steps} steps ({directory}): {len(ranked)} operations took {traced_ms:.1f} ms a step '
-        f'(nested thunks counted twice) of a {step_ms:.1f} ms step')
+  leaves = [(ms, n, name) for ms, n, name in ranked if sources[name][0] not in CONTAINERS]
+  traced_ms = sum(ms for ms, _, _ in leaves)
+  print(f'# profile of {steps} steps ({directory}): {len(leaves)} operations took {traced_ms:.1f} ms a step '
+        f'(while/call/conditional events left out: their bodies\' ops count) of a {step_ms:.1f} ms step')
   by_component, ops = collections.Counter(), collections.Counter()
-  for ms, _, name in ranked:
+  for ms, _, name in leaves:
     opcode, op_name, _ = sources[name]
     by_component[component_of(op_name, opcode)] += ms
     ops[component_of(op_name, opcode)] += 1
-  if any(name in dict(LIBRARY_KERNELS) for _, _, name in ranked):  # a GPU: its fusions name their dots
+  if any(name in dict(LIBRARY_KERNELS) for _, _, name in leaves):  # a GPU: its fusions name their dots
     by_kind = collections.Counter()
-    for ms, _, name in ranked:
+    for ms, _, name in leaves:
       by_kind[kind_of(name, sources[name][0])] += ms
     print('# by kind: ' + ', '.join(f'{kind} {ms:.1f} ms ({ms / step_ms:.1%})' for kind, ms in by_kind.most_common()))
   print(f'# {"ms":>8} {"share":>6} {"ops":>5}  part of the step')

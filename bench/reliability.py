@@ -4,11 +4,13 @@ r"""Reliability of training on a tiny model, measured end to end through the CLI
   python bench/reliability.py --trials 3 --steps 20
   python bench/reliability.py --smoke              # every part once, on a 10-step run
 
-1. kill -9: a run is SIGKILLed at a random moment of its training steps (uniform over the reference run's time
-   after start-up), rerun with the same command to the end, and its final parameters compared bitwise with an
-   uninterrupted run's.
+1. kill -9: a run is SIGKILLed at a random moment of its training steps, rerun with the same command to the
+   end, and its final parameters compared bitwise with an uninterrupted run's. The moment is drawn uniformly
+   over the reference run's time after start-up, and the reference run is made after a first run that filled
+   the compilation cache, so that its window (and each trial's) holds the steps and saves, not compiling. A
+   trial whose run had already finished when the kill came is reported 'not killed', not as a pass.
 2. Corruption of the newest checkpoint (truncated array files, deleted commit marker, garbage tree metadata):
-   the rerun must set it aside, resume from the previous one and finish.
+   the rerun must set it aside, resume from the one before it (of the listed steps) and finish.
 3. Storage failing during a save (ENOSPC raised by orbax's file writes, in process): the save fails loudly,
    the previous checkpoint stays listed and restores.
 4. Config changes on resume (grad_clip_norm, a model shape, the vocabulary size): a clear error with every
@@ -88,8 +90,8 @@ def _wait_for_training(process, log_path):
 
 
 def training_seconds(data, workdir, steps):
-  """The reference run: (seconds spent in training steps after start-up, exit status)."""
-  log_path = workdir.parent / 'reference.log'
+  """A run to the end: (seconds spent in training steps after start-up, exit status, its log)."""
+  log_path = workdir.parent / f'{workdir.name}.log'
   process = _popen_logged(command(data, workdir, steps), log_path)
   _wait_for_training(process, log_path)
   start = time.time()
@@ -108,18 +110,24 @@ def kill_trials(root, data, reference, train_seconds, steps, trials, rng):
     _wait_for_training(process, log_path)
     delay = rng.uniform(0.0, train_seconds)
     time.sleep(delay)
-    finished_first = process.poll() is not None
+    if process.poll() is not None:  # finished before the kill: nothing was tested
+      rows.append((f'kill -9 #{trial + 1}', f'{delay:.2f} s into training',
+                   f'the run had finished (exit {process.returncode})', 'not killed'))
+      print(' | '.join(rows[-1]), flush=True)
+      continue
     process.send_signal(signal.SIGKILL)
     process.wait()
     at_kill = steps_of(workdir)
     result = run(command(data, workdir, steps))
     equal = result.returncode == 0 and all(
         np.array_equal(a, b) for a, b in zip(final_params(workdir, steps), reference))
-    when = f'{delay:.1f} s into training' + (' (had finished)' if finished_first else '')
-    rows.append((f'kill -9 #{trial + 1}', when,
+    rows.append((f'kill -9 #{trial + 1}', f'{delay:.2f} s into training',
                  f'checkpoints at kill {at_kill or "none"}; rerun exit {result.returncode}',
                  'bitwise equal' if equal else 'DIFFERENT'))
     print(' | '.join(rows[-1]), flush=True)
+  killed = [r for r in rows if r[3] != 'not killed']
+  print(f'kill -9: {sum(r[3] == "bitwise equal" for r in killed)} of {len(killed)} killed runs bitwise equal; '
+        f'{len(rows) - len(killed)} of {len(rows)} trials not killed (finished first)', flush=True)
   return rows
 
 
@@ -141,14 +149,14 @@ def corruption_trials(root, data, source, steps, cases=None):
   for name, damage in list(CORRUPTIONS.items())[:cases]:
     workdir = root / name.replace(' ', '_')
     shutil.copytree(source, workdir)
-    newest = max(steps_of(workdir))
+    newest, previous = steps_of(workdir)[-1], steps_of(workdir)[-2]
     damage(workdir / 'checkpoints' / str(newest))
     result = run(command(data, workdir, steps + 5))
     aside = sorted(p.name for p in (workdir / 'corrupt_checkpoints').iterdir()) if (
         workdir / 'corrupt_checkpoints').exists() else []
     resumed = next((line.split('Starting at step ')[1].split()[0] for line in result.stderr.splitlines()
                     if 'Starting at step' in line), '?')
-    ok = result.returncode == 0 and aside == [str(newest)] and resumed == str(newest - 5)
+    ok = result.returncode == 0 and aside == [str(newest)] and resumed == str(previous)
     rows.append((name, f'checkpoint {newest}', f'set aside {aside}, resumed at {resumed}, exit {result.returncode}',
                  'as designed' if ok else 'UNEXPECTED'))
     print(' | '.join(rows[-1]), flush=True)
@@ -237,10 +245,12 @@ def main():
   root = __import__('pathlib').Path(tempfile.mkdtemp(prefix='reliability_'))
   data = root / 'data'
   write_corpus(data)
-  duration, returncode, log_path = training_seconds(data, root / 'reference', args.steps)
-  if returncode:
-    sys.exit(log_path.read_text()[-3000:])
-  print(f'reference run: {args.steps} steps in {duration:.1f} s after start-up', flush=True)
+  for name in ('warm_up', 'reference'):  # the first fills the compilation cache: the reference times warm steps
+    duration, returncode, log_path = training_seconds(data, root / name, args.steps)
+    if returncode:
+      sys.exit(log_path.read_text()[-3000:])
+  print(f'reference run (compilation cache warm): {args.steps} steps in {duration:.2f} s after start-up',
+        flush=True)
   reference = final_params(root / 'reference', args.steps)
   parts = {'corrupt': lambda: corruption_trials(root, data, root / 'reference', args.steps, cases),
            'storage': lambda: storage_full_trial(root, root / 'reference'),

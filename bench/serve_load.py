@@ -8,21 +8,29 @@ Starts the server on 127.0.0.1 (or loads --url, a server already running), waits
 1. closed loop: for each client count C, C clients (httpx, asyncio) each send one sentence per request, the
    next as soon as the last is answered, for --duration_s; prints sentences/s, p50/p95/p99 latency, the
    batch sizes the server formed (its /metrics) and the answers by status;
-2. --overload: requests arrive at 4x the best sustained rate (open loop) for --duration_s; every answer must
-   be a 200 or a 503 with Retry-After, none may hang past --client_timeout_s, and the server's memory (RSS)
-   is reported before and after;
+2. --overload: requests are scheduled at 4x the best sustained rate (open loop) for --duration_s; every answer
+   must be a 200 or a 503 with Retry-After, none may hang past --client_timeout_s, and the server's memory (RSS)
+   is reported before and after. target_per_second is the scheduled rate, offered_per_second the requests the
+   clients actually sent per second (a warning is printed when it is more than 10% below the target), and each
+   request's latency runs from its scheduled time (start + i / rate), so a client that falls behind shows as
+   latency rather than as a lower rate;
 3. --kill_test: under 32 clients, the server is killed with SIGKILL; the clients must see connection errors,
-   never a wrong translation; the server is started again and the time to /ready and to its first answer
-   is reported.
+   never a wrong translation; sentences/s is the rate up to the kill, and the server is started again and the
+   time to /ready and to its first answer is reported.
+
+Latency percentiles are over the 200 answers; a step with none reports them as null ('-' when printed).
 
 Every 200 answer is compared with the offline decode of the same sentence (python -m flaxformer_nmt.decode on
-the same workdir and options, computed once, or --expected): a server that answers, answers right. With
---batch_invariant both decode batch-invariantly, and every 200 must equal its offline line whatever the batches.
+the same workdir, checkpoint and decode options, or --expected): a server that answers, answers right. The
+offline decode gets the server flags that change translations (DECODE_FLAGS) and is cached in the workdir under
+a name hashed from the checkpoint, the sentences file's content and those flags. With --batch_invariant both
+decode batch-invariantly, and every 200 must equal its offline line whatever the batches.
 """
 import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -38,6 +46,8 @@ from absl import app, flags
 
 OPEN_LOOP_PROCESSES = 4  # the arrivals of --overload, spread so that no client process falls behind
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DECODE_FLAGS = ('--dtype', '--batch_invariant', '--nobatch_invariant', '--checkpoint')  # server flags decode shares
+SHORTFALL_WARNING = 0.10  # --overload warns when the clients sent this much less than the target rate
 
 
 def define_flags():
@@ -69,20 +79,40 @@ class Tally:
   wrong_examples: dict = dataclasses.field(default_factory=dict)  # sentence index -> the answer
   missing_retry_after: int = 0
   sentences: int = 0
+  sent: int = 0  # requests sent (open loop)
 
   def summary(self, seconds):
-    lat = np.asarray(self.latencies) if self.latencies else np.zeros(1)
-    return {'sentences_per_second': round(self.sentences / seconds, 2),
-            'p50_s': round(float(np.percentile(lat, 50)), 3), 'p95_s': round(float(np.percentile(lat, 95)), 3),
-            'p99_s': round(float(np.percentile(lat, 99)), 3),
+    return {'sentences_per_second': round(self.sentences / seconds, 2), **percentiles(self.latencies),
             'statuses': {str(k): v for k, v in sorted(self.statuses.items(), key=str)},
             'wrong_translations': self.wrong, 'wrong_lines': sorted(i + 1 for i in self.wrong_examples),
             '503_without_retry_after': self.missing_retry_after}
 
 
-async def one_request(client, url, index, sentences, expected, tally):
-  """POSTs sentence `index`; records the status (or the error's name) and checks a 200 answer."""
-  start = time.perf_counter()
+def percentiles(latencies):
+  """{'p50_s', 'p95_s', 'p99_s'} of the latencies in seconds; None each where there are none."""
+  if not latencies:
+    return {'p50_s': None, 'p95_s': None, 'p99_s': None}
+  return {f'p{q}_s': round(float(np.percentile(latencies, q)), 3) for q in (50, 95, 99)}
+
+
+def offered_rate(sent, seconds, target):
+  """(requests sent per second, True where that is more than SHORTFALL_WARNING below the target rate)."""
+  achieved = sent / seconds if seconds > 0 else 0.0
+  return achieved, achieved < (1 - SHORTFALL_WARNING) * target
+
+
+def printable(result):
+  """The result as a JSON line, its null latency percentiles (also in nested dicts) written '-'."""
+  def dashes(d):
+    return {k: dashes(v) if isinstance(v, dict) else '-' if v is None and k in ('p50_s', 'p95_s', 'p99_s') else v
+            for k, v in d.items()}
+  return json.dumps(dashes(result))
+
+
+async def one_request(client, url, index, sentences, expected, tally, start=None):
+  """POSTs sentence `index`; records the status (or the error's name) and checks a 200 answer. Its latency runs
+  from `start` (a perf_counter time: when it was due) or else from now."""
+  start = time.perf_counter() if start is None else start
   try:
     answer = await client.post(f'{url}/v1/translate', json={'text': [sentences[index]]})
   except httpx.TimeoutException:
@@ -119,15 +149,18 @@ async def closed_loop(url, clients, seconds, sentences, expected, timeout, stop_
 
 
 async def open_loop(url, rate, seconds, sentences, expected, timeout):
-  """Requests arriving at `rate` per second for `seconds`, whatever the answers."""
+  """Requests scheduled at `rate` per second for `seconds`, whatever the answers: request i is due at
+  start + i / rate and its latency counts from then. tally.sent counts those actually sent within `seconds`."""
   tally, tasks = Tally(), []
   limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
   async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
     start, i = time.perf_counter(), 0
     while time.perf_counter() - start < seconds:
-      tasks.append(asyncio.create_task(one_request(client, url, i % len(sentences), sentences, expected, tally)))
+      tasks.append(asyncio.create_task(one_request(client, url, i % len(sentences), sentences, expected, tally,
+                                                   start=start + i / rate)))
       i += 1
       await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
+    tally.sent = i
     await asyncio.gather(*tasks)
   return tally, time.perf_counter() - start
 
@@ -212,6 +245,19 @@ def ready(url):
     return False
 
 
+def decode_flags(server_flags):
+  """The server flags that change translations and that the decode command takes too (DECODE_FLAGS)."""
+  return [f for f in server_flags if f.split('=')[0] in DECODE_FLAGS]
+
+
+def expected_cache_name(checkpoint, sentences_path, extra_flags):
+  """serve_load_expected_<hash>.txt, the hash over the checkpoint, the sentences file's bytes and the flags."""
+  digest = hashlib.sha256(json.dumps([checkpoint, list(extra_flags)]).encode())
+  with open(sentences_path, 'rb') as f:
+    digest.update(f.read())
+  return f'serve_load_expected_{digest.hexdigest()[:16]}.txt'
+
+
 def offline_translations(workdir, checkpoint, sentences_path, expected_path, extra_flags=()):
   """The decode command's translations of the sentences (written to expected_path once)."""
   if not os.path.exists(expected_path):
@@ -243,6 +289,7 @@ def split_load(kind, total, per_process, url, seconds, sentences, expected, time
     merged.wrong += tally.wrong
     merged.missing_retry_after += tally.missing_retry_after
     merged.sentences += tally.sentences
+    merged.sent += tally.sent
   return merged, max(elapsed for _, elapsed in parts)
 
 
@@ -253,23 +300,28 @@ def run_clients(url, counts, seconds, sentences, expected, timeout, per_process)
     before = batch_histogram(url)
     tally, elapsed = split_load('closed', clients, per_process, url, seconds, sentences, expected, timeout)
     results[clients] = dict(tally.summary(elapsed), **batch_sizes(before, batch_histogram(url)))
-    print(f'{clients:4d} clients: {json.dumps(results[clients])}', flush=True)
+    print(f'{clients:4d} clients: {printable(results[clients])}', flush=True)
   return results
 
 
 def kill_test(server, sentences, expected, timeout):
   """SIGKILL under 32 clients; what the clients saw, and the restart's times."""
-  started = time.perf_counter()
+  started, killed_at = time.perf_counter(), []
+
+  def kill():
+    killed_at.append(time.perf_counter())
+    server.kill()
 
   async def load_and_kill():
     loop = asyncio.get_running_loop()
-    loop.call_later(5.0, server.kill)
+    loop.call_later(5.0, kill)
     return await closed_loop(server.url, 32, 8.0, sentences, expected, timeout)
   tally, _ = asyncio.run(load_and_kill())
   to_ready, to_answer = server.start()
-  result = {'client_view': tally.summary(time.perf_counter() - started), 'restart_to_ready_s': round(to_ready, 1),
+  # sentences/s over the load up to the kill, not the dead time after it nor the restart
+  result = {'client_view': tally.summary(killed_at[0] - started), 'restart_to_ready_s': round(to_ready, 1),
             'restart_to_first_answer_s': round(to_answer, 1)}
-  print(f'kill -9: {json.dumps(result)}', flush=True)
+  print(f'kill -9: {printable(result)}', flush=True)
   return result
 
 
@@ -281,9 +333,10 @@ def main(argv):
   with open(FLAGS.sentences, encoding='utf-8') as f:
     sentences = f.read().split('\n')[:-1]
   invariant = ['--batch_invariant'] if FLAGS.batch_invariant else []
-  default_expected = 'serve_load_expected_invariant.txt' if FLAGS.batch_invariant else 'serve_load_expected.txt'
+  offline_flags = decode_flags(FLAGS.server_flag) + invariant
+  default_expected = expected_cache_name(FLAGS.checkpoint, FLAGS.sentences, offline_flags)
   expected = offline_translations(FLAGS.workdir, FLAGS.checkpoint, FLAGS.sentences,
-                                  FLAGS.expected or os.path.join(FLAGS.workdir, default_expected), invariant)
+                                  FLAGS.expected or os.path.join(FLAGS.workdir, default_expected), offline_flags)
   if len(expected) != len(sentences):
     raise app.UsageError(f'{len(sentences)} sentences but {len(expected)} expected translations')
   server, results = None, {'machine': os.uname().nodename, 'server_flags': FLAGS.server_flag,
@@ -314,13 +367,19 @@ def main(argv):
 
 
 def overload(server, url, closed, seconds, sentences, expected, timeout):
-  """Open-loop arrivals at 4x the best sustained rate of the closed-loop steps."""
+  """Open-loop arrivals scheduled at 4x the best sustained rate of the closed-loop steps; reports the target and
+  the rate the clients actually sent."""
   rate = 4 * max(r['sentences_per_second'] for r in closed.values())
   rss_before = server.rss_mb() if server else None
   tally, elapsed = split_load('open', rate, rate / OPEN_LOOP_PROCESSES, url, seconds, sentences, expected, timeout)
-  result = dict(tally.summary(elapsed), offered_per_second=round(rate, 1),
-                rss_mb_before=rss_before and round(rss_before), rss_mb_after=server and round(server.rss_mb()))
-  print(f'overload: {json.dumps(result)}', flush=True)
+  offered, short = offered_rate(tally.sent, seconds, rate)
+  result = dict(tally.summary(elapsed), target_per_second=round(rate, 1), offered_per_second=round(offered, 1),
+                sent=tally.sent, rss_mb_before=rss_before and round(rss_before),
+                rss_mb_after=server and round(server.rss_mb()))
+  if short:
+    print(f'WARNING: overload: the clients sent {offered:.1f} requests/s, more than {SHORTFALL_WARNING:.0%} below '
+          f'the target {rate:.1f}/s: the load processes fell behind, this is not {rate:.1f}/s offered', flush=True)
+  print(f'overload: {printable(result)}', flush=True)
   return result
 
 

@@ -9,7 +9,9 @@ the trainer must finish the step, save and exit within that, or the work since t
 Each trial trains a fresh workdir until the log line of step --after_step, waits --delay seconds more (so the
 signal falls mid-interval, where the loop has had time to run ahead of the device), sends SIGTERM and times
 the exit. It prints: seconds to exit; the step the run stopped (and saved) at; the step the device had reached
-at the signal, estimated from the logged step time (after_step + delay / step time); and the difference, the
+at the signal, estimated from the logged step time (after_step + delay / step time, the step time being the
+median of the intervals logged before the signal after the first, which holds compiling; '-' where no interval
+is steady or the logged time rounds to 0 ms); and the difference, the
 steps the loop had dispatched ahead (meaningful when the device step dominates: for a toy model of a few ms per
 step, Python's per-step work sets the pace and the estimate runs far past the real step). Extra
 --config.FIELD=VALUE arguments go to the trainer. Measured with it and by hand: bench/RESULTS.md.
@@ -39,26 +41,38 @@ STOP_LINE = re.compile(r'Stopping at step (\d+) after')
 
 
 def wait_for_step(log_path, process, step, timeout):
-  """Blocks until the log has step `step`'s line; returns its milliseconds per step."""
+  """Blocks until the log has step `step`'s line."""
   deadline = time.time() + timeout
   while time.time() < deadline:
     for match in STEP_LINE.finditer(open(log_path).read()):
       if int(match.group(1)) >= step:
-        return int(match.group(2))
+        return
     if process.poll() is not None:
       sys.exit(f'the trainer exited ({process.returncode}) before step {step}; log: {log_path}')
     time.sleep(0.05)
   sys.exit(f'no step {step} within {timeout} s; log: {log_path}')
 
 
+def steady_ms_per_step(log_text):
+  """The median ms/step of the logged intervals after the first (which includes compiling); None where there
+  are none or it is 0 (a step faster than the log's 1 ms resolution)."""
+  intervals = sorted(int(m.group(2)) for m in list(STEP_LINE.finditer(log_text))[1:])
+  if not intervals:
+    return None
+  n = len(intervals)
+  median = intervals[n // 2] if n % 2 else (intervals[n // 2 - 1] + intervals[n // 2]) / 2
+  return median or None
+
+
 def trial(args, extra, workdir):
-  """(seconds to exit, stop step, estimated device step at the signal, ms per step)."""
+  """(seconds to exit, stop step, estimated device step at the signal or None, ms per step or None)."""
   log_path = workdir + '.log'
   command = [sys.executable, '-m', 'flaxformer_nmt.train', f'--config={args.config}', f'--workdir={workdir}'] + extra
   with open(log_path, 'w') as log:
     process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-  ms_per_step = wait_for_step(log_path, process, args.after_step, args.timeout)
+  wait_for_step(log_path, process, args.after_step, args.timeout)
   time.sleep(args.delay)
+  ms_per_step = steady_ms_per_step(open(log_path).read())
   signalled = time.time()
   process.send_signal(signal.SIGTERM)
   returncode = process.wait(timeout=args.timeout)
@@ -66,7 +80,8 @@ def trial(args, extra, workdir):
   stop = STOP_LINE.search(open(log_path).read())
   if returncode != 0 or not stop:
     sys.exit(f'the trainer did not stop cleanly (exit {returncode}); log: {log_path}')
-  return seconds, int(stop.group(1)), args.after_step + args.delay * 1000 / ms_per_step, ms_per_step
+  device_step = args.after_step + args.delay * 1000 / ms_per_step if ms_per_step else None
+  return seconds, int(stop.group(1)), device_step, ms_per_step
 
 
 def main():
@@ -92,8 +107,8 @@ def main():
   print('|---:|---:|---:|---:|---:|---:|')
   for i in range(args.trials):
     seconds, stop_step, device_step, ms = trial(args, extra, os.path.join(root, f'trial{i}'))
-    print(f'| {i} | {seconds:.1f} | {stop_step} | {device_step:.1f} | {stop_step - device_step:.1f} | {ms} |',
-          flush=True)
+    estimate = (f'{device_step:.1f} | {stop_step - device_step:.1f}' if device_step is not None else '- | -')
+    print(f'| {i} | {seconds:.1f} | {stop_step} | {estimate} | {ms if ms is not None else "-"} |', flush=True)
   if args.keep:
     print(f'\nworkdirs and logs: {root}')
   else:

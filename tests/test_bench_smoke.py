@@ -5,6 +5,7 @@ that each script still runs against the current library and prints the table or 
 define their flags in define_flags run in this process (tests/in_process.py); the others, and those that need a
 fresh process (their own devices), as `python bench/NAME.py`.
 """
+import json
 import os
 import re
 import subprocess
@@ -165,3 +166,54 @@ def test_serve_load(toy, tmp_path):
   out = result.stdout + result.stderr
   assert result.returncode == 0, out[-3000:]
   assert re.search(r'^\s*1 clients: \{', out, re.M), out[-3000:]
+
+
+def _bench_module(name):
+  """bench/{name}.py imported as a module (its flags not defined), for its pure helpers."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  spec = importlib.util.spec_from_file_location(f'bench_{name}', os.path.join(BENCH, f'{name}.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_serve_load_helpers(tmp_path):
+  """The offered rate is what was sent (with a warning below 90% of the target), no 200 answers give no
+  percentiles, and the offline decode's cache name changes with the sentences, checkpoint and decode flags."""
+  pytest.importorskip('httpx')
+  serve_load = _bench_module('serve_load')
+  assert serve_load.offered_rate(868, 30.0, 1399 / 30) == (868 / 30, True)
+  assert serve_load.offered_rate(95, 10.0, 10.0) == (9.5, False)
+  assert serve_load.percentiles([]) == {'p50_s': None, 'p95_s': None, 'p99_s': None}
+  assert serve_load.percentiles([1.0, 2.0, 3.0])['p50_s'] == 2.0
+  assert '"p50_s": "-"' in serve_load.printable({'client_view': serve_load.percentiles([])})
+  assert serve_load.decode_flags(['--dtype=bfloat16', '--max_wait_ms=5', '--batch_invariant']) == [
+      '--dtype=bfloat16', '--batch_invariant']
+  a, b = tmp_path / 'a.en', tmp_path / 'b.en'
+  a.write_text('one\n')
+  b.write_text('two\n')
+  names = {serve_load.expected_cache_name(None, a, []), serve_load.expected_cache_name(None, b, []),
+           serve_load.expected_cache_name('400', a, []), serve_load.expected_cache_name(None, a, ['--dtype=float32'])}
+  assert len(names) == 4 and serve_load.expected_cache_name(None, a, []) == serve_load.expected_cache_name(None, a, [])
+
+
+def test_stop_latency_steady_ms_per_step():
+  """ms/step is the median of the logged intervals after the first (compiling), None where none or 0 ms."""
+  stop_latency = _bench_module('stop_latency')
+  line = 'I0 loop.py:160] step {}/9 | loss 1 | {} ms/step | epoch 0\n'
+  log = ''.join(line.format(step, ms) for step, ms in ((5, 3292), (10, 18), (15, 22), (20, 20)))
+  assert stop_latency.steady_ms_per_step(log) == 20
+  assert stop_latency.steady_ms_per_step(line.format(5, 3292)) is None
+  assert stop_latency.steady_ms_per_step(line.format(5, 3292) + line.format(10, 0)) is None
+
+
+def test_bleu_curve_counts_the_time_of_steps_lost_to_a_kill(tmp_path):
+  """A launch killed at 100 s after its checkpoint at 80 s, resumed from that checkpoint's 80 s: the 20 s of
+  lost steps count in the minutes that follow."""
+  bleu_curve = _bench_module('bleu_curve')
+  records = [{'run/trained_seconds_at_start': 0.0}, {'step': 5, 'elapsed_seconds': 80.0},
+             {'step': 8, 'elapsed_seconds': 100.0}, {'run/trained_seconds_at_start': 80.0},
+             {'step': 10, 'elapsed_seconds': 150.0}]
+  (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in records))
+  elapsed, _ = bleu_curve.read_log(tmp_path)
+  assert elapsed == {5: 80.0, 8: 100.0, 10: 170.0}
