@@ -46,7 +46,10 @@ def test_the_package_is_a_zip_of_one_directory_with_argos_layout_and_metadata(pa
     metadata = json.loads(archive.read(f'{CODE}/metadata.json'))
     settings = json.loads(archive.read(f'{CODE}/flaxformer_nmt.json'))
     vocabulary = archive.read(f'{CODE}/sentencepiece.model')
+    readme = archive.read(f'{CODE}/README.md').decode()
   assert {name.split('/')[0] for name in names} == {CODE}
+  # Its install line is one Argos Translate runs (argospm installs index names, not files).
+  assert 'package of an English -> German Transformer' in readme and f"install_from_path('{CODE}.argosmodel')" in readme
   assert {f'{CODE}/metadata.json', f'{CODE}/README.md', f'{CODE}/sentencepiece.model', f'{CODE}/model/model.bin',
           f'{CODE}/model/config.json'} <= names
   assert metadata == {'package_version': '1.0', 'argos_version': '1.9', 'type': 'translate', 'code': CODE,

@@ -11,7 +11,8 @@ writes `packages/translate-en_de-1_0.argosmodel`: a zip archive of one directory
                        penalty, length limit, lowercasing, checkpoint, parameters, validation BLEU)
   README.md
 
-`argospm install` (or argostranslate.package.install_from_path) and LibreTranslate load it as any package.
+argostranslate.package.install_from_path installs it (argospm installs the packages of Argos's index, by
+name), and LibreTranslate loads it as any installed package.
 Argos Translate splits paragraphs into sentences itself (stanza, or its own splitter, as its version does)
 and tokenizes with the sentencepiece model; the CTranslate2 model appends the </s> our sources end with.
 
@@ -76,11 +77,13 @@ def serving_settings(workdir, config, description, params):
 README = """\
 # {code}
 
-An Argos Translate package of a {source_name} -> {target_name} Transformer trained with flaxformer_nmt
+An Argos Translate package of {article} {source_name} -> {target_name} Transformer trained with flaxformer_nmt
 ({checkpoint} of `{workdir}`, weights {quantization}).
 
-Install it with `argospm install {code}.argosmodel` or `argostranslate.package.install_from_path`; LibreTranslate
-loads installed packages. `model/` is the CTranslate2 model, `sentencepiece.model` its tokenizer.
+Install it with `python -c "import argostranslate.package as p; p.install_from_path('{code}.argosmodel')"`
+(`argospm install` takes the names of Argos's index, not a file); LibreTranslate loads installed packages. Argos
+Translate splits sentences with a model of its own, which it downloads on the first translation. `model/` is the
+CTranslate2 model, `sentencepiece.model` its tokenizer.
 {lowercase}"""
 
 
@@ -108,7 +111,8 @@ def export_argos(workdir, output_dir, checkpoint=None, quantization=None, force=
     lowercase = ('\nThe model learnt lowercased text: lowercase the input before translating it.\n'
                  if settings['lowercase'] else '')
     (root / 'README.md').write_text(README.format(
-        code=code, source_name=metadata['from_name'], target_name=metadata['to_name'], checkpoint=description,
+        code=code, article='an' if metadata['from_name'][:1] in 'AEIOU' else 'a', source_name=metadata['from_name'],
+        target_name=metadata['to_name'], checkpoint=description,
         workdir=workdir, quantization=quantization or 'float32', lowercase=lowercase))
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.parent / f'.{path.name}.partial'
