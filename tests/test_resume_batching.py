@@ -168,3 +168,21 @@ def test_a_changed_token_budget_stops_the_resume_unless_allowed(toy_corpus, tmp_
     train.train_and_evaluate(config, workdir)
   assert any('Batching changed (config.tokens_per_batch was 512, now 1024' in r.getMessage() for r in caplog.records)
   assert checkpoints_lib.saved_steps(workdir)[-1] == 5
+
+
+def test_resuming_with_another_schedule_is_said(toy_corpus, tmp_path, caplog):
+  """Extending a finished run (more num_train_steps) recomputes the cooldown: the learning rate of the steps left
+  jumps, which the rerun did silently."""
+  config = resume_config(toy_corpus)
+  config.num_train_steps, config.checkpoint_every_steps = 3, 3
+  workdir = tmp_path / 'w'
+  train.train_and_evaluate(config, workdir)
+  with caplog.at_level(logging.WARNING):
+    train.train_and_evaluate(config, workdir)  # the same schedule: nothing to say
+  assert not any('another schedule' in r.getMessage() for r in caplog.records)
+  config.num_train_steps = 5
+  with caplog.at_level(logging.WARNING):
+    train.train_and_evaluate(config, workdir)
+  assert any('Resuming with another schedule (config.num_train_steps 3 -> 5)' in r.getMessage()
+             for r in caplog.records)
+  assert checkpoints_lib.saved_steps(workdir)[-1] == 5

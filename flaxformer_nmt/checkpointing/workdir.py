@@ -92,6 +92,20 @@ def check_config(config, workdir):
                           'keeps its model, vocabulary and key generator. Use a new --workdir or the original value.')
 
 
+# The fields that shape the learning rate of the steps a resumed run has left.
+SCHEDULE_FIELDS = ('num_train_steps', 'warmup_steps', 'cooldown_steps', 'learning_rate', 'learning_rate_schedule')
+
+
+def schedule_changes(config, workdir):
+  """[(field, saved value, new value)] of SCHEDULE_FIELDS that differ from the workdir's config.json (none where
+  there is none): a resumed run follows the new schedule from its step on."""
+  path = epath.Path(workdir) / CONFIG_FILENAME
+  if not path.exists():
+    return []
+  saved = read_config(path)
+  return [(field, saved[field], config[field]) for field in SCHEDULE_FIELDS if saved[field] != config[field]]
+
+
 def write_config(config, workdir):
   """Writes `config` to the workdir's config.json (the one decoding, averaging and export read)."""
   path = epath.Path(workdir) / CONFIG_FILENAME

@@ -19,7 +19,7 @@ from etils import epath
 from flaxformer_nmt import config as config_lib
 from flaxformer_nmt.checkpointing import best as best_lib
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
-from flaxformer_nmt.checkpointing.workdir import build_model, check_config, write_config
+from flaxformer_nmt.checkpointing.workdir import build_model, check_config, schedule_changes, write_config
 from flaxformer_nmt.data import batching
 from flaxformer_nmt.data.pipeline import input_pipeline
 from flaxformer_nmt.models import transformer as model_lib
@@ -91,6 +91,11 @@ def set_up(config, workdir):
   resuming = checkpoints_lib.checkpoint_directory(workdir).is_dir()
   if not resuming:
     write_config(config, workdir)
+  changes = schedule_changes(config, workdir) if resuming else []
+  if changes:
+    logging.warning('Resuming with another schedule (%s): the learning rate of the steps left follows the new one '
+                    'from the checkpoint\'s step on, and the average takes the last checkpoints of the new end',
+                    ', '.join(f'config.{field} {old!r} -> {new!r}' for field, old, new in changes))
 
   mesh = sharding.mesh_from_config(config)
   num_devices = mesh.devices.size
