@@ -155,3 +155,11 @@ def test_retention_keeps_the_regular_saves_an_off_interval_save_would_push_out(t
   assert checkpoints_lib.average_last(tmp_path / 'steps', last=2, every_steps=10) == [30, 40]
   saved_run(tmp_path / 'time', (3, 7, 12, 16), keep=2, every_steps=1000)
   assert checkpoints_lib.saved_steps(tmp_path / 'time') == [12, 16]
+
+
+def test_a_path_that_is_no_workdir_is_named_as_such(tmp_path):
+  """decode --workdir with a typo said only "No such file or directory: '.../vocab.model'"."""
+  from flaxformer_nmt.checkpointing import loader  # pylint: disable=g-import-not-at-top
+  for ensemble in (False, True):
+    with pytest.raises(FileNotFoundError, match=f'{tmp_path / "nope"} is not a training workdir'):
+      loader.load_for_inference(tmp_path / 'nope', ensemble=ensemble)

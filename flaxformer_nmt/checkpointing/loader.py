@@ -193,6 +193,9 @@ def load_for_inference(workdir, checkpoint=None, *, task=None, dtype=None, ensem
   if not ensemble:
     workdir_lib.single_run(workdir)
   pairs = ensemble_members(workdir, checkpoint) if ensemble else [(str(workdir), checkpoint)]
+  for member_workdir, _ in pairs:
+    if not (epath.Path(member_workdir) / workdir_lib.CONFIG_FILENAME).exists():
+      raise FileNotFoundError(f'{member_workdir} is not a training workdir (no {workdir_lib.CONFIG_FILENAME} in it)')
   first_workdir = epath.Path(pairs[0][0])
   tokenizer = tokenizer_lib.Tokenizer(first_workdir / tokenizer_lib.VOCAB_FILENAME)
   members, models = [], {}

@@ -66,8 +66,9 @@ class ValidationBleu:
         raise data_lib.DataError(f'{tok_path}: {len(self.tok_references)} lines, but {config.eval_split} has '
                                  f'at least {count} pairs')
     elif config.eval_bleu_tok_ref_dir:
-      logging.info('No %s.%s in %s: validation BLEU is cased sacreBLEU only', config.eval_split,
-                   config.target_lang, config.eval_bleu_tok_ref_dir)
+      logging.warning('No %s.%s in %s (config.eval_bleu_tok_ref_dir): validation BLEU is sacreBLEU only, without '
+                      'the lowercased tokenized BLEU', config.eval_split, config.target_lang,
+                      config.eval_bleu_tok_ref_dir)
     self.token_lists = tokenizer.encode(sources)
     # The model as translator_lib.Translator builds it: attention and remat chosen for decoding on this machine (the
     # parameters are the same whatever the training run chose).
