@@ -14,9 +14,10 @@ Markdown tables (also written to
 1. the validation BLEU logged during training (metrics.jsonl: step, minutes, BLEU, lc-tok BLEU, length ratio);
 2. per checkpoint: training minutes, then per split cased sacreBLEU, lc-tok BLEU and length ratio, decoded
    with the config's beam and length penalty (the decode a user gets), or --beam_size and --alpha.
-Training minutes add up over resumed runs: each process's clock starts again at 0, so when the logged clock
-goes back, the previous process's last logged time is added to what follows (time spent on steps lost to a
-hard kill counts, as the wall-clock cost it was).
+Training minutes add up over resumed runs as the trainer counts them: a resumed launch's clock starts at the
+training time saved with its checkpoint, so steps lost to a hard kill are trained again and their first time is
+not counted; a launch of a trainer that saved no clock starts at 0, and the previous launch's last reading is
+added to what follows.
 An ensemble's workdir (config.ensemble_members > 1) gets these tables for each member, then rows for the members
 decoded together (latest, the config's decode_checkpoint, averaged and best; or --steps) at the minutes of the
 whole command.
@@ -70,11 +71,9 @@ def read_log(workdir):
   """(step -> training seconds summed over resumed runs, [validation BLEU records]) from metrics.jsonl.
 
   Each launch of the trainer logs where its clock starts ('run/trained_seconds_at_start'): the training time
-  saved with the checkpoint it resumed from, so its elapsed_seconds continue the run's minutes. Where the
-  previous launch read more than that (it ran on past the checkpoint and was killed, or started from 0 after
-  a trainer that did not save its clock), the difference is added to what follows: the time of the lost steps
-  counts. A launch that logs no start at all (older trainers) and whose clock goes back started it again: the
-  earlier launches' last reading is added to it.
+  saved with the checkpoint it resumed from, so its elapsed_seconds continue the run's minutes. A launch that
+  starts from 0 after earlier ones (a checkpoint written by a trainer that did not save its clock), or logs no
+  start at all (older trainers), started its clock again: the earlier launches' last reading is added to it.
   """
   elapsed, bleu = {}, []
   offset, previous = 0.0, 0.0  # seconds not on this launch's clock; its last reading
@@ -83,7 +82,8 @@ def read_log(workdir):
     record = json.loads(line)
     if 'run/trained_seconds_at_start' in record:
       start, marked = record['run/trained_seconds_at_start'], True
-      offset += max(0.0, previous - start)  # the previous launch's time past the checkpoint this one resumed
+      if start == 0 and previous > 0:
+        offset += previous
       previous = start
     if 'elapsed_seconds' in record:
       if not marked and record['elapsed_seconds'] < previous:  # an older trainer's resume: its clock started again

@@ -5,7 +5,6 @@ that each script still runs against the current library and prints the table or 
 define their flags in define_flags run in this process (tests/in_process.py); the others, and those that need a
 fresh process (their own devices), as `python bench/NAME.py`.
 """
-import json
 import os
 import re
 import subprocess
@@ -205,15 +204,3 @@ def test_stop_latency_steady_ms_per_step():
   assert stop_latency.steady_ms_per_step(log) == 20
   assert stop_latency.steady_ms_per_step(line.format(5, 3292)) is None
   assert stop_latency.steady_ms_per_step(line.format(5, 3292) + line.format(10, 0)) is None
-
-
-def test_bleu_curve_counts_the_time_of_steps_lost_to_a_kill(tmp_path):
-  """A launch killed at 100 s after its checkpoint at 80 s, resumed from that checkpoint's 80 s: the 20 s of
-  lost steps count in the minutes that follow."""
-  bleu_curve = _bench_module('bleu_curve')
-  records = [{'run/trained_seconds_at_start': 0.0}, {'step': 5, 'elapsed_seconds': 80.0},
-             {'step': 8, 'elapsed_seconds': 100.0}, {'run/trained_seconds_at_start': 80.0},
-             {'step': 10, 'elapsed_seconds': 150.0}]
-  (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in records))
-  elapsed, _ = bleu_curve.read_log(tmp_path)
-  assert elapsed == {5: 80.0, 8: 100.0, 10: 170.0}
