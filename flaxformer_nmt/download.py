@@ -31,6 +31,8 @@ def main(argv):
   try:
     for path in download.download_multi30k(data_dir, tok_dir, f.base_url):
       print(path)
+  except download.UnreachableError as e:
+    sys.exit(f'error: {e}. {download.OFFLINE_HINT}')
   except download.DownloadError as e:
     sys.exit(f'error: {e}')
 

@@ -169,6 +169,21 @@ def test_download_cli_fills_both_directories_beside_each_other(tmp_path, monkeyp
     assert (tmp_path / 'data' / ('m30k_tok' if tok else 'm30k') / name).read_bytes() == text
 
 
+def test_the_download_command_offline_says_how_to_copy_the_corpus(tmp_path, monkeypatch, capsys):
+  """A server that never answers (no internet) ended in the bare connection error; the trainer's offline advice
+  (download elsewhere, --config.data_dir) is the way forward here too."""
+  import in_process  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import download as command  # pylint: disable=g-import-not-at-top
+  with socket.socket() as closed:  # a port nothing listens on
+    closed.bind(('127.0.0.1', 0))
+    port = closed.getsockname()[1]
+  monkeypatch.setattr(download.time, 'sleep', lambda seconds: None)
+  result = in_process.run(command, [f'--data_dir={tmp_path / "m30k"}', f'--base_url=http://127.0.0.1:{port}'])
+  assert result.returncode == 1, result.stderr[-2000:]
+  assert '(after 3 attempts). Without internet access, copy the corpus to this machine' in result.stderr
+  assert '--config.data_dir=DIR' in result.stderr
+
+
 @pytest.mark.skipif(not os.path.isdir(os.path.join(SHARED, 'multi30k_tok')), reason='../shared/data absent')
 def test_the_pinned_checksums_are_those_of_the_shared_copies_of_upstream(file_server, tmp_path):
   """Serves ../shared/data/multi30k (gzipped) and multi30k_tok (as they are) under the upstream paths; the CLI

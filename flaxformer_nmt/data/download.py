@@ -64,8 +64,18 @@ MULTI30K_TOK_FILES = {
 }
 
 
+# What to do on a machine that cannot reach the corpus's server.
+OFFLINE_HINT = ('Without internet access, copy the corpus to this machine (python -m flaxformer_nmt.download '
+                '--data_dir DIR, on a machine with internet, writes DIR and DIR_tok) and pass --config.data_dir=DIR '
+                '(and --config.eval_bleu_tok_ref_dir=DIR_tok for tokenized BLEU).')
+
+
 class DownloadError(RuntimeError):
   """A file that could not be fetched, checked or written; the message names it."""
+
+
+class UnreachableError(DownloadError):
+  """The server did not answer, or the connection broke, however often it was asked."""
 
 
 def multi30k_data_dir():
@@ -122,10 +132,7 @@ def ensure_corpus(config, is_leader=True, barrier=lambda name: None):
     ensure_multi30k(config.data_dir, config.eval_bleu_tok_ref_dir)
   except (DownloadError, OSError) as e:
     raise data_lib.DataError(
-        f'Multi30k is not in {config.data_dir} and could not be downloaded ({e}). Without internet access, '
-        'copy the corpus to this machine (python -m flaxformer_nmt.download --data_dir DIR, on a machine with '
-        'internet, writes DIR and DIR_tok) and pass --config.data_dir=DIR (and '
-        '--config.eval_bleu_tok_ref_dir=DIR_tok for tokenized BLEU).') from None
+        f'Multi30k is not in {config.data_dir} and could not be downloaded ({e}). {OFFLINE_HINT}') from None
 
 
 def files_read(config):
@@ -198,7 +205,7 @@ def fetch(url, attempts=3, timeout=60):
         raise DownloadError(f'{url}: HTTP {e.code} {e.reason}') from None
     except (urllib.error.URLError, http.client.HTTPException, TimeoutError, ConnectionError) as e:
       if attempt == attempts:  # e.g. IncompleteRead: the connection closed before the whole file came
-        raise DownloadError(f'{url}: {getattr(e, "reason", None) or repr(e)} (after {attempts} attempts)') from None
+        raise UnreachableError(f'{url}: {getattr(e, "reason", None) or repr(e)} (after {attempts} attempts)') from None
     logging.warning('%s: attempt %d failed, retrying', url, attempt)
     time.sleep(2 ** attempt)
 
