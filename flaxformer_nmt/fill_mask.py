@@ -57,8 +57,10 @@ def main(argv):
   cache.use_compilation_cache()
   try:
     filler = FillMask(FLAGS.workdir, FLAGS.checkpoint)
-    if not 1 <= FLAGS.top_k <= filler.vocab_size:
-      sys.exit(f'error: --top_k={FLAGS.top_k}: give 1 to {filler.vocab_size} (the vocabulary\'s size)')
+    try:
+      filler.check_top_k(FLAGS.top_k)
+    except ValueError as e:  # the flag's name on its message
+      sys.exit(f'error: --{e}')
     names, texts = read_texts(argv, FLAGS.input)
     token_lists = filler.encode_checked(texts, names)  # every text checked before anything is printed
     for start in range(0, len(texts), 256):

@@ -78,7 +78,6 @@ class FillMask:
   def fill(self, texts, top_k=5):
     """For each text (str with `<mask>`s), per mask, the top_k (piece as text, probability, the text with
     this mask filled by the piece and the other masks left as they are)."""
-    self.check_top_k(top_k)
     return self.fill_ids(self.encode_checked(texts), top_k)
 
   def fill_ids(self, token_lists, top_k=5):
