@@ -26,20 +26,24 @@ class DataError(ValueError):
 
 def read_lines(path):
   """The lines of a UTF-8 text file, whitespace-normalized; errors name the file and line."""
+  return [tokenizer_lib.normalize_whitespace(line) for line in read_text_lines(path)]
+
+
+def read_text_lines(path):
+  """The lines of a UTF-8 text file as they are, split at \\n alone (a line's final \\r dropped), as
+  read_chunks splits the decode command's input; errors name the file and line."""
   path = epath.Path(path)
   if not path.exists():
     raise DataError(f'{path}: file not found')
-  raw = path.read_bytes()
-  lines = raw.split(b'\n')
+  lines = path.read_bytes().split(b'\n')
   if lines and lines[-1] == b'':
     lines.pop()
   out = []
   for number, line in enumerate(lines, start=1):
     try:
-      text = line.decode('utf-8')
+      out.append(line.decode('utf-8').rstrip('\r'))
     except UnicodeDecodeError as e:
       raise DataError(f'{path}:{number}: invalid UTF-8 ({e.reason} at byte {e.start})') from None
-    out.append(tokenizer_lib.normalize_whitespace(text))
   return out
 
 

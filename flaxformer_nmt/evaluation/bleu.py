@@ -16,9 +16,8 @@ case-insensitive (sacreBLEU's own option; its signature says case:lc); 2. lowerc
 import functools
 
 import sacrebleu
-from etils import epath
 
-from flaxformer_nmt.data.corpus import DataError
+from flaxformer_nmt.data import corpus
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,22 +57,9 @@ def chrf_score(hypotheses, references, lowercase=False):
 
 
 def read_text(path):
-  """The lines of a UTF-8 file as they are, split at \\n alone (\\r\\n ends a line too) as the decode command
-  reads its input, so that line i of a reference is line i of the translations; errors name the file and
-  line."""
-  path = epath.Path(path)
-  if not path.exists():
-    raise DataError(f'{path}: file not found')
-  lines = path.read_bytes().split(b'\n')
-  if lines and lines[-1] == b'':
-    lines.pop()
-  text = []
-  for number, line in enumerate(lines, start=1):
-    try:
-      text.append(line.decode('utf-8').rstrip('\r'))
-    except UnicodeDecodeError as e:
-      raise DataError(f'{path}:{number}: invalid UTF-8 ({e.reason} at byte {e.start})') from None
-  return text
+  """A reference or hypothesis file's lines as they are (data.corpus.read_text_lines: split as the decode command
+  reads its input, so that line i of a reference is line i of the translations)."""
+  return corpus.read_text_lines(path)
 
 
 def report(hypotheses, references, tokenized_references=None, lang='de', lowercase=False):
