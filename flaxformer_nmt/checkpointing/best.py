@@ -37,12 +37,18 @@ def read_info(workdir):
   return json.loads(path.read_text()) if path.exists() else None
 
 
-def load_best(workdir):
-  """(parameters as host arrays, best.json) of the workdir's best checkpoint."""
+def required_info(workdir):
+  """best.json as a dict; FileNotFoundError, naming how to keep one, where the workdir has no best checkpoint."""
   info = read_info(workdir)
   if info is None:
     raise FileNotFoundError(f'{directory(workdir) / INFO_FILENAME} not found: train with '
                             '--config.best_checkpoint_metric=bleu (or tok_bleu, loss, nll) to keep a best checkpoint')
+  return info
+
+
+def load_best(workdir):
+  """(parameters as host arrays, best.json) of the workdir's best checkpoint."""
+  info = required_info(workdir)
   return checkpoints_lib.read_params(directory(workdir) / info['params']), info
 
 

@@ -490,9 +490,15 @@ def save_averaged(workdir, params, steps):
   return directory
 
 
-def load_averaged(workdir):
-  """(parameters as host arrays, info) of the workdir's averaged checkpoint."""
+def averaged_directory(workdir):
+  """The workdir's averaged checkpoint; FileNotFoundError, naming the command that writes it, where there is none."""
   directory = absolute(workdir) / AVERAGED_DIR
   if not (directory / AVERAGED_INFO).exists():
     raise FileNotFoundError(f'{directory} not found: run `python -m flaxformer_nmt.average --workdir {workdir}` first')
+  return directory
+
+
+def load_averaged(workdir):
+  """(parameters as host arrays, info) of the workdir's averaged checkpoint."""
+  directory = averaged_directory(workdir)
   return read_params(directory / 'params'), json.loads((directory / AVERAGED_INFO).read_text())

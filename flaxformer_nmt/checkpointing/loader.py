@@ -80,12 +80,10 @@ def check_checkpoint(workdir, checkpoint):
   checkpoint = default_checkpoint(workdir) if checkpoint is None else checkpoint
   if not checkpoints_lib.is_checkpoint_name(checkpoint):
     raise ValueError(f'--checkpoint must be {checkpoints_lib.CHECKPOINT_NAMES}, not {checkpoint!r}')
-  averaged = checkpoints_lib.absolute(workdir) / checkpoints_lib.AVERAGED_DIR
-  if checkpoint == 'averaged' and not (averaged / 'averaged.json').exists():
-    raise FileNotFoundError(f'{averaged} not found: run `python -m flaxformer_nmt.average --workdir {workdir}` first')
-  if checkpoint == 'best' and best_checkpoint.read_info(workdir) is None:
-    raise FileNotFoundError(f'{best_checkpoint.directory(workdir) / best_checkpoint.INFO_FILENAME} not found: no '
-                            'best checkpoint was kept (config.best_checkpoint_metric)')
+  if checkpoint == 'averaged':
+    checkpoints_lib.averaged_directory(workdir)
+  if checkpoint == 'best':
+    best_checkpoint.required_info(workdir)
   if checkpoint.startswith('last:') and not checkpoints_lib.saved_steps(workdir):
     raise FileNotFoundError(f'no checkpoints to average in {checkpoints_lib.checkpoint_directory(workdir)}')
   if checkpoint == 'latest' or checkpoint.isdigit():
