@@ -8,6 +8,7 @@ import pytest
 
 from conftest import tiny_model
 from flaxformer_nmt.data import batching
+from flaxformer_nmt.data import corpus as data_lib
 from flaxformer_nmt.data import packing
 from flaxformer_nmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from flaxformer_nmt.training import step as ts
@@ -34,6 +35,13 @@ def test_plan_rows_closes_the_oldest_row_past_open_rows():
   lengths = [3, 3, 3, 1]  # three rows of 3, then one token that fits any of them
   assert packing.plan_rows(lengths, lengths, length=4, open_rows=3) == [[0, 3], [1], [2]]
   assert packing.plan_rows(lengths, lengths, length=4, open_rows=2) == [[0], [1, 3], [2]]  # row 0 was closed
+
+
+def test_packing_with_no_open_row_is_refused():
+  corpus = data_lib.TokenizedCorpus.from_lists([[5, EOS_ID]] * 4, [[6, EOS_ID]] * 4)
+  with pytest.raises(ValueError, match='packing_open_rows=0'):
+    batching.TrainBatches(corpus, tokens_per_batch=64, buckets=(8,), seed=0, prefetch=0, packed_length=8,
+                          packing_open_rows=0)
 
 
 def test_plan_rows_packs_every_example_once_and_tighter_than_next_fit():

@@ -93,6 +93,33 @@ def test_a_changed_batching_is_refused_naming_the_setting_or_continued_in_the_sa
   assert any('Batching changed (config.tokens_per_batch was 200, now 400' in r.getMessage() for r in caplog.records)
 
 
+def test_a_packed_position_is_refused_for_a_training_set_with_other_side_lengths():
+  # An edit that lengthens targets still shorter than their sources keeps every pair's longer side, but packed
+  # rows are filled by each side: the plan moves, and a resume into it would skip and repeat examples.
+  rng = np.random.default_rng(4)
+  src, tgt = rng.integers(2, 20, size=200), rng.integers(2, 20, size=200)
+  edited_tgt = np.where(tgt < src - 3, tgt + 3, tgt)
+  assert (np.maximum(src, tgt) == np.maximum(src, edited_tgt)).all() and (tgt != edited_tgt).any()
+  corpus = lambda tgt: data_lib.TokenizedCorpus.from_lists([[5] * (n - 1) + [EOS_ID] for n in src],
+                                                           [[6] * (n - 1) + [EOS_ID] for n in tgt])
+  make = lambda c, packed_length: batching.TrainBatches(c, tokens_per_batch=256, buckets=(8, 16, 32), seed=1,
+                                                        prefetch=0, packed_length=packed_length)
+  rows = lambda b: [[r.tolist() for r in members] for _, _, members in b.plan(0)]
+  first, edited = make(corpus(tgt), 32), make(corpus(edited_tgt), 32)
+  assert rows(first) != rows(edited)
+  next(first)
+  state = json.loads(json.dumps(first.state()))
+  with pytest.raises(batching.BatchingError, match='training_side_lengths was'):
+    edited.restore(state)
+  make(corpus(tgt), 32).restore(state)
+  # Unpacked batches are planned from the longer side alone: the edited set resumes into the same batches.
+  unpacked = make(corpus(tgt), 0)
+  next(unpacked)
+  edited = make(corpus(edited_tgt), 0)
+  assert [b.tolist() for _, _, b in edited.plan(0)] == [b.tolist() for _, _, b in unpacked.plan(0)]
+  edited.restore(json.loads(json.dumps(unpacked.state())))
+
+
 def resume_config(toy_corpus):
   config = small_config(toy_corpus)
   config.num_train_steps = 12

@@ -240,6 +240,8 @@ class TrainBatches:
     lengths = corpus.lengths()
     if packed_length and examples.size and lengths[examples].max() > packed_length:
       raise ValueError(f'examples longer than packed_length={packed_length}: filter them first')
+    if packed_length and packing_open_rows < 1:  # none open: every example would get a row of its own
+      raise ValueError(f'packing_open_rows={packing_open_rows}: use 1 (next fit) or more')
     self.seed, self.prefetch = seed, prefetch
     # What the saved position depends on besides the seed, by config field: a change moves every batch.
     self.batching = {'tokens_per_batch': int(tokens_per_batch), 'length_buckets': [int(b) for b in buckets],
@@ -248,8 +250,10 @@ class TrainBatches:
                      'batch_rows_multiple': int(multiple_of), 'bpe_dropout': float(bpe_dropout),
                      'bidirectional_epochs': int(bidirectional_epochs), 'training_examples': int(examples.size),
                      # Another training set of as many examples (edited text) plans other batches too.
-                     'training_lengths': hashlib.sha256(
-                         np.asarray(lengths, np.int64)[examples].tobytes()).hexdigest()[:16]}
+                     'training_lengths': _lengths_hash(lengths[examples]),
+                     # Packed rows are filled by each side's length, not only the longer one's.
+                     'training_side_lengths': _lengths_hash(np.concatenate([
+                         corpus.source.lengths[examples], corpus.target.lengths[examples]])) if packed_length else None}
     self.plans = EpochPlans(corpus, examples, tokens_per_batch=tokens_per_batch, buckets=tuple(buckets), seed=seed,
                             multiple_of=multiple_of, pad_rows_to=pad_rows_to, process_index=process_index,
                             process_count=process_count, packed_length=packed_length,
@@ -312,6 +316,11 @@ class TrainBatches:
 
   def batches_per_epoch(self):
     return len(self.plan(self.epoch))
+
+
+def _lengths_hash(lengths):
+  return hashlib.sha256(np.asarray(lengths, np.int64).tobytes()).hexdigest()[:16]
+
 
 def eval_batches(corpus, *, tokens_per_batch, buckets, multiple_of=1, examples=None, process_index=0,
                  process_count=1):
