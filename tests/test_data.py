@@ -40,6 +40,15 @@ def test_one_sided_empty_and_overlong_lines_are_named_or_skipped(tmp_path):
   assert src == ['a dog', 'the cat', 'fine'] and tgt == ['ein hund', 'die katze', 'gut']
 
 
+@pytest.mark.parametrize('en, de, message', [(50, 60, r'train\.de:1: line of 60 characters'),
+                                              (60, 50, r'train\.en:1: line of 60 characters')])
+def test_a_pair_overlong_on_both_sides_names_the_longer_line_and_its_length(tmp_path, en, de, message):
+  (tmp_path / 'train.en').write_text('x' * en + '\n')
+  (tmp_path / 'train.de').write_text('y' * de + '\n')
+  with pytest.raises(data_lib.DataError, match=message):
+    data_lib.read_parallel(tmp_path, 'train', 'en', 'de', max_line_chars=40)
+
+
 def test_invalid_utf8_names_file_and_line(tmp_path):
   (tmp_path / 'train.en').write_bytes(b'fine\nbad \xff byte\n')
   with pytest.raises(data_lib.DataError, match=r'train.en:2: invalid UTF-8'):

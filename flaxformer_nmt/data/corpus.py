@@ -101,8 +101,8 @@ def read_parallel(data_dir, split, source_lang, target_lang, max_line_chars=0, s
       empty, other = (src_path, tgt_path) if not s else (tgt_path, src_path)
       problem = f'{empty}:{number}: empty line while {other}:{number} has text'
     elif max_line_chars and max(len(s), len(t)) > max_line_chars:
-      problem = (f'{src_path if len(s) > max_line_chars else tgt_path}:{number}: line of '
-                 f'{max(len(s), len(t)):,} characters (config.max_line_chars={max_line_chars:,})')
+      path, chars = (src_path, len(s)) if len(s) >= len(t) else (tgt_path, len(t))
+      problem = f'{path}:{number}: line of {chars:,} characters (config.max_line_chars={max_line_chars:,})'
     if problem is None:
       keep.append(number - 1)
     elif skip_bad_pairs:
