@@ -184,7 +184,8 @@ def test_the_download_command_offline_says_how_to_copy_the_corpus(tmp_path, monk
   assert '--config.data_dir=DIR' in result.stderr
 
 
-@pytest.mark.skipif(not os.path.isdir(os.path.join(SHARED, 'multi30k_tok')), reason='../shared/data absent')
+@pytest.mark.skipif(not all(os.path.isdir(os.path.join(SHARED, d)) for d in ('multi30k', 'multi30k_tok')),
+                    reason='../shared/data absent')
 def test_the_pinned_checksums_are_those_of_the_shared_copies_of_upstream(file_server, tmp_path):
   """Serves ../shared/data/multi30k (gzipped) and multi30k_tok (as they are) under the upstream paths; the CLI
   must accept every file against the pinned sha256 values and rebuild them byte for byte. Catches: a wrong

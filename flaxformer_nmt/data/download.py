@@ -116,7 +116,7 @@ def ensure_corpus(config, is_leader=True, barrier=lambda name: None):
   """Fetches Multi30k for a config with data_download='multi30k' whose data_dir lacks the run's splits: the raw
   text into data_dir and the tokenized references into eval_bleu_tok_ref_dir (when set); process 0 first, then
   any host that still lacks them (its directories are not on shared storage). A data_dir that holds the run's
-  splits (an offline copy, or the user's own corpus) is read as it is, nothing fetched. Raises data.DataError
+  splits (an offline copy, or the user's own corpus) is read as it is, nothing fetched. Raises corpus.DataError
   naming --config.data_dir when the files cannot be fetched (e.g. no internet)."""
   from flaxformer_nmt.data import corpus as data_lib  # pylint: disable=g-import-not-at-top
   if not config.data_download or config.data_source != 'text':

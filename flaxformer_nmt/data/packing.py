@@ -43,7 +43,7 @@ def plan_rows(src_lengths, tgt_lengths, length, open_rows=OPEN_ROWS):
   return rows
 
 
-def _fill(row, sequences, length, out_tokens, out_segments, out_positions, prefix=None):
+def _fill(row, sequences, out_tokens, out_segments, out_positions, prefix=None):
   offset = 0
   for segment, seq in enumerate(sequences, start=1):
     seq = list(seq) if prefix is None else [prefix] + list(seq[:-1])
@@ -57,7 +57,7 @@ def _fill(row, sequences, length, out_tokens, out_segments, out_positions, prefi
 def make_packed_batch(src_seqs, tgt_seqs, rows, num_rows, length):
   """Arrays [num_rows, length] for the examples grouped in `rows` (lists of indices into the sequences).
 
-  Keys as data.make_batch (src, tgt_in = BOS + target shifted right per example, tgt_out = target + EOS;
+  Keys as batching.make_batch (src, tgt_in = BOS + target shifted right per example, tgt_out = target + EOS;
   PAD marks positions without a target) plus src/tgt_segments and src/tgt_positions. Rows beyond
   len(rows) are all padding.
   """
@@ -67,17 +67,17 @@ def make_packed_batch(src_seqs, tgt_seqs, rows, num_rows, length):
   for key in ('src_segments', 'tgt_segments', 'src_positions', 'tgt_positions'):
     batch[key][:] = 0
   for r, members in enumerate(rows):
-    _fill(r, [src_seqs[i] for i in members], length, batch['src'], batch['src_segments'], batch['src_positions'])
-    _fill(r, [tgt_seqs[i] for i in members], length, batch['tgt_out'], batch['tgt_segments'],
+    _fill(r, [src_seqs[i] for i in members], batch['src'], batch['src_segments'], batch['src_positions'])
+    _fill(r, [tgt_seqs[i] for i in members], batch['tgt_out'], batch['tgt_segments'],
           batch['tgt_positions'])
-    _fill(r, [tgt_seqs[i] for i in members], length, batch['tgt_in'], np.zeros_like(batch['tgt_segments']),
+    _fill(r, [tgt_seqs[i] for i in members], batch['tgt_in'], np.zeros_like(batch['tgt_segments']),
           np.zeros_like(batch['tgt_positions']), prefix=BOS_ID)
   return batch
 
 
 def pack_examples(src_seqs, tgt_seqs, *, length, rows_per_batch):
   """Batches of `rows_per_batch` packed rows of `length` tokens per side, examples taken in order (each
-  sequence ending with EOS, as data.tokenize_parallel makes them); the last batch is padded with empty rows."""
+  sequence ending with EOS, as corpus.tokenize makes them); the last batch is padded with empty rows."""
   rows = plan_rows([len(s) for s in src_seqs], [len(t) for t in tgt_seqs], length)
   for start in range(0, len(rows), rows_per_batch):
     yield make_packed_batch(src_seqs, tgt_seqs, rows[start:start + rows_per_batch], rows_per_batch, length)

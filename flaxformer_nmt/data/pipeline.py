@@ -1,6 +1,6 @@
 """The trainer's input: corpus -> vocabulary -> cached token ids -> training and validation batches.
 
-Every host plans the same global batches and builds its own rows of them (data.py).
+Every host plans the same global batches and builds its own rows of them (batching.py).
 """
 import functools
 

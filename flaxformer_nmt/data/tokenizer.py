@@ -142,7 +142,7 @@ class Tokenizer:
 
     The same (texts, dropout, seed) give the same ids within a process, not across processes: sentencepiece's
     sampler depends on per-process state besides its seed (measured with sentencepiece 0.2.x), so whatever
-    must be repeated in another process or on another host is saved (data.SavedSegmentations). It draws from
+    must be repeated in another process or on another host is saved (corpus.SavedSegmentations). It draws from
     a generator per thread, seeded when the thread first samples: a fresh thread that sets the seed and
     encodes alone (num_threads=1) starts every call from the seed.
     """
