@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 
 from conftest import subprocess_env, tiny_model
 from flaxformer_nmt import config as config_lib
@@ -69,33 +70,35 @@ def np_feed_forward(x, p):
   return np.maximum(x @ p['wi']['kernel'] + p['wi']['bias'], 0) @ p['wo']['kernel'] + p['wo']['bias']
 
 
-def np_sublayer(x, f, norm, pre_ln):
-  return x + f(np_layer_norm(x, norm)) if pre_ln else np_layer_norm(x + f(x), norm)
+def np_sublayer(x, f, norm, pre_ln, drop=1.0):
+  """drop: what dropout multiplies the sub-layer output by before the residual sum."""
+  return x + drop * f(np_layer_norm(x, norm)) if pre_ln else np_layer_norm(x + drop * f(x), norm)
 
 
-def np_transformer(params, src, tgt_in, heads, pre_ln):
-  """Logits [T, V] of one sentence pair (without padding)."""
+def np_transformer(params, src, tgt_in, heads, pre_ln, drop=1.0):
+  """Logits [T, V] of one sentence pair (without padding). drop: what dropout (P_drop, section 5.4) multiplies
+  the embedding sums and every sub-layer output by (1: evaluation)."""
   p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params)
   embedding = p['shared_embedding']['embedding']
   d = embedding.shape[1]
-  x = embedding[src] * np.sqrt(d) + np_positions(len(src), d)
+  sublayer = lambda x, f, norm: np_sublayer(x, f, norm, pre_ln, drop)
+  x = (embedding[src] * np.sqrt(d) + np_positions(len(src), d)) * drop
   for i in range(sum(k.startswith('encoder_') and k[8:].isdigit() for k in p)):
     layer = p[f'encoder_{i}']
-    x = np_sublayer(x, lambda z: np_self_attention(z, layer['self_attention'], np.ones((len(src),) * 2, bool), heads),
-                    layer['attention_block']['norm'], pre_ln)
-    x = np_sublayer(x, lambda z: np_feed_forward(z, layer['feed_forward']), layer['feed_forward_block']['norm'], pre_ln)
+    x = sublayer(x, lambda z: np_self_attention(z, layer['self_attention'], np.ones((len(src),) * 2, bool), heads),
+                 layer['attention_block']['norm'])
+    x = sublayer(x, lambda z: np_feed_forward(z, layer['feed_forward']), layer['feed_forward_block']['norm'])
   if pre_ln:
     x = np_layer_norm(x, p['encoder_norm'])
-  y = embedding[tgt_in] * np.sqrt(d) + np_positions(len(tgt_in), d)
+  y = (embedding[tgt_in] * np.sqrt(d) + np_positions(len(tgt_in), d)) * drop
   causal = np.tril(np.ones((len(tgt_in),) * 2, bool))
   for i in range(sum(k.startswith('decoder_') and k[8:].isdigit() for k in p)):
     layer = p[f'decoder_{i}']
-    y = np_sublayer(y, lambda z: np_self_attention(z, layer['self_attention'], causal, heads),
-                    layer['self_block']['norm'], pre_ln)
-    y = np_sublayer(y, lambda z: np_cross_attention(z, x, layer['cross_attention'],
-                                                    np.ones((len(tgt_in), len(src)), bool), heads),
-                    layer['cross_block']['norm'], pre_ln)
-    y = np_sublayer(y, lambda z: np_feed_forward(z, layer['feed_forward']), layer['feed_forward_block']['norm'], pre_ln)
+    y = sublayer(y, lambda z: np_self_attention(z, layer['self_attention'], causal, heads), layer['self_block']['norm'])
+    y = sublayer(y, lambda z: np_cross_attention(z, x, layer['cross_attention'],
+                                                 np.ones((len(tgt_in), len(src)), bool), heads),
+                 layer['cross_block']['norm'])
+    y = sublayer(y, lambda z: np_feed_forward(z, layer['feed_forward']), layer['feed_forward_block']['norm'])
   if pre_ln:
     y = np_layer_norm(y, p['decoder_norm'])
   return y @ embedding.T  # the output projection is the shared embedding
@@ -105,16 +108,51 @@ SRC = np.array([[5, 9, 7, 12, 3], [8, 6, 3, 0, 0]])
 TGT_IN = np.array([[2, 11, 4, 10, 0, 0], [2, 13, 14, 15, 6, 9]])
 
 
+def distinct_vectors(params):
+  """params with every LayerNorm scale and bias and every feed-forward bias made different: at init they are all
+  ones or zeros, and a sub-layer reading another one's LayerNorm, or a missing bias, would go unseen."""
+  leaves, tree = jax.tree_util.tree_flatten(params)
+  keys = jax.random.split(jax.random.PRNGKey(7), len(leaves))
+  return jax.tree_util.tree_unflatten(tree, [x + 0.3 * jax.random.normal(key, x.shape) if x.ndim == 1 else x
+                                             for x, key in zip(leaves, keys)])
+
+
 @pytest.mark.parametrize('pre_layer_norm', [False, True])
 @pytest.mark.parametrize('attention_impl', ['xla', 'einsum'])
 def test_forward_equals_a_numpy_transformer(pre_layer_norm, attention_impl):
   model, params = tiny_model(pre_layer_norm=pre_layer_norm)
+  params = distinct_vectors(params)
   model = model_lib.Transformer(model_lib.ModelConfig(**{**model.config.__dict__, 'attention_impl': attention_impl}))
   logits = np.asarray(model.apply({'params': params}, jnp.asarray(SRC), jnp.asarray(TGT_IN)))
   for row in range(len(SRC)):
     src, tgt_in = SRC[row][SRC[row] != 0], TGT_IN[row][TGT_IN[row] != 0]
     expected = np_transformer(params, src, tgt_in, heads=model.config.num_heads, pre_ln=pre_layer_norm)
     # Real positions only: padding positions carry no prediction (and the padding shortens nothing here).
+    np.testing.assert_allclose(logits[row, :len(tgt_in)], expected, rtol=2e-4, atol=2e-4)
+
+
+class ExpectedDropout(nn.Module):
+  """Dropout's expectation in its place: in training every element is kept and scaled by 1 / (1 - rate), so that
+  a forward pass shows where dropout sits without drawing masks."""
+  rate: float
+
+  @nn.compact
+  def __call__(self, x, deterministic):
+    return x if deterministic or self.rate == 0.0 else x / (1.0 - self.rate)
+
+
+@pytest.mark.parametrize('pre_layer_norm', [False, True])
+def test_dropout_sits_on_the_embedding_sums_and_on_every_sublayer_output(pre_layer_norm, monkeypatch):
+  """Section 5.4: dropout on each sub-layer's output before the residual sum (and its LayerNorm, post-LN) and on
+  the sums of embeddings and positions, in both stacks; nowhere else at the default rates."""
+  monkeypatch.setattr(model_lib, 'Dropout', ExpectedDropout)
+  model, params = tiny_model(pre_layer_norm=pre_layer_norm, dropout_rate=0.3)
+  params = distinct_vectors(params)
+  logits = np.asarray(model.apply({'params': params}, jnp.asarray(SRC), jnp.asarray(TGT_IN), False))
+  for row in range(len(SRC)):
+    src, tgt_in = SRC[row][SRC[row] != 0], TGT_IN[row][TGT_IN[row] != 0]
+    expected = np_transformer(params, src, tgt_in, heads=model.config.num_heads, pre_ln=pre_layer_norm,
+                              drop=1 / (1 - model.config.dropout_rate))
     np.testing.assert_allclose(logits[row, :len(tgt_in)], expected, rtol=2e-4, atol=2e-4)
 
 

@@ -1,5 +1,6 @@
 """The decoder-only LM and the masked LM (lm.py), generation (generate.py) and their data, against
 independent computations: NumPy losses and nucleus sets, full-prefix reruns, counts of the masking."""
+import math
 import types
 
 import jax
@@ -94,6 +95,28 @@ def test_no_information_flows_from_future_tokens():
     changed = np.asarray(model.apply({'params': params}, changed))
     np.testing.assert_allclose(changed[0, :t + 1], logits[0, :t + 1], atol=1e-5)
     assert not np.allclose(changed[0, t + 1], logits[0, t + 1], atol=1e-5)
+
+
+def test_the_mlm_head_is_dense_gelu_layer_norm_then_the_tied_embedding_plus_a_bias():
+  """BERT's prediction head over the encoder's output, written out in NumPy (float64, erf GELU), with every
+  bias and LayerNorm vector made distinct from its init (all zeros or ones, where a dropped one goes unseen)."""
+  model, params = tiny('mlm', sharpen=1.0)
+  leaves, tree = jax.tree_util.tree_flatten(params)
+  keys = jax.random.split(jax.random.PRNGKey(7), len(leaves))
+  params = jax.tree_util.tree_unflatten(tree, [x + 0.3 * jax.random.normal(key, x.shape) if x.ndim == 1 else x
+                                               for x, key in zip(leaves, keys)])
+  tokens = jnp.array([[5, 6, 4, 8, 9, EOS_ID], [7, 4, EOS_ID, PAD_ID, PAD_ID, PAD_ID]])
+  with jax.default_matmul_precision('highest'):
+    logits = np.asarray(model.apply({'params': params}, tokens))
+    encoded = np.asarray(model.apply({'params': params}, tokens, method=lambda m, t: m.encode(t)), np.float64)
+  p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params)
+  h = encoded @ p['head_dense']['kernel'] + p['head_dense']['bias']
+  h = 0.5 * h * (1 + np.vectorize(math.erf)(h / math.sqrt(2)))
+  mean, var = h.mean(-1, keepdims=True), h.var(-1, keepdims=True)
+  h = (h - mean) / np.sqrt(var + 1e-5) * p['head_norm']['scale'] + p['head_norm']['bias']
+  expected = h @ p['shared_embedding']['embedding'].T + p['head_bias']
+  real = np.asarray(tokens) != PAD_ID
+  np.testing.assert_allclose(logits[real], expected[real], rtol=1e-4, atol=1e-4)
 
 
 def test_the_mlm_sees_both_sides():

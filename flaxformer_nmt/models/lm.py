@@ -1,8 +1,8 @@
-"""The other two Transformers built from model.py's blocks: a decoder-only language model (GPT-style) and an
+"""The other two Transformers built from transformer.py's blocks: a decoder-only language model (GPT-style) and an
 encoder-only masked language model (BERT-style), with BERT's masking and the per-task forward pass the
 train and eval steps call.
 
-  config.task = 'translation'  model.Transformer: encoder + decoder with cross-attention (the paper).
+  config.task = 'translation'  transformer.Transformer: encoder + decoder with cross-attention (the paper).
   config.task = 'lm'           DecoderOnlyLM: `decoder_{i}` layers without cross-attention, causal
                                self-attention only, the embedding tied to the output projection; trained to
                                predict token t+1 from tokens <= t (BOS first, EOS last).
