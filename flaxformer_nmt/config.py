@@ -447,6 +447,9 @@ def _validate_model(config):
   if m.d_model % m.num_heads:
     raise ConfigError(f'config.model.d_model={m.d_model} is not divisible by config.model.num_heads={m.num_heads}: '
                       'each head takes d_model / num_heads features')
+  if m.d_model % 2:
+    raise ConfigError(f'config.model.d_model={m.d_model} is odd: the sinusoidal positions pair a sine and a cosine '
+                      'per frequency, so d_model must be even')
   for field in ('dropout_rate', 'attention_dropout_rate', 'relu_dropout_rate'):
     if not 0.0 <= m[field] < 1.0:
       raise ConfigError(f'config.model.{field}={m[field]} is a probability: use 0 (off) to below 1')

@@ -417,6 +417,15 @@ def test_out_of_range_values_are_named(field, value, message):
     config_lib.validate(c)
 
 
+def test_an_odd_d_model_is_refused_before_the_positions_fail_to_broadcast():
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  c = config_lib.base_config()
+  c.data_dir = '/data'
+  c.model.d_model, c.model.num_heads = 9, 3
+  with pytest.raises(config_lib.ConfigError, match=r'config.model.d_model=9 is odd'):
+    config_lib.validate(c)
+
+
 def test_bad_names_are_refused_with_the_values_they_take():
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
   for field, value in (('prng_impl', 'philox'), ('task', 'nmt'), ('data_source', 'csv'),
