@@ -279,3 +279,19 @@ def test_a_second_stop_signal_waits_for_the_stop_save(toy_corpus, tmp_path, monk
   assert not reached_default
   assert any('already stopping' in r.getMessage() for r in caplog.records)
   assert checkpoints_lib.saved_steps(tmp_path / 'w') == [2]
+
+
+def test_an_error_in_the_evaluation_a_resume_catches_up_closes_the_run(toy_corpus, tmp_path, monkeypatch,
+                                                                      checkpoint_closes, evaluation_fails_at):
+  """The evaluation of step 10 fails in the run that saved step 10, then again as the resumed run catches it up
+  before its first step: that error too closes the checkpoints and the metrics log before it goes on."""
+  logs_closed = []
+  close = metrics_lib.MetricsLog.close
+  monkeypatch.setattr(metrics_lib.MetricsLog, 'close', lambda self: (logs_closed.append(True), close(self)))
+  config = small_config(toy_corpus)
+  evaluation_fails_at(10)
+  for launch in (1, 2):
+    with pytest.raises(RuntimeError, match='the evaluation failed'):
+      train.train_and_evaluate(config, tmp_path / 'w')
+    assert len(checkpoint_closes) == len(logs_closed) == launch
+  assert checkpoints_lib.saved_steps(tmp_path / 'w') == [10]

@@ -246,7 +246,7 @@ def train_and_evaluate(config, workdir):
   # Where this launch's clock starts (bench/bleu_curve.py reads it to join the minutes of resumed launches).
   run.log.write(step, {'run/trained_seconds_at_start': run.trained_seconds})
   interval = metrics_lib.TrainInterval(run.throughput, config.skip_nonfinite_updates)
-  with clock.phase('validation'):
+  with clock.phase('validation'), interval.paused(), preemption.closed_on_error(run):
     last = catch_up_evaluation(run, step, start_time)
   preemption_sync = preemption.preemption_sync_available(step)
   # An error that escapes the loop (a failed evaluation, a device out of memory) first lets the save in flight
@@ -274,11 +274,9 @@ def train_and_evaluate(config, workdir):
           run.checkpoints.save(step, run.state, position, force=True, vocab_sha256=run.vocab_sha256)
         decision.saved()
       if not decision.signalled:  # a preempted run exits at once (its grace period is short); no evaluation
-        with clock.phase('validation'):
+        with clock.phase('validation'), interval.paused():  # evaluation stays out of tokens/s
           evaluated = evaluate_step(run, step, start_time, done)
-        if evaluated:
-          last.update(evaluated)
-          interval.restart()  # keep evaluation out of the next interval's tokens/s
+        last.update(evaluated)
       if done:
         logging.info('Stopping at step %d after %s (%s)', step, metrics_lib.duration(time.time() - start_time),
                      decision.reason)

@@ -3,7 +3,7 @@
 The train step returns its metrics as device arrays; `TrainInterval` keeps them unread until a log line or a
 save is due, so the loop never waits on the device between those (one host transfer per interval). The loss
 logged as `train/loss` and `eval/loss` is the label-smoothed cross entropy per target token (what the step
-minimizes, train_step.label_smoothed_cross_entropy), `*/nll` the plain cross entropy per target token, and
+minimizes, step.label_smoothed_cross_entropy), `*/nll` the plain cross entropy per target token, and
 `eval/perplexity` exp(eval/nll).
 """
 import collections
@@ -146,12 +146,22 @@ class TrainInterval:
   def __init__(self, throughput, skip_nonfinite_updates):
     self.throughput, self.skip_nonfinite_updates = throughput, skip_nonfinite_updates
     self.pending, self.lengths, self.unchecked = [], [], []
-    self.skipped = 0  # updates skipped as non-finite over the whole run
+    self.skipped = 0  # updates skipped as non-finite in this launch (a resume counts from 0)
     self.restart()
 
   def restart(self):
-    """Starts the clock of a new interval (after a log line, or after evaluation, kept out of tokens/s)."""
+    """Starts the clock of a new interval (after a log line)."""
     self.start, self.data_wait = time.time(), 0.0
+
+  @contextlib.contextmanager
+  def paused(self):
+    """Keeps the block's time (an evaluation) out of the interval's seconds, and so out of tokens/s and step
+    time; the steps before it stay in the interval with theirs."""
+    start = time.time()
+    try:
+      yield
+    finally:
+      self.start += time.time() - start
 
   def next_batch(self, batches):
     wait_start = time.time()
