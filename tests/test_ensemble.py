@@ -188,3 +188,32 @@ def _bleu_curve_and_average(workdir, members, rows):
   assert result.returncode == 0, result.stderr[-3000:]
   for member in members:
     assert json.loads((member / 'averaged' / 'averaged.json').read_text()) == {'steps': [90, 100]}
+
+
+def test_the_ensemble_record_counts_the_sentences_it_scored(toy_corpus, tmp_path, monkeypatch):
+  """eval_bleu_max_sentences above the split's size scores the whole split (20 pairs here), and the record and
+  log say 20 sentences, as a member's validation BLEU does (it recorded the cap). The members are decoded by a
+  stand-in translator that copies its sources."""
+  import types  # pylint: disable=g-import-not-at-top
+  config = small_config(toy_corpus)
+  config.ensemble_members, config.eval_bleu_every_steps, config.eval_bleu_max_sentences = 2, 100, 500
+  workdir = tmp_path / 'ens'
+  for k in range(2):
+    member_workdir(workdir, k).mkdir(parents=True)
+    ensemble.mark_finished(member_workdir(workdir, k), ensemble.member_config(config, k), 20, 'config.num_train_steps')
+
+  class CopyingTranslator:
+    checkpoint, lowercase, config = 'stand-in', False, types.SimpleNamespace(target_lang='de')
+
+    def __init__(self, workdir):
+      del workdir
+
+    def translate(self, sources, **_):
+      return list(sources)
+  monkeypatch.setattr(ensemble.decode, 'Translator', CopyingTranslator)
+  record = ensemble.score_on_validation(config, workdir)
+  sources = (toy_corpus / 'valid.en').read_text().splitlines()
+  assert (workdir / 'eval' / 'hyp_ensemble.txt').read_text().splitlines() == sources
+  assert len(sources) == 20
+  assert record['sentences'] == 20
+  assert json.loads((workdir / ensemble.VALIDATION_FILE).read_text())['sentences'] == 20

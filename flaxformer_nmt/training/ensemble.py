@@ -129,7 +129,7 @@ def score_on_validation(config, workdir):
   except (OSError, ValueError) as e:  # the members trained: say why there is no score, lose nothing
     logging.warning('The ensemble was not scored on %s: %s', config.eval_split, e)
     return None
-  count = config.eval_bleu_max_sentences or len(sources)
+  count = min(config.eval_bleu_max_sentences or len(sources), len(sources))
   translator = decode.Translator(str(workdir))
   hypotheses, bleu, tok_bleu, seconds, signature = compare.scores(
       translator, sources[:count], references[:count], tok_references[:count] if tok_references else None,
