@@ -1,9 +1,11 @@
 """What the training loop logs about speed (tokens/s, FLOP/s, MFU, step time) and the profiler option; the
 training time it counts across resumes, and config.max_train_minutes, the guard that stops a run on time."""
+import contextlib
 import json
 import time
 
 import jax
+import numpy as np
 import pytest
 
 import in_process
@@ -234,7 +236,8 @@ def test_the_first_call_of_each_batch_shape_is_timed_as_compiling(monkeypatch):
   batches = iter({'src': np.zeros(shape, np.int32), 'tgt': np.zeros(shape, np.int32)} for shape in shapes)
   run = types.SimpleNamespace(train_batches=None, dispatched=set(), state=0, batch_sharding=None,
                               train_fn=lambda state, batch: (state + 1, {}))
-  interval = types.SimpleNamespace(next_batch=lambda _: next(batches), add=lambda metrics, batches: None)
+  interval = types.SimpleNamespace(next_batch=lambda _: next(batches), add=lambda metrics, batches: None,
+                                   paused=contextlib.nullcontext)
   phases = []
 
   class Clock(metrics_lib.WallClock):
@@ -287,3 +290,39 @@ def test_evaluation_time_is_kept_out_of_the_interval_and_its_steps_are_not(toy_c
   for step, m in intervals.items():
     assert m['train/step_time'] == pytest.approx(1.0), step
     assert m['train/data_wait_fraction'] == 0.0, step
+
+
+def test_a_new_batch_shape_s_compile_is_kept_out_of_the_interval(toy_corpus, tmp_path, monkeypatch):
+  """The interval clock advances 1 s per train step and 50 s inside the first call of each batch shape (its
+  compile), and nothing else: every logged interval then lasts 1 s a step. Catches a compile booked as step time
+  (a length bucket's first batch slowed its interval's tokens/s and MFU)."""
+  import types  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.training import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  clock, shapes = {'now': time.time()}, set()
+  monkeypatch.setattr(metrics_lib, 'time', types.SimpleNamespace(time=lambda: clock['now'],
+                                                                 perf_counter=time.perf_counter))
+  dispatch, put_batch = train.dispatch_steps, train.sharding.put_batch
+
+  def compiling_put_batch(batch, batch_sharding):  # called inside the first call's compiling phase, as jit is
+    shape = tuple(np.shape(x) for x in jax.tree_util.tree_leaves(batch))
+    clock['now'] += 50.0 if shape not in shapes else 0.0
+    shapes.add(shape)
+    return put_batch(batch, batch_sharding)
+
+  def timed_dispatch(run, interval, count, wall):
+    out = dispatch(run, interval, count, wall)
+    clock['now'] += 1.0 * count
+    return out
+  monkeypatch.setattr(train.sharding, 'put_batch', compiling_put_batch)
+  monkeypatch.setattr(train, 'dispatch_steps', timed_dispatch)
+  config = small_config(toy_corpus)
+  config.length_buckets = (8, 16, 32)
+  config.num_train_steps, config.log_every_steps, config.eval_every_steps = 12, 4, 100
+  workdir = tmp_path / 'run'
+  train.train_and_evaluate(config, workdir)
+  assert len(shapes) > 1
+  logged = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+  intervals = {m['step']: m for m in logged if 'train/step_time' in m}
+  assert sorted(intervals) == [4, 8, 12]
+  for step, m in intervals.items():
+    assert m['train/step_time'] == pytest.approx(1.0), step
