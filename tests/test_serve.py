@@ -355,6 +355,38 @@ def test_a_request_past_the_timeout_gets_504_and_leaves_the_queue(backend):
     assert c.post('/v1/translate', json={'text': ['dog']}).status_code == 200
 
 
+def test_a_request_whose_client_went_away_leaves_the_queue_and_no_batch_decodes_it(backend):
+  # On uvicorn (whose handlers run on after their client has gone), not the TestClient.
+  uvicorn = pytest.importorskip('uvicorn')
+  gate = Gate(backend)
+  app = server.create_app({'en-de': gate}, server.Settings(warmup='none', max_wait_ms=0, max_batch_tokens=256))
+  port = free_port()
+  uvicorn_server = uvicorn.Server(uvicorn.Config(app, host='127.0.0.1', port=port, log_level='warning'))
+  thread = threading.Thread(target=uvicorn_server.run, daemon=True)
+  thread.start()
+  url, batcher = f'http://127.0.0.1:{port}', app.state.service.batcher
+  try:
+    wait_until(lambda: ready(url), timeout=60)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      decoding = pool.submit(httpx.post, f'{url}/v1/translate', json={'text': ['a big dog runs .']}, timeout=60)
+      assert gate.entered.wait(20)
+      for path, body in (('/v1/translate', {'text': ['the cat runs .']}),
+                         ('/translate', {'q': 'a red ball', 'source': 'en', 'target': 'de'})):
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+          httpx.post(f'{url}{path}', json=body, timeout=1)
+      wait_until(lambda: batcher.queued_sentences == 0, timeout=10)
+      gate.release.set()
+      assert decoding.result().status_code == 200
+    metrics = httpx.get(f'{url}/metrics').text
+    assert metric(metrics, 'flaxformer_nmt_batch_sentences_count') == 1
+    assert metric(metrics, 'flaxformer_nmt_requests_total', route='/v1/translate', status='499') == 1
+    assert metric(metrics, 'flaxformer_nmt_requests_total', route='/translate', status='499') == 1
+  finally:
+    gate.release.set()
+    uvicorn_server.should_exit = True
+    thread.join(30)
+
+
 def test_a_failing_batch_answers_500_and_the_server_keeps_serving(backend, translator):
   gate = Gate(backend, failures=1)
   gate.release.set()
@@ -434,9 +466,14 @@ def test_api_keys_guard_every_route_but_health_and_the_page(backend):
     assert c.get('/languages?api_key=first-key').status_code == 200
 
 
-def test_keys_compare_in_constant_time_against_every_key():
+def test_keys_compare_in_constant_time_against_every_key(monkeypatch):
   keys = server.Keys(['abc', 'abd'])
   assert keys.accepts('abd') and not keys.accepts('ab') and not keys.accepts(None) and not keys.accepts('abcd')
+  # Every key, through hmac.compare_digest, also after a match (a `==`, `in` or any() would stop early).
+  compared = []
+  compare_digest = server.hmac.compare_digest
+  monkeypatch.setattr(server.hmac, 'compare_digest', lambda a, b: compared.append(b) or compare_digest(a, b))
+  assert keys.accepts('abc') and compared == [b'abc', b'abd']
 
 
 def test_cors_is_off_unless_an_origin_is_given(backend):

@@ -559,15 +559,39 @@ def libre_request(data):
   return [q] if isinstance(q, str) else q, isinstance(q, str), data['source'], data['target'], alternatives
 
 
+CLIENT_CLOSED = 499  # nginx's status of a request whose client closed the connection before the answer
+
+
+async def unless_client_leaves(http_request, work):
+  """The result of the coroutine `work`; where the client closes its connection first, `work` is cancelled (its
+  sentences leave the batcher's queue) and ApiError(499) raised. uvicorn lets a request's handler run on after
+  its client has gone."""
+  task = asyncio.ensure_future(work)
+
+  async def disconnected():
+    while (await http_request.receive())['type'] != 'http.disconnect':
+      pass
+  watch = asyncio.ensure_future(disconnected())
+  try:
+    done, _ = await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+  finally:
+    watch.cancel()
+    task.cancel()  # nothing where it has finished
+  if task not in done:
+    await asyncio.gather(task, return_exceptions=True)
+    raise ApiError(CLIENT_CLOSED, 'the client closed the connection before the answer')
+  return task.result()
+
+
 def add_api_routes(app, service):
   """POST /v1/translate and GET /v1/models."""
   @app.post('/v1/translate')
-  async def translate(request: TranslateRequest):
+  async def translate(request: TranslateRequest, http_request: fastapi.Request):
     """Translates each text (sentences split and rejoined); optional fields only when asked for."""
     name, backend = service.resolve(request.model)
     options = service.options(backend, request.beam_size, request.n_best, request.alpha, request.max_length)
-    translations = await service.translate(name, request.text, options, request.n_best, request.return_scores,
-                                           request.return_attention)
+    translations = await unless_client_leaves(http_request, service.translate(
+        name, request.text, options, request.n_best, request.return_scores, request.return_attention))
     # Plain JSON (FastAPI's encoder walks every attention weight again, on the event loop).
     return responses.JSONResponse({'model': name, 'translations': translations})
 
@@ -595,7 +619,8 @@ def add_libretranslate_routes(app, service):
                      f'beam size {beam_size} less one)')
     options = service.options(backend, n_best=alternatives + 1)
     names = ['q'] if single else [f'q[{i}]' for i in range(len(texts))]
-    found = await service.translate(name, texts, options, n_best=alternatives + 1, names=names)
+    found = await unless_client_leaves(request, service.translate(name, texts, options, n_best=alternatives + 1,
+                                                                  names=names))
     translated = [t['text'] for t in found]
     body = {'translatedText': translated[0] if single else translated}
     if alternatives:
