@@ -116,3 +116,36 @@ def test_the_page_shows_the_servers_error(live_server, page):
   page.click('#translate')
   page.wait_for_function('document.querySelector("#status").className === "error"')
   assert page.text_content('#status') == '400: beam_size=99 is over the server\'s limit --max_beam_size=8'
+
+
+def test_an_empty_beam_size_field_translates_with_the_models_default(live_server, page, backend):
+  page.goto(live_server)
+  page.wait_for_function('document.querySelectorAll("#model option").length > 0')
+  page.fill('#beam-size', '')
+  page.fill('#source', SENTENCE)
+  page.click('#translate')
+  page.wait_for_function('document.querySelector("#status").textContent.endsWith(" ms") || '
+                         'document.querySelector("#status").className === "error"', timeout=120_000)
+  assert page.get_attribute('#status', 'class') != 'error', page.text_content('#status')
+  assert page.text_content('#translation') == backend.translator.translate([SENTENCE])[0]
+
+
+def test_a_large_attention_map_is_drawn(live_server, page):
+  # One layer (as a CTranslate2 model's) of 135,000 weights, under the server's limit of 250,000: more than
+  # Math.max(...weights) takes as arguments.
+  rows, columns = 300, 450
+  weights = [[[(r * columns + c) % 97 / 96 for c in range(columns)] for r in range(rows)]]
+  answer = {'model': 'en-de', 'translations': [{
+      'text': 'x', 'score': -1.0, 'attention': {'source_tokens': [f's{c}' for c in range(columns)],
+                                                'target_tokens': [f't{r}' for r in range(rows)], 'weights': weights}}]}
+  page.goto(live_server)
+  page.wait_for_function('document.querySelectorAll("#model option").length > 0')
+  page.route('**/v1/translate', lambda route: route.fulfill(json=answer))
+  page.fill('#source', SENTENCE)
+  page.click('#translate')
+  page.wait_for_function('document.querySelector("#status").textContent.endsWith(" ms") || '
+                         'document.querySelector("#status").className === "error"', timeout=120_000)
+  assert page.get_attribute('#status', 'class') != 'error', page.text_content('#status')
+  assert page.eval_on_selector_all('#heatmap rect.cell', 'cells => cells.length') == rows * columns
+  # The largest weight is drawn in the top colour.
+  assert page.get_attribute('#heatmap rect[data-row="0"][data-col="96"]', 'fill') == 'rgb(253,231,37)'

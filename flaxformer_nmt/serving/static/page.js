@@ -55,8 +55,11 @@ function chooseModel() {
 
 async function translate() {
   const text = $('source').value;
-  const beamSize = parseInt($('beam-size').value, 10);
-  const nBest = Math.max(1, Math.min(parseInt($('n-best').value, 10) || 1, Math.max(beamSize, 1)));
+  const typed = parseInt($('beam-size').value, 10);
+  const beamSize = Number.isNaN(typed) ? null : typed;  // an empty field: the model's default
+  const model = models.find((m) => m.name === $('model').value);
+  const beam = beamSize ?? (model ? model.defaults.beam_size : 1);
+  const nBest = Math.max(1, Math.min(parseInt($('n-best').value, 10) || 1, Math.max(beam, 1)));
   const body = {model: $('model').value || null, text: [text], beam_size: beamSize, n_best: nBest,
                 return_scores: true, return_attention: true};
   $('translate').disabled = true;
@@ -132,7 +135,8 @@ function drawHeatmap() {
   const sources = lastAttention.source_tokens, targets = lastAttention.target_tokens;
   const left = 12 + 8 * Math.max(...targets.map((t) => t.length));
   const top = 12 + 6 * Math.max(...sources.map((t) => t.length));
-  const largest = Math.max(1e-9, ...weights.flat());
+  let largest = 1e-9;  // a loop: spreading a large map into Math.max's arguments overflows the stack
+  for (const row of weights) for (const w of row) largest = Math.max(largest, w);
   svg.setAttribute('width', left + CELL * sources.length + 10);
   svg.setAttribute('height', top + CELL * targets.length + 10);
   sources.forEach((piece, c) => {
