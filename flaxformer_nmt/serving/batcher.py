@@ -112,11 +112,12 @@ class Batcher:
     self._task = asyncio.get_running_loop().create_task(self._loop())
 
   async def run_exclusive(self, fn, *args):
-    """fn(*args) on the worker thread, between batches (warm-up, measurements)."""
+    """fn(*args) on the worker thread, between batches (the batches themselves)."""
     return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
 
   def measured_rate(self, tokens_per_second):
-    """Seeds the admission test's rate (e.g. from the warm-up) before the first batch measures it."""
+    """Sets the admission test's rate (source tokens per second) before the first batch measures it (tests:
+    until then the test is off, and only the queue's size refuses)."""
     self._rate = tokens_per_second
 
   @property
