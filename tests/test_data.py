@@ -55,6 +55,16 @@ def test_invalid_utf8_names_file_and_line(tmp_path):
     data_lib.read_lines(tmp_path / 'train.en')
 
 
+def test_a_byte_order_mark_is_not_text(tmp_path):
+  # Catches a byte order mark (some editors write one first) kept on the first line: a reference's first word
+  # then never matches its hypothesis. Only the file's first bytes are one; a U+FEFF further on is text.
+  path = tmp_path / 'test.de'
+  path.write_bytes('\ufeffEin Hund.\n\ufeffZwei Katzen.\n'.encode('utf-8'))
+  expected = ['Ein Hund.', '\ufeffZwei Katzen.']
+  assert data_lib.read_text_lines(path) == expected
+  assert [line for chunk in data_lib.read_chunks(str(path), 1) for line in chunk] == expected
+
+
 def test_missing_file_is_named(tmp_path):
   with pytest.raises(data_lib.DataError, match=r'train.en: file not found'):
     data_lib.read_parallel(tmp_path, 'train', 'en', 'de')

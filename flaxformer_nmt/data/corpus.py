@@ -24,18 +24,22 @@ class DataError(ValueError):
   """Bad input data; the message names the file and line."""
 
 
+BOM = '\ufeff'.encode('utf-8')  # a byte order mark: not text (it would cling to the first line's first word)
+
+
 def read_lines(path):
   """The lines of a UTF-8 text file, whitespace-normalized; errors name the file and line."""
   return [tokenizer_lib.normalize_whitespace(line) for line in read_text_lines(path)]
 
 
 def read_text_lines(path):
-  """The lines of a UTF-8 text file as they are, split at \\n alone (a line's final \\r dropped), as
-  read_chunks splits the decode command's input; errors name the file and line."""
+  """The lines of a UTF-8 text file as they are, split at \\n alone (a line's final \\r dropped) and a byte order
+  mark that some editors write first left out, as read_chunks splits the decode command's input; errors name the
+  file and line."""
   path = epath.Path(path)
   if not path.exists():
     raise DataError(f'{path}: file not found')
-  lines = path.read_bytes().split(b'\n')
+  lines = path.read_bytes().removeprefix(BOM).split(b'\n')
   if lines and lines[-1] == b'':
     lines.pop()
   out = []
@@ -65,7 +69,7 @@ def _chunks(stream, name, size):
       for raw in raw_lines:
         number += 1
         try:
-          chunk.append(raw.decode('utf-8').rstrip('\r\n'))
+          chunk.append((raw.removeprefix(BOM) if number == 1 else raw).decode('utf-8').rstrip('\r\n'))
         except UnicodeDecodeError as e:
           raise DataError(f'{name}:{number}: invalid UTF-8 ({e.reason} at byte {e.start})') from None
       yield chunk
