@@ -253,8 +253,13 @@ def main(argv):
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   checkpoints_lib.quiet_orbax_logs()
   translator = decode.Translator(FLAGS.workdir, FLAGS.checkpoint, dtype=FLAGS.dtype)
+  with tempfile.TemporaryDirectory(prefix='decode_bench_') as scratch:  # the export and the cold caches
+    run(FLAGS, translator, scratch)
+
+
+def run(FLAGS, translator, scratch):  # pylint: disable=invalid-name
+  """Exports the model into `scratch`, then measures every input and prints the table."""
   c = translator.config
-  scratch = tempfile.mkdtemp(prefix='decode_bench_')
   model_dir = export(FLAGS.workdir, FLAGS.checkpoint, os.path.join(scratch, 'ct2'), FLAGS.compute_type)
   print(f'{time.strftime("%Y-%m-%d %H:%M %Z")}; {cpu_description()}; jax {jax.__version__} '
         f'({jax.default_backend()}); {FLAGS.workdir} ({translator.checkpoint}); model dtype {c.model.dtype}, '

@@ -12,10 +12,15 @@ import tempfile
 # test runs as subprocesses load the programs the suite already compiled (the default suite: 695 s against 821 s
 # without it, 2 Zen 4 cores). TESTS_COMPILATION_CACHE=0 compiles everything afresh. jax reads these variables on
 # import.
+# The session's first process makes the directory and removes it at its end; the processes it starts (xdist's
+# workers, the scripts that import this file) find it in their environment and share it.
 _COMPILATION_CACHE = None
+_SESSION_CACHE_VARIABLE = 'FLAXFORMER_NMT_TESTS_COMPILATION_CACHE'
 if os.environ.get('TESTS_COMPILATION_CACHE', '1') == '1':
-  _COMPILATION_CACHE = tempfile.mkdtemp(prefix='flaxformer_nmt_tests_jax_cache_')
-  os.environ['JAX_COMPILATION_CACHE_DIR'] = _COMPILATION_CACHE
+  if not os.environ.get(_SESSION_CACHE_VARIABLE):
+    _COMPILATION_CACHE = tempfile.mkdtemp(prefix='flaxformer_nmt_tests_jax_cache_')
+    os.environ[_SESSION_CACHE_VARIABLE] = _COMPILATION_CACHE
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = os.environ[_SESSION_CACHE_VARIABLE]
   os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'  # the small programs too
 else:
   os.environ['JAX_COMPILATION_CACHE_DIR'] = ''  # off in the subprocesses and the commands run in process too

@@ -27,7 +27,11 @@ from flaxformer_nmt.training import validation as bleu_eval  # pylint: disable=w
 
 
 def main():
-  root = pathlib.Path(tempfile.mkdtemp())
+  with tempfile.TemporaryDirectory() as directory:
+    print(json.dumps(translations(pathlib.Path(directory))))
+
+
+def translations(root):
   config = small_config(write_toy_corpus(root / 'data'))
   config.eval_bleu_every_steps, config.eval_bleu_beam_size = 10, 2
   tokenizer = tokenizer_lib.load_or_train(
@@ -42,7 +46,7 @@ def main():
     mesh = sharding.make_mesh(data, fsdp, devices=jax.devices()[:data * fsdp])
     params = jax.device_put(host_params, sharding.state_shardings(host_params, mesh))
     report[f'{data}x{fsdp}'] = bleu_eval.ValidationBleu(config, tokenizer, root, mesh).translate(params)
-  print(json.dumps(report))
+  return report
 
 
 if __name__ == '__main__':
