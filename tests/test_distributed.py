@@ -182,6 +182,25 @@ def test_one_srun_task_per_node_drives_all_the_nodes_gpus(clean_environment):
   assert distributed.local_device_ids('slurm') is None
 
 
+@pytest.mark.parametrize('environment', [
+    # launch/gpu_multinode.sh --slurm --nodes 1: srun --nodes 1 --ntasks-per-node 1 ... train --distributed=on
+    dict(SRUN_TASK, SLURM_STEP_NODELIST='gpu1', SLURM_NTASKS='1', SLURM_PROCID='0', SLURM_STEP_NUM_NODES='1'),
+    {'OMPI_COMM_WORLD_SIZE': '1', 'OMPI_COMM_WORLD_LOCAL_SIZE': '1'}])  # mpirun -np 1
+def test_on_in_a_one_process_job_joins_it(clean_environment, environment):
+  """--distributed=on in a one-task srun step or a one-process mpirun joins that job (one process, the node's
+  GPUs), not an error that no srun step or Open MPI job was found; auto runs it as a plain single process."""
+  for name, value in environment.items():
+    clean_environment.setenv(name, value)
+  calls = []
+  clean_environment.setattr(jax.distributed, 'initialize', lambda **kwargs: calls.append(kwargs))
+  assert distributed.initialize('auto') is False and not calls
+  assert distributed.initialize('on') is True
+  (call,) = calls
+  assert call['coordinator_address'] is None and call['num_processes'] is None and call['process_id'] is None
+  if 'SLURM_JOB_ID' in environment:
+    assert call['local_device_ids'] == list(range(8))
+
+
 @pytest.mark.parametrize('mode,environment,message', [
     # An salloc or sbatch shell: the job has two tasks, but this process is not one of them.
     ('auto', {'SLURM_JOB_ID': '5', 'SLURM_NTASKS': '2'}, 'run it under srun'),

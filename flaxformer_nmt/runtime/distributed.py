@@ -60,11 +60,12 @@ def _slurm_job_outside_step():
               and not all(name in os.environ for name in SLURM_STEP_VARIABLES))
 
 
-def cluster_from_environment():
-  """The launcher whose environment describes a multi-process job, or None."""
-  if all(name in os.environ for name in SLURM_STEP_VARIABLES) and (_env_int('SLURM_NTASKS') or 0) > 1:
+def cluster_from_environment(least_processes=2):
+  """The launcher whose environment describes a job of at least `least_processes` processes (2: a multi-process
+  job; 1, for --distributed=on: a one-task srun step or a one-process mpirun too), or None."""
+  if all(name in os.environ for name in SLURM_STEP_VARIABLES) and (_env_int('SLURM_NTASKS') or 0) >= least_processes:
     return 'slurm'
-  if _env_int('OMPI_COMM_WORLD_SIZE') and _env_int('OMPI_COMM_WORLD_SIZE') > 1:
+  if (_env_int('OMPI_COMM_WORLD_SIZE') or 0) >= least_processes:
     return 'openmpi'
   if on_cloud_tpu_vm():
     return 'tpu'
@@ -130,7 +131,7 @@ def initialize(mode='auto', coordinator_address=None, num_processes=None, proces
   coordinator_address = coordinator_address or os.environ.get('JAX_COORDINATOR_ADDRESS') or None
   num_processes = num_processes if num_processes is not None else _env_int('JAX_NUM_PROCESSES')
   process_id = process_id if process_id is not None else _env_int('JAX_PROCESS_ID')
-  cluster = cluster_from_environment()
+  cluster = cluster_from_environment(1 if mode == 'on' else 2)
   if not _check_start(mode, cluster, (coordinator_address, num_processes, process_id)):
     return False
   devices = local_device_ids(cluster)
