@@ -13,5 +13,5 @@ config_args() {
   done
 }
 
-# Shell-quoted words, joined by spaces (one remote command line).
-quote() { [[ $# -gt 0 ]] && printf '%q ' "$@"; }
+# Shell-quoted words, joined by spaces (one remote command line); no words: nothing, and status 0 (set -e).
+quote() { if [[ $# -gt 0 ]]; then printf '%q ' "$@"; fi; }

@@ -42,6 +42,15 @@ def test_gpu_multinode_over_ssh_gives_every_node_its_process_id():
         '--distributed=on', '--config', 'configs/big.py', '--workdir', '/shared/run big']
 
 
+def test_gpu_multinode_without_config_arguments_still_launches():
+  """The config may come from a flag file (`--flagfile run.flags`): no --config among the arguments leaves nothing
+  for preparation, and the nodes still start (not a silent exit with status 1 and no command printed)."""
+  commands = dry_run('gpu_multinode.sh', '--hosts', 'gpu1,gpu2', '--', '--flagfile', 'run.flags')
+  assert [host for _, host, _ in commands] == ['gpu1', 'gpu2']
+  for _, _, remote in commands:
+    assert module_args(shlex.split(remote), 'flaxformer_nmt.train') == ['--distributed=on', '--flagfile', 'run.flags']
+
+
 def test_gpu_multinode_coordinator_address_is_the_first_host_without_its_ssh_user():
   """`--hosts alice@node1,...`: ssh needs the user, but JAX_COORDINATOR_ADDRESS must be host:port, never
   alice@node1:port."""
