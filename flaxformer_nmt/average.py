@@ -28,6 +28,16 @@ def window(workdir, last):
   return workdir_lib.load_config(workdir).average_last_checkpoints or DEFAULT_LAST
 
 
+def parse_steps(values):
+  """--steps' checkpoint steps as ints, or None where the flag is not given."""
+  if not values:
+    return None
+  try:
+    return [int(v) for v in values]
+  except ValueError:
+    raise ValueError(f'--steps={",".join(values)}: checkpoint steps are whole numbers, e.g. 1500,1750') from None
+
+
 def define_flags():
   flags.DEFINE_string('workdir', None, 'Training workdir.')
   flags.DEFINE_integer('last', None, 'Average the newest K checkpoints saved at the regular interval (a final save '
@@ -40,12 +50,15 @@ def define_flags():
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if flags.FLAGS.steps and flags.FLAGS.last is not None:
+    raise app.UsageError('--last and --steps each choose the checkpoints to average: give one')
   checkpoints_lib.quiet_orbax_logs()
   try:
+    chosen = parse_steps(flags.FLAGS.steps)
     # An ensemble's workdir (config.ensemble_members): each member averages its own checkpoints.
     for workdir in workdir_lib.member_workdirs(flags.FLAGS.workdir):
-      last = None if flags.FLAGS.steps else window(workdir, flags.FLAGS.last)
-      steps = checkpoints_lib.average_last(workdir, last, flags.FLAGS.steps)
+      last = None if chosen else window(workdir, flags.FLAGS.last)
+      steps = checkpoints_lib.average_last(workdir, last, chosen)
       print(f'averaged checkpoints {steps} -> {workdir}/{checkpoints_lib.AVERAGED_DIR}')
   except (checkpoints_lib.AveragingError, FileNotFoundError, ValueError) as e:
     sys.exit(f'error: {e}')

@@ -75,6 +75,8 @@ def main(argv):
     raise app.UsageError('--ref is the references of --input: give --input too (a --split has its own)')
   if f.input and f.split:
     raise app.UsageError('--input and --split each name the sentences: give one')
+  if not f.rerank_workdir and (f.rerank_checkpoint or f['rerank_weight'].present):
+    raise app.UsageError('--rerank_checkpoint and --rerank_weight are options of --rerank_workdir: give it too')
   if f.rerank_workdir and not f.rerank_weight:
     raise app.UsageError('--rerank_weight is empty: give the rescorer\'s weights, e.g. 0.3,0.5')
   checkpoints_lib.quiet_orbax_logs()

@@ -1,5 +1,6 @@
 """Bad configuration and limits, said up front in one line: unknown config fields, max_length against the
-position table, and the averaging window (regular checkpoints only, a warning when short)."""
+position table, the averaging window (regular checkpoints only, a warning when short), the average and compare
+commands' flags that only go with others, and attention maps of a source cut to the position table."""
 import os
 import subprocess
 import sys
@@ -8,13 +9,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import in_process
+from flaxformer_nmt import average as average_command
+from flaxformer_nmt import compare as compare_command
 from flaxformer_nmt import config as config_lib
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
+from flaxformer_nmt.checkpointing import workdir as workdir_lib
 from flaxformer_nmt.checkpointing.workdir import ConfigError
+from flaxformer_nmt.data.tokenizer import EOS_ID
+from flaxformer_nmt.decoding import translator as decode
+from flaxformer_nmt.evaluation import attention
 from flaxformer_nmt.runtime import flags as cli
 from flaxformer_nmt.training.step import TrainState
 
-from conftest import subprocess_env
+from conftest import copy_of_trained_toy, subprocess_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -82,3 +90,40 @@ def test_averaging_fewer_than_asked_warns_with_the_count(tmp_path, caplog):
   params, _ = checkpoints_lib.load_averaged(tmp_path)
   np.testing.assert_allclose(params['w'], np.full((2, 3), 20.0))  # (10 + 20 + 30) / 3: 31 left out
   assert 'Averaging 3 checkpoints [10, 20, 30], fewer than the 5 asked' in caplog.text
+
+
+def test_the_average_command_takes_its_steps_from_one_flag_and_names_a_bad_one(tmp_path):
+  store = checkpoints_lib.Checkpoints(tmp_path, keep=0)
+  for step in (10, 20, 30):
+    save_params(store, step, step)
+  store.wait()
+  workdir_lib.write_config(config_lib.base_config(), tmp_path)
+  result = in_process.run(average_command, [f'--workdir={tmp_path}', '--last=2', '--steps=10,20'])
+  assert result.returncode != 0 and '--last and --steps' in result.stderr, result.stderr[-2000:]
+  assert not (tmp_path / checkpoints_lib.AVERAGED_DIR).exists()
+  result = in_process.run(average_command, [f'--workdir={tmp_path}', '--steps=10,2O'])
+  assert result.returncode == 1 and 'error: --steps=10,2O: checkpoint steps are whole numbers' in result.stderr
+  result = in_process.run(average_command, [f'--workdir={tmp_path}', '--steps=10,30'])
+  assert result.returncode == 0, result.stderr[-2000:]
+  params, _ = checkpoints_lib.load_averaged(tmp_path)
+  np.testing.assert_allclose(params['w'], np.full((2, 3), 20.0))  # (10 + 30) / 2
+
+
+def test_compare_refuses_rescorer_options_without_a_rescorer(tmp_path):
+  for option in ('--rerank_checkpoint=latest', '--rerank_weight=0.3'):
+    result = in_process.run(compare_command, [f'--workdir={tmp_path}', option])
+    assert result.returncode != 0 and 'options of --rerank_workdir' in result.stderr, result.stderr[-2000:]
+
+
+def test_attention_maps_of_a_source_past_the_positions_are_those_of_the_cut_source(trained_toy, tmp_path):
+  # max_position 1024 - max_decode_extra_length 1012: the search translates the first 11 tokens and EOS.
+  workdir = copy_of_trained_toy(trained_toy, tmp_path / 'toy', max_decode_extra_length=1012)
+  translator = decode.Translator(workdir, checkpoint='latest')
+  sentence = ' '.join(['a dog runs on the grass .'] * 4)
+  ids = translator.tokenizer.encode([sentence])[0]
+  assert len(ids) > 12
+  cut = ids[:11] + [EOS_ID]
+  [m] = attention.attention_maps(translator, [sentence], beam_size=0)
+  assert m['source_pieces'] == translator.tokenizer.pieces(cut)
+  assert m['encoder'].shape[-2:] == (12, 12) and m['cross'].shape[-1] == 12
+  assert m['translation'] == translator.translate([sentence], beam_size=0)[0]

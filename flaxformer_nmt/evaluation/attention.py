@@ -51,7 +51,8 @@ def attention_maps(translator, sentences, beam_size=None):
   for number, source in enumerate(sources, start=1):
     if not source:
       raise ValueError(f'sentence {number} is empty: nothing to draw')
-  source_ids = tokenizer.encode(sources)
+  # Cut as the search cuts a source past the position table: the pass below sees what was translated.
+  source_ids = translator.fit_to_positions(tokenizer.encode(sources))
   reading_ids = [hyps[0][0] for hyps in translator.search_tokens(source_ids, beam_size=beam_size)]
   target_ids = reading_ids  # teacher-forced as the model wrote them: a right-to-left model's turned back
   if data_lib.right_to_left(translator.config):
