@@ -16,10 +16,10 @@ among the K best does not finish, so a very unlikely short hypothesis never wins
 A finished hypothesis scores log P / lp(n) with the GNMT length penalty lp(n) = ((5 + n) / 6)^alpha, where
 n counts the generated tokens, EOS included (BOS not): "EOS" alone has n = 1.
 Stopping rule (fairseq's): a sentence is done once K hypotheses have finished (the first K to finish; of
-one step's, the better ones) or at its length limit. A sentence of n source tokens may produce at most
-floor(max_len_a * n + extra) tokens (search.output_limits): EOS is forced at that length, so every sentence
-finishes at least one hypothesis. The loop exits when every sentence is done; the finished hypotheses come
-back sorted by score.
+one step's, the better ones) or at its length limit. A sentence of n source pieces (EOS not counted) may
+produce at most floor(max_len_a * n + extra) tokens before EOS (search.output_limits): EOS is forced after
+them (max_lengths, EOS included, is one more), so every sentence finishes at least one hypothesis. The loop
+exits when every sentence is done; the finished hypotheses come back sorted by score.
 `min_length` (every search; 0 by default here, 1 in decode.py as fairseq's --min-len and CTranslate2's
 min_decoding_length) forbids EOS while fewer tokens have been generated: with 1, a non-empty source never
 gets an empty output, whatever the model prefers. A row's length limit wins over it.
@@ -55,14 +55,14 @@ def length_penalty(length, alpha):
 
 def _mask_logits(log_probs, index, max_lengths, eos_id, forbidden_ids, min_length=0):
   """Forbids `forbidden_ids`, EOS before `min_length` tokens, and everything but EOS for rows that reached
-  their length limit."""
+  their length limit (the limit wins over min_length, as in best_extensions)."""
   tokens = jnp.arange(log_probs.shape[-1])
   forbidden = jnp.isin(tokens, jnp.asarray(forbidden_ids, jnp.int32)) if forbidden_ids else tokens < 0
-  forbidden = forbidden | ((tokens == eos_id) & (index < min_length))
   at_limit = (index + 1 >= max_lengths)
   at_limit = at_limit.reshape(at_limit.shape + (1,) * (log_probs.ndim - at_limit.ndim))
+  forbidden = jnp.where(at_limit, tokens != eos_id, forbidden | ((tokens == eos_id) & (index < min_length)))
   # One select over [rows, V] (not one scatter per forbidden token): a single pass over the largest array.
-  return jnp.where(forbidden | (at_limit & (tokens != eos_id)), NEG_INF, log_probs)
+  return jnp.where(forbidden, NEG_INF, log_probs)
 
 
 def best_extensions(logits, base, n, index, max_lengths, eos_id, forbidden_ids, min_length=0, normalize=True):
