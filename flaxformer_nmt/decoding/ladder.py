@@ -94,18 +94,21 @@ class Ladder:
 
   def batches(self, token_lists, sort_by_length=True, top_rows=False):
     """(indices, padded source [rows, length]) batches of the sources (token ids ending with EOS) on the
-    ladder. Sorted by length, each length rung's sentences fill batches of split's rows in length order;
-    sort_by_length=False keeps input order (to measure what sorting saves): consecutive sentences fill a
-    batch while the top rung of their longest one's length holds them. Empty sentences (EOS alone) are left
-    out: they translate to empty lines. Padding rows are empty (all PAD). top_rows=True: every batch has its
-    length's top rung of rows (one shape per length, for a search that does not drop sentences)."""
+    ladder. Sorted by length, each length rung's sentences fill batches in length order: batches of the top
+    rung of rows where they are more than it holds (the last one padded: no program of its own for the rest),
+    else split's rows (a lone sentence, one row); sort_by_length=False keeps input order (to measure what
+    sorting saves): consecutive sentences fill a batch while the top rung of their longest one's length holds
+    them. Empty sentences (EOS alone) are left out: they translate to empty lines. Padding rows are empty (all
+    PAD). top_rows=True: every batch has its length's top rung of rows (one shape per length, for a search
+    that does not drop sentences)."""
     lengths = [len(t) for t in token_lists]
     nonempty = [i for i, n in enumerate(lengths) if n > 1]
     groups = self._sorted_groups(lengths, nonempty) if sort_by_length else self._input_order_groups(lengths, nonempty)
     for length, members in groups:
       start = 0
       top = self.rows(length)[0]
-      for rows in ([top] * -(-len(members) // top) if top_rows else self.split(len(members), length)):
+      full = top_rows or len(members) > top
+      for rows in ([top] * -(-len(members) // top) if full else self.split(len(members), length)):
         chunk = members[start:start + rows]
         start += rows
         src = np.full((rows, length), PAD_ID, np.int32)
