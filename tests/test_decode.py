@@ -501,6 +501,20 @@ def test_the_ladder_has_a_few_shapes_that_hold_every_batch():
   assert invariant.rows(32) == (128, 16, 2) and invariant.rows(1024) == (4, 2) and invariant.split(1, 32) == [2]
 
 
+def test_a_length_with_more_sentences_than_its_top_rung_pads_its_last_batch_to_it():
+  # Catches a last batch in a row rung of its own where full batches of the length run anyway (a begin program
+  # more per length for the rest of a file), and fewer sentences padded to the top rung (a lone sentence's
+  # search then starts in 32 rows: twice its latency).
+  from flaxformer_nmt.decoding import ladder as ladder_lib  # pylint: disable=g-import-not-at-top
+  ladder = ladder_lib.Ladder(tokens_per_batch=512, max_position=1024)
+  top = ladder.rows(16)[0]
+  sentences = [[5] * 9 + [3]] * (2 * top + 3)  # 10 tokens: the length rung 16
+  shapes = lambda n: [(src.shape, len(members)) for members, src in ladder.batches(sentences[:n])]
+  assert shapes(2 * top + 3) == [((top, 16), top), ((top, 16), top), ((top, 16), 3)]
+  assert shapes(top) == [((top, 16), top)]
+  assert shapes(1) == [((1, 16), 1)] and shapes(3) == [((4, 16), 3)]  # split's rows
+
+
 def test_commands_keep_compiled_programs_in_the_user_cache(tmp_path):
   code = ('from flaxformer_nmt.runtime import cache; cache.use_compilation_cache(); import jax, jax.numpy as jnp; '
           'jax.jit(lambda x: jnp.tanh(x) @ x)(jnp.ones((8, 8))).block_until_ready(); '
