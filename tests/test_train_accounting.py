@@ -251,29 +251,44 @@ def test_the_first_call_of_each_batch_shape_is_timed_as_compiling(monkeypatch):
   assert phases == [(0, 'compiling'), (2, 'compiling'), (5, 'compiling')]
 
 
-def test_evaluation_time_is_kept_out_of_the_interval_and_its_steps_are_not(toy_corpus, tmp_path, monkeypatch):
-  """The interval clock (metrics.py's time) advances 1 s per train step and 100 s per evaluation, and nothing
-  else: every logged interval then lasts 1 s a step. Evaluation at step 6 falls inside the 5..8 interval (eval
-  every 6, log every 4): the clock restarted there dropped steps 5 and 6's seconds but kept their tokens (0.5 s a
-  step). A resume whose first step catches up a missed evaluation booked that evaluation into its first interval
-  (26 s a step)."""
+@pytest.fixture
+def step_clock(monkeypatch):
+  """The interval clock (metrics.py's time) as a dict {'now': seconds} that each dispatched train step advances
+  by 1 s and nothing else, unless a test adds more."""
   import types  # pylint: disable=g-import-not-at-top
   from flaxformer_nmt.training import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
   clock = {'now': time.time()}
   monkeypatch.setattr(metrics_lib, 'time', types.SimpleNamespace(time=lambda: clock['now'],
                                                                  perf_counter=time.perf_counter))
-  dispatch, evaluate = train.dispatch_steps, train.evaluate_step
+  dispatch = train.dispatch_steps
 
   def timed_dispatch(run, interval, count, wall):
     out = dispatch(run, interval, count, wall)
     clock['now'] += 1.0 * count
     return out
+  monkeypatch.setattr(train, 'dispatch_steps', timed_dispatch)
+  return clock
+
+
+def logged_intervals(workdir):
+  """(every metrics.jsonl record, the train intervals' records by step)."""
+  logged = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+  return logged, {m['step']: m for m in logged if 'train/step_time' in m}
+
+
+def test_evaluation_time_is_kept_out_of_the_interval_and_its_steps_are_not(toy_corpus, tmp_path, monkeypatch,
+                                                                           step_clock):
+  """The interval clock (metrics.py's time) advances 1 s per train step and 100 s per evaluation, and nothing
+  else: every logged interval then lasts 1 s a step. Evaluation at step 6 falls inside the 5..8 interval (eval
+  every 6, log every 4): the clock restarted there dropped steps 5 and 6's seconds but kept their tokens (0.5 s a
+  step). A resume whose first step catches up a missed evaluation booked that evaluation into its first interval
+  (26 s a step)."""
+  evaluate = train.evaluate_step
 
   def timed_evaluation(*args):
     out = evaluate(*args)
-    clock['now'] += 100.0 if out else 0.0  # called after every step, evaluating where one is due
+    step_clock['now'] += 100.0 if out else 0.0  # called after every step, evaluating where one is due
     return out
-  monkeypatch.setattr(train, 'dispatch_steps', timed_dispatch)
   monkeypatch.setattr(train, 'evaluate_step', timed_evaluation)
   config = small_config(toy_corpus)
   config.length_buckets = (32,)
@@ -283,8 +298,7 @@ def test_evaluation_time_is_kept_out_of_the_interval_and_its_steps_are_not(toy_c
   (workdir / train.EVALUATED_FILE).unlink()  # as if the run had stopped during step 12's evaluation
   config.num_train_steps = 16
   train.train_and_evaluate(config, workdir)
-  logged = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
-  intervals = {m['step']: m for m in logged if 'train/step_time' in m}
+  logged, intervals = logged_intervals(workdir)
   assert sorted(intervals) == [4, 8, 12, 16]
   assert [m['step'] for m in logged if 'eval/loss' in m] == [6, 12, 12, 16]
   for step, m in intervals.items():
@@ -292,37 +306,25 @@ def test_evaluation_time_is_kept_out_of_the_interval_and_its_steps_are_not(toy_c
     assert m['train/data_wait_fraction'] == 0.0, step
 
 
-def test_a_new_batch_shape_s_compile_is_kept_out_of_the_interval(toy_corpus, tmp_path, monkeypatch):
+def test_a_new_batch_shape_s_compile_is_kept_out_of_the_interval(toy_corpus, tmp_path, monkeypatch, step_clock):
   """The interval clock advances 1 s per train step and 50 s inside the first call of each batch shape (its
   compile), and nothing else: every logged interval then lasts 1 s a step. Catches a compile booked as step time
   (a length bucket's first batch slowed its interval's tokens/s and MFU)."""
-  import types  # pylint: disable=g-import-not-at-top
-  from flaxformer_nmt.training import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
-  clock, shapes = {'now': time.time()}, set()
-  monkeypatch.setattr(metrics_lib, 'time', types.SimpleNamespace(time=lambda: clock['now'],
-                                                                 perf_counter=time.perf_counter))
-  dispatch, put_batch = train.dispatch_steps, train.sharding.put_batch
+  shapes, put_batch = set(), train.sharding.put_batch
 
   def compiling_put_batch(batch, batch_sharding):  # called inside the first call's compiling phase, as jit is
     shape = tuple(np.shape(x) for x in jax.tree_util.tree_leaves(batch))
-    clock['now'] += 50.0 if shape not in shapes else 0.0
+    step_clock['now'] += 50.0 if shape not in shapes else 0.0
     shapes.add(shape)
     return put_batch(batch, batch_sharding)
-
-  def timed_dispatch(run, interval, count, wall):
-    out = dispatch(run, interval, count, wall)
-    clock['now'] += 1.0 * count
-    return out
   monkeypatch.setattr(train.sharding, 'put_batch', compiling_put_batch)
-  monkeypatch.setattr(train, 'dispatch_steps', timed_dispatch)
   config = small_config(toy_corpus)
   config.length_buckets = (8, 16, 32)
   config.num_train_steps, config.log_every_steps, config.eval_every_steps = 12, 4, 100
   workdir = tmp_path / 'run'
   train.train_and_evaluate(config, workdir)
   assert len(shapes) > 1
-  logged = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
-  intervals = {m['step']: m for m in logged if 'train/step_time' in m}
+  _, intervals = logged_intervals(workdir)
   assert sorted(intervals) == [4, 8, 12]
   for step, m in intervals.items():
     assert m['train/step_time'] == pytest.approx(1.0), step

@@ -215,15 +215,20 @@ def steps_in_call(config, step):
   return many if step % many == 0 and step + many <= config.num_train_steps else 1
 
 
+@contextlib.contextmanager
+def _compiling(clock, interval):
+  """A program's first call: the clock's 'compiling', and out of the interval's tokens/s and step time."""
+  with clock.phase('compiling'), interval.paused():
+    yield
+
+
 def dispatch_steps(run, interval, count, clock):
   """Dispatches the next `count` train steps (steps_in_call) in one call; returns their metrics (device arrays,
   read at log and save time). The first call of each program (steps per call, batch shapes: a length bucket
   compiles its own) is timed as the clock's 'compiling', and kept out of the interval's tokens/s and step time."""
   batches = [interval.next_batch(run.train_batches) for _ in range(count)]
   program = (count, tuple(np.shape(x) for x in jax.tree_util.tree_leaves(batches[0])))
-  compiling = program not in run.dispatched
-  with (clock.phase('compiling') if compiling else contextlib.nullcontext(),
-        interval.paused() if compiling else contextlib.nullcontext()):
+  with _compiling(clock, interval) if program not in run.dispatched else contextlib.nullcontext():
     if count == 1:
       run.state, metrics = run.train_fn(run.state, sharding.put_batch(batches[0], run.batch_sharding))
     else:

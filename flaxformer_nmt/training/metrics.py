@@ -155,7 +155,7 @@ class TrainInterval:
 
   @contextlib.contextmanager
   def paused(self):
-    """Keeps the block's time (an evaluation) out of the interval's seconds, and so out of tokens/s and step
+    """Keeps the block's time (an evaluation, a compile) out of the interval's seconds, and so out of tokens/s and step
     time; the steps before it stay in the interval with theirs."""
     start = time.time()
     try:
