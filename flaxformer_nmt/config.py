@@ -418,6 +418,9 @@ def _validate_data(config):
       raise ConfigError(f'config.{field}={config[field]} exceeds config.model.max_position='
                         f'{config.model.max_position}: positions past it would all share its encoding. Lower '
                         f'{field} or raise model.max_position (a new model).')
+  if config.packed_length and (not isinstance(config.packing_open_rows, int) or config.packing_open_rows < 1):
+    raise ConfigError(f'config.packing_open_rows={config.packing_open_rows!r}: use 1 (next fit) or more (with none '
+                      'open, every example would get a packed row of its own)')
   if not 0.0 <= config.bpe_dropout <= 1.0:
     raise ConfigError(f'config.bpe_dropout={config.bpe_dropout} is a probability: use 0 (off) to 1')
   if config.bpe_dropout and (config.sentencepiece_model_type != 'bpe' or config.task != 'translation'):

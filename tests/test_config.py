@@ -417,6 +417,16 @@ def test_out_of_range_values_are_named(field, value, message):
     config_lib.validate(c)
 
 
+def test_packing_with_no_open_row_is_refused_naming_the_field():
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  c = config_lib.base_config()
+  c.data_dir, c.packed_length, c.packing_open_rows = '/data', 64, 0
+  with pytest.raises(config_lib.ConfigError, match=r'config.packing_open_rows=0: use 1'):
+    config_lib.validate(c)
+  c.packed_length = 0  # unpacked batches do not read it
+  config_lib.validate(c)
+
+
 def test_an_odd_d_model_is_refused_before_the_positions_fail_to_broadcast():
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
   c = config_lib.base_config()
