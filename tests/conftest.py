@@ -58,6 +58,15 @@ from flaxformer_nmt.models import transformer as model_lib
 from flaxformer_nmt.runtime import executables  # pylint: disable=wrong-import-position
 
 
+def distinct_vectors(params):
+  """params with every LayerNorm scale and bias and every feed-forward bias made different: at init they are all
+  ones or zeros, and a sub-layer reading another one's LayerNorm, or a missing bias, would go unseen."""
+  leaves, tree = jax.tree_util.tree_flatten(params)
+  keys = jax.random.split(jax.random.PRNGKey(7), len(leaves))
+  return jax.tree_util.tree_unflatten(tree, [x + 0.3 * jax.random.normal(key, x.shape) if x.ndim == 1 else x
+                                             for x, key in zip(leaves, keys)])
+
+
 def tiny_model(vocab_size=16, pre_layer_norm=False, dropout_rate=0.0):
   """(model, params) of a tiny random Transformer; the same weights at every call with the same arguments."""
   model, params = _tiny_model(vocab_size, pre_layer_norm, dropout_rate)

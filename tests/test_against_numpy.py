@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from conftest import subprocess_env, tiny_model
+from conftest import distinct_vectors, subprocess_env, tiny_model
 from flaxformer_nmt import config as config_lib
 from flaxformer_nmt.models import transformer as model_lib
 from flaxformer_nmt.training import step as ts
@@ -106,15 +106,6 @@ def np_transformer(params, src, tgt_in, heads, pre_ln, drop=1.0):
 
 SRC = np.array([[5, 9, 7, 12, 3], [8, 6, 3, 0, 0]])
 TGT_IN = np.array([[2, 11, 4, 10, 0, 0], [2, 13, 14, 15, 6, 9]])
-
-
-def distinct_vectors(params):
-  """params with every LayerNorm scale and bias and every feed-forward bias made different: at init they are all
-  ones or zeros, and a sub-layer reading another one's LayerNorm, or a missing bias, would go unseen."""
-  leaves, tree = jax.tree_util.tree_flatten(params)
-  keys = jax.random.split(jax.random.PRNGKey(7), len(leaves))
-  return jax.tree_util.tree_unflatten(tree, [x + 0.3 * jax.random.normal(key, x.shape) if x.ndim == 1 else x
-                                             for x, key in zip(leaves, keys)])
 
 
 @pytest.mark.parametrize('pre_layer_norm', [False, True])

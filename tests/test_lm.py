@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import distinct_vectors
 from flaxformer_nmt import config as config_lib
 from flaxformer_nmt.data import batching
 from flaxformer_nmt.data import corpus as data_lib
@@ -101,10 +102,7 @@ def test_the_mlm_head_is_dense_gelu_layer_norm_then_the_tied_embedding_plus_a_bi
   """BERT's prediction head over the encoder's output, written out in NumPy (float64, erf GELU), with every
   bias and LayerNorm vector made distinct from its init (all zeros or ones, where a dropped one goes unseen)."""
   model, params = tiny('mlm', sharpen=1.0)
-  leaves, tree = jax.tree_util.tree_flatten(params)
-  keys = jax.random.split(jax.random.PRNGKey(7), len(leaves))
-  params = jax.tree_util.tree_unflatten(tree, [x + 0.3 * jax.random.normal(key, x.shape) if x.ndim == 1 else x
-                                               for x, key in zip(leaves, keys)])
+  params = distinct_vectors(params)
   tokens = jnp.array([[5, 6, 4, 8, 9, EOS_ID], [7, 4, EOS_ID, PAD_ID, PAD_ID, PAD_ID]])
   with jax.default_matmul_precision('highest'):
     logits = np.asarray(model.apply({'params': params}, tokens))
