@@ -2,7 +2,7 @@
 data.
 
   ladder = Ladder(tokens_per_batch=4096, max_position=1024)
-  ladder.lengths             # (16, 32, 64, 128, 256, 512, 1024): padded source and cache lengths
+  ladder.lengths             # (32, 64, 128, 256, 512, 1024): padded source and cache lengths
   ladder.rows(32)            # (128, 16, 2, 1): sentences a batch holds at that length
   ladder.batches(token_lists)
 
@@ -21,9 +21,11 @@ import numpy as np
 
 from flaxformer_nmt.data.tokenizer import PAD_ID
 
-MIN_LENGTH = 16  # the shortest padded source and cache
-# Between neighbouring row rungs of one length. 4 compiles 13 programs for Multi30k test2016 (beam 5), 8 compiles
-# 11 at the same speed (2-core CPU).
+# The shortest padded source and cache. 16 compiles 9 programs for Multi30k test2016 and 15-16 for newstest2015 at
+# 512 tokens a batch; 32 compiles 5 and 11-12, at the same search speed (2-core CPU, bench/RESULTS.md).
+MIN_LENGTH = 32
+# Between neighbouring row rungs of one length: 4 compiled 13 programs for Multi30k test2016 (beam 5, rungs from
+# 16), 8 compiled 11, at the same speed (2-core CPU).
 ROW_RATIO = 8
 
 
@@ -36,16 +38,17 @@ class Ladder:
   """The rungs of a model's search: tokens_per_batch (source tokens a batch holds at most, before the beam),
   max_position (the model's positions: the longest cache), row_multiple (every row count is a multiple of
   it: the devices a batch is split over), min_rows (the fewest sentences a batch has: more than one for a
-  batch-invariant search, batch_search.BATCH_INVARIANT_MIN_ROWS)."""
+  batch-invariant search, batch_search.BATCH_INVARIANT_MIN_ROWS), min_length (the shortest rung)."""
   tokens_per_batch: int
   max_position: int
   row_multiple: int = 1
   min_rows: int = 1
+  min_length: int = MIN_LENGTH
 
   @property
   def lengths(self):
-    """The padded source and cache lengths: powers of two from MIN_LENGTH, and max_position last."""
-    lengths, length = [], MIN_LENGTH
+    """The padded source and cache lengths: powers of two from min_length, and max_position last."""
+    lengths, length = [], self.min_length
     while length < self.max_position:
       lengths.append(length)
       length *= 2
