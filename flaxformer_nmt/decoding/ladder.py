@@ -21,8 +21,10 @@ import numpy as np
 
 from flaxformer_nmt.data.tokenizer import PAD_ID
 
-# The shortest padded source and cache. 16 compiles 9 programs for Multi30k test2016 and 15-16 for newstest2015 at
-# 512 tokens a batch; 32 compiles 5 and 11-12, at the same search speed (2-core CPU, bench/RESULTS.md).
+# The shortest padded source and cache. At 512 tokens a batch on a 2-core CPU, 16 compiled 9 programs for Multi30k
+# test2016 and 15-16 for newstest2015, 32 compiles 5 and 11-12: the decode command as fast warm, 35-45% faster cold,
+# 55 MB less RSS, though a search in a warm process is 5-15% slower (half the rows at the shortest rung; 1,024
+# tokens a batch gave that back but compiled 7 and 13 programs, no faster as a command). bench/RESULTS.md.
 MIN_LENGTH = 32
 # Between neighbouring row rungs of one length: 4 compiled 13 programs for Multi30k test2016 (beam 5, rungs from
 # 16), 8 compiled 11, at the same speed (2-core CPU).
