@@ -50,6 +50,8 @@ def define_flags():
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if flags.FLAGS['steps'].present and not flags.FLAGS.steps:  # --steps= would average the default window
+    raise app.UsageError('--steps is empty: give the checkpoint steps to average, e.g. 1500,1750')
   if flags.FLAGS.steps and flags.FLAGS.last is not None:
     raise app.UsageError('--last and --steps each choose the checkpoints to average: give one')
   checkpoints_lib.quiet_orbax_logs()

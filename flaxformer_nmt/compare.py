@@ -68,6 +68,8 @@ def main(argv):
     raise app.UsageError('--rerank_workdir and --mbr each choose among the n best: give one')
   if f.n_best and not f.mbr:
     raise app.UsageError('--n_best gives --mbr its candidates: give --mbr too')
+  if not f.checkpoints:
+    raise app.UsageError('--checkpoints is empty: give the checkpoints to score, e.g. best,averaged')
   for name in f.checkpoints:  # all before the first one decodes
     if not checkpoints_lib.is_checkpoint_name(name):
       raise app.UsageError(f'--checkpoints: {name!r} is none of {checkpoints_lib.CHECKPOINT_NAMES}')

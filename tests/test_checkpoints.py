@@ -146,6 +146,22 @@ def test_the_average_command_takes_the_window_the_trainer_averages(tmp_path):
   assert checkpoints_lib.load_averaged(tmp_path)[1] == {'steps': [10, 20, 30, 40, 50]}
 
 
+def test_an_empty_steps_flag_is_refused_not_taken_for_the_default_window(tmp_path):
+  """Wrong rule caught: --steps= (say --steps=$STEPS with STEPS unset) averaged the default window and replaced
+  averaged/ without a word."""
+  import in_process  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import average  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  saved_run(tmp_path, (10, 20, 30))
+  config = config_lib.base_config()
+  config.checkpoint_every_steps, config.average_last_checkpoints = 10, 2
+  workdir_lib.save_or_check_config(config, tmp_path)
+  result = in_process.run(average, [f'--workdir={tmp_path}', '--steps='])
+  assert result.returncode != 0 and '--steps is empty' in result.stderr, result.stderr[-2000:]
+  assert not (tmp_path / 'averaged').exists()
+
+
 def test_retention_keeps_the_regular_saves_an_off_interval_save_would_push_out(tmp_path):
   """Wrong rule caught: rotation kept the newest `keep` of any kind, so a stop signal's save (35) and the final one
   (45) pushed regular saves out and the average of the last 2 became [40] alone instead of [30, 40]. Saving by

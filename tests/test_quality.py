@@ -1,5 +1,6 @@
 """Validation BLEU while training, the best checkpoint, and decode/compare --checkpoint best."""
 import json
+import re
 import subprocess
 import sys
 
@@ -184,6 +185,19 @@ def test_evaluate_names_the_files_whose_lines_differ_and_refuses_stray_arguments
   assert result.returncode != 0 and 'unexpected arguments' in result.stderr, result.stderr
   result = in_process.run(evaluate_command, [f'--hyp={tmp_path / "hyp.de"}', f'--ref={tmp_path / "hyp.de"}'])
   assert result.returncode == 0 and 'chrF = 100.00' in result.stdout, result.stderr
+
+
+def test_compare_rows_take_sacrebleus_length_ratio_and_an_empty_checkpoint_list_is_refused(tmp_path):
+  """Wrong rules caught: the length ratio was sys_len / ref_len, so references of blank lines ended compare with a
+  ZeroDivisionError traceback after the whole decode; --checkpoints= printed an empty table and exited 0."""
+  from flaxformer_nmt.evaluation import compare as compare_lib  # pylint: disable=g-import-not-at-top
+  for hypotheses, references in ((['ein hund läuft .', 'zwei katzen'], ['ein hund rennt .', 'zwei katzen schlafen']),
+                                 (['ein hund'], [''])):
+    bleu = sacrebleu.corpus_bleu(hypotheses, [references])
+    cells = [c.strip() for c in compare_lib.table_row('latest', 'x', 1.0, bleu, None, 2.0).strip('|').split('|')]
+    assert cells[5] == re.search(r'ratio = ([0-9.]+)', bleu.format()).group(1)  # sacreBLEU's own
+  result = in_process.run(compare_command, [f'--workdir={tmp_path}', '--checkpoints='])
+  assert result.returncode != 0 and '--checkpoints is empty' in result.stderr, result.stderr[-2000:]
 
 
 def fake_params(value):

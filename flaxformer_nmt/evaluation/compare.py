@@ -59,7 +59,7 @@ def score_row(name, translator, sources, references, tok_references, beam_size, 
 def table_row(name, parameters, alpha, bleu, tok, seconds):
   tok = f'{tok:.2f}' if tok is not None else '-'
   return (f'| {name} | {parameters} | {alpha:g} | {bleu.score:.2f} | {tok} | '
-          f'{bleu.sys_len / bleu.ref_len:.3f} | {bleu.bp:.3f} | {seconds:.0f} |')
+          f'{bleu.ratio:.3f} | {bleu.bp:.3f} | {seconds:.0f} |')  # ratio: 0 where the references are empty
 
 
 def rerank_rows(name, translator, rescorer, sentences_, beam_size, alpha, weights):
