@@ -21,7 +21,8 @@ translate with it. The exported model computes the same function as ours:
   CTranslate2's fused layouts once transposed (Flax kernels are [in, out], CTranslate2 weights [out, in]).
 
 Quantization (`int8`, `int8_float32`, `float16`, ...) is applied by CTranslate2's converter code when
-saving; any model can also be loaded with another `compute_type`.
+saving (the bfloat16 casts here, as that code does but without torch); any model can also be loaded with
+another `compute_type`.
 """
 import sys
 
@@ -39,7 +40,8 @@ def define_flags():
   flags.DEFINE_enum('format', 'ctranslate2', list(FORMATS) + ['argos'], 'Export format: a CTranslate2 model '
                     'directory, or an Argos Translate package (.argosmodel) written into --output_dir.')
   flags.DEFINE_string('output_dir', None, 'Directory for the exported model (created).')
-  flags.DEFINE_string('package_version', '1.0', '--format argos: the package\'s version (in its name and metadata).')
+  flags.DEFINE_string('package_version', '1.0', '--format argos: the package\'s version, numbers joined by '
+                      'dots (in its name and metadata).')
   flags.DEFINE_enum('quantization', None, list(QUANTIZATIONS),
                     'Weight type of the saved model (default float32); CTranslate2 can still load it with '
                     'another compute_type.')

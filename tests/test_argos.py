@@ -86,6 +86,17 @@ def test_export_refuses_to_replace_a_package_unless_forced(workdir, package):
   assert forced.returncode == 0, forced.stderr[-2000:]
 
 
+def test_export_refuses_a_package_version_argos_cannot_compare(workdir, tmp_path):
+  # Argos Translate orders package versions with packaging.version; a '/' would also put the package in a
+  # subdirectory, its zip's top directory nested.
+  for version in ('1.0/x', 'abc', ''):
+    result = in_process.run(export, [f'--workdir={workdir}', '--format=argos', f'--output_dir={tmp_path}',
+                                     f'--package_version={version}'])
+    assert result.returncode == 1, version
+    assert f'error: --package_version must be numbers joined by dots (1.0, 2.1), not {version!r}' in result.stderr
+  assert not list(tmp_path.iterdir())
+
+
 def test_the_server_serves_the_package_through_ctranslate2(package, translator):
   backend = argos.CTranslate2Backend(package, threads=1)
   with client({'en-de': backend}) as c:

@@ -1,10 +1,12 @@
 """The CTranslate2 export computes our model's function: greedy tokens identical (post-LN and pre-LN),
 teacher-forced log probabilities equal to 1e-4, beam search agreeing, the CLI's int8 export translating."""
 import json
+import struct
 import subprocess
 import sys
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -197,6 +199,60 @@ def test_int8_export_loads_and_scores_close_to_float32(workdir, tmp_path):
   mean_bound, max_bound = (0.05, 0.25) if int8_dot else (0.1, 1.0)
   assert difference.mean() < mean_bound and difference.max() < max_bound, (difference.mean(), difference.max())
   assert difference.max() > 0  # it did quantize
+
+
+CT2_TYPES = ('float32', 'int8', 'int16', 'int32', 'float16', 'bfloat16')  # model.bin's type ids
+
+
+def model_variables(model_dir):
+  """({name: (type, shape, bytes)}, {alias: name}) of a CTranslate2 model.bin, read as its layout is written
+  (version, name, revision, the variables, the aliases)."""
+  data, offset = (model_dir / 'model.bin').read_bytes(), 0
+
+  def take(fmt):
+    nonlocal offset
+    values = struct.unpack_from('<' + fmt, data, offset)
+    offset += struct.calcsize('<' + fmt)
+    return values
+
+  def string():
+    nonlocal offset
+    (length,) = take('H')  # with the final NUL
+    offset += length
+    return data[offset - length:offset - 1].decode()
+
+  take('I'), string(), take('I')
+  variables = {}
+  for _ in range(take('I')[0]):
+    name = string()
+    shape = take(f'{take("B")[0]}I')
+    (type_id,), (size,) = take('B'), take('I')
+    variables[name] = (CT2_TYPES[type_id], shape, data[offset:offset + size])
+    offset += size
+  aliases = {string(): string() for _ in range(take('I')[0])}
+  assert offset == len(data)
+  return variables, aliases
+
+
+def test_bfloat16_exports_are_the_float32_and_int8_ones_rounded(workdir, tmp_path):
+  # CTranslate2's converter casts to bfloat16 through torch, no dependency of ours (without it: a RuntimeError).
+  # As its converter does: every float32 array of the float32 (int8) export rounded to bfloat16, the int8
+  # weights and their float32 scales unchanged.
+  models = {}
+  for quantization in ('float32', 'bfloat16', 'int8', 'int8_bfloat16'):
+    result = run_export(workdir, tmp_path / quantization, f'--quantization={quantization}', '--checkpoint=300')
+    assert result.returncode == 0, result.stderr[-3000:]
+    models[quantization] = model_variables(tmp_path / quantization)
+  for plain, rounded in (('float32', 'bfloat16'), ('int8', 'int8_bfloat16')):
+    (variables, aliases), (theirs, their_aliases) = models[plain], models[rounded]
+    assert their_aliases == aliases and theirs.keys() == variables.keys()
+    for name, (dtype, shape, raw) in variables.items():
+      if dtype == 'float32' and shape and not name.endswith('_scale'):
+        dtype, raw = 'bfloat16', np.frombuffer(raw, np.float32).astype(ml_dtypes.bfloat16).tobytes()
+      assert theirs[name] == (dtype, shape, raw), name
+  assert {t for t, _, _ in models['int8_bfloat16'][0].values()} >= {'int8', 'float32', 'bfloat16'}
+  translator = ctranslate2.Translator(str(tmp_path / 'bfloat16'), device='cpu', intra_threads=1)
+  assert translator.translate_batch([['▁a']], beam_size=1, max_decoding_length=5)[0].hypotheses[0]
 
 
 def test_export_errors_name_the_problem(workdir, exported, tmp_path):

@@ -90,6 +90,9 @@ CTranslate2 model, `sentencepiece.model` its tokenizer.
 def export_argos(workdir, output_dir, checkpoint=None, quantization=None, force=False, package_version='1.0'):
   """Writes `{output_dir}/{package_code}.argosmodel`; returns (its path, the checkpoint's description).
   An existing package file is replaced only with force=True."""
+  if not re.fullmatch(r'\d+(\.\d+)*', package_version):  # Argos compares versions with packaging.version
+    raise ct2_export.ExportError(f'--package_version must be numbers joined by dots (1.0, 2.1), not '
+                                 f'{package_version!r}')
   config = workdir_lib.load_config(workdir)
   code = package_code(config, package_version)
   path = pathlib.Path(output_dir) / f'{code}.argosmodel'

@@ -3,6 +3,7 @@ or pre-LN, the paper's interleaved sinusoids stored as the position table, one s
 vocabulary, and a README with the command that decodes it."""
 import shutil
 
+import ml_dtypes
 import numpy as np
 from etils import epath
 
@@ -17,6 +18,9 @@ FORMATS = ('ctranslate2',)
 QUANTIZATIONS = ('int8', 'int8_float32', 'int8_float16', 'int8_bfloat16', 'int16', 'float16', 'bfloat16',
                  'float32')
 LAYER_NORM_EPSILON = 1e-5  # model.SublayerConnection and the final norms of pre-LN
+# CTranslate2's converter casts to bfloat16 through torch: these are quantized as their float32 counterpart, then
+# cast here (optimize).
+BFLOAT16_OF = {'bfloat16': 'float32', 'int8_bfloat16': 'int8_float32'}
 
 
 class ExportError(ValueError):
@@ -195,7 +199,7 @@ def export_ctranslate2(workdir, output_dir, checkpoint=None, quantization=None, 
   pieces = [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
   spec = ctranslate2_spec(params, model_config, pieces)
   spec.validate()
-  spec.optimize(quantization=quantization)
+  optimize(spec, quantization)
   if output_dir.exists():
     shutil.rmtree(output_dir)
   output_dir.mkdir(parents=True)
@@ -203,6 +207,17 @@ def export_ctranslate2(workdir, output_dir, checkpoint=None, quantization=None, 
   shutil.copyfile(epath.Path(workdir) / tokenizer_lib.VOCAB_FILENAME, output_dir / tokenizer_lib.VOCAB_FILENAME)
   write_readme(output_dir, workdir=workdir, checkpoint=description, config=config, quantization=quantization)
   return description
+
+
+def optimize(spec, quantization):
+  """spec.optimize(quantization), without torch for the bfloat16 types: as CTranslate2's converter does, the
+  float32 variables become bfloat16 and the int8 weights' scales stay float32."""
+  spec.optimize(quantization=BFLOAT16_OF.get(quantization, quantization))
+  if quantization in BFLOAT16_OF:
+    for name, value in spec.variables().items():
+      if isinstance(value, str) or value.is_scalar() or value.dtype != 'float32' or name.endswith('_scale'):
+        continue  # an alias (the name of an equal variable), a scalar or an int8 weight's scale
+      value.array = np.asarray(value.numpy(), ml_dtypes.bfloat16)
 
 
 def jax_to_numpy(tree):
