@@ -279,6 +279,31 @@ def test_a_prompt_fits_where_bos_prompt_and_new_tokens_fit_the_positions(monkeyp
     generator.generate_ids(prompts, max_new_tokens=27, greedy=True)
 
 
+@pytest.mark.parametrize('temperature', [1e9, float('inf')])
+def test_a_high_temperature_keeps_the_length_limit_and_the_forbidden_tokens(monkeypatch, temperature):
+  """Rule: the temperature flattens the allowed tokens only; PAD and BOS are never drawn and a row stops at
+  max_new_tokens (EOS forced), however high the temperature (a division of NEG_INF by it would free them)."""
+  model, params = tiny('lm', sharpen=1.0)
+  generator = tiny_generator(monkeypatch, model, params)
+  out = generator.generate_ids(PROMPTS, max_new_tokens=3, temperature=temperature, num_samples=8, seed=1)
+  new = [ids for samples in out for ids in samples]
+  assert all(len(ids) <= 3 for ids in new)
+  assert not {PAD_ID, BOS_ID} & {t for ids in new for t in ids}
+  assert len({t for ids in new for t in ids}) > 10  # spread over the vocabulary
+  with pytest.raises(ValueError, match='need temperature > 0'):
+    generator.generate_ids(PROMPTS, temperature=float('nan'))
+
+
+def test_a_seed_outside_int32_is_a_value_error_naming_it(monkeypatch):
+  """Rule: the PRNG key takes an int32; a larger --seed is the command's one-line error, not an OverflowError."""
+  model, params = tiny('lm')
+  generator = tiny_generator(monkeypatch, model, params)
+  assert generator.generate_ids([[7]], max_new_tokens=2, seed=2**31 - 1)
+  for seed in (2**31, -2**31 - 1):
+    with pytest.raises(ValueError, match=rf'^seed={seed}: give an integer from -2147483648 to 2147483647$'):
+      generator.generate_ids([[7]], max_new_tokens=2, seed=seed)
+
+
 @pytest.mark.parametrize('prompt, continuation, starts_word, expected', [
     ('Ein Mann', 'reitet ein Pferd.', True, 'Ein Mann reitet ein Pferd.'),  # a new word: one space
     ('Ein Man', 'n reitet', False, 'Ein Mann reitet'),  # the prompt's last word continued: no space

@@ -73,7 +73,9 @@ def generate_tokens(model, params, prompts, prompt_lengths, keys, *, max_new_tok
     if greedy:
       picked = jnp.argmax(log_probs, axis=-1)
     else:
-      filtered = top_p_filter(jax.nn.log_softmax(top_k_filter(log_probs / temperature, top_k)), top_p)
+      # Forbidden tokens (NEG_INF: PAD, BOS, all but EOS at the length limit) stay so at any temperature.
+      scaled = jnp.where(log_probs > NEG_INF, log_probs / temperature, NEG_INF)
+      filtered = top_p_filter(jax.nn.log_softmax(top_k_filter(scaled, top_k)), top_p)
       picked = jax.vmap(lambda key, row: jax.random.categorical(jax.random.fold_in(key, index), row))(keys, filtered)
     prompt_token = jax.lax.dynamic_index_in_dim(prompts, jnp.minimum(index + 1, width - 1), axis=1, keepdims=False)
     return jnp.where(index + 1 < prompt_lengths, prompt_token, picked)
@@ -99,9 +101,11 @@ class Generator:
   def generate_ids(self, prompt_ids, *, max_new_tokens=50, greedy=False, temperature=1.0, top_k=0, top_p=1.0,
                    num_samples=1, seed=0, use_cache=True, first_prompt=0):
     """For each prompt (token ids, no EOS), `num_samples` lists of generated ids (EOS excluded)."""
-    if temperature <= 0 or top_k < 0 or not 0 < top_p <= 1 or max_new_tokens < 1 or num_samples < 1:
+    if not temperature > 0 or top_k < 0 or not 0 < top_p <= 1 or max_new_tokens < 1 or num_samples < 1:
       raise ValueError(f'need temperature > 0, top_k >= 0, 0 < top_p <= 1, max_new_tokens >= 1, num_samples >= 1; '
                        f'got {temperature}, {top_k}, {top_p}, {max_new_tokens}, {num_samples}')
+    if not -2**31 <= seed < 2**31:  # the PRNG key is made from an int32
+      raise ValueError(f'seed={seed}: give an integer from {-2**31} to {2**31 - 1}')
     if not prompt_ids:
       return []
     max_position = self.config.model.max_position
