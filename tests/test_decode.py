@@ -182,6 +182,23 @@ def test_sampling_depends_on_seed_and_line_not_on_batching(workdir, translator, 
   assert all(len(s) == 3 and s[0][1] >= s[1][1] >= s[2][1] for s in samples)
 
 
+@pytest.mark.parametrize('temperature', [1e9, float('inf')])
+def test_sampling_at_any_temperature_keeps_the_length_limit_and_the_forbidden_tokens(translator, mixed, temperature):
+  # Catches a temperature applied to the masked log probabilities: NEG_INF divided by a huge temperature is about
+  # 0, so PAD and BOS get drawn and the EOS forced at the length limit is not (rows run to the buffer's end).
+  from flaxformer_nmt.data.tokenizer import EOS_ID, PAD_ID  # pylint: disable=g-import-not-at-top
+  token_lists = translator.tokenizer.encode(translator.prepare(mixed[:3]))
+  found = translator.search_tokens(token_lists, sampling=True, temperature=temperature, n_best=4, seed=1,
+                                   max_len_a=0.0, max_len_b=3)
+  samples = [list(tokens) for sentence in found for tokens, _ in sentence]
+  assert all(len(tokens) <= 4 and tokens[-1] == EOS_ID for tokens in samples), samples  # 3 pieces, then EOS
+  assert not {PAD_ID, BOS_ID} & {t for tokens in samples for t in tokens}, samples
+  assert len({t for tokens in samples for t in tokens}) > 8  # spread over the vocabulary
+  for bad in (dict(temperature=float('nan')), dict(seed=2**31)):
+    with pytest.raises(ValueError, match='temperature|seed'):
+      translator.search_tokens(token_lists, sampling=True, **bad)
+
+
 def test_cli_bad_input_names_the_line(workdir):
   result = run_cli([], workdir, stdin=b'a dog\nthe cat\n\xff\xfe bad\n')
   assert result.returncode == 1

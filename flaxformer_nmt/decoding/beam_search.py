@@ -457,7 +457,7 @@ def sample_search(step_fn, cache, keys, *, temperature, top_k, batch_size, max_l
 
 def sampling_rule(keys, temperature, top_k):
   """sample_search's `choose(log_probs, index)` for token_step: keys [N], one per row."""
-  if temperature <= 0:
+  if not temperature > 0:  # NaN too
     raise ValueError(f'temperature must be positive, not {temperature}')
 
   def choose(log_probs, index):
@@ -465,9 +465,9 @@ def sampling_rule(keys, temperature, top_k):
     # top_k of the whole vocabulary is an (expensive) sort; skip it when there is nothing to cut.
     candidates, ids = (jax.lax.top_k(log_probs, k) if k < log_probs.shape[-1]
                        else (log_probs, jnp.broadcast_to(jnp.arange(k), log_probs.shape)))
-    # Forbidden tokens keep a log probability of NEG_INF (also after dividing): never drawn.
-    picks = jax.vmap(lambda key, row: jax.random.categorical(jax.random.fold_in(key, index), row))(
-        keys, candidates / temperature)
+    # Forbidden tokens (PAD, BOS, all but EOS at the length limit) stay at NEG_INF at any temperature: never drawn.
+    scaled = jnp.where(candidates > NEG_INF, candidates / temperature, NEG_INF)
+    picks = jax.vmap(lambda key, row: jax.random.categorical(jax.random.fold_in(key, index), row))(keys, scaled)
     return jnp.take_along_axis(ids, picks[:, None], axis=1)[:, 0]
   return choose
 

@@ -104,8 +104,7 @@ class Generator:
     if not temperature > 0 or top_k < 0 or not 0 < top_p <= 1 or max_new_tokens < 1 or num_samples < 1:
       raise ValueError(f'need temperature > 0, top_k >= 0, 0 < top_p <= 1, max_new_tokens >= 1, num_samples >= 1; '
                        f'got {temperature}, {top_k}, {top_p}, {max_new_tokens}, {num_samples}')
-    if not -2**31 <= seed < 2**31:  # the PRNG key is made from an int32
-      raise ValueError(f'seed={seed}: give an integer from {-2**31} to {2**31 - 1}')
+    search_lib.check_seed(seed)
     if not prompt_ids:
       return []
     max_position = self.config.model.max_position

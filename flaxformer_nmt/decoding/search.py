@@ -267,6 +267,12 @@ def take_sentences(tree, keep, batch):
   return jax.tree_util.tree_map(take, tree)
 
 
+def check_seed(seed):
+  """Raises ValueError for a seed that the sampling keys' int32 input cannot hold."""
+  if not -2**31 <= seed < 2**31:
+    raise ValueError(f'seed={seed}: give an integer from {-2**31} to {2**31 - 1}')
+
+
 @functools.partial(jax.jit, static_argnames='num_samples')
 def sample_keys(seed, line_numbers, num_samples):
   """[B, n] PRNG keys: sample j of input line i uses fold_in(fold_in(key(seed), i), j), whatever the batching."""

@@ -23,6 +23,7 @@ from flaxformer_nmt.data.tokenizer import EOS_ID
 from flaxformer_nmt.decoding import batch_search
 from flaxformer_nmt.decoding import mbr as mbr_lib
 from flaxformer_nmt.decoding.ladder import Ladder
+from flaxformer_nmt.decoding import search as search_lib
 from flaxformer_nmt.decoding.search import MIN_LEN
 from flaxformer_nmt.models.transformer import cpu_has_bfloat16_dot
 from flaxformer_nmt.runtime import sharding
@@ -125,7 +126,7 @@ class Translator:
       raise ValueError(f'alpha={alpha} must be a finite number')
     if n_best < 1 or (not sampling and n_best > max(beam_size, 1)):
       raise ValueError(f'n_best={n_best} must be between 1 and the beam size ({beam_size})')
-    if sampling and (temperature <= 0 or top_k < 0):
+    if sampling and (not temperature > 0 or top_k < 0):  # NaN too
       raise ValueError(f'sampling needs temperature > 0 and top_k >= 0, not {temperature} and {top_k}')
     options = dict(beam_size=beam_size, alpha=float(alpha), extra_length=int(max_len_b), max_len_a=max_len_a,
                    cache_cross_kv=cache_cross_kv, grow_cache=grow_cache, min_len=int(min_len),
@@ -138,7 +139,7 @@ class Translator:
 
   def check_options(self, seed=0, **options):
     """Raises ValueError for option values that search_tokens would refuse."""
-    del seed  # any integer
+    search_lib.check_seed(seed)
     self._prepare(**options)
 
   def search_tokens(self, token_lists, n_best=1, sampling=False, seed=0, first_line=0, **options):
@@ -154,6 +155,7 @@ class Translator:
     chunks samples as the whole list would. cache_cross_kv=False, grow_cache=False and sort_by_length=False
     switch off three speed-ups, for measuring them.
     """
+    search_lib.check_seed(seed)
     token_lists = self.fit_to_positions(token_lists, first_line)
     ladder, options = self._prepare(n_best=n_best, sampling=sampling, **options)
     lines = [first_line + i for i in range(len(token_lists))]
