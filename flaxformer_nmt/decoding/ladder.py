@@ -3,15 +3,15 @@ data.
 
   ladder = Ladder(tokens_per_batch=4096, max_position=1024)
   ladder.lengths             # (32, 64, 128, 256, 512, 1024): padded source and cache lengths
-  ladder.rows(32)            # (128, 16, 2, 1): sentences a batch holds at that length
+  ladder.rows(64)            # (64, 8, 1): sentences a batch holds at that length
   ladder.batches(token_lists)
 
 A source batch is padded to a length rung S (the smallest that holds its longest sentence) and its rows to a
 row rung of S; the decoder's self-attention cache starts with S positions and grows to the next length rung
 when the decoder gets there, the encoder's keys/values and the source mask padded along. Row rungs at length
-L are the largest power of two whose rows x L fit the token budget, and that divided by ROW_RATIO,
-ROW_RATIO^2, ... down to min_rows sentences (one by default): a program at (rows, L) holds about the same
-number of positions at every rung, and what it holds never depends on the sentences. Where the sentences still
+L are the largest power of two whose rows x L fit the token budget (rows x L / 2 at the shortest length), and
+that divided by ROW_RATIO, ROW_RATIO^2, ... down to min_rows sentences (one by default): a program at (rows, L)
+holds about the same number of positions at every rung, and what it holds never depends on the sentences. Where the sentences still
 searching fit a lower rung, they go on in it (batch_search.py); where they need more than the rung at the next
 length holds, they split over several batches of that length.
 """
@@ -22,9 +22,9 @@ import numpy as np
 from flaxformer_nmt.data.tokenizer import PAD_ID
 
 # The shortest padded source and cache. At 512 tokens a batch on a 2-core CPU, 16 compiled 9 programs for Multi30k
-# test2016 and 15-16 for newstest2015, 32 compiles 5 and 11-12: the decode command as fast warm, 35-45% faster cold,
-# 55 MB less RSS, though a search in a warm process is 5-15% slower (half the rows at the shortest rung; 1,024
-# tokens a batch gave that back but compiled 7 and 13 programs, no faster as a command). bench/RESULTS.md.
+# test2016 and 15-16 for newstest2015, 32 compiles 5 and 11-12: the decode command 35-45% faster cold, 55 MB less
+# RSS. Counting the shortest rung's rows at its full length made the search 5-15% slower and the server 7-16% at
+# 32 clients (half the rows of a rung from 16); at half its length they are as fast as from 16. bench/RESULTS.md.
 MIN_LENGTH = 32
 # Between neighbouring row rungs of one length: 4 compiled 13 programs for Multi30k test2016 (beam 5, rungs from
 # 16), 8 compiled 11, at the same speed (2-core CPU).
@@ -65,8 +65,10 @@ class Ladder:
     return self.length_for(length + 1)
 
   def rows(self, length):
-    """The row rungs at `length`, largest first."""
-    top = max(_floor_power_of_two(self.tokens_per_batch // length), self.min_rows)
+    """The row rungs at `length`, largest first. The shortest rung holds sentences of any length up to it, not
+    from half of it as the others do: its rows are counted at half its length."""
+    counted = length // 2 if length == self.min_length else length
+    top = max(_floor_power_of_two(self.tokens_per_batch // counted), self.min_rows)
     rungs = []
     while True:
       rungs.append(-(-top // self.row_multiple) * self.row_multiple)
@@ -83,7 +85,7 @@ class Ladder:
   def split(self, n, length):
     """Row rungs at `length` whose batches hold n sentences: the top rung while n fills it, then the smallest
     rung that holds the rest if at least half of it is used, else the largest that the rest fills, and so
-    on: split(150, 32) = [128, 16, 2, 2, 2] at 4,096 tokens a batch."""
+    on: split(150, 64) = [64, 64, 8, 8, 8] at 4,096 tokens a batch."""
     rungs, batches = self.rows(length), []
     while n > 0:
       fitting = [r for r in rungs if r >= n]
