@@ -11,9 +11,9 @@ row rung of S; the decoder's self-attention cache starts with S positions and gr
 when the decoder gets there, the encoder's keys/values and the source mask padded along. Row rungs at length
 L are the largest power of two whose rows x L fit the token budget (rows x L / 2 at the shortest length), and
 that divided by ROW_RATIO, ROW_RATIO^2, ... down to min_rows sentences (one by default): a program at (rows, L)
-holds about the same number of positions at every rung, and what it holds never depends on the sentences. Where the sentences still
-searching fit a lower rung, they go on in it (batch_search.py); where they need more than the rung at the next
-length holds, they split over several batches of that length.
+holds about the same number of positions at every rung, and what it holds never depends on the sentences. Where
+the sentences still searching fit a lower rung, they go on in it (batch_search.py); where they need more than
+the rung at the next length holds, they split over several batches of that length.
 """
 import dataclasses
 
