@@ -35,7 +35,7 @@ from flaxformer_nmt.runtime import cache
 def define_flags():
   flags.DEFINE_string('workdir', None, 'Workdir of a masked language model (config.task=mlm).')
   flags.DEFINE_string('input', '-', f'Texts with {MASK}, one per line (- reads stdin), when none are arguments.')
-  flags.DEFINE_string('checkpoint', 'latest', 'latest, averaged or a step.')
+  flags.DEFINE_string('checkpoint', 'latest', 'latest, averaged, best, last:K or a step.')
   flags.DEFINE_integer('top_k', 5, 'Candidates per mask.')
   flags.mark_flags_as_required(['workdir'])
 

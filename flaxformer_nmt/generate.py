@@ -35,7 +35,7 @@ def define_flags():
   flags.DEFINE_string('workdir', None, 'Workdir of a language model (config.task=lm).')
   flags.DEFINE_multi_string('prompt', None, 'A prompt (repeatable). Without it, prompts are read from --input.')
   flags.DEFINE_string('input', '-', 'Prompts, one per line (- reads stdin), when no --prompt is given.')
-  flags.DEFINE_string('checkpoint', 'latest', 'latest, averaged or a step.')
+  flags.DEFINE_string('checkpoint', 'latest', 'latest, averaged, best, last:K or a step.')
   flags.DEFINE_integer('max_new_tokens', 50, 'At most this many tokens after each prompt (fewer at EOS).')
   flags.DEFINE_bool('greedy', False, 'Take the most likely token at every step (no sampling).')
   flags.DEFINE_float('temperature', 1.0, 'Sample from softmax(logits / temperature).')

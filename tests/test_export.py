@@ -275,6 +275,8 @@ def test_export_errors_name_the_problem(workdir, exported, tmp_path):
   (lm_workdir / 'config.json').write_text(json.dumps(lm_config))
   result = run_export(lm_workdir, tmp_path / 'z')
   assert result.returncode == 1 and "config.task='lm'" in result.stderr and 'generate' in result.stderr
+  result = run_export(lm_workdir, tmp_path / 'z', '--format=argos')  # the message names no other format
+  assert result.returncode == 1 and "config.task='lm'" in result.stderr and '--format ctranslate2' not in result.stderr
   assert not (tmp_path / 'z').exists()
 
 

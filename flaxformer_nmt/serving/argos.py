@@ -94,6 +94,7 @@ def export_argos(workdir, output_dir, checkpoint=None, quantization=None, force=
     raise ct2_export.ExportError(f'--package_version must be numbers joined by dots (1.0, 2.1), not '
                                  f'{package_version!r}')
   config = workdir_lib.load_config(workdir)
+  ct2_export.check_exportable(workdir, config)
   code = package_code(config, package_version)
   path = pathlib.Path(output_dir) / f'{code}.argosmodel'
   if path.exists() and not force:

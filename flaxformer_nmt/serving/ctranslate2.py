@@ -169,6 +169,21 @@ def length_penalty_for(alpha, source_pieces):
   return round(alpha * n / (n + 5), 2)
 
 
+def check_exportable(workdir, config):
+  """Raises ExportError for a workdir whose model the export does not take (a language model, a right-to-left
+  rescorer), before any checkpoint is read."""
+  task = lm.task_of(config)
+  if task != 'translation':
+    # CTranslate2's Translator serves encoder-decoders; our LM/MLM workdirs have no source side to map.
+    raise ExportError(f'{workdir} holds a config.task={task!r} model: the export (CTranslate2 or Argos) '
+                      'takes translation models only (generate with python -m flaxformer_nmt.generate, fill masks '
+                      'with python -m flaxformer_nmt.fill_mask)')
+  if data_lib.right_to_left(config):
+    # CTranslate2 would write the target reversed, and its callers read its tokens as they come.
+    raise ExportError(f'{workdir} writes its targets right to left (config.target_right_to_left): it rescores a '
+                      'left-to-right model\'s n best and is not exported for serving')
+
+
 def export_ctranslate2(workdir, output_dir, checkpoint=None, quantization=None, force=False):
   """Writes the CTranslate2 model of `checkpoint` of `workdir` (None: its config.decode_checkpoint) into
   `output_dir`; returns the checkpoint's description. An existing non-empty output_dir is replaced only with
@@ -182,16 +197,7 @@ def export_ctranslate2(workdir, output_dir, checkpoint=None, quantization=None, 
   if output_dir.exists() and any(output_dir.iterdir()) and not force:
     raise ExportError(f'{output_dir} exists and is not empty: choose another --output_dir or pass --force')
   config = workdir_lib.load_config(workdir)
-  task = lm.task_of(config)
-  if task != 'translation':
-    # CTranslate2's Translator serves encoder-decoders; our LM/MLM workdirs have no source side to map.
-    raise ExportError(f'{workdir} holds a config.task={task!r} model: --format ctranslate2 exports translation '
-                      'models only (generate with python -m flaxformer_nmt.generate, fill masks with '
-                      'python -m flaxformer_nmt.fill_mask)')
-  if data_lib.right_to_left(config):
-    # CTranslate2 would write the target reversed, and its callers read its tokens as they come.
-    raise ExportError(f'{workdir} writes its targets right to left (config.target_right_to_left): it rescores a '
-                      'left-to-right model\'s n best and is not exported for serving')
+  check_exportable(workdir, config)
   loaded = loader.load_for_inference(workdir, checkpoint)
   tokenizer, description = loaded.tokenizer, loaded.description
   model_config = model_lib.ModelConfig.from_config(loaded.config, tokenizer.vocab_size)
