@@ -21,6 +21,7 @@ and averaged:
   {i:02d}_self_average.png                                       per layer and over all layers
 """
 import importlib.util
+import os
 import sys
 
 from absl import app, flags
@@ -60,6 +61,8 @@ def main(argv):
       sentences += [line for line in data_lib.read_lines(FLAGS.input) if line]
     if not sentences:
       raise ValueError('no sentences: pass --sentences or --input')
+    if os.path.exists(FLAGS.output_dir) and not os.path.isdir(FLAGS.output_dir):  # before any decoding
+      raise ValueError(f'--output_dir {FLAGS.output_dir} is a file, not a directory')
     if lm.task_of(workdir_lib.load_config(FLAGS.workdir)) != 'translation':
       maps = self_attention_maps(FLAGS.workdir, sentences, FLAGS.checkpoint or 'latest')
       for path in write_self_attention_pictures(maps, FLAGS.output_dir):

@@ -254,6 +254,17 @@ def test_visualize_cli_writes_pngs(workdir, tmp_path):
     assert str(path) in result.stdout
 
 
+def test_visualize_refuses_an_output_dir_that_is_a_file_before_decoding(workdir, tmp_path, monkeypatch):
+  # Catches the check left to the pictures' mkdir: the whole translation ran first, then "[Errno 17] File exists".
+  from flaxformer_nmt import visualize as visualize_command  # pylint: disable=g-import-not-at-top
+  pytest.importorskip('matplotlib')
+  (tmp_path / 'taken').write_text('')
+  monkeypatch.setattr(visualize_command.decode, 'Translator', lambda *a, **k: pytest.fail('decoded first'))
+  result = in_process.run(visualize_command, [f'--workdir={workdir}', '--sentences=a dog runs .',
+                                              f'--output_dir={tmp_path / "taken"}'])
+  assert result.returncode != 0 and 'is a file, not a directory' in result.stderr, result.stderr[-2000:]
+
+
 def test_a_source_longer_than_the_positions_is_cut_with_its_line_named(workdir, translator, caplog, monkeypatch):
   from flaxformer_nmt.data.tokenizer import EOS_ID  # pylint: disable=g-import-not-at-top
   lists = [[5] * 10 + [EOS_ID], [6] * 40 + [EOS_ID], [7] * 29 + [EOS_ID], [8] * 5000 + [EOS_ID]]

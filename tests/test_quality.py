@@ -200,6 +200,16 @@ def test_compare_rows_take_sacrebleus_length_ratio_and_an_empty_checkpoint_list_
   assert result.returncode != 0 and '--checkpoints is empty' in result.stderr, result.stderr[-2000:]
 
 
+def test_compare_names_each_files_line_count_where_they_differ(tmp_path):
+  # Catches an error that says the counts differ without them: the user then counts three files by hand.
+  from flaxformer_nmt.evaluation import compare as compare_lib  # pylint: disable=g-import-not-at-top
+  for name, lines in (('src', 3), ('ref', 2), ('tok', 3)):
+    (tmp_path / name).write_text('a\n' * lines)
+  with pytest.raises(ValueError, match=r'different numbers of lines \(3, 2, 3\)'):
+    compare_lib.sentences(None, input_path=str(tmp_path / 'src'), ref_path=str(tmp_path / 'ref'),
+                          tok_ref_path=str(tmp_path / 'tok'))
+
+
 def fake_params(value):
   return {'w': np.full((2, 3), value, np.float32), 'b': np.arange(3, dtype=np.float32) + value}
 

@@ -27,8 +27,9 @@ def sentences(config, split=None, input_path=None, ref_path=None, tok_ref_path=N
   sources, references = evaluate.read_text(input_path), evaluate.read_text(ref_path)
   tok_references = evaluate.read_text(tok_ref_path) if tok_ref_path else None
   if len(sources) != len(references) or (tok_references is not None and len(tok_references) != len(sources)):
+    counts = [len(sources), len(references)] + ([len(tok_references)] if tok_references is not None else [])
     raise ValueError(f'{input_path}, {ref_path}{", " + str(tok_ref_path) if tok_ref_path else ""}: different '
-                     'numbers of lines')
+                     f'numbers of lines ({", ".join(map(str, counts))})')
   if not sources:
     raise ValueError(f'{input_path}: no lines to translate and score')
   return description, sources, references, tok_references
