@@ -60,10 +60,8 @@ def define_flags():
   flags.mark_flags_as_required(['workdir'])
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  f = flags.FLAGS
+def check_flags(f):
+  """Raises app.UsageError for flags that contradict each other or are empty, before anything decodes."""
   if f.rerank_workdir and f.mbr:
     raise app.UsageError('--rerank_workdir and --mbr each choose among the n best: give one')
   if f.n_best and not f.mbr:
@@ -81,6 +79,13 @@ def main(argv):
     raise app.UsageError('--rerank_checkpoint and --rerank_weight are options of --rerank_workdir: give it too')
   if f.rerank_workdir and not f.rerank_weight:
     raise app.UsageError('--rerank_weight is empty: give the rescorer\'s weights, e.g. 0.3,0.5')
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  f = flags.FLAGS
+  check_flags(f)
   checkpoints_lib.quiet_orbax_logs()
   cache.use_compilation_cache()  # every checkpoint decodes the same shapes
   try:
