@@ -455,6 +455,12 @@ def sample_search(step_fn, cache, keys, *, temperature, top_k, batch_size, max_l
                          forbidden_ids=forbidden_ids, cache_lengths=cache_lengths, min_length=min_length)
 
 
+def tempered(log_probs, temperature):
+  """log_probs / temperature, the forbidden tokens (NEG_INF: PAD, BOS, all but EOS at the length limit) kept at
+  NEG_INF: divided by a large temperature they would come near 0 and be drawn."""
+  return jnp.where(log_probs > NEG_INF, log_probs / temperature, NEG_INF)
+
+
 def sampling_rule(keys, temperature, top_k):
   """sample_search's `choose(log_probs, index)` for token_step: keys [N], one per row."""
   if not temperature > 0:  # NaN too
@@ -465,9 +471,8 @@ def sampling_rule(keys, temperature, top_k):
     # top_k of the whole vocabulary is an (expensive) sort; skip it when there is nothing to cut.
     candidates, ids = (jax.lax.top_k(log_probs, k) if k < log_probs.shape[-1]
                        else (log_probs, jnp.broadcast_to(jnp.arange(k), log_probs.shape)))
-    # Forbidden tokens (PAD, BOS, all but EOS at the length limit) stay at NEG_INF at any temperature: never drawn.
-    scaled = jnp.where(candidates > NEG_INF, candidates / temperature, NEG_INF)
-    picks = jax.vmap(lambda key, row: jax.random.categorical(jax.random.fold_in(key, index), row))(keys, scaled)
+    picks = jax.vmap(lambda key, row: jax.random.categorical(jax.random.fold_in(key, index), row))(
+        keys, tempered(candidates, temperature))
     return jnp.take_along_axis(ids, picks[:, None], axis=1)[:, 0]
   return choose
 

@@ -73,9 +73,8 @@ def generate_tokens(model, params, prompts, prompt_lengths, keys, *, max_new_tok
     if greedy:
       picked = jnp.argmax(log_probs, axis=-1)
     else:
-      # Forbidden tokens (NEG_INF: PAD, BOS, all but EOS at the length limit) stay so at any temperature.
-      scaled = jnp.where(log_probs > NEG_INF, log_probs / temperature, NEG_INF)
-      filtered = top_p_filter(jax.nn.log_softmax(top_k_filter(scaled, top_k)), top_p)
+      filtered = top_p_filter(jax.nn.log_softmax(top_k_filter(beam_search.tempered(log_probs, temperature), top_k)),
+                              top_p)
       picked = jax.vmap(lambda key, row: jax.random.categorical(jax.random.fold_in(key, index), row))(keys, filtered)
     prompt_token = jax.lax.dynamic_index_in_dim(prompts, jnp.minimum(index + 1, width - 1), axis=1, keepdims=False)
     return jnp.where(index + 1 < prompt_lengths, prompt_token, picked)
