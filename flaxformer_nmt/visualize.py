@@ -30,7 +30,8 @@ from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
 from flaxformer_nmt.checkpointing import workdir as workdir_lib
 from flaxformer_nmt.data import corpus as data_lib
 from flaxformer_nmt.decoding import translator as decode
-from flaxformer_nmt.evaluation.attention import attention_maps, self_attention_maps, write_pictures, write_self_attention_pictures
+from flaxformer_nmt.evaluation.attention import (attention_maps, self_attention_maps, write_pictures,
+                                                 write_self_attention_pictures)
 from flaxformer_nmt.models import lm
 from flaxformer_nmt.runtime import cache
 

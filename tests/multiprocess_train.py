@@ -3,7 +3,8 @@ jax.distributed as the hosts of a cluster are (distributed.initialize with an ex
 
   python tests/multiprocess_train.py PORT PROCESS_ID NUM_PROCESSES DATA_DIR WORKDIR NUM_STEPS [FIELD=VALUE ...]
 
-FIELD=VALUE: a config field and a Python literal. Prints `RESULT process=I devices=D step=S loss=L`, S being the newest checkpoint's step.
+FIELD=VALUE: a config field and a Python literal. Prints `RESULT process=I devices=D step=S loss=L`, S being the
+newest checkpoint's step.
 """
 import ast
 import os

@@ -146,7 +146,9 @@ def test_tokenized_bleu_lowercases_the_tokenized_references_too():
   perfect translation 22.09 (the official lc.norm.tok files are lowercase already)."""
   hypotheses = ['Ein Hund läuft über die grüne Wiese.', 'Zwei Männer spielen Fußball im Park.']
   cased_references = ['Ein Hund läuft über die grüne Wiese .', 'Zwei Männer spielen Fußball im Park .']
-  assert evaluate.tokenized_bleu(hypotheses, cased_references, 'de')[0] == pytest.approx(100.0)
+  score, description = evaluate.tokenized_bleu(hypotheses, cased_references, 'de')
+  assert score == pytest.approx(100.0)
+  assert '|case:lc|' in description  # the score is case-insensitive: its signature says so
 
 
 # Lines of Multi30k's valid and test2016 (German) beside their official lc.norm.tok form: the normalization of

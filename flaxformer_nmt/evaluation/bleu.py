@@ -3,12 +3,13 @@ r"""BLEU of detokenized translations, two ways.
 1. sacreBLEU (cased, 13a tokenization) against the raw references: the WMT standard, reported with its
    signature.
 2. Paper-comparable Multi30k BLEU: most multimodal-MT papers score lowercased, Moses-tokenized text against
-   the official `*.lc.norm.tok.*` references (the download command fetches them with Multi30k). The hypotheses go through the same
-   pipeline as those references: Moses punctuation normalization (normalize-punctuation.perl -l LANG), Moses
-   tokenization with XML escaping (tokenizer.perl -l LANG, as `&quot;` in the references shows), lowercasing;
-   then sacreBLEU with tokenize='none' against the tokenized references.
+   the official `*.lc.norm.tok.*` references (the download command fetches them with Multi30k). The hypotheses
+   go through the same pipeline as those references: Moses punctuation normalization (normalize-punctuation.perl
+   -l LANG), Moses tokenization with XML escaping (tokenizer.perl -l LANG, as `&quot;` in the references shows),
+   lowercasing; then sacreBLEU with tokenize='none' and lowercase (case:lc) against the tokenized references.
 
-  python -m flaxformer_nmt.evaluate --hyp hyp.de --ref test2016.de [--tok_ref ~/.cache/flaxformer_nmt/multi30k_tok/test2016.de]
+  python -m flaxformer_nmt.evaluate --hyp hyp.de --ref test2016.de \
+      [--tok_ref ~/.cache/flaxformer_nmt/multi30k_tok/test2016.de]
 
 A model trained on lowercased text (config.lowercase) writes lowercase translations: with --lowercase, 1. is
 case-insensitive (sacreBLEU's own option; its signature says case:lc); 2. lowercases anyway.
@@ -45,9 +46,8 @@ def sacrebleu_score(hypotheses, references, lowercase=False):
 def tokenized_bleu(hypotheses, tokenized_references, lang):
   """(score, description) of lowercased Moses-tokenized BLEU against already-tokenized references (lowercased
   too: the official lc.norm.tok files already are)."""
-  bleu = sacrebleu.BLEU(tokenize='none', force=True)
-  references = [line.lower() for line in tokenized_references]
-  result = bleu.corpus_score(moses_lowercase_tokenize(hypotheses, lang), [references])
+  bleu = sacrebleu.BLEU(tokenize='none', lowercase=True, force=True)
+  result = bleu.corpus_score(moses_lowercase_tokenize(hypotheses, lang), [list(tokenized_references)])
   return result.score, f'lowercased moses-tokenized ({lang}) | {bleu.get_signature()}'
 
 
