@@ -3,6 +3,7 @@ translating from it as our greedy search does, and the server's ctranslate2 back
 import json
 import zipfile
 
+import jax
 import numpy as np
 import pytest
 import sentencepiece as spm
@@ -14,6 +15,7 @@ ctranslate2 = pytest.importorskip('ctranslate2')
 pytest.importorskip('fastapi')
 
 from flaxformer_nmt import export  # pylint: disable=g-import-not-at-top,wrong-import-position
+from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib  # pylint: disable=g-import-not-at-top
 from flaxformer_nmt.serving import argos  # pylint: disable=g-import-not-at-top,wrong-import-position
 from flaxformer_nmt.serving import batcher as batcher_lib  # pylint: disable=g-import-not-at-top
 from flaxformer_nmt.serving import ctranslate2 as ct2_export  # pylint: disable=g-import-not-at-top
@@ -84,6 +86,20 @@ def test_export_refuses_to_replace_a_package_unless_forced(workdir, package):
   forced = in_process.run(export, [f'--workdir={workdir}', '--format=argos', f'--output_dir={package.parent}',
                                    '--force'])
   assert forced.returncode == 0, forced.stderr[-2000:]
+
+
+def test_the_package_export_reads_the_checkpoint_once(workdir, tmp_path, monkeypatch):
+  # It read it twice: once for the parameter count of flaxformer_nmt.json, once more for the CTranslate2 model
+  # (with --checkpoint last:K, averaging the checkpoints twice).
+  reads = []
+  saved_params = checkpoints_lib.saved_params
+  monkeypatch.setattr(checkpoints_lib, 'saved_params', lambda *args: reads.append(args) or saved_params(*args))
+  path, _ = argos.export_argos(workdir, tmp_path, 'latest')
+  assert len(reads) == 1
+  with zipfile.ZipFile(path) as archive:
+    settings = json.loads(archive.read(f'{CODE}/flaxformer_nmt.json'))
+  params = saved_params(*reads[0])
+  assert settings['parameters'] == sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
 
 
 def test_export_refuses_a_package_version_argos_cannot_compare(workdir, tmp_path):

@@ -29,10 +29,10 @@ import zipfile
 import jax
 from etils import epath
 
+from flaxformer_nmt.checkpointing import loader
 from flaxformer_nmt.checkpointing import workdir as workdir_lib
 from flaxformer_nmt.data import tokenizer as tokenizer_lib
 from flaxformer_nmt.models.tokens import EOS_ID
-from flaxformer_nmt.decoding import translator as translator_lib
 from flaxformer_nmt.serving import batcher as batcher_lib
 from flaxformer_nmt.serving import ctranslate2 as ct2_export
 
@@ -99,10 +99,11 @@ def export_argos(workdir, output_dir, checkpoint=None, quantization=None, force=
   path = pathlib.Path(output_dir) / f'{code}.argosmodel'
   if path.exists() and not force:
     raise ct2_export.ExportError(f'{path} exists: choose another --output_dir or pass --force')
-  params, _ = translator_lib.load_params(workdir, checkpoint)
+  loaded = loader.load_for_inference(workdir, checkpoint)
+  description = loaded.description
   with tempfile.TemporaryDirectory(prefix='argos_') as tmp:
     root = pathlib.Path(tmp) / code
-    description = ct2_export.export_ctranslate2(workdir, root / 'model', checkpoint, quantization)
+    ct2_export.write_model(workdir, loaded, root / 'model', quantization)
     (root / 'model' / tokenizer_lib.VOCAB_FILENAME).rename(root / SENTENCEPIECE_FILE)
     (root / 'model' / 'README.md').unlink()
     metadata = {'package_version': package_version, 'argos_version': '1.9', 'type': 'translate',
@@ -110,7 +111,7 @@ def export_argos(workdir, output_dir, checkpoint=None, quantization=None, force=
                 'from_code': config.source_lang, 'from_name': language_name(config.source_lang),
                 'to_code': config.target_lang, 'to_name': language_name(config.target_lang)}
     (root / 'metadata.json').write_text(json.dumps(metadata, indent=2) + '\n')
-    settings = serving_settings(workdir, config, description, params)
+    settings = serving_settings(workdir, config, description, loaded.params)
     (root / SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + '\n')
     lowercase = ('\nThe model learnt lowercased text: lowercase the input before translating it.\n'
                  if settings['lowercase'] else '')

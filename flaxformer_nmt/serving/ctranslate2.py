@@ -196,23 +196,29 @@ def export_ctranslate2(workdir, output_dir, checkpoint=None, quantization=None, 
     raise ExportError(f'--output_dir {output_dir} holds the workdir {workdir}: choose another --output_dir')
   if output_dir.exists() and any(output_dir.iterdir()) and not force:
     raise ExportError(f'{output_dir} exists and is not empty: choose another --output_dir or pass --force')
-  config = workdir_lib.load_config(workdir)
-  check_exportable(workdir, config)
+  check_exportable(workdir, workdir_lib.load_config(workdir))
   loaded = loader.load_for_inference(workdir, checkpoint)
-  tokenizer, description = loaded.tokenizer, loaded.description
+  write_model(workdir, loaded, output_dir, quantization)
+  return loaded.description
+
+
+def write_model(workdir, loaded, output_dir, quantization=None):
+  """Writes the CTranslate2 model of `loaded` (loader.load_for_inference(workdir, ...)) into `output_dir`, which
+  it replaces."""
+  tokenizer = loaded.tokenizer
   model_config = model_lib.ModelConfig.from_config(loaded.config, tokenizer.vocab_size)
-  params = jax_to_numpy(loaded.params)
   pieces = [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
-  spec = ctranslate2_spec(params, model_config, pieces)
+  spec = ctranslate2_spec(jax_to_numpy(loaded.params), model_config, pieces)
   spec.validate()
   optimize(spec, quantization)
+  output_dir = epath.Path(output_dir)
   if output_dir.exists():
     shutil.rmtree(output_dir)
   output_dir.mkdir(parents=True)
   spec.save(str(output_dir))
   shutil.copyfile(epath.Path(workdir) / tokenizer_lib.VOCAB_FILENAME, output_dir / tokenizer_lib.VOCAB_FILENAME)
-  write_readme(output_dir, workdir=workdir, checkpoint=description, config=config, quantization=quantization)
-  return description
+  write_readme(output_dir, workdir=workdir, checkpoint=loaded.description, config=loaded.config,
+               quantization=quantization)
 
 
 def optimize(spec, quantization):
