@@ -88,7 +88,8 @@ def read_parallel(data_dir, split, source_lang, target_lang, max_line_chars=0, s
 
   A pair with one empty side (a sign of misaligned files) or a line over `max_line_chars` characters (a sign
   of a broken file) is an error naming the file and line, or with `skip_bad_pairs` is dropped and counted.
-  Pairs empty on both sides are dropped.
+  Pairs empty on both sides are kept, so that pair i stays line i (validation references read by line number):
+  they tokenize to empty pairs, which training and validation loss leave out (TokenizedCorpus.usable).
   """
   src_path, tgt_path = split_paths(data_dir, split, source_lang, target_lang)
   src, tgt = read_lines(src_path), read_lines(tgt_path)
@@ -98,10 +99,8 @@ def read_parallel(data_dir, split, source_lang, target_lang, max_line_chars=0, s
     raise DataError(f'{src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}: the sides must be aligned')
   keep, bad = [], 0
   for number, (s, t) in enumerate(zip(src, tgt), start=1):
-    if not s and not t:
-      continue
     problem = None
-    if not s or not t:
+    if bool(s) != bool(t):
       empty, other = (src_path, tgt_path) if not s else (tgt_path, src_path)
       problem = f'{empty}:{number}: empty line while {other}:{number} has text'
     elif max_line_chars and max(len(s), len(t)) > max_line_chars:
