@@ -127,6 +127,37 @@ def test_a_prepared_array_record_builder_is_read_without_mocks(toy_corpus, tmp_p
     corpora.TfdsPairs('toy_translate', 'valid', 'en', 'de', data_dir=str(tmp_path / 'tfds'))
 
 
+def test_a_tfds_split_expression_reads_that_part_of_the_split(tmp_path):
+  """TFDS split expressions ('train[:4]', 'train[4:]') name parts of a split, as the builder's readers take them."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+
+  class SlicedTranslate(tfds.core.GeneratorBasedBuilder):
+    VERSION = tfds.core.Version('1.0.0')
+
+    def _info(self):
+      return tfds.core.DatasetInfo(builder=self, features=tfds.features.Translation(languages=('de', 'en')))
+
+    def _split_generators(self, dl_manager):
+      return {'train': self._generate_examples()}
+
+    def _generate_examples(self):
+      for i in range(10):
+        yield i, {'en': f'sentence {i}', 'de': f'satz {i}'}
+
+  data_dir = str(tmp_path / 'tfds')
+  SlicedTranslate(data_dir=data_dir, file_format='array_record').download_and_prepare()
+  records = corpora.tfds_builder('sliced_translate', data_dir).as_data_source(split='train')
+  stored = [(records[i]['en'].decode(), records[i]['de'].decode()) for i in range(len(records))]
+  head = corpora.TfdsPairs('sliced_translate', 'train[:4]', 'en', 'de', data_dir=data_dir)
+  tail = corpora.TfdsPairs('sliced_translate', 'train[4:]', 'en', 'de', data_dir=data_dir)
+  assert [head[i] for i in range(len(head))] == stored[:4]
+  assert [tail[i] for i in range(len(tail))] == stored[4:]
+  text = corpora.TfdsText('sliced_translate', 'train[:4]', feature='de', data_dir=data_dir)
+  assert [text[i] for i in range(len(text))] == [de for _, de in stored[:4]]
+  with pytest.raises(corpora.data_lib.DataError, match=r"split 'valid\[:3\]' not in sliced_translate"):
+    corpora.TfdsPairs('sliced_translate', 'valid[:3]', 'en', 'de', data_dir=data_dir)
+
+
 def test_text_corpus_reads_by_index(toy_corpus):
   pairs = corpora.TextPairs(toy_corpus, 'train', 'en', 'de')
   source = (toy_corpus / 'train.en').read_text().splitlines()

@@ -82,6 +82,17 @@ def prepare_tfds(name, data_dir=None):
   return builder
 
 
+def _check_split(builder, name, split):
+  """A DataError unless the prepared builder reads `split`: a split name or a TFDS split expression such as
+  'train[:1000]' or 'train+validation' (the splits are unknown before preparation: nothing to check)."""
+  if not builder.info.splits:
+    return
+  try:
+    builder.info.splits[split]
+  except (KeyError, ValueError) as e:
+    raise data_lib.DataError(f'split {split!r} not in {name}: {e.args[0] if e.args else e}') from None
+
+
 class TfdsPairs:
   """One split of a prepared TFDS translation builder, read as (source, target) by language name."""
 
@@ -91,8 +102,7 @@ class TfdsPairs:
     for field, lang in (('source_lang', source_lang), ('target_lang', target_lang)):
       if lang not in features:
         raise data_lib.DataError(f'config.{field}={lang!r}: {name} has the languages {sorted(features)}')
-    if builder.info.splits and split not in builder.info.splits:  # (unknown before preparation)
-      raise data_lib.DataError(f'split {split!r} not in {name}: it has {sorted(builder.info.splits)}')
+    _check_split(builder, name, split)
     self.records = builder.as_data_source(split=split)
     self.source_lang, self.target_lang, self.lowercase = source_lang, target_lang, lowercase
     self.fingerprint = {'kind': 'tfds', 'name': name, 'version': str(builder.info.version), 'split': split,
@@ -164,8 +174,7 @@ class TfdsText:
     features = set(builder.info.features.keys())
     if feature not in features:
       raise data_lib.DataError(f'config.tfds_text_feature={feature!r}: {name} has the features {sorted(features)}')
-    if builder.info.splits and split not in builder.info.splits:
-      raise data_lib.DataError(f'split {split!r} not in {name}: it has {sorted(builder.info.splits)}')
+    _check_split(builder, name, split)
     self.records = builder.as_data_source(split=split)
     self.feature, self.lowercase = feature, lowercase
     self.fingerprint = {'kind': 'tfds_text', 'name': name, 'version': str(builder.info.version), 'split': split,
