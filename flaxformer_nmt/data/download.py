@@ -204,6 +204,8 @@ def fetch(url, attempts=3, timeout=60):
       if e.code < 500 or attempt == attempts:  # 404 and the like will not get better
         raise DownloadError(f'{url}: HTTP {e.code} {e.reason}') from None
     except (urllib.error.URLError, http.client.HTTPException, TimeoutError, ConnectionError) as e:
+      if url.startswith('file:'):  # a local mirror: asking again will not make a missing file appear
+        raise DownloadError(f'{url}: {getattr(e, "reason", None) or repr(e)}') from None
       if attempt == attempts:  # e.g. IncompleteRead: the connection closed before the whole file came
         raise UnreachableError(f'{url}: {getattr(e, "reason", None) or repr(e)} (after {attempts} attempts)') from None
     logging.warning('%s: attempt %d failed, retrying', url, attempt)
