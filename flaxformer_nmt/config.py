@@ -447,6 +447,10 @@ def _validate_schedule(config):
 def _validate_model(config):
   """The model's shape, dropout rates and the mesh it trains on."""
   m = config.model
+  for field, least in (('d_model', 1), ('d_ff', 1), ('num_heads', 1), ('num_encoder_layers', 0),
+                       ('num_decoder_layers', 0)):
+    if not isinstance(m[field], int) or m[field] < least:
+      raise ConfigError(f'config.model.{field}={m[field]!r}: use a whole number >= {least}')
   if m.d_model % m.num_heads:
     raise ConfigError(f'config.model.d_model={m.d_model} is not divisible by config.model.num_heads={m.num_heads}: '
                       'each head takes d_model / num_heads features')

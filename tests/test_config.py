@@ -406,7 +406,11 @@ def _with(config, field, value):
     ('model.dropout_rate', 1.0, 'is a probability'), ('model.attention_dropout_rate', -0.5, 'is a probability'),
     ('length_buckets', (), 'use increasing whole numbers'), ('length_buckets', ('abc',), 'use increasing whole'),
     ('length_buckets', (32, 16), 'use increasing whole'), ('data_parallelism', 0, r'or -1 \(what the other'),
-    ('fsdp_parallelism', -2, r'or -1 \(what the other')])
+    ('fsdp_parallelism', -2, r'or -1 \(what the other'),
+    # ZeroDivisionError inside validate, or a model whose head size, dimensions or layer count is negative.
+    ('model.num_heads', 0, 'use a whole number >= 1'), ('model.num_heads', -8, 'use a whole number >= 1'),
+    ('model.d_model', 0, 'use a whole number >= 1'), ('model.d_ff', 0, 'use a whole number >= 1'),
+    ('model.num_encoder_layers', -1, 'use a whole number >= 0')])
 def test_out_of_range_values_are_named(field, value, message):
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
   c = config_lib.base_config()
