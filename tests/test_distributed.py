@@ -207,6 +207,8 @@ def test_on_in_a_one_process_job_joins_it(clean_environment, environment):
     ('on', {'SLURM_JOB_ID': '5', 'SLURM_NTASKS': '2', 'SLURM_PROCID': '0'}, 'SLURM_STEP_NODELIST, SLURM_LOCALID unset'),
     ('on', {}, 'set JAX_COORDINATOR_ADDRESS (--coordinator_address), JAX_NUM_PROCESSES'),
     ('auto', {'JAX_COORDINATOR_ADDRESS': 'h:1'}, 'without JAX_NUM_PROCESSES (--num_processes), JAX_PROCESS_ID'),
+    # Process 1 of 2 without a coordinator: not a lone process 0 that writes the shared workdir as the leader.
+    ('auto', {'JAX_NUM_PROCESSES': '2', 'JAX_PROCESS_ID': '1'}, 'set JAX_COORDINATOR_ADDRESS (--coordinator_address)'),
     ('auto', {'JAX_COORDINATOR_ADDRESS': 'h:1', 'JAX_NUM_PROCESSES': 'two', 'JAX_PROCESS_ID': '0'},
      "JAX_NUM_PROCESSES must be an integer, not 'two'")])
 def test_a_start_that_lacks_something_raises_an_error_naming_it(clean_environment, mode, environment, message):

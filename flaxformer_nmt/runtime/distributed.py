@@ -104,11 +104,11 @@ def _check_start(mode, cluster, settings):
                            'pass --distributed=off for one process')
   if cluster is not None:
     return True
-  if mode == 'auto' and settings[0] is None:
+  if mode == 'auto' and all(value is None for value in settings):
     return False
   missing = [f'{name} ({flag})' for (name, flag), value in zip(EXPLICIT, settings) if value is None]
   if missing and settings[0] is None:
-    raise DistributedError('--distributed=on found no srun step, Open MPI job or Cloud TPU VM: set '
+    raise DistributedError(f'--distributed={mode} found no srun step, Open MPI job or Cloud TPU VM: set '
                            + ', '.join(missing))
   if missing:
     raise DistributedError(f'coordinator {settings[0]} given without ' + ', '.join(missing))
@@ -120,7 +120,8 @@ def initialize(mode='auto', coordinator_address=None, num_processes=None, proces
 
   mode 'off' never initializes; 'on' always does (JAX detects what the arguments leave unset from a SLURM step,
   an Open MPI job or a Cloud TPU VM); 'auto' initializes given a coordinator address (argument or environment)
-  or a detected cluster. Raises DistributedError when the start lacks something or JAX refuses it.
+  or a detected cluster, and refuses a process count or id without a coordinator. Raises DistributedError when
+  the start lacks something or JAX refuses it.
   """
   if mode not in MODES:
     raise ValueError(f'--distributed must be one of {MODES}, not {mode!r}')
