@@ -84,6 +84,18 @@ def test_gpu_multinode_under_slurm_prepares_in_one_task_then_trains_in_one_step(
       '--config.tfds_data_dir=gs://b/tfds']
 
 
+def test_a_bare_boolean_override_does_not_take_the_next_flag_as_its_value():
+  """`--config.skip_bad_pairs` alone sets the field True (absl's boolean form): preparation gets it, and neither
+  the trainer's --workdir nor its value; the overrides after it still reach preparation."""
+  commands = dry_run('gpu_multinode.sh', '--hosts', 'gpu1', '--tfds-data-dir', '/shared/tfds', '--',
+                     '--config', 'configs/big.py', '--config.skip_bad_pairs', '--workdir', '/shared/run',
+                     '--config.data_parallelism', '-1')
+  prepare = shlex.split(commands[0][2])
+  assert module_args(prepare, 'flaxformer_nmt.corpora') == [
+      'prepare', '--config', 'configs/big.py', '--config.skip_bad_pairs', '--config.data_parallelism', '-1',
+      '--config.tfds_data_dir=/shared/tfds']
+
+
 def test_tpu_vm_creates_copies_installs_prepares_on_worker_0_and_trains_on_all_workers():
   commands = dry_run('tpu_vm.sh', '--name', 'nmt', '--zone', 'us-central2-b', '--project', 'p',
                      '--accelerator-type', 'v4-32', '--create', '--tfds-data-dir', 'gs://bucket/tfds', '--',
