@@ -40,10 +40,13 @@ def test_an_unknown_config_field_is_one_line_with_the_nearest_names(tmp_path):
   assert not (tmp_path / 'w').exists()  # nothing started
 
 
-def test_unknown_override_checks_every_level_and_absl_bool_negation():
+def test_unknown_override_checks_every_level_and_refuses_absl_bool_negation():
   config = config_lib.base_config()
-  argv = ['train', '--config=x.py', '--config.model.d_model=64', '--config.noskip_bad_pairs', '--workdir=w']
+  argv = ['train', '--config=x.py', '--config.model.d_model=64', '--config.skip_bad_pairs', '--workdir=w']
   assert cli.unknown_override(argv, config) is None
+  # ml_collections has no --config.noFIELD (absl's negation of a boolean flag): it raised a bare traceback.
+  name, nearest = cli.unknown_override(argv + ['--config.noskip_bad_pairs'], config)
+  assert name == 'noskip_bad_pairs' and nearest[0] == 'skip_bad_pairs'
   name, nearest = cli.unknown_override(argv + ['--config.grad_clip=1.0'], config)
   assert name == 'grad_clip' and nearest[0] == 'grad_clip_norm'
   assert cli.unknown_override(['train', '--config.model.no_such_field=1'], config)[0] == 'model.no_such_field'

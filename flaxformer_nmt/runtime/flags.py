@@ -45,8 +45,6 @@ def unknown_override(argv, config):
     if not arg.startswith('--config.'):
       continue
     name = arg[len('--config.'):].split('=', 1)[0]
-    if name.startswith('no') and name[2:] in known:  # --config.noflag, absl's way to set a bool False
-      name = name[2:]
     if name not in known:
       return name, difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.5)
   return None
