@@ -144,3 +144,17 @@ def test_a_checkpoint_directory_away_from_its_workdir_is_checked_against_its_rec
   params = checkpoints_lib.saved_params(source_dir, 5)
   best_checkpoint.BestCheckpoint(run, 'bleu').update(5, params, {'eval/bleu': 1.0})
   assert warm_start.resolve(run / 'best')[:2] == (run / 'best' / 'params_5', None)
+
+
+def test_an_unreadable_source_checkpoint_is_a_clear_error_naming_it(source, tmp_path):
+  """A source checkpoint whose tree metadata is gone stops the run with a WarmStartError naming the directory
+  (it escaped as a FileNotFoundError, which the train command printed as a traceback)."""
+  config, source_dir = source
+  config = config.copy_and_resolve_references()
+  damaged = tmp_path / 'damaged' / '5'
+  shutil.copytree(source_dir / 'checkpoints' / '5', damaged)
+  shutil.copy(source_dir / 'vocab.model', damaged.parent / 'vocab.model')
+  (damaged / 'state' / '_METADATA').unlink()
+  config.init_from = str(damaged)
+  with pytest.raises(warm_start.WarmStartError, match=f"cannot be read from {damaged / 'state'}"):
+    train.train_and_evaluate(config, tmp_path / 'run')

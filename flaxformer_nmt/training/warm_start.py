@@ -138,7 +138,12 @@ def load_params(state, state_sharding, config, tokenizer):
         f'sha256 {theirs[:12]}..., this run {tokenizer.sha256[:12]}...): its embeddings do not fit. Start the new '
         'run in an empty --workdir beside the source\'s vocab.model (it copies it), or put that vocab.model in '
         '--workdir.')
-  params = checkpoints_lib.read_params(directory, subtree)
+  try:
+    params = checkpoints_lib.read_params(directory, subtree)
+  except Exception as e:  # pylint: disable=broad-except  (orbax and tensorstore raise many kinds)
+    raise WarmStartError(f'config.init_from: {description} cannot be read from {directory} '
+                         f'({type(e).__name__}: {str(e).strip()[:300]}): give another checkpoint of it '
+                         '(--config.init_checkpoint) or another --config.init_from') from e
   expected = {f'params.{k}': v for k, v in checkpoints_lib.tree_signature(state.params).items()}
   differences = checkpoints_lib.describe_mismatch(
       {f'params.{k}': v for k, v in checkpoints_lib.tree_signature(params).items()}, expected)
