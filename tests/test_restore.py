@@ -317,3 +317,25 @@ def test_a_refused_resume_leaves_config_json_as_it_was(toy_corpus, tmp_path):
   config.seed = 0
   train.train_and_evaluate(config, tmp_path / 'w')
   assert workdir_lib.load_config(tmp_path / 'w').num_train_steps == 3
+
+
+def test_a_truncated_config_json_is_a_config_error_naming_the_file(tmp_path):
+  """A config.json cut short (or edited by hand into invalid JSON) stops the resume with a ConfigError naming it,
+  which the train command prints as one line, not a JSONDecodeError traceback."""
+  workdir = tmp_path / 'w'
+  workdir_lib.write_config(config_lib.base_config(), workdir)
+  (workdir / 'vocab.model').write_bytes(b'')
+  path = workdir / 'config.json'
+  path.write_text(path.read_text()[:200])
+  with pytest.raises(workdir_lib.ConfigError, match=f'{path} is not valid JSON'):
+    workdir_lib.check_config(config_lib.base_config(), workdir)
+
+
+def test_a_new_peak_of_the_paper_schedule_is_a_schedule_change(tmp_path):
+  """config.learning_rate_scale is the peak of the 'paper' schedule: resuming with another one changes the learning
+  rate of the steps left, and is named among the schedule's changes as another inverse_sqrt peak is."""
+  saved = config_lib.base_config()
+  workdir_lib.write_config(saved, tmp_path)
+  config = config_lib.base_config()
+  config.learning_rate_scale = 0.5
+  assert workdir_lib.schedule_changes(config, tmp_path) == [('learning_rate_scale', 1.0, 0.5)]

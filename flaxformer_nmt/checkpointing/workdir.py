@@ -57,7 +57,11 @@ def read_config(path):
   value, except the fields that name the trained model (their absence is refused, as is a field base_config
   does not have)."""
   path = epath.Path(path)
-  saved = json.loads(path.read_text())
+  try:
+    saved = json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise ConfigError(f'{path} is not valid JSON ({e}): repair it (the config this workdir was trained with) or '
+                      'use a new --workdir') from None
   config = config_lib.base_config()
   for field in _model_fields(config):
     section, _, name = field.rpartition('.')
@@ -93,7 +97,8 @@ def check_config(config, workdir):
 
 
 # The fields that shape the learning rate of the steps a resumed run has left.
-SCHEDULE_FIELDS = ('num_train_steps', 'warmup_steps', 'cooldown_steps', 'learning_rate', 'learning_rate_schedule')
+SCHEDULE_FIELDS = ('num_train_steps', 'warmup_steps', 'cooldown_steps', 'learning_rate', 'learning_rate_scale',
+                   'learning_rate_schedule')
 
 
 def schedule_changes(config, workdir):
