@@ -331,6 +331,28 @@ def test_a_truncated_config_json_is_a_config_error_naming_the_file(tmp_path):
     workdir_lib.check_config(config_lib.base_config(), workdir)
 
 
+def test_a_config_write_cut_short_leaves_the_previous_config_json_whole(tmp_path, monkeypatch):
+  """config.json was written in place: a process killed (or a disk filled) mid-write left a truncated file that
+  stopped every later resume, decode and export of the workdir."""
+  workdir_lib.write_config(config_lib.base_config(), tmp_path)
+  before = (tmp_path / 'config.json').read_text()
+  path_type = type(workdir_lib.epath.Path(tmp_path))
+  write_text = path_type.write_text
+
+  def cut_short(path, text, *args, **kwargs):
+    write_text(path, text[:100], *args, **kwargs)
+    raise OSError(errno.ENOSPC, 'No space left on device')
+  monkeypatch.setattr(path_type, 'write_text', cut_short)
+  config = config_lib.base_config()
+  config.num_train_steps = 7
+  with pytest.raises(OSError):
+    workdir_lib.write_config(config, tmp_path)
+  monkeypatch.undo()
+  assert (tmp_path / 'config.json').read_text() == before
+  workdir_lib.write_config(config, tmp_path)
+  assert workdir_lib.load_config(tmp_path).num_train_steps == 7
+
+
 def test_a_new_peak_of_the_paper_schedule_is_a_schedule_change(tmp_path):
   """config.learning_rate_scale is the peak of the 'paper' schedule: resuming with another one changes the learning
   rate of the steps left, and is named among the schedule's changes as another inverse_sqrt peak is."""

@@ -117,7 +117,9 @@ def write_config(config, workdir):
   distributed.barrier('config read')  # nobody reads a half-written file
   if distributed.is_leader():
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(json.loads(config.to_json_best_effort()), indent=2, sort_keys=True))
+    partial = path.parent / f'.{CONFIG_FILENAME}.partial'  # renamed into place: a kill leaves the old file whole
+    partial.write_text(json.dumps(json.loads(config.to_json_best_effort()), indent=2, sort_keys=True))
+    partial.replace(path)
   distributed.barrier('config written')
 
 
