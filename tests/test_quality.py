@@ -141,6 +141,30 @@ def test_references_are_read_line_for_line_as_the_decode_command_reads_its_input
     evaluate.read_text(path)
 
 
+def test_validation_reads_the_tokenized_reference_of_each_pair_past_a_skipped_one(trained_toy, tmp_path):
+  """With config.skip_bad_pairs, a bad validation pair is dropped; the tokenized references, read from their own
+  file by line, took the first N lines and paired every later sentence with the line before its own."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.runtime import sharding  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.training import validation  # pylint: disable=g-import-not-at-top
+  data, tok = tmp_path / 'data', tmp_path / 'tok'
+  shutil.copytree(trained_toy.parent / 'data', data)
+  shutil.copytree(trained_toy.parent / 'tok', tok)
+  targets = (data / 'valid.de').read_text().splitlines()
+  (data / 'valid.de').write_text('\n'.join(targets[:2] + [''] + targets[3:]) + '\n')  # line 3: one side empty
+  config = workdir_lib.load_config(trained_toy)
+  config.data_dir, config.eval_bleu_tok_ref_dir, config.skip_bad_pairs = str(data), str(tok), True
+  config.eval_bleu_max_sentences = 6
+  tokenizer = tokenizer_lib.Tokenizer(trained_toy / 'vocab.model')
+  bleu = validation.ValidationBleu(config, tokenizer, tmp_path / 'w', sharding.make_mesh(devices=jax.devices()[:1]))
+  tok_lines = (tok / 'valid.de').read_text().splitlines()
+  assert bleu.references == targets[:2] + targets[3:7]
+  assert bleu.tok_references == tok_lines[:2] + tok_lines[3:7]
+
+
 def test_tokenized_bleu_lowercases_the_tokenized_references_too():
   """'lowercased moses-tokenized' BLEU lowercased the hypotheses alone: a cased tokenized reference scored a
   perfect translation 22.09 (the official lc.norm.tok files are lowercase already)."""

@@ -61,10 +61,13 @@ class ValidationBleu:
     self.tok_references = None
     tok_path = tokenized_reference_path(config)
     if tok_path is not None:
-      self.tok_references = evaluate.read_text(tok_path)[:count]
-      if len(self.tok_references) != count:
-        raise data_lib.DataError(f'{tok_path}: {len(self.tok_references)} lines, but {config.eval_split} has '
-                                 f'at least {count} pairs')
+      # Line i of the tokenized references is line i of the split's files, whose dropped pairs leave gaps.
+      lines = getattr(pairs, 'line_indices', range(count))[:count]
+      tok_lines = evaluate.read_text(tok_path)
+      if count and len(tok_lines) <= lines[-1]:
+        raise data_lib.DataError(f'{tok_path}: {len(tok_lines)} lines, but the first {count} pairs of '
+                                 f'{config.eval_split} reach line {lines[-1] + 1}')
+      self.tok_references = [tok_lines[i] for i in lines]
     elif config.eval_bleu_tok_ref_dir:
       logging.warning('No %s.%s in %s (config.eval_bleu_tok_ref_dir): validation BLEU is sacreBLEU only, without '
                       'the lowercased tokenized BLEU', config.eval_split, config.target_lang,
