@@ -65,7 +65,6 @@ def main(argv):
           checkpoints_lib.AveragingError, checkpoints_lib.CheckpointMismatchError,
           checkpoints_lib.CheckpointStorageError, checkpoints_lib.CheckpointsDamagedError,
           warm_start.WarmStartError, sharding.MeshError) as e:
-    logging.error('%s', e)
     sys.exit(f'error: {e}')
 
 

@@ -312,3 +312,4 @@ def test_training_offline_stops_with_one_error_naming_the_flag(tmp_path):
   assert result.returncode != 0
   last = result.stderr.strip().splitlines()[-1]
   assert last.startswith('error: Multi30k is not in') and 'pass --config.data_dir=DIR' in last, result.stderr[-2000:]
+  assert result.stderr.count('Multi30k is not in') == 1, result.stderr[-2000:]  # not logged, then printed again
