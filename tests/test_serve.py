@@ -527,6 +527,29 @@ def test_libretranslate_routes(backend, translator):
                                                                   '(invalid start byte)'})
 
 
+def test_libretranslate_fields_python_cannot_read_get_a_client_error_not_500(backend):
+  libre = '"q": "a dog", "source": "en", "target": "de"'
+  alternatives = 'alternatives: must be a whole number >= 0'
+  with client({'en-de': backend}) as c:
+    answers = [c.post('/translate', content='{"q": "a dog", "source": "\\ud800", "target": "de"}'),
+               c.post('/translate', content='{' + libre + ', "alternatives": "\u00b2"}'),  # a digit int() refuses
+               c.post('/translate', data={'q': 'a dog', 'source': 'en', 'target': 'de', 'alternatives': '9' * 5000}),
+               c.post('/translate', content='{"q": ' + '[' * 100_000)]  # deeper than json.loads recurses
+  assert [(a.status_code, a.json()['error']) for a in answers[:3]] == [
+      (404, 'no model translates \\ud800 to de; this server serves en-de (en->de)'), (422, alternatives),
+      (422, alternatives)]
+  assert answers[3].status_code == 422 and answers[3].json()['error'].startswith('the body is not valid JSON (')
+
+
+def test_api_keys_python_cannot_read_get_401_not_500(backend):
+  libre = {'q': 'a', 'source': 'en', 'target': 'de'}
+  with client({'en-de': backend}, api_keys=('first-key',)) as c:
+    answers = [c.post('/translate', content='{"q": "a", "source": "en", "target": "de", "api_key": "\\ud800"}'),
+               c.post('/translate', content='{"q": ' + '[' * 100_000)]
+    assert [a.status_code for a in answers] == [401, 401]
+    assert c.post('/translate', json=dict(libre, api_key='first-key')).status_code == 200
+
+
 def test_metrics_count_requests_batches_and_tokens(backend, translator):
   with client({'en-de': backend}) as c:
     for text in (['a big dog runs .'], ['the cat runs .', 'a red ball']):

@@ -74,6 +74,7 @@ class ApiError(Exception):
 
 def error_response(path, status, message, headers=None):
   """LibreTranslate's {"error": message} on its routes, FastAPI's {"detail": message} on the others."""
+  message = message.encode('utf-8', 'backslashreplace').decode('utf-8')  # a lone surrogate the client sent
   body = {'error': message} if path in LIBRE_PATHS else {'detail': message}
   return responses.JSONResponse(body, status, headers=headers)
 
@@ -185,7 +186,7 @@ class Keys:
   def accepts(self, key):
     if key is None:
       return False
-    given, found = key.encode('utf-8'), False
+    given, found = key.encode('utf-8', 'surrogatepass'), False  # JSON may escape a lone surrogate: no key
     for k in self.keys:
       found |= hmac.compare_digest(given, k)
     return found
@@ -205,7 +206,7 @@ def libre_api_key(body, headers, query_string):
       return key if isinstance(key, str) else None
     if body and 'x-www-form-urlencoded' in content_type:
       return urllib.parse.parse_qs(body.decode('utf-8')).get('api_key', [None])[0]
-  except (ValueError, UnicodeDecodeError):
+  except (ValueError, UnicodeDecodeError, RecursionError):
     return None
   return urllib.parse.parse_qs(query_string.decode('latin-1')).get('api_key', [None])[0]
 
@@ -530,7 +531,7 @@ async def libre_fields(request):
   if 'json' in content_type or not content_type:
     try:
       data = json.loads(body) if body else {}
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: arrays or objects nested too deep
       raise ApiError(422, f'the body is not valid JSON ({e})') from None
     if not isinstance(data, dict):
       raise ApiError(422, 'the body must be a JSON object')
@@ -552,8 +553,9 @@ def libre_request(data):
   if data.get('format', 'text') != 'text':
     raise ApiError(400, f'format {data["format"]!r} is not supported: only "text"')
   alternatives = data.get('alternatives', 0)
-  if isinstance(alternatives, str) and alternatives.isdigit():
-    alternatives = int(alternatives)
+  if isinstance(alternatives, str) and alternatives.isdecimal():
+    with contextlib.suppress(ValueError):  # past int's limit of digits: refused below
+      alternatives = int(alternatives)
   if isinstance(alternatives, bool) or not isinstance(alternatives, int) or alternatives < 0:
     raise ApiError(422, 'alternatives: must be a whole number >= 0')
   return [q] if isinstance(q, str) else q, isinstance(q, str), data['source'], data['target'], alternatives
