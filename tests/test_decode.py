@@ -3,6 +3,7 @@ batching switches, attention pictures."""
 import dataclasses
 import functools
 import json
+import math
 import re
 import os
 import shutil
@@ -306,6 +307,22 @@ def test_translators_of_one_model_share_compiled_searches_and_alpha_is_not_compi
     base = (5.0 + len(tokens)) / 6.0
     assert score_06 * base ** 0.6 == pytest.approx(score_15 * base ** 1.5, rel=1e-5)
     assert score_06 != pytest.approx(score_15, rel=1e-3)
+
+
+def test_other_length_limits_compile_no_other_search(translator, mixed):
+  # The limit floor(max_len_a * n + max_len_b) is an input of the programs: a server whose requests each asked
+  # for another max_length compiled a begin program per value (2.5-3 s each on 2 cores, without bound).
+  token_lists = translator.tokenizer.encode(translator.prepare(mixed))
+  # (A shorter limit may end a batch in a segment program of another rung; the begin programs are per batch.)
+  translator.search_tokens(token_lists, beam_size=2)
+  begun = batch_search._begin_jit.cache_size()
+  for a, b in ((0.5, 2), (0.0, 3), (1.5, 1)):
+    found = translator.search_tokens(token_lists, beam_size=2, max_len_a=a, max_len_b=b)
+    assert batch_search._begin_jit.cache_size() == begun, (a, b)
+    lengths = [(len(tokens) - 1, math.floor(a * (len(source) - 1) + b + 1e-9))
+               for source, [(tokens, _)] in zip(token_lists, found)]
+    assert all(n <= limit for n, limit in lengths), (a, b, lengths)  # EOS not counted, as fairseq's int(a * n + b)
+    assert any(n == limit for n, limit in lengths), (a, b, lengths)
 
 
 def test_ensemble_of_one_checkpoint_twice_equals_that_checkpoint(workdir, mixed):

@@ -28,6 +28,7 @@ from unittest import mock
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax._src.cudnn import fused_attention_stablehlo
 
@@ -264,13 +265,14 @@ def test_the_device_search_of_a_ladder_batch_is_one_program_without_the_host(pla
   cache_lengths = tuple(c for c in ladder.lengths if LENGTH <= c <= top)
   assert cache_lengths == (32, 64, 128)  # a 32-token source may get 32 + 50 tokens
   dummy = jax.ShapeDtypeStruct((1, 8), jnp.int32)
-  options = dict(beam_size=4, extra_length=config.max_decode_extra_length, max_len_a=1.0, cache_cross_kv=True,
-                 min_len=1, scores=True, temperature=1.0, top_k=0, grow_cache=True, num_samples=0)
+  options = dict(beam_size=4, cache_cross_kv=True, min_len=1, scores=True, temperature=1.0, top_k=0, grow_cache=True,
+                 num_samples=0)
   with cudnn_version_check_answered():
     params = jax.eval_shape(model.init, jax.random.PRNGKey(0), dummy, dummy)['params']
     lowered = batch_search._on_device_jit().jitted.trace(
         model, params, jax.ShapeDtypeStruct((rows, LENGTH), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32), 0,
-        0.6, cache_lengths=cache_lengths, **options).lower(lowering_platforms=(platform,))
+        0.6, np.float32(1.0), np.int32(config.max_decode_extra_length), cache_lengths=cache_lengths,
+        **options).lower(lowering_platforms=(platform,))
   text = lowered.as_text()
   assert text.count('stablehlo.while') == len(cache_lengths)
   assert 'callback' not in text

@@ -10,7 +10,8 @@
 
 The two give the same translations (tests/test_decode.py). Every program is jitted once per process with the
 model static (equal models share them), and saved as an executable that later processes load without tracing
-it (runtime/executables.py); the length penalty's alpha and the stop rung are inputs, not constants.
+it (runtime/executables.py); the length penalty's alpha, the length limit and the stop rung are inputs, not
+constants.
 """
 
 import dataclasses
@@ -23,17 +24,19 @@ from flaxformer_nmt.decoding import beam_search
 from flaxformer_nmt.decoding import search as search_lib
 from flaxformer_nmt.runtime import executables
 
-# Options that shape a program (static); the rest (alpha) are inputs.
-START_STATIC = ('beam_size', 'extra_length', 'max_len_a', 'cache_cross_kv', 'num_samples')
+# Options that shape a program (static); the rest (alpha, the length limit's max_len_a and extra_length) are
+# inputs: a server's requests that ask for other limits share its programs.
+START_STATIC = ('beam_size', 'cache_cross_kv', 'num_samples')
 RULE_STATIC = ('beam_size', 'temperature', 'top_k', 'cache_cross_kv', 'min_len', 'scores')
 
 
-def _begin(model, params, src, lines, seed, stop, alpha, *, cache_length, num_samples=0, **options):
+def _begin(model, params, src, lines, seed, stop, alpha, max_len_a, extra_length, *, cache_length, num_samples=0,
+           **options):
   """start_search and its first segment (search.run_segment) of a padded source batch, sampling keys drawn
   here from (seed, line numbers); returns (inputs, state, [B] still searching)."""
   keys = search_lib.line_keys(seed, lines, num_samples) if num_samples else None
   inputs, state = search_lib.start_search(model, params, src, keys, cache_length=cache_length, length=cache_length,
-                                          **options)
+                                          max_len_a=max_len_a, extra_length=extra_length, **options)
   state, live = search_lib.run_segment(model, params, inputs, state, stop, first=True, alpha=alpha, **options)
   return inputs, state, live
 
@@ -42,10 +45,12 @@ def _segment(model, params, inputs, state, stop, alpha, **options):
   return search_lib.run_segment(model, params, inputs, state, stop, alpha=alpha, **options)
 
 
-def _on_device(model, params, src, lines, seed, alpha, *, cache_lengths, num_samples=0, **options):
+def _on_device(model, params, src, lines, seed, alpha, max_len_a, extra_length, *, cache_lengths, num_samples=0,
+               **options):
   """search.search of a whole batch, sampling keys drawn here from (seed, line numbers)."""
   keys = search_lib.line_keys(seed, lines, num_samples) if num_samples else None
-  return search_lib.search(model, params, src, keys, alpha=alpha, cache_lengths=cache_lengths, **options)
+  return search_lib.search(model, params, src, keys, alpha=alpha, max_len_a=max_len_a, extra_length=extra_length,
+                           cache_lengths=cache_lengths, **options)
 
 
 # A batch-invariant search: each sentence's translation and scores the same whatever else its batch holds (the
@@ -115,6 +120,11 @@ def _static(options, names):
   return {k: options[k] for k in names if k in options}
 
 
+def _limit(options):
+  """(max_len_a, extra_length) of the length limit, as the programs' inputs (one dtype for any value)."""
+  return np.float32(options.get('max_len_a', 1.0)), np.int32(options['extra_length'])
+
+
 def search_batches(model, params, token_lists, ladder, options, *, lines=None, seed=0, on_device=None, place=None,
                    out_sharding=None):
   """For each source (token ids ending with EOS), (tokens [K, L], scores [K]) as search.search_output gives a
@@ -147,7 +157,7 @@ def _device_batch(model, params, src, lines, seed, ladder, options, place, out_s
   top = ladder.length_for(length)
   cache_lengths = tuple(c for c in ladder.lengths if src.shape[1] <= c <= top)
   static = _static(options, _DEVICE_STATIC)
-  found = _on_device_jit(out_sharding)(model, params, *place((src, lines)), seed, options['alpha'],
+  found = _on_device_jit(out_sharding)(model, params, *place((src, lines)), seed, options['alpha'], *_limit(options),
                                        cache_lengths=cache_lengths, **static)
   tokens, scores = (_to_host(x) for x in found)
   return [(row, tokens[row], scores[row]) for row in range(len(src))]
@@ -162,7 +172,8 @@ def _segmented_batch(model, params, src, lines, seed, ladder, options, place):
   alpha, rule = options['alpha'], _static(options, RULE_STATIC)
   begin_jit, segment_jit = _programs_for(options)
   inputs, state, live = begin_jit(model, params, *place((src, lines)), seed, ladder.below(rows, begin_length),
-                                   alpha, cache_length=begin_length, **_static(options, _BEGIN_STATIC))
+                                   alpha, *_limit(options), cache_length=begin_length,
+                                   **_static(options, _BEGIN_STATIC))
   results, work = [], [(np.arange(rows), inputs, state, live)]
   while work:
     sentences, inputs, state, live = jax.device_get(work.pop())
@@ -239,7 +250,7 @@ def warm_up(model, params, ladder, options, *, max_source_length=None, on_device
     for rows in ladder.rows(length):
       begun[length] = jax.device_get(begin_jit(
           model, params, *place((_empty_sources(rows, length), np.zeros(rows, np.int32))), 0, 0, options['alpha'],
-          cache_length=length, **_static(options, _BEGIN_STATIC)))[:2]
+          *_limit(options), cache_length=length, **_static(options, _BEGIN_STATIC)))[:2]
   top = ladder.length_for(search_lib.max_steps(source_lengths[-1], options.get('max_len_a', 1.0),
                                                options['extra_length'], ladder.max_position))
   count, (inputs, state) = sum(len(ladder.rows(length)) for length in source_lengths), begun[source_lengths[0]]

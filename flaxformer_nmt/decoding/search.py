@@ -83,17 +83,17 @@ def max_steps(src_length, max_len_a, max_len_b, max_position):
 
 
 def output_limits(src, max_len_a, max_len_b, max_position):
-  """(static cache length, [B] limits on generated tokens, EOS included) for a padded source batch [B, S].
+  """[B] limits on the generated tokens (EOS included) of a padded source batch [B, S], at most max_position;
+  max_len_a and max_len_b may be inputs of a program (one program for every limit).
 
   fairseq's rule per sentence: at most floor(max_len_a * n + max_len_b) tokens before EOS, n being the
   sentence's source length in pieces (EOS not counted; fairseq counts it, and takes the longest source of
   the batch). The default a = 1, b = 50 is the paper's source length + 50.
   """
-  max_length = max_steps(src.shape[1], max_len_a, max_len_b, max_position)
   src_tokens = (src != PAD_ID).sum(axis=1)
   limits = jnp.floor(max_len_a * (src_tokens - 1).astype(jnp.float32) + max_len_b + LIMIT_SLACK).astype(jnp.int32) + 1
   # Rows that only pad the batch may produce nothing but EOS, so that they never keep the search loop running.
-  return max_length, jnp.where(src_tokens > 0, limits, 1)
+  return jnp.minimum(jnp.where(src_tokens > 0, limits, 1), max_position)
 
 
 FORBIDDEN_IDS = (PAD_ID, BOS_ID)  # never generated
@@ -127,15 +127,16 @@ def start_search(model, params, src, sample_keys=None, *, beam_size, extra_lengt
   host loop may drop finished sentences between segments (batch_search.py).
 
   The self-attention cache gets `cache_length` positions and the state room for `length` tokens (default
-  both: max_steps of the batch, every step it may take); each row's limit on its tokens (output_limits) is
-  kept whole, so a search whose cache and state grow later (beam_search.grow_state) goes on to it.
+  both: max_steps of the batch, every step it may take, which needs max_len_a and extra_length static); each
+  row's limit on its tokens (output_limits) is kept whole, so a search whose cache and state grow later
+  (beam_search.grow_state) goes on to it.
   sample_keys: [B, n] PRNG keys, n samples per sentence; None: beam search (beam_size > 0) or greedy.
   """
   del unused
   models, member_params = _members(model, params)
   batch, max_position = src.shape[0], max_position_of(model)
   length = length or max_steps(src.shape[1], max_len_a, extra_length, max_position)
-  limits = jnp.minimum(output_limits(src, max_len_a, extra_length, max_position)[1], max_position)
+  limits = output_limits(src, max_len_a, extra_length, max_position)
   rows = sample_keys.shape[1] if sample_keys is not None else max(beam_size, 1)  # decoder rows per sentence
   inputs = tuple(_member_inputs(m, p, src, rows, cache_cross_kv) for m, p in zip(models, member_params))
   beams = beam_size if sample_keys is None else 0  # beam search keeps its rows' keys/values in slots
