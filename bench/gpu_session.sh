@@ -19,7 +19,7 @@
 #   throughput  Transformer base and big train steps in bf16 (dtype 'auto'): tokens/s and MFU; cuDNN
 #               against XLA attention
 #   memory      big: remat none/dots/full, the largest token budget that fits, the chunked vocabulary loss
-#   decode      sentences/s and target tokens/s, beam 4 and greedy, of the Multi30k model in gpu_carry/m30k
+#   decode      sentences/s, the config's beam and greedy, of the Multi30k model in gpu_carry/m30k
 #               (bench/decode_throughput.py) on test2016 and, where carried, newstest2013
 #   dispatch    the recipe's first DISPATCH_STEPS (1,000) steps through the trainer, one step a call and then
 #               10 (config.steps_per_dispatch), validation BLEU off (the multi30k stage has it): the steps

@@ -295,7 +295,7 @@ def time_steps(train_fn, state, rng, shape, vocab, mesh, analytic, profile_dir='
   # One extra compile serves both the FLOP check and the profile's HLO (before the state is donated).
   compiled = train_fn.lower(state, batch).compile() if analytic or profile_dir else None
   if analytic:
-    counted = xla_flops(compiled)
+    counted = xla_flops(compiled) * mesh.size  # XLA counts the program of one device
     if counted:
       print(f'# XLA cost analysis / analytic FLOPs: {counted / analytic:.3f}')
 
@@ -324,8 +324,8 @@ def seconds_of(fn, *args):
 
 def validation_seconds(model, params, config, mesh, vocab, length):
   """Seconds of one validation of --valid_sentences sentences of `length` tokens: (the loss pass (eval step),
-  validation BLEU's search (beam config.eval_bleu_beam_size, up to the length limit) where the config has it,
-  else 0)."""
+  validation BLEU's search (beam config.eval_bleu_beam_size, up to the length limit, over the first
+  config.eval_bleu_max_sentences of them where that is set) where the config has it, else 0)."""
   sentences, rng = _VALID_SENTENCES.value, np.random.default_rng(1)
   _, eval_fn = train_step_lib.jit_steps(model, config, mesh)
   rows = max(config.tokens_per_batch // length // sharding.rows_multiple(mesh), 1) * sharding.rows_multiple(mesh)
@@ -334,6 +334,7 @@ def validation_seconds(model, params, config, mesh, vocab, length):
   loss = seconds_of(eval_fn, params, batch)[0] * -(-sentences // rows)
   if not config.eval_bleu_every_steps or lm.task_of(config) != 'translation':
     return loss, 0.0
+  sentences = min(config.eval_bleu_max_sentences or sentences, sentences)
   search = jax.jit(search_lib.search, static_argnums=0, static_argnames=('beam_size', 'extra_length'))
   rows = max(config.decode_tokens_per_batch // length, 1)
   src = jnp.asarray(rng.integers(4, vocab, (min(rows, sentences), length), dtype=np.int32))

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import in_process
-from conftest import copy_of_trained_toy, subprocess_env
+from conftest import copy_of_trained_toy, subprocess_env, xla_flags_without_device_count
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, 'bench')
@@ -21,10 +21,11 @@ BENCH = os.path.join(REPO, 'bench')
 HELPERS = {'op_profile'}  # bench/train_throughput.py --profile_dir runs it (test_train_throughput below)
 
 
-def run_script(name, *args, timeout=300):
-  """`python bench/{name}.py args` in the repository, with the tests' environment; asserts exit 0."""
+def run_script(name, *args, timeout=300, **variables):
+  """`python bench/{name}.py args` in the repository, with the tests' environment (and `variables` set); asserts
+  exit 0."""
   result = subprocess.run([sys.executable, os.path.join(BENCH, f'{name}.py'), *args], cwd=REPO,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+                          env=subprocess_env(**variables), capture_output=True, text=True, timeout=timeout)
   assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
   return result.stdout
 
@@ -132,6 +133,17 @@ def test_train_throughput_alternates_over_several_shapes():
                    '256', '--steps', '1', '--vocab_size', '64', '--nocheck_xla_flops', '--alternate')
   rows = re.findall(r'^\s*-/- +(\d+) +\d+ ', out, re.M)
   assert rows == ['16', '32'], out
+
+
+def test_train_throughput_counts_xla_flops_over_every_device():
+  """On 2 CPU devices XLA's FLOP count of the step, one device's program, is set against the analytic FLOPs of
+  the whole batch. Catches the check reading one device's half as the whole step's (a ratio near 0.5)."""
+  flags = f'{xla_flags_without_device_count()} --xla_force_host_platform_device_count=2'.strip()
+  out = run_script('train_throughput', '--configs', 'multi30k_tiny', '--lengths', '16', '--tokens_per_batch', '256',
+                   '--steps', '1', '--vocab_size', '64', XLA_FLAGS=flags)
+  assert "'data': 2" in out, out
+  ratio = float(re.search(r'XLA cost analysis / analytic FLOPs: ([\d.]+)', out)[1])
+  assert 0.8 < ratio < 1.3, out
 
 
 def test_bleu_curve(toy):
