@@ -27,7 +27,9 @@ Python API:
   translator.translate(['A man is running.'], beam_size=4)
   translator.translate(['A man is running.'], sampling=True, top_k=10, seed=1)
 """
+import contextlib
 import gc
+import itertools
 import sys
 import time
 
@@ -43,6 +45,7 @@ from flaxformer_nmt.decoding.search import MIN_LEN
 from flaxformer_nmt.decoding.translator import DTYPES, Translator
 from flaxformer_nmt.evaluation import bleu as evaluate
 from flaxformer_nmt.runtime import cache
+from flaxformer_nmt.runtime import flags as cli
 from flaxformer_nmt.runtime import sharding
 
 
@@ -169,19 +172,42 @@ def warm_up(translator, options, max_length):
 
 
 def open_files(FLAGS):  # pylint: disable=invalid-name
-  """(the input's chunks, the output stream): the input opened first, so that a missing one, or one that is
-  also --output, stops the command before the output file is emptied."""
+  """(the input's chunks, the output stream): the input opened and its first chunk read first, so that a missing
+  one, one with a bad line there, or one that is also --output, stops the command before the output file is
+  emptied."""
   if FLAGS.output != '-' and FLAGS.input != '-' and (
       epath.Path(FLAGS.output).resolve() == epath.Path(FLAGS.input).resolve()):
     sys.exit(f'error: --output {FLAGS.output} is the --input file: writing would empty it first')
   try:
     chunks = data_lib.read_chunks(FLAGS.input, FLAGS.buffer_lines)
+    first = next(chunks, None)
   except OSError as e:
     sys.exit(f'error: {FLAGS.input}: {e}')
+  except ValueError as e:  # a line that is not UTF-8, named
+    sys.exit(f'error: {e}')
+  chunks = itertools.chain([] if first is None else [first], chunks)
   try:
     return chunks, sys.stdout if FLAGS.output == '-' else epath.Path(FLAGS.output).open('w', encoding='utf-8')
   except OSError as e:
     sys.exit(f'error: {FLAGS.output}: {e}')
+
+
+def write_output(FLAGS, out, text=None):  # pylint: disable=invalid-name
+  """Writes `text` to the output and flushes it, or closes a file output where text is None. A failed write (a
+  full disk) stops the command with a line naming the output; a reader of stdout that stopped reading (`| head`),
+  quietly."""
+  try:
+    if text is None:
+      out.close()
+    else:
+      out.write(text)
+      out.flush()
+  except OSError as e:
+    if out is not sys.stdout:
+      sys.exit(f'error: {FLAGS.output}: {e}')
+    if isinstance(e, BrokenPipeError):
+      cli.exit_for_closed_stdout()
+    sys.exit(f'error: <stdout>: {e}')
 
 
 def translate_input(FLAGS, translator, rescorer, options, chunks, out):  # pylint: disable=invalid-name
@@ -201,8 +227,7 @@ def translate_input(FLAGS, translator, rescorer, options, chunks, out):  # pylin
                for line in fairseq_lines(done + i, source, hyps, translator.tokenizer)]
     else:
       lines = best
-    out.write(''.join(line + '\n' for line in lines))
-    out.flush()
+    write_output(FLAGS, out, ''.join(line + '\n' for line in lines))
     hypotheses += best if FLAGS.reference else []
     done += len(chunk)
     target_tokens += sum(len(hyps[i][0]) for hyps, i in zip(results, chosen))  # the written translations
@@ -213,9 +238,9 @@ def translate_input(FLAGS, translator, rescorer, options, chunks, out):  # pylin
 
 
 def read_references(FLAGS):  # pylint: disable=invalid-name
-  """(--reference's lines, --tok_reference's or None), read before anything is translated: a missing or bad file
-  and, where --input is a file, a count of lines other than the input's stop the command first; None without
-  --reference."""
+  """(--reference's lines, --tok_reference's or None), read before anything is translated: a missing or bad file,
+  references of two counts and, where --input is a file, a count of lines other than the input's stop the command
+  first; None without --reference."""
   if not FLAGS.reference:
     return None
   lines = {}
@@ -225,6 +250,9 @@ def read_references(FLAGS):  # pylint: disable=invalid-name
       lines[flag] = evaluate.read_text(path) if path else None
     except (OSError, ValueError) as e:
       sys.exit(f'error: --{flag}: {e}')
+  if lines['tok_reference'] is not None and len(lines['tok_reference']) != len(lines['reference']):
+    sys.exit(f'error: --tok_reference {FLAGS.tok_reference} has {len(lines["tok_reference"])} lines but --reference '
+             f'{FLAGS.reference} has {len(lines["reference"])}')
   if FLAGS.input != '-':
     try:
       with epath.Path(FLAGS.input).open('rb') as f:
@@ -291,13 +319,16 @@ def main(argv):
   try:
     with counter:
       hypotheses = translate_input(FLAGS, translator, rescorer, options, chunks, out)
+    if out is not sys.stdout:
+      write_output(FLAGS, out)
   except OSError as e:
     sys.exit(f'error: {FLAGS.input}: {e}')
   except ValueError as e:  # bad input (the message names the line) or bad option values
     sys.exit(f'error: {e}')
   finally:
     if out is not sys.stdout:
-      out.close()
+      with contextlib.suppress(OSError):  # after a failed write, closing flushes what failed again
+        out.close()
   logging.info('Programs: %s (%.1f s)', describe_programs(counter), counter.seconds)
   if FLAGS.reference:
     score_against_reference(FLAGS, translator, hypotheses, references,

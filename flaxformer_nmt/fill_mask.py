@@ -30,6 +30,7 @@ from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
 from flaxformer_nmt.data import corpus as data_lib
 from flaxformer_nmt.decoding.fill_mask import FillMask, MASK, format_results
 from flaxformer_nmt.runtime import cache
+from flaxformer_nmt.runtime import flags as cli
 
 
 def define_flags():
@@ -67,6 +68,8 @@ def main(argv):
       results = filler.fill_ids(token_lists[start:start + 256], top_k=FLAGS.top_k)
       for text, per_mask in zip(texts[start:start + 256], results):
         print('\n'.join(format_results(text, per_mask)), flush=True)
+  except BrokenPipeError:  # a reader that stopped reading (`| head`)
+    cli.exit_for_closed_stdout()
   except (OSError, ValueError) as e:
     sys.exit(f'error: {e}')
 

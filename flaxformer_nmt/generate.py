@@ -29,6 +29,7 @@ from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
 from flaxformer_nmt.data import corpus as data_lib
 from flaxformer_nmt.decoding.generator import Generator
 from flaxformer_nmt.runtime import cache
+from flaxformer_nmt.runtime import flags as cli
 
 
 def define_flags():
@@ -88,6 +89,8 @@ def main(argv):
       for prompt, samples in zip(prompts[start:end], results):
         for ids in samples:
           print(generator.continued(prompt, ids), flush=True)
+  except BrokenPipeError:  # a reader that stopped reading (`| head`)
+    cli.exit_for_closed_stdout()
   except (OSError, ValueError) as e:
     sys.exit(f'error: {e}')
 

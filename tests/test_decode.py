@@ -852,3 +852,50 @@ def test_commands_refuse_empty_files_nan_alphas_and_bad_checkpoint_names_up_fron
     assert result.returncode == 1 and message in result.stderr, result.stderr[-2000:]
   result = run_cli(['--alpha=nan'], workdir, stdin='a dog .\n')  # wrote empty lines
   assert result.returncode == 1 and 'alpha=nan must be a finite number' in result.stderr
+
+
+def first_line_then_close(module, args, stdin):
+  """(the first stdout line, exit status, stderr) of `python -m module args` whose reader closes its stdout after
+  that line, as `| head -1` does."""
+  with subprocess.Popen([sys.executable, '-m', module.__name__, *args], stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
+    process.stdin.write(stdin.encode('utf-8'))
+    process.stdin.close()
+    first = process.stdout.readline().decode('utf-8')
+    process.stdout.close()
+    stderr = process.stderr.read().decode('utf-8', 'replace')
+    return first, process.wait(timeout=300), stderr
+
+
+@pytest.mark.skipif(not os.path.exists('/dev/full'), reason='needs /dev/full')
+def test_a_failed_write_names_the_output_and_a_closed_pipe_stops_quietly(workdir, translator, tmp_path):
+  result = run_cli(['--output=/dev/full'], workdir, stdin='a dog .\n')
+  assert result.returncode == 1 and 'Traceback' not in result.stderr, result.stderr[-3000:]
+  assert result.stderr.strip().splitlines()[-1] == 'error: /dev/full: [Errno 28] No space left on device'
+  source = tmp_path / 'in.en'
+  source.write_text('a dog .\n' * 200)
+  first, returncode, stderr = first_line_then_close(
+      decode_command, [f'--workdir={workdir}', f'--input={source}', '--buffer_lines=1', '--verbosity=-1'], '')
+  assert first == translator.translate(['a dog .'])[0] + '\n'
+  assert returncode == 1 and not re.search('error|Traceback', stderr), stderr[-3000:]
+
+
+def test_references_of_two_line_counts_stop_a_decode_from_stdin_before_translating(workdir, tmp_path):
+  reference, tokenized = tmp_path / 'ref.de', tmp_path / 'ref.tok.de'
+  reference.write_text('ein hund .\nder hund .\n')
+  tokenized.write_text('ein hund .\nder hund .\neine katze .\n')
+  result = run_cli([f'--reference={reference}', f'--tok_reference={tokenized}'], workdir,
+                   stdin='a dog .\nthe dog .\n')
+  assert result.returncode == 1 and result.stdout == '', result.stderr[-3000:]
+  assert result.stderr.strip().splitlines()[-1] == (f'error: --tok_reference {tokenized} has 3 lines but '
+                                                    f'--reference {reference} has 2')
+
+
+def test_a_bad_line_in_the_first_chunk_leaves_the_output_file_as_it_was(workdir, tmp_path):
+  source, out = tmp_path / 'in.en', tmp_path / 'out.de'
+  source.write_bytes(b'a dog .\n\xff bad\nthe cat .\n')
+  out.write_text('earlier translations\n')
+  result = run_cli([f'--input={source}', f'--output={out}'], workdir)
+  assert result.returncode == 1 and 'Traceback' not in result.stderr, result.stderr[-3000:]
+  assert result.stderr.strip().splitlines()[-1] == f'error: {source}:2: invalid UTF-8 (invalid start byte at byte 0)'
+  assert out.read_text() == 'earlier translations\n'

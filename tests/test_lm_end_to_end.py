@@ -1,6 +1,9 @@
 """One tiny run per language-model task: train, checkpoint, resume exactly, then generate / fill masks through
 the CLI and the Python API, and draw self-attention; and the monolingual corpora they read."""
 import pathlib
+import re
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -270,3 +273,31 @@ def test_monolingual_text_file_and_tfds_text(tmp_path, toy_corpus):
   assert cached.target is cached.source and again.target is again.source
   expected = tokenizer.encode(read)
   assert [list(again.source[i]) for i in range(len(again))] == expected
+
+
+def first_line_then_close(module, args, stdin):
+  """(the first stdout line, exit status, stderr) of `python -m module args` whose reader closes its stdout after
+  that line, as `| head -1` does."""
+  with subprocess.Popen([sys.executable, '-m', module.__name__, *args], stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
+    process.stdin.write(stdin.encode('utf-8'))
+    process.stdin.close()
+    first = process.stdout.readline().decode('utf-8')
+    process.stdout.close()
+    stderr = process.stderr.read().decode('utf-8', 'replace')
+    return first, process.wait(timeout=300), stderr
+
+
+def test_generate_and_fill_mask_stop_quietly_when_the_reader_stops_reading(lm_run, mlm_run):
+  """Rule: a reader that closes the output early (`| head`) ends the command with status 1 and no error line."""
+  workdir, _ = lm_run
+  first, returncode, stderr = first_line_then_close(
+      generate_command, [f'--workdir={workdir}', '--greedy', '--max_new_tokens=3', '--prompts_per_batch=1',
+                         '--verbosity=-1'], 'ein\n' * 200)
+  assert first == generate.Generator(workdir).generate(['ein'], greedy=True, max_new_tokens=3)[0][0] + '\n'
+  assert returncode == 1 and not re.search('error|Traceback', stderr), stderr[-3000:]
+  workdir, _ = mlm_run
+  first, returncode, stderr = first_line_then_close(
+      fill_mask_command, [f'--workdir={workdir}', '--top_k=1', '--verbosity=-1'], 'ein <mask> .\n' * 300)
+  assert first == 'ein <mask> .\n'
+  assert returncode == 1 and not re.search('error|Traceback', stderr), stderr[-3000:]

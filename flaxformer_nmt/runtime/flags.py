@@ -1,4 +1,5 @@
-"""Command-line parsing shared by the programs that take `--config FILE --config.field=value`.
+"""Command-line parsing shared by the programs that take `--config FILE --config.field=value`, and the commands'
+quiet stop when the reader of their output stops reading.
 
 ml_collections reports an override of a field the config does not have as a 30-line traceback ending in
 `AttributeError: "'no_such_field'"`. `parse_flags` (for `app.run(main, flags_parser=parse_flags)`) turns it
@@ -66,3 +67,10 @@ def parse_flags(argv):
     hint = f'; did you mean {" or ".join(f"--config.{n}" for n in nearest)}?' if nearest else ''
     sys.exit(f'error: --config.{name}: the config of {path} has no field {name!r}{hint} (every field is '
              'described in flaxformer_nmt/config.py)')
+
+
+def exit_for_closed_stdout():
+  """Exits with status 1 and no message where the reader of stdout stopped reading (`| head`): the interpreter's
+  flush of stdout as it exits goes to /dev/null, not to the closed pipe."""
+  os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+  sys.exit(1)
