@@ -107,24 +107,38 @@ def corpus_of_lengths(lengths):
   return data_lib.TokenizedCorpus.from_lists(source, target)
 
 
+def smallest_bucket(n, buckets):
+  """The padded length of an n-token example, written out: the first bucket that holds it, else n rounded up to
+  a multiple of 8."""
+  return next((b for b in sorted(buckets) if b >= n), -(-n // 8) * 8)
+
+
 def test_batches_respect_the_token_budget_and_shift_targets():
+  """Every batch is padded to the smallest bucket that holds each of its examples (beyond the last bucket: a
+  multiple of 8) with as many rows as the budget allows. Catches an example of exactly a bucket's length put in
+  the next one up (first bucket > n), a rounding past the buckets other than to 8, or rows left unused."""
   rng = np.random.default_rng(0)
-  corpus = corpus_of_lengths(rng.integers(2, 40, size=500))
-  batches = batching.TrainBatches(corpus, tokens_per_batch=256, buckets=(8, 16, 32, 48), seed=1)
-  seen = 0
+  corpus = corpus_of_lengths(rng.integers(2, 60, size=500))
+  buckets = (8, 16, 32, 48)
+  batches = batching.TrainBatches(corpus, tokens_per_batch=256, buckets=buckets, seed=1)
+  seen, lengths_seen = 0, set()
   for _ in range(batches.batches_per_epoch()):
     batch = next(batches)
     rows, length = batch['src'].shape
-    assert rows * length <= 256 and length in (8, 16, 32, 48)
+    assert rows == 256 // length
     real = batch['tgt_out'] != PAD_ID
     seen += int(real.any(axis=1).sum())
     # tgt_in is BOS followed by tgt_out shifted right, on real rows.
     for r in np.flatnonzero(real.any(axis=1)):
       n = int(real[r].sum())
+      assert length == smallest_bucket(n, buckets), (n, length)
+      lengths_seen.add(n)
+      np.testing.assert_array_equal(batch['src'][r], [5] * (n - 1) + [EOS_ID] + [PAD_ID] * (length - n))
       assert batch['tgt_in'][r, 0] == BOS_ID
       np.testing.assert_array_equal(batch['tgt_in'][r, 1:n], batch['tgt_out'][r, :n - 1])
       assert batch['tgt_out'][r, n - 1] == EOS_ID
   assert seen == 500  # every example exactly once per epoch
+  assert {8, 16, 32, 48, 56} <= lengths_seen  # examples exactly at a bucket's length, and one past the last
   assert batches.epoch == 0 and batches.batch == batches.batches_per_epoch()
 
 
@@ -169,6 +183,23 @@ def test_length_filter_drops_long_and_empty_pairs(toy_corpus, tmp_path):
   corpus = data_lib.tokenize(src, tgt, tokenizer)
   assert list(corpus.usable(max_length=20)) == [0]
   assert list(corpus.usable()) == [0, 2]
+
+
+def test_length_filter_keeps_a_pair_whose_longer_side_is_at_most_the_limit():
+  """usable(8) against a plain loop over both sides' lengths (EOS included): catches the limit applied to the
+  shorter side only (a long target beside a short source kept), a pair of exactly 8 tokens dropped (< for <=),
+  or a side of EOS alone (an empty line) kept."""
+  rng = np.random.default_rng(4)
+  src_lengths, tgt_lengths = rng.integers(0, 12, size=300), rng.integers(0, 12, size=300)
+  sides = lambda lengths: [[5] * (n - 1) + [EOS_ID] if n else [] for n in lengths]
+  corpus = data_lib.TokenizedCorpus.from_lists(sides(src_lengths), sides(tgt_lengths))
+  expected = [i for i, (s, t) in enumerate(zip(src_lengths, tgt_lengths)) if s > 1 and t > 1 and max(s, t) <= 8]
+  assert corpus.usable(max_length=8).tolist() == expected
+  assert corpus.usable().tolist() == [i for i, (s, t) in enumerate(zip(src_lengths, tgt_lengths)) if s > 1 and t > 1]
+  longest = np.maximum(src_lengths, tgt_lengths)
+  shortest = np.minimum(src_lengths, tgt_lengths)
+  assert (longest[expected] == 8).any()  # pairs at the limit
+  assert ((longest > 8) & (shortest > 1) & (shortest <= 8)).any()  # one side over, the other within
 
 
 @pytest.mark.parametrize('hosts', [2, 4])

@@ -129,5 +129,14 @@ def test_default_limit_is_source_length_plus_50():
 def test_limit_beyond_the_position_table_is_capped():
   model, params = tiny_model()  # max_position 128: 20 * 7 would need 140 positions
   tokens, _ = run(model, params, 0, extra_length=0, max_len_a=20.0)
-  assert tokens.shape[-1] <= model.config.max_position
+  max_position = model.config.max_position
+  assert tokens.shape[-1] <= max_position
   assert all(EOS_ID in list(row) for row in tokens[:, 0])
+  # The cap is the whole table: BOS and the first max_position - 1 tokens fill its positions, so a capped row
+  # may generate max_position tokens, EOS included. The sharpened model runs its rows to their limits: the
+  # 7-token source (limit 141) uses every position, where a cap one short ends it at 127.
+  source_lengths = np.asarray((SRC != PAD_ID).sum(axis=1)) - 1
+  limits = [min(math.floor(20.0 * n) + 1, max_position) for n in source_lengths]  # EOS included
+  lengths = [len(through_eos(row)) for row in tokens[:, 0]]
+  assert all(n <= limit for n, limit in zip(lengths, limits)), (lengths, limits)
+  assert lengths[0] == limits[0] == max_position, lengths

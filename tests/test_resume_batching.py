@@ -43,14 +43,21 @@ def test_global_batches_are_the_same_for_any_devices_hosts_and_accumulation(pack
       process_count=hosts, prefetch=0, packed_length=packed_length)
   reference = make(1)
   steps = reference.batches_per_epoch() + 5  # into the second epoch
-  expected = [global_rows([next(reference)])[0] for _ in range(steps)]
+  expected = []
+  for _ in range(steps):
+    held = global_rows([next(reference)])[0]
+    planned = reference.plan(reference.epoch)[reference.batch - 1][1]  # the rows the batch was planned with
+    expected.append((held, planned))
   # 3 devices, 8 devices x 2 microbatches, 2 hosts of 2 devices, 4 hosts of 1 device x 3 microbatches.
   for pad_rows_to, hosts in ((3, 1), (16, 1), (4, 2), (12, 4)):
     iterators = [make(pad_rows_to, p, hosts) for p in range(hosts)]
-    for want in expected:
+    for want, planned in expected:
       got, (rows, _) = global_rows([next(it) for it in iterators])
       assert got == want
       assert rows % pad_rows_to == 0  # every device (and microbatch) gets the same number of rows
+      # ... and no more empty rows than that takes: a full set of them added to a batch that divided already
+      # (pad_rows_to more rows of wasted compute) is caught here.
+      assert planned <= rows < planned + pad_rows_to, (planned, rows, pad_rows_to)
 
 
 

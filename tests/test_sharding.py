@@ -92,6 +92,9 @@ def test_fsdp_splits_the_largest_divisible_dimension():
   assert sharding.fsdp_spec((512, 2048), 4) == P(None, 'fsdp')
   assert sharding.fsdp_spec((2048, 512), 4) == P('fsdp', None)
   assert sharding.fsdp_spec((6, 512), 4) == P(None, 'fsdp')
+  # Ties (the square [d_model, d_model] attention kernels) go to the first such dimension, not the last.
+  assert sharding.fsdp_spec((512, 512), 4) == P('fsdp', None)
+  assert sharding.fsdp_spec((6, 12, 12), 4) == P(None, 'fsdp', None)
   assert sharding.fsdp_spec((6, 10), 4) == P()          # nothing divisible: replicated
   assert sharding.fsdp_spec((512,), 4) == P()           # vectors (biases, LayerNorm) replicated
   assert sharding.fsdp_spec((512, 2048), 1) == P()      # no FSDP axis
