@@ -9,6 +9,8 @@ const CELL = 26;
 const STOPS = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
 let models = [];
 let lastAttention = null;
+let requestId = 0;  // the latest translate request's number
+let inFlight = null;  // its AbortController while it runs
 
 function requestHeaders() {
   const headers = {'Content-Type': 'application/json'};
@@ -32,12 +34,19 @@ async function errorText(response) {
 }
 
 async function loadModels() {
-  const response = await fetch('/v1/models', {headers: requestHeaders()});
+  let response;
+  try {
+    response = await fetch('/v1/models', {headers: requestHeaders()});
+  } catch (e) {
+    showStatus('Models: the server did not answer: ' + e, true);
+    return;
+  }
   if (!response.ok) {
     showStatus('Models: ' + await errorText(response), true);
     return;
   }
   models = (await response.json()).models;
+  if ($('status').textContent.startsWith('Models: ')) showStatus('', false);
   const select = $('model');
   select.replaceChildren(...models.map((m) => new Option(`${m.name} (${m.source_lang} → ${m.target_lang})`, m.name)));
   chooseModel();
@@ -53,8 +62,26 @@ function chooseModel() {
   $('model-info').textContent = `${model.checkpoint}, ${model.parameters ?? '?'} parameters${bleu}`;
 }
 
+function clearResults() {
+  $('translation').textContent = '';
+  $('n-best-list').replaceChildren();
+  lastAttention = null;
+  $('layer').replaceChildren(new Option('average of all layers', 'mean'));
+  drawHeatmap();
+}
+
 async function translate() {
+  // A newer request supersedes the one in flight: its answer is dropped, whenever it comes.
+  const id = ++requestId;
+  if (inFlight) inFlight.abort();
+  inFlight = null;
   const text = $('source').value;
+  if (!text.trim()) {
+    clearResults();
+    showStatus('Nothing to translate: enter a text.', false);
+    $('translate').disabled = false;
+    return;
+  }
   const typed = parseInt($('beam-size').value, 10);
   const beamSize = Number.isNaN(typed) ? null : typed;  // an empty field: the model's default
   const model = models.find((m) => m.name === $('model').value);
@@ -62,23 +89,44 @@ async function translate() {
   const nBest = Math.max(1, Math.min(parseInt($('n-best').value, 10) || 1, Math.max(beam, 1)));
   const body = {model: $('model').value || null, text: [text], beam_size: beamSize, n_best: nBest,
                 return_scores: true, return_attention: true};
+  const controller = new AbortController();
+  inFlight = controller;
   $('translate').disabled = true;
   showStatus('Translating…', false);
   const started = performance.now();
+  const post = () => fetch('/v1/translate', {method: 'POST', headers: requestHeaders(), body: JSON.stringify(body),
+                                             signal: controller.signal});
   try {
-    const response = await fetch('/v1/translate', {method: 'POST', headers: requestHeaders(),
-                                                   body: JSON.stringify(body)});
+    let response = await post();
+    let note = '';
+    if (response.status === 413 && id === requestId) {
+      // Perhaps only the attention map is over the server's limit: the translation alone may still fit.
+      note = await errorText(response);
+      body.return_attention = false;
+      response = await post();
+    }
+    if (id !== requestId) return;
     if (!response.ok) {
-      showStatus(await errorText(response), true);
+      const message = await errorText(response);
+      if (id !== requestId) return;
+      clearResults();
+      showStatus(message, true);
       return;
     }
     const entry = (await response.json()).translations[0];
+    if (id !== requestId) return;
     render(entry);
-    showStatus(`${Math.round(performance.now() - started)} ms`, false);
+    const elapsed = `${Math.round(performance.now() - started)} ms`;
+    showStatus(note ? `${elapsed}; the cross-attention is not drawn: ${note}` : elapsed, false);
   } catch (e) {
+    if (id !== requestId) return;
+    clearResults();
     showStatus('The server did not answer: ' + e, true);
   } finally {
-    $('translate').disabled = false;
+    if (id === requestId) {
+      $('translate').disabled = false;
+      inFlight = null;
+    }
   }
 }
 
