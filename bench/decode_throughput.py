@@ -23,7 +23,14 @@ For every input and for beam search (the config's beam size and length penalty, 
 - Agreement of the written lines: greedy search is the same rule on both sides (identical lines expected but
   for float rounding); beam search is not: CTranslate2 divides log P by length^alpha, we by GNMT's
   ((5 + length) / 6)^alpha, so the share of identical lines measures how far apart that leaves them.
-The last lines are a Markdown table of all of it. On a machine without ctranslate2 its columns are left out.
+- Our search's work (a second table): the decoder row-steps its programs ran (sentences x beams x steps of each
+  `begin` and `segment` call, padding rows and finished sentences still in a batch included; the segmented search
+  of a CPU only) against those its translations needed (each sentence's beams for as many steps as its output has
+  tokens, EOS included), the model FLOPs needed (runtime/flops.py's forward count: the encoder once over each
+  source, attention over the positions so far) and their rate over the fastest warm pass, against a
+  4096x1024x1024 matmul of the model's matmul operands timed in this process; this process's RSS once the model
+  is loaded (the first line), after the first pass and after the warm passes.
+The last lines are Markdown tables of all of it. On a machine without ctranslate2 its columns are left out.
 """
 import importlib.util
 import os
@@ -34,14 +41,17 @@ import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
 from absl import app, flags
 from etils import epath
 
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
 from flaxformer_nmt.data import corpus as data_lib
+from flaxformer_nmt.decoding import batch_search
 from flaxformer_nmt.decoding import translator as decode
 from flaxformer_nmt.models import transformer as model_lib
 from flaxformer_nmt.runtime import cache
+from flaxformer_nmt.runtime import flops as flops_lib
 
 REPO = epath.Path(__file__).resolve().parent.parent
 DATA = REPO.parent / 'shared' / 'data'
@@ -170,14 +180,72 @@ def ctranslate2_process(FLAGS, translator, model_dir, source, output, beam_size,
 
 
 def warm_search(FLAGS, translator, sources, beam_size):  # pylint: disable=invalid-name
-  """(sentences per second of our warm search in this process, the programs its first pass compiled and
-  their seconds)."""
+  """Our warm search in this process: {'ours': sentences per second (the fastest of --repeats passes after a
+  first that compiled its programs), 'programs': those programs and their seconds, 'work': the row-steps and
+  FLOPs that its first pass computed and needed (RowSteps, needed_work), 'rss': this process's MB after the
+  first pass and after the others}."""
   token_lists = translator.tokenizer.encode(translator.prepare(sources))
   options = dict(beam_size=beam_size, tokens_per_batch=FLAGS.tokens_per_batch, scores=False, alpha=FLAGS.alpha)
-  with cache.ProgramCounter() as first:
-    first_seconds = timed(lambda: translator.search_tokens(token_lists, **options))
+  with cache.ProgramCounter() as first, RowSteps() as computed:
+    start = time.perf_counter()
+    results = translator.search_tokens(token_lists, **options)
+    first_seconds = time.perf_counter() - start
+  rss = [rss_mb()]
   ours = min(timed(lambda: translator.search_tokens(token_lists, **options)) for _ in range(FLAGS.repeats))
-  return len(sources) / ours, f'{len(first.names)} ({first.seconds:.1f} s compiling; first pass {first_seconds:.1f} s)'
+  rss.append(rss_mb())
+  return {'ours': len(sources) / ours, 'rss': rss,
+          'programs': f'{len(first.names)} ({first.seconds:.1f} s compiling; first pass {first_seconds:.1f} s)',
+          'work': (computed.count, *needed_work(translator, token_lists, results, beam_size), ours)}
+
+
+class RowSteps:
+  """The decoder row-steps (a sentence's beams, one row in greedy search, times the steps) that the segmented
+  search's `begin` and `segment` programs run while this is entered: batch_search's programs wrapped (the CPU's
+  search; the device's, each batch in one program, is not counted)."""
+
+  def __init__(self):
+    self.count = 0
+    self._programs_for = batch_search._programs_for  # pylint: disable=protected-access
+
+  def __enter__(self):
+    counted = lambda options: self._counted(*self._programs_for(options))
+    batch_search._programs_for = counted  # pylint: disable=protected-access
+    return self
+
+  def __exit__(self, *unused):
+    batch_search._programs_for = self._programs_for  # pylint: disable=protected-access
+
+  def _counted(self, begin, segment):
+    def counted_begin(model, params, src, *args, **options):
+      inputs, state, live = begin(model, params, src, *args, **options)
+      self.count += src.shape[0] * max(options.get('beam_size', 0), 1) * int(state.index)
+      return inputs, state, live
+
+    def counted_segment(model, params, inputs, state, *args, **options):
+      start = int(state.index)
+      state, live = segment(model, params, inputs, state, *args, **options)
+      self.count += inputs.src.shape[0] * max(options.get('beam_size', 0), 1) * (int(state.index) - start)
+      return state, live
+    return counted_begin, counted_segment
+
+
+def needed_work(translator, token_lists, results, beam_size):
+  """(row-steps, model FLOPs) that the translations found need: each sentence's beams (one row in greedy search)
+  for as many steps as its output has tokens (EOS included), and the forward FLOPs of that
+  (flops.forward_flops: the encoder once over the source, each step's attention over the positions so far)."""
+  rows, steps, flops = max(beam_size, 1), 0, 0.0
+  for source, hypotheses in zip(token_lists, results):
+    n = len(hypotheses[0][0])
+    if len(source) > 1 and n:
+      steps += rows * n
+      flops += flops_lib.forward_flops(translator.model.config, translator.tokenizer.vocab_size, len(source),
+                                       rows * n, len(source), (n + 1) / 2)
+  return steps, flops
+
+
+def rss_mb():
+  """This process's resident memory now, in MB."""
+  return int(re.search(r'VmRSS:\s+(\d+) kB', epath.Path('/proc/self/status').read_text())[1]) / 1024
 
 
 def timed(function):
@@ -211,9 +279,8 @@ def bench_input(FLAGS, translator, model_dir, path, scratch):  # pylint: disable
   beam = translator.config.beam_size if FLAGS.beam_size is None else FLAGS.beam_size
   rows = []
   for name, beam_size in ((f'beam {beam}', beam), ('greedy', 0)):
-    ours, programs = warm_search(FLAGS, translator, sources, beam_size)
-    row = dict(input=f'{epath.Path(path).name} ({len(sources)})', search=name, programs=programs, ours=ours,
-               theirs=None)
+    row = dict(input=f'{epath.Path(path).name} ({len(sources)})', search=name, theirs=None,
+               **warm_search(FLAGS, translator, sources, beam_size))
     if model_dir is not None:
       theirs_output = os.path.join(scratch, f'theirs_{beam_size}.txt')
       *row['ct2'], warm = ctranslate2_process(FLAGS, translator, model_dir, source, theirs_output, beam_size,
@@ -248,26 +315,44 @@ def print_table(rows):
           f'{against("cold")} | {against("warm")} | {same} |')
 
 
+def print_work_table(rows, matmul):
+  """Our warm search's work: decoder row-steps computed (RowSteps) against needed, the model FLOPs needed and
+  their rate over the fastest warm pass, against `matmul` (FLOP/s of a large matmul in the model's operands)."""
+  print('\n| input | search | row-steps computed / needed | model GFLOP needed | effective GFLOP/s (x matmul) '
+        '| our RSS MB after the first pass / after the warm passes |')
+  print('|---|---|---|---:|---|---|')
+  for r in rows:
+    computed, needed, flops, seconds = r['work']
+    ratio = f'{computed:,} / {needed:,} ({computed / needed:.2f}x)' if computed else f'- / {needed:,}'
+    print(f'| {r["input"]} | {r["search"]} | {ratio} | {flops / 1e9:.1f} | {flops / seconds / 1e9:.1f} '
+          f'({flops / seconds / matmul:.3f}) | {r["rss"][0]:.0f} / {r["rss"][1]:.0f} |')
+
+
 def main(argv):
   del argv
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   checkpoints_lib.quiet_orbax_logs()
   translator = decode.Translator(FLAGS.workdir, FLAGS.checkpoint, dtype=FLAGS.dtype)
+  loaded = rss_mb()
   with tempfile.TemporaryDirectory(prefix='decode_bench_') as scratch:  # the export and the cold caches
-    run(FLAGS, translator, scratch)
+    run(FLAGS, translator, scratch, loaded)
 
 
-def run(FLAGS, translator, scratch):  # pylint: disable=invalid-name
-  """Exports the model into `scratch`, then measures every input and prints the table."""
+def run(FLAGS, translator, scratch, loaded):  # pylint: disable=invalid-name
+  """Exports the model into `scratch`, then measures every input and prints the tables (`loaded`: this
+  process's RSS once the model was loaded)."""
   c = translator.config
   model_dir = export(FLAGS.workdir, FLAGS.checkpoint, os.path.join(scratch, 'ct2'), FLAGS.compute_type)
+  operands = translator.model.config.matmul_precision
+  matmul = flops_lib.matmul_rate(jnp.bfloat16 if operands == 'bfloat16' else jnp.float32)
   print(f'{time.strftime("%Y-%m-%d %H:%M %Z")}; {cpu_description()}; jax {jax.__version__} '
         f'({jax.default_backend()}); {FLAGS.workdir} ({translator.checkpoint}); model dtype {c.model.dtype}, '
         f'matmul operands {translator.model.config.matmul_precision}; beam length penalty alpha '
         f'{alpha_of(FLAGS, translator)}; tokens per batch: ours '
         f'{translator.ladder(FLAGS.tokens_per_batch).tokens_per_batch}, '
         f'CTranslate2 {FLAGS.tokens_per_batch or c.decode_tokens_per_batch}; '
-        f'CTranslate2 {FLAGS.compute_type}, intra_threads {FLAGS.threads}')
+        f'CTranslate2 {FLAGS.compute_type}, intra_threads {FLAGS.threads}; a 4096x1024x1024 matmul of {operands} '
+        f'operands {matmul / 1e9:.1f} GFLOP/s; our RSS with the model loaded {loaded:.0f} MB')
   rows = []
   for path in FLAGS.inputs:
     if not epath.Path(path).exists():
@@ -275,6 +360,7 @@ def run(FLAGS, translator, scratch):  # pylint: disable=invalid-name
       continue
     rows += bench_input(FLAGS, translator, model_dir, path, scratch)
   print_table(rows)
+  print_work_table(rows, matmul)
 
 
 if __name__ == '__main__':

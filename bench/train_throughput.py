@@ -133,16 +133,6 @@ def time_fn(fn, *args, steps):
   return (time.perf_counter() - start) / steps
 
 
-def matmul_rate(dtype=jnp.float32):
-  """FLOP/s of a 4096x1024x1024 matmul on this machine (the CPU's practical peak), operands in `dtype`,
-  float32 accumulation and result (bfloat16: what model.matmul_precision='bfloat16' runs)."""
-  a = jax.random.normal(jax.random.PRNGKey(0), (4096, 1024), jnp.float32).astype(dtype)
-  b = jax.random.normal(jax.random.PRNGKey(1), (1024, 1024), jnp.float32).astype(dtype)
-  product = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
-  seconds = time_fn(product, a, b, steps=20)
-  return 2 * 4096 * 1024 * 1024 / seconds
-
-
 def xla_flops(compiled):
   analysis = compiled.cost_analysis()
   analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
@@ -438,12 +428,12 @@ def main(argv):
     checkpoints_lib.quiet_orbax_logs()
   backend = jax.default_backend()
   peak = flops_lib.peak_flops_per_device(override=_PEAK.value)
-  matmul = matmul_rate() if backend == 'cpu' else None
+  matmul = flops_lib.matmul_rate() if backend == 'cpu' else None
   print(f'# backend {backend}, {jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}, '
         f'peak {peak / 1e12 if peak else "-"} TFLOP/s per device, {",".join(_TOKENS.value)} tokens per side per step')
   if matmul:
     print(f'# float32 4096x1024x1024 matmul: {matmul / 1e9:.1f} GFLOP/s; with bfloat16 operands (float32 '
-          f'accumulation and result): {matmul_rate(jnp.bfloat16) / 1e9:.1f} GFLOP/s')
+          f'accumulation and result): {flops_lib.matmul_rate(jnp.bfloat16) / 1e9:.1f} GFLOP/s')
   print(f'# {"config":>7} {"len":>5} {"rows":>5} {"step ms":>9} {"tok/s":>10} {"TFLOP/s":>8} {"MFU":>7} '
         f'{"/matmul":>8}')
   if _FIT_MINUTES.value > 0:

@@ -155,6 +155,15 @@ def test_decode_throughput(toy):
   out = run_in_process('decode_throughput', f'--workdir={toy}', f'--inputs={toy.parent / "data" / "test.en"}',
                        '--max_sentences=8', '--repeats=1')
   assert 'sentences/s' in out or 'sent/s' in out, out
+  # The work table: every row-step a translation needs is one the programs ran (a count that leaves out the
+  # beams, or a segment's steps, falls below it).
+  work = re.findall(r'^\| test.en \(8\) \| (beam \d+|greedy) \| ([\d,]+) / ([\d,]+) \(([\d.]+)x\) \| ([\d.]+) \| '
+                    r'([\d.]+) \(', out, re.M)
+  assert [w[0] for w in work][1:] == ['greedy'], out
+  for _, computed, needed, ratio, gflop, rate in work:
+    computed, needed = int(computed.replace(',', '')), int(needed.replace(',', ''))
+    assert computed >= needed > 0 and float(ratio) == pytest.approx(computed / needed, abs=0.006), out
+    assert float(gflop) >= 0 and float(rate) > 0, out
 
 
 def test_ctranslate2_export(toy):

@@ -1,5 +1,6 @@
 """Model FLOPs of a training step, from the model's shape and the batch's token counts, and the peak
-FLOP/s of the accelerators (for MFU, model FLOP utilization).
+FLOP/s of the accelerators (for MFU, model FLOP utilization); on a CPU, a large matmul's rate measured now
+stands for the peak (matmul_rate).
 
 Counted (one multiply-add = 2 FLOPs), forward pass, d = d_model, f = d_ff, V = vocabulary, L_enc / L_dec
 layers, S / T = the padded source / target row lengths the attention runs over:
@@ -25,7 +26,10 @@ Transformer big (d 1024, f 4096, 6+6 layers, 37k vocabulary) with as many source
 1.28 GFLOP per target token plus attention (1.29 at 27-token sentences), next to the ~1.26 GFLOP the
 paper's numbers imply (tested).
 """
+import time
+
 import jax
+import jax.numpy as jnp
 
 # Dense bf16 peak FLOP/s per device (vendor datasheets, no sparsity), matched in order against
 # jax.Device.device_kind; the first match wins, so more specific names come first.
@@ -95,3 +99,17 @@ def matmul_params(model_config, vocab_size):
     return model_config.num_encoder_layers * (4 * d * d + 2 * d * f) + d * d + d * vocab_size
   return (model_config.num_encoder_layers * (4 * d * d + 2 * d * f)
           + model_config.num_decoder_layers * (8 * d * d + 2 * d * f) + d * vocab_size)
+
+
+def matmul_rate(dtype=jnp.float32, steps=20):
+  """FLOP/s of a 4096x1024x1024 matmul on the default device, measured now (a CPU's practical peak), operands in
+  `dtype`, float32 accumulation and result (bfloat16: what model.matmul_precision='bfloat16' runs)."""
+  a = jax.random.normal(jax.random.PRNGKey(0), (4096, 1024), jnp.float32).astype(dtype)
+  b = jax.random.normal(jax.random.PRNGKey(1), (1024, 1024), jnp.float32).astype(dtype)
+  product = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
+  jax.block_until_ready(product(a, b))
+  start = time.perf_counter()
+  for _ in range(steps):
+    out = product(a, b)
+  jax.block_until_ready(out)
+  return 2 * 4096 * 1024 * 1024 * steps / (time.perf_counter() - start)
