@@ -275,13 +275,9 @@ def score_against_reference(FLAGS, translator, hypotheses, references, stream): 
   print('\n'.join(lines), file=stream)
 
 
-def main(argv):
-  FLAGS = flags.FLAGS  # pylint: disable=invalid-name
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  check_flag_combinations(FLAGS)
-  checkpoints_lib.quiet_orbax_logs()
-  cache.use_compilation_cache()
+def load_translators(FLAGS):  # pylint: disable=invalid-name
+  """(the devices, the Translator, the --rerank_workdir's Translator or None); a workdir that cannot be loaded
+  stops the command with one line."""
   try:
     devices = sharding.local_devices(FLAGS.devices)  # before the first computation: it may split the CPU
     translator = Translator(FLAGS.workdir, FLAGS.checkpoint, dtype=FLAGS.dtype, devices=devices,
@@ -294,6 +290,17 @@ def main(argv):
       rerank_lib.check_partners(translator, rescorer)
   except (OSError, ValueError) as e:
     sys.exit(f'error: {e}')
+  return devices, translator, rescorer
+
+
+def main(argv):
+  FLAGS = flags.FLAGS  # pylint: disable=invalid-name
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  check_flag_combinations(FLAGS)
+  checkpoints_lib.quiet_orbax_logs()
+  cache.use_compilation_cache()
+  devices, translator, rescorer = load_translators(FLAGS)
   beam_size = 0 if FLAGS.greedy else FLAGS.beam_size
   method = describe_method(FLAGS, translator.config.beam_size if beam_size is None else beam_size, rescorer)
   logging.info('Translating with %s of %s (%s) on %d %s device%s', translator.checkpoint, FLAGS.workdir, method,

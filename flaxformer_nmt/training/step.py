@@ -520,4 +520,5 @@ def jit_steps(model, config, mesh, state_sharding=None):
                         out_shardings=(state_sharding, replicated), static_argnums=3, donate_argnums=0)
   eval_jitted = jax.jit(_evaluate, in_shardings=(state_sharding.params, batch_sharding), out_shardings=replicated,
                         static_argnums=2)
-  return TrainStep(train_jitted, many_jitted, options, config, replicated), lambda params, batch: eval_jitted(params, batch, options)
+  evaluate = lambda params, batch: eval_jitted(params, batch, options)
+  return TrainStep(train_jitted, many_jitted, options, config, replicated), evaluate
