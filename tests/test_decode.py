@@ -615,7 +615,6 @@ def test_dtype_float32_decodes_a_bfloat16_matmul_config_in_float32(workdir, tran
   assert scores(decode.Translator(rounded, dtype='float32')) == as_trained
 
 
-
 def _decode_on_two_devices(workdir, tmp_path, lines, args, xla_device_count=None):
   """The decode command (a fresh process, so that it can split the CPU) on `lines` with --devices=2 and `args`."""
   (tmp_path / 'in.en').write_text('\n'.join(lines) + '\n')

@@ -60,7 +60,6 @@ def test_global_batches_are_the_same_for_any_devices_hosts_and_accumulation(pack
       assert planned <= rows < planned + pad_rows_to, (planned, rows, pad_rows_to)
 
 
-
 def test_a_changed_batching_is_refused_naming_the_setting_or_continued_in_the_same_epoch_when_allowed(caplog):
   corpus = numbered_corpus(np.random.default_rng(1).integers(2, 30, size=300))
   make = lambda **kw: batching.TrainBatches(corpus, **{**dict(tokens_per_batch=200, buckets=BUCKETS, seed=3,
