@@ -23,7 +23,6 @@ from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
 from flaxformer_nmt.runtime import cache
 
 
-
 def define_flags():
   from flaxformer_nmt.serving import server  # pylint: disable=g-import-not-at-top
   d = server.Settings()
@@ -114,7 +113,7 @@ def settings_of(FLAGS):  # pylint: disable=invalid-name
   return server.Settings(
       max_batch_tokens=FLAGS.max_batch_tokens, max_wait_ms=FLAGS.max_wait_ms, max_queue_sentences=FLAGS.max_queue,
       max_queue_wait_s=FLAGS.max_queue_wait_s, timeout_s=FLAGS.timeout_s, max_input_tokens=FLAGS.max_input_tokens,
-      max_sentences=FLAGS.max_sentences,      max_body_bytes=FLAGS.max_body_bytes, max_beam_size=FLAGS.max_beam_size,
+      max_sentences=FLAGS.max_sentences, max_body_bytes=FLAGS.max_body_bytes, max_beam_size=FLAGS.max_beam_size,
       api_keys=read_api_keys(FLAGS.api_keys_file) if FLAGS.api_keys_file else (),
       cors_origins=tuple(FLAGS.cors_origin), warmup=FLAGS.warmup)
 
