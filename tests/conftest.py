@@ -6,6 +6,8 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 import tempfile
 
 # One persistent compilation cache for the test session, read and written by its subprocesses too: the commands a
@@ -95,6 +97,19 @@ def subprocess_env(**variables):
   `variables` set."""
   path = os.pathsep.join(p for p in (os.path.dirname(_TESTS), _TESTS, os.environ.get('PYTHONPATH', '')) if p)
   return dict(os.environ, PYTHONPATH=path, **variables)
+
+
+def first_line_then_close(module, args, stdin):
+  """(the first stdout line, exit status, stderr) of `python -m module args` whose reader closes its stdout after
+  that line, as `| head -1` does."""
+  with subprocess.Popen([sys.executable, '-m', module.__name__, *args], stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=subprocess_env()) as process:
+    process.stdin.write(stdin.encode('utf-8'))
+    process.stdin.close()
+    first = process.stdout.readline().decode('utf-8')
+    process.stdout.close()
+    stderr = process.stderr.read().decode('utf-8', 'replace')
+    return first, process.wait(timeout=300), stderr
 
 
 def xla_flags_without_device_count():

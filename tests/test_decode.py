@@ -17,7 +17,7 @@ import pytest
 
 import conftest
 import in_process
-from conftest import small_config, write_toy_corpus
+from conftest import first_line_then_close, small_config, write_toy_corpus
 from flaxformer_nmt import decode as decode_command
 from flaxformer_nmt.data import corpus as data_lib
 from flaxformer_nmt.data.tokenizer import BOS_ID
@@ -851,19 +851,6 @@ def test_commands_refuse_empty_files_nan_alphas_and_bad_checkpoint_names_up_fron
     assert result.returncode == 1 and message in result.stderr, result.stderr[-2000:]
   result = run_cli(['--alpha=nan'], workdir, stdin='a dog .\n')  # wrote empty lines
   assert result.returncode == 1 and 'alpha=nan must be a finite number' in result.stderr
-
-
-def first_line_then_close(module, args, stdin):
-  """(the first stdout line, exit status, stderr) of `python -m module args` whose reader closes its stdout after
-  that line, as `| head -1` does."""
-  with subprocess.Popen([sys.executable, '-m', module.__name__, *args], stdin=subprocess.PIPE,
-                        stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
-    process.stdin.write(stdin.encode('utf-8'))
-    process.stdin.close()
-    first = process.stdout.readline().decode('utf-8')
-    process.stdout.close()
-    stderr = process.stderr.read().decode('utf-8', 'replace')
-    return first, process.wait(timeout=300), stderr
 
 
 @pytest.mark.skipif(not os.path.exists('/dev/full'), reason='needs /dev/full')

@@ -2,15 +2,13 @@
 the CLI and the Python API, and draw self-attention; and the monolingual corpora they read."""
 import pathlib
 import re
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
 
 import in_process
-from conftest import small_config, write_toy_corpus
+from conftest import first_line_then_close, small_config, write_toy_corpus
 from flaxformer_nmt import fill_mask as fill_mask_command
 from flaxformer_nmt import generate as generate_command
 from flaxformer_nmt.data import corpora
@@ -273,19 +271,6 @@ def test_monolingual_text_file_and_tfds_text(tmp_path, toy_corpus):
   assert cached.target is cached.source and again.target is again.source
   expected = tokenizer.encode(read)
   assert [list(again.source[i]) for i in range(len(again))] == expected
-
-
-def first_line_then_close(module, args, stdin):
-  """(the first stdout line, exit status, stderr) of `python -m module args` whose reader closes its stdout after
-  that line, as `| head -1` does."""
-  with subprocess.Popen([sys.executable, '-m', module.__name__, *args], stdin=subprocess.PIPE,
-                        stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
-    process.stdin.write(stdin.encode('utf-8'))
-    process.stdin.close()
-    first = process.stdout.readline().decode('utf-8')
-    process.stdout.close()
-    stderr = process.stderr.read().decode('utf-8', 'replace')
-    return first, process.wait(timeout=300), stderr
 
 
 def test_generate_and_fill_mask_stop_quietly_when_the_reader_stops_reading(lm_run, mlm_run):

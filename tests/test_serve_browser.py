@@ -79,6 +79,19 @@ def wait_until_answered(page):
                          'document.querySelector("#status").textContent !== "Translating…"', timeout=120_000)
 
 
+def open_page(page, url):
+  """The page at `url`, once it has listed the served models."""
+  page.goto(url)
+  page.wait_for_function('document.querySelectorAll("#model option").length > 0')
+
+
+def translate_on_page(page, text):
+  """Types `text` into the source box, clicks Translate and waits for the answer (or an error)."""
+  page.fill('#source', text)
+  page.click('#translate')
+  wait_until_answered(page)
+
+
 @pytest.fixture
 def page():
   binary = browser_binary()
@@ -102,8 +115,7 @@ def cells(page):
 
 def test_the_page_translates_and_draws_the_cross_attention(live_server, page, backend, tmp_path):
   translator = backend.translator
-  page.goto(live_server)
-  page.wait_for_function('document.querySelectorAll("#model option").length > 0')
+  open_page(page, live_server)
   assert page.input_value('#beam-size') == str(translator.config.beam_size)
   page.fill('#source', SENTENCE)
   page.fill('#n-best', '2')
@@ -133,11 +145,8 @@ def test_the_page_translates_and_draws_the_cross_attention(live_server, page, ba
 
 
 def test_the_page_shows_the_servers_error(live_server, page):
-  page.goto(live_server)
-  page.wait_for_function('document.querySelectorAll("#model option").length > 0')
-  page.fill('#source', SENTENCE)
-  page.click('#translate')
-  wait_until_answered(page)
+  open_page(page, live_server)
+  translate_on_page(page, SENTENCE)
   assert page.text_content('#translation') and cells(page)
   page.fill('#beam-size', '99')
   page.fill('#source', 'a big dog sees a small red man .')
@@ -151,8 +160,7 @@ def test_the_page_shows_the_servers_error(live_server, page):
 
 
 def test_an_empty_beam_size_field_translates_with_the_models_default(live_server, page, backend):
-  page.goto(live_server)
-  page.wait_for_function('document.querySelectorAll("#model option").length > 0')
+  open_page(page, live_server)
   page.fill('#beam-size', '')
   page.fill('#source', SENTENCE)
   page.click('#translate')
@@ -170,8 +178,7 @@ def test_a_large_attention_map_is_drawn(live_server, page):
   answer = {'model': 'en-de', 'translations': [{
       'text': 'x', 'score': -1.0, 'attention': {'source_tokens': [f's{c}' for c in range(columns)],
                                                 'target_tokens': [f't{r}' for r in range(rows)], 'weights': weights}}]}
-  page.goto(live_server)
-  page.wait_for_function('document.querySelectorAll("#model option").length > 0')
+  open_page(page, live_server)
   page.route('**/v1/translate', lambda route: route.fulfill(json=answer))
   page.fill('#source', SENTENCE)
   page.click('#translate')
@@ -203,8 +210,7 @@ def test_an_older_answer_does_not_overwrite_a_newer_one(live_server, page, backe
   newer = 'the cat runs .'
   translator = backend.translator
   assert translator.translate([SENTENCE])[0] != translator.translate([newer])[0]
-  page.goto(live_server)
-  page.wait_for_function('document.querySelectorAll("#model option").length > 0')
+  open_page(page, live_server)
   page.evaluate(DELAY_FIRST_ANSWER)
   page.fill('#source', SENTENCE)
   page.click('#translate')
@@ -221,11 +227,8 @@ def test_an_older_answer_does_not_overwrite_a_newer_one(live_server, page, backe
 
 
 def test_a_blank_source_is_not_sent_and_clears_the_answer(live_server, page):
-  page.goto(live_server)
-  page.wait_for_function('document.querySelectorAll("#model option").length > 0')
-  page.fill('#source', SENTENCE)
-  page.click('#translate')
-  wait_until_answered(page)
+  open_page(page, live_server)
+  translate_on_page(page, SENTENCE)
   assert page.text_content('#translation')
   posts = []
   page.on('request', lambda request: posts.append(request.url) if request.method == 'POST' else None)
@@ -249,12 +252,9 @@ def test_a_text_whose_attention_is_over_the_limit_is_still_translated(live_serve
       route.fulfill(status=413, json={'detail': too_large})
     else:
       route.continue_()
-  page.goto(live_server)
-  page.wait_for_function('document.querySelectorAll("#model option").length > 0')
+  open_page(page, live_server)
   page.route('**/v1/translate', handle)
-  page.fill('#source', SENTENCE)
-  page.click('#translate')
-  wait_until_answered(page)
+  translate_on_page(page, SENTENCE)
   assert page.text_content('#translation') == backend.translator.translate([SENTENCE])[0]
   assert page.get_attribute('#status', 'class') != 'error'
   assert page.text_content('#status').endswith('the cross-attention is not drawn: 413: ' + too_large)
@@ -263,12 +263,9 @@ def test_a_text_whose_attention_is_over_the_limit_is_still_translated(live_serve
 
 def test_the_n_best_keep_the_line_breaks(live_server, page):
   text = f'{SENTENCE}\nthe cat runs .'
-  page.goto(live_server)
-  page.wait_for_function('document.querySelectorAll("#model option").length > 0')
-  page.fill('#source', text)
+  open_page(page, live_server)
   page.fill('#n-best', '2')
-  page.click('#translate')
-  wait_until_answered(page)
+  translate_on_page(page, text)
   expected = [c['text'] for c in api_translate(live_server, text, n_best=2)['n_best']]
   assert all('\n' in t for t in expected)
   shown = page.eval_on_selector_all('#n-best-list li', 'items => items.map(i => i.innerText)')
@@ -286,7 +283,5 @@ def test_with_api_keys_the_page_asks_for_one_then_works(backend, page):
     page.wait_for_timeout(300)
     assert page.get_attribute('#status', 'class') != 'error', page.text_content('#status')
     assert page.text_content('#status') == ''
-    page.fill('#source', SENTENCE)
-    page.click('#translate')
-    wait_until_answered(page)
+    translate_on_page(page, SENTENCE)
     assert page.text_content('#translation') == backend.translator.translate([SENTENCE])[0]
