@@ -192,16 +192,12 @@ def open_files(FLAGS):  # pylint: disable=invalid-name
     sys.exit(f'error: {FLAGS.output}: {e}')
 
 
-def write_output(FLAGS, out, text=None):  # pylint: disable=invalid-name
-  """Writes `text` to the output and flushes it, or closes a file output where text is None. A failed write (a
-  full disk) stops the command with a line naming the output; a reader of stdout that stopped reading (`| head`),
-  quietly."""
+def write_output(FLAGS, out, text):  # pylint: disable=invalid-name
+  """Writes `text` to the output and flushes it. A failed write (a full disk) stops the command with a line naming
+  the output; a reader of stdout that stopped reading (`| head`), quietly."""
   try:
-    if text is None:
-      out.close()
-    else:
-      out.write(text)
-      out.flush()
+    out.write(text)
+    out.flush()
   except OSError as e:
     if out is not sys.stdout:
       sys.exit(f'error: {FLAGS.output}: {e}')
@@ -326,8 +322,6 @@ def main(argv):
   try:
     with counter:
       hypotheses = translate_input(FLAGS, translator, rescorer, options, chunks, out)
-    if out is not sys.stdout:
-      write_output(FLAGS, out)
   except OSError as e:
     sys.exit(f'error: {FLAGS.input}: {e}')
   except ValueError as e:  # bad input (the message names the line) or bad option values
