@@ -52,6 +52,7 @@ from flaxformer_nmt.decoding import translator as decode
 from flaxformer_nmt.models import transformer as model_lib
 from flaxformer_nmt.runtime import cache
 from flaxformer_nmt.runtime import flops as flops_lib
+from flaxformer_nmt.runtime import host_memory
 
 REPO = epath.Path(__file__).resolve().parent.parent
 DATA = REPO.parent / 'shared' / 'data'
@@ -190,9 +191,9 @@ def warm_search(FLAGS, translator, sources, beam_size):  # pylint: disable=inval
     start = time.perf_counter()
     results = translator.search_tokens(token_lists, **options)
     first_seconds = time.perf_counter() - start
-  rss = [rss_mb()]
+  rss = [host_memory.resident_mb()]
   ours = min(timed(lambda: translator.search_tokens(token_lists, **options)) for _ in range(FLAGS.repeats))
-  rss.append(rss_mb())
+  rss.append(host_memory.resident_mb())
   return {'ours': len(sources) / ours, 'rss': rss,
           'programs': f'{len(first.names)} ({first.seconds:.1f} s compiling; first pass {first_seconds:.1f} s)',
           'work': (computed.count, *needed_work(translator, token_lists, results, beam_size), ours)}
@@ -241,11 +242,6 @@ def needed_work(translator, token_lists, results, beam_size):
       flops += flops_lib.forward_flops(translator.model.config, translator.tokenizer.vocab_size, len(source),
                                        rows * n, len(source), (n + 1) / 2)
   return steps, flops
-
-
-def rss_mb():
-  """This process's resident memory now, in MB."""
-  return int(re.search(r'VmRSS:\s+(\d+) kB', epath.Path('/proc/self/status').read_text())[1]) / 1024
 
 
 def timed(function):
@@ -333,7 +329,7 @@ def main(argv):
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   checkpoints_lib.quiet_orbax_logs()
   translator = decode.Translator(FLAGS.workdir, FLAGS.checkpoint, dtype=FLAGS.dtype)
-  loaded = rss_mb()
+  loaded = host_memory.resident_mb()
   with tempfile.TemporaryDirectory(prefix='decode_bench_') as scratch:  # the export and the cold caches
     run(FLAGS, translator, scratch, loaded)
 

@@ -44,6 +44,8 @@ import httpx
 import numpy as np
 from absl import app, flags
 
+from flaxformer_nmt.runtime import host_memory
+
 OPEN_LOOP_PROCESSES = 4  # the arrivals of --overload, spread so that no client process falls behind
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DECODE_FLAGS = ('--dtype', '--batch_invariant', '--nobatch_invariant', '--checkpoint')  # server flags decode shares
@@ -225,8 +227,7 @@ class ServerProcess:
     return to_ready, time.perf_counter() - start
 
   def rss_mb(self):
-    with open(f'/proc/{self.process.pid}/status', encoding='utf-8') as f:
-      return next(int(line.split()[1]) for line in f if line.startswith('VmRSS')) / 1024
+    return host_memory.resident_mb(self.process.pid)
 
   def kill(self):
     self.process.send_signal(signal.SIGKILL)

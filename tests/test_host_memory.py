@@ -57,3 +57,17 @@ def test_a_freed_buffer_is_reused_without_faulting_its_pages_in_again():
   for mode, env in (('leave', {}), ('keep', {'FLAXFORMER_NMT_KEEP_FREED_MEMORY': '0'}), ('gpu', {})):
     first, second = faults(mode, **env)
     assert second >= pages // 2, (mode, env, first, second)
+
+
+@pytest.mark.skipif(platform.system() != 'Linux', reason='reads /proc')
+def test_resident_memory_grows_by_the_pages_a_process_touches():
+  """resident_mb against 200 MB written in a child process: catches a reading in kB or pages taken for MB, or of
+  VmSize (what is mapped, touched or not) instead of VmRSS."""
+  script = ('import sys, numpy as np\n'
+            'from flaxformer_nmt.runtime import host_memory\n'
+            'before = host_memory.resident_mb()\n'
+            'untouched = np.empty(400 * 2**20, np.uint8)\n'
+            'touched = np.ones(200 * 2**20, np.uint8)\n'
+            'print(host_memory.resident_mb() - before)\n')
+  grown = float(subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, check=True).stdout)
+  assert 190 < grown < 230, grown

@@ -53,3 +53,9 @@ def keep_freed_memory():
   mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
   settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
   return all([mallopt(parameter, value) == 1 for parameter, value in settings])
+
+
+def resident_mb(pid='self'):
+  """The resident memory (VmRSS) of process `pid` (default this one) now, in MB; Linux only."""
+  with open(f'/proc/{pid}/status', encoding='utf-8') as f:
+    return next(int(line.split()[1]) for line in f if line.startswith('VmRSS:')) / 1024
