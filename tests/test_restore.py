@@ -2,6 +2,8 @@
 moved, failing storage is retried and then stops the run with nothing moved."""
 import errno
 import functools
+import json
+import pathlib
 import subprocess
 
 import jax
@@ -361,3 +363,33 @@ def test_a_new_peak_of_the_paper_schedule_is_a_schedule_change(tmp_path):
   config = config_lib.base_config()
   config.learning_rate_scale = 0.5
   assert workdir_lib.schedule_changes(config, tmp_path) == [('learning_rate_scale', 1.0, 0.5)]
+
+
+def truncate_arrays(checkpoint_directory):
+  for path in checkpoint_directory.rglob('*'):
+    if path.is_file() and 'ocdbt.process' in str(path):
+      path.write_bytes(path.read_bytes()[:10])
+
+
+def test_a_damaged_checkpoint_in_the_final_average_is_named_and_the_run_still_finished(
+    toy_corpus, tmp_path, monkeypatch):
+  """Wrong rule caught: the trainer's final average read a damaged checkpoint with orbax's own error (a
+  ValueError traceback out of `train`) and finished.json was never written, so every rerun ended the same way.
+  Now the error names the checkpoint and the command that averages others, and the run is marked finished."""
+  config = small_config(toy_corpus)
+  config.num_train_steps, config.checkpoint_every_steps, config.keep_checkpoints = 4, 2, 10
+  config.average_last_checkpoints, config.eval_every_steps, config.log_every_steps = 2, 1000, 1000
+  workdir = tmp_path / 'run'
+  read = checkpoints_lib.saved_params
+
+  def damaged_first(workdir_, step):  # checkpoint 2 turns out damaged when the average reads it
+    if step == 2:
+      truncate_arrays(pathlib.Path(checkpoints_lib.state_directory(workdir_, step)))
+    return read(workdir_, step)
+  monkeypatch.setattr(checkpoints_lib, 'saved_params', damaged_first)
+  with pytest.raises(checkpoints_lib.AveragingError,
+                     match=rf'checkpoint 2 in {workdir}/checkpoints cannot be read \(ValueError: OUT_OF_RANGE.*'
+                           rf'flaxformer_nmt.average --workdir {workdir} --steps'):
+    train.train_and_evaluate(config, workdir)
+  assert json.loads((workdir / 'finished.json').read_text())['step'] == 4
+  assert not (workdir / 'averaged').exists()

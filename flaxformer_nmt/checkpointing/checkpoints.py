@@ -396,7 +396,7 @@ def average_params(workdir, steps):
                          f'there are {available}')
   total, reference_step = None, None
   for step in steps:
-    params = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), saved_params(workdir, step))
+    params = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), _params_to_average(workdir, step))
     if total is None:
       total, reference_step = params, step
       continue
@@ -404,6 +404,16 @@ def average_params(workdir, steps):
     total = jax.tree_util.tree_map(np.add, total, params)
     del params
   return jax.tree_util.tree_map(lambda x: x / len(steps), total)
+
+
+def _params_to_average(workdir, step):
+  """saved_params(workdir, step); AveragingError naming the checkpoint where it cannot be read."""
+  try:
+    return saved_params(workdir, step)
+  except Exception as e:  # pylint: disable=broad-except  (tensorstore and orbax raise many kinds)
+    raise AveragingError(f'checkpoint {step} in {checkpoint_directory(workdir)} cannot be read ({_first_line(e)}); '
+                         'average others, e.g. `python -m flaxformer_nmt.average --workdir '
+                         f'{workdir} --steps S1,S2,...`') from e
 
 
 def averaging_window(steps, last, every_steps=None):

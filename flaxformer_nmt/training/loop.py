@@ -306,11 +306,13 @@ def finish(run, step, decision, clock):
   with clock.phase('finishing'):
     run.close(last_state=run.state)
     if not decision.signalled:
-      if run.config.average_last_checkpoints > 0:
-        checkpoints_lib.average_last(run.workdir, last=run.config.average_last_checkpoints,
-                                     every_steps=run.config.checkpoint_every_steps)
-      ensemble.mark_finished(run.workdir, run.config, step,
-                             decision.reason or 'its end, reached before this launch')
+      try:
+        if run.config.average_last_checkpoints > 0:
+          checkpoints_lib.average_last(run.workdir, last=run.config.average_last_checkpoints,
+                                       every_steps=run.config.checkpoint_every_steps)
+      finally:  # the training is done even where its average fails: a rerun must not train again
+        ensemble.mark_finished(run.workdir, run.config, step,
+                               decision.reason or 'its end, reached before this launch')
   logging.info('%s', metrics_lib.wall_log_line(clock.phases()))
 
 
