@@ -195,3 +195,17 @@ def test_export_cli_writes_text_splits(toy_corpus, tmp_path):
       capture_output=True, text=True, timeout=120)
   assert result.returncode == 0, result.stderr
   assert (tmp_path / 'out' / 'valid.en').read_text() == (toy_corpus / 'valid.en').read_text()
+
+
+def test_a_file_rewritten_within_the_same_second_with_the_same_size_is_another_corpus(tmp_path):
+  """Wrong rule caught: the fingerprint kept the modification time in whole seconds, so a fix of the same length
+  (a typo, `sed -i`) made in the second the file was written kept serving the stale token cache."""
+  data = tmp_path / 'data'
+  data.mkdir()
+  (data / 'train.en').write_text('a man\n')
+  (data / 'train.de').write_text('ein mann\n')
+  os.utime(data / 'train.de', (1_700_000_000.25, 1_700_000_000.25))
+  before = corpora.TextPairs(data, 'train', 'en', 'de').fingerprint
+  (data / 'train.de').write_text('ein maus\n')  # same size, written in the same second
+  os.utime(data / 'train.de', (1_700_000_000.75, 1_700_000_000.75))
+  assert corpora.TextPairs(data, 'train', 'en', 'de').fingerprint != before

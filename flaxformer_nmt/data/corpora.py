@@ -2,6 +2,8 @@
 Datasets builder prepared as array_record (random access, no TensorFlow to read it), both as random-access
 sequences of (source, target) text in the config's direction."""
 
+import os
+
 from absl import logging
 from etils import epath
 
@@ -48,6 +50,9 @@ def _lowercase_stamp(lowercase):
 
 
 def _file_stamp(path):
+  if '://' not in str(path):  # etils' stat keeps whole seconds, blind to an edit of the same size within one
+    info = os.stat(path)
+    return [str(path), info.st_size, info.st_mtime_ns]
   info = epath.Path(path).stat()
   return [str(path), info.length, int(info.mtime)]
 
