@@ -485,3 +485,24 @@ def test_sampled_token_frequencies_follow_the_tempered_top_k_distribution():
   observed = np.bincount(np.asarray(tokens[:, 0]), minlength=vocab) / rows
   np.testing.assert_allclose(observed, expected, atol=0.025)
   assert np.all(np.asarray(tokens[:, 1]) == EOS_ID)  # the length limit forces EOS next
+
+
+@pytest.mark.parametrize('temperature', [1e-3, 1e-9, 1e-30])
+def test_a_tiny_temperature_draws_the_most_likely_allowed_token(temperature):
+  """Wrong rule caught: log probabilities divided by a temperature under about 1e-8 fell below NEG_INF, the mark of
+  the forbidden tokens, which then outweighed every allowed one: PAD and BOS were drawn. Near temperature 0
+  sampling is greedy: the most likely allowed token, every time."""
+  vocab, rows = 8, 64
+  logits = jax.nn.log_softmax(jnp.array([0.0, 1.0, 3.0, 0.5, 2.0, 1.5, -1.0, 2.5]))  # 2 (BOS) is the likeliest
+
+  def step_fn(tokens, index, cache):
+    return jnp.broadcast_to(logits, (tokens.shape[0], vocab)), cache
+
+  keys = jax.random.split(jax.random.key(0), rows)
+  for top_k in (0, 3):
+    tokens, _ = beam_search.sample_search(step_fn, jnp.zeros(()), keys, temperature=temperature, top_k=top_k,
+                                          batch_size=rows, max_length=2, max_lengths=jnp.full((rows,), 2),
+                                          bos_id=BOS_ID, eos_id=EOS_ID, forbidden_ids=(PAD_ID, BOS_ID))
+    allowed = np.array(logits)
+    allowed[[PAD_ID, BOS_ID]] = -np.inf
+    assert np.all(np.asarray(tokens[:, 0]) == np.argmax(allowed)), (top_k, np.asarray(tokens[:, 0]))

@@ -456,9 +456,11 @@ def sample_search(step_fn, cache, keys, *, temperature, top_k, batch_size, max_l
 
 
 def tempered(log_probs, temperature):
-  """log_probs / temperature, the forbidden tokens (NEG_INF: PAD, BOS, all but EOS at the length limit) kept at
-  NEG_INF: divided by a large temperature they would come near 0 and be drawn."""
-  return jnp.where(log_probs > NEG_INF, log_probs / temperature, NEG_INF)
+  """log_probs / temperature up to a shift (the row's best at 0), the forbidden tokens (NEG_INF: PAD, BOS, all but
+  EOS at the length limit) kept at NEG_INF: divided by a large temperature they would come near 0 and be drawn.
+  The allowed stay above NEG_INF / 2 however small the temperature, so that they are never outweighed."""
+  scaled = (log_probs - jnp.max(log_probs, axis=-1, keepdims=True)) / temperature
+  return jnp.where(log_probs > NEG_INF, jnp.maximum(scaled, NEG_INF / 2), NEG_INF)
 
 
 def sampling_rule(keys, temperature, top_k):
