@@ -290,8 +290,12 @@ def test_a_high_temperature_keeps_the_length_limit_and_the_forbidden_tokens(monk
   assert all(len(ids) <= 3 for ids in new)
   assert not {PAD_ID, BOS_ID} & {t for ids in new for t in ids}
   assert len({t for ids in new for t in ids}) > 10  # spread over the vocabulary
-  with pytest.raises(ValueError, match='need temperature > 0'):
-    generator.generate_ids(PROMPTS, temperature=float('nan'))
+  # Wrong rule caught: one message listed every condition and every value, naming none as the one at fault.
+  for bad in (dict(temperature=float('nan')), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5),
+              dict(max_new_tokens=0), dict(num_samples=0)):
+    (name, value), = bad.items()
+    with pytest.raises(ValueError, match=rf'^{name}={value}: give '):
+      generator.generate_ids(PROMPTS, **bad)
 
 
 def test_a_seed_outside_int32_is_a_value_error_naming_it(monkeypatch):

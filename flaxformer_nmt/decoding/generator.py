@@ -100,9 +100,13 @@ class Generator:
   def generate_ids(self, prompt_ids, *, max_new_tokens=50, greedy=False, temperature=1.0, top_k=0, top_p=1.0,
                    num_samples=1, seed=0, use_cache=True, first_prompt=0):
     """For each prompt (token ids, no EOS), `num_samples` lists of generated ids (EOS excluded)."""
-    if not temperature > 0 or top_k < 0 or not 0 < top_p <= 1 or max_new_tokens < 1 or num_samples < 1:
-      raise ValueError(f'need temperature > 0, top_k >= 0, 0 < top_p <= 1, max_new_tokens >= 1, num_samples >= 1; '
-                       f'got {temperature}, {top_k}, {top_p}, {max_new_tokens}, {num_samples}')
+    for name, value, allowed, rule in (('temperature', temperature, temperature > 0, 'above 0'),
+                                       ('top_k', top_k, top_k >= 0, '0 (off) or more'),
+                                       ('top_p', top_p, 0 < top_p <= 1, 'above 0 and at most 1'),
+                                       ('max_new_tokens', max_new_tokens, max_new_tokens >= 1, '1 or more'),
+                                       ('num_samples', num_samples, num_samples >= 1, '1 or more')):
+      if not allowed:  # NaN too
+        raise ValueError(f'{name}={value}: give {rule}')
     search_lib.check_seed(seed)
     if not prompt_ids:
       return []
