@@ -147,7 +147,8 @@ def _sown(model, params, src, tgt_in):
 
 
 def _heatmaps(panels, titles, row_labels, col_labels, title, path, columns=4):
-  """One PNG with a heatmap per panel ([Tq, Tk] arrays), rows and columns labelled with pieces."""
+  """One PNG with a heatmap per panel ([Tq, Tk] arrays), rows and columns labelled with pieces. Labels and titles
+  are drawn as written: a sentence with two `$` is not matplotlib mathtext."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -159,12 +160,12 @@ def _heatmaps(panels, titles, row_labels, col_labels, title, path, columns=4):
   fig, axes = plt.subplots(rows, columns, figsize=(width * columns, height * rows + 0.4), squeeze=False)
   for ax, panel, panel_title in zip(axes.flat, panels, titles):
     ax.imshow(panel, cmap='viridis', vmin=0.0, vmax=max(float(panel.max()), 1e-6), aspect='equal')
-    ax.set_xticks(range(len(col_labels)), col_labels, rotation=90, fontsize=7)
-    ax.set_yticks(range(len(row_labels)), row_labels, fontsize=7)
-    ax.set_title(panel_title, fontsize=9)
+    ax.set_xticks(range(len(col_labels)), col_labels, rotation=90, fontsize=7, parse_math=False)
+    ax.set_yticks(range(len(row_labels)), row_labels, fontsize=7, parse_math=False)
+    ax.set_title(panel_title, fontsize=9, parse_math=False)
   for ax in list(axes.flat)[len(panels):]:
     ax.axis('off')
-  fig.suptitle(title, fontsize=9)
+  fig.suptitle(title, fontsize=9, parse_math=False)
   fig.tight_layout()
   fig.savefig(path, dpi=90, bbox_inches='tight')  # long pieces stay inside the picture
   plt.close(fig)
