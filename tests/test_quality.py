@@ -189,6 +189,10 @@ OFFICIAL_TOKENIZED = (
     ('Ein Jugendlicher in einem schwarzen T-Shirt mit dem Aufdruck "Asian Pacific 2007" sitzt und spielt eine '
      'Trommel.', 'ein jugendlicher in einem schwarzen t-shirt mit dem aufdruck &quot; asian pacific 2007 &quot; '
      'sitzt und spielt eine trommel .'),
+    # A closing quote after the final period: normalize-punctuation.perl moves the period behind it.
+    ('Ein Mann in einem blauen Hemd hält ein Schild, auf dem steht: „Come on now ... what\'s gayer than tea.“',
+     'ein mann in einem blauen hemd hält ein schild , auf dem steht : &quot; come on now ... what &apos; s gayer '
+     'than tea &quot; .'),
 )
 
 

@@ -30,9 +30,12 @@ def _moses(lang):
 
 
 def moses_lowercase_tokenize(lines, lang):
-  """Lowercased, punctuation-normalized, Moses-tokenized text (the Multi30k `lc.norm.tok` recipe)."""
+  """Lowercased, punctuation-normalized, Moses-tokenized text (the Multi30k `lc.norm.tok` recipe). Each line is
+  normalized with its newline, as normalize-punctuation.perl reads it: its rule that moves a period behind a
+  closing quote ('tea."' -> 'tea".', not for English) needs a character after the quote."""
   normalizer, tokenizer = _moses(lang)
-  return [tokenizer.tokenize(normalizer.normalize(line.lower()), escape=True, return_str=True) for line in lines]
+  return [tokenizer.tokenize(normalizer.normalize(line.lower() + '\n'), escape=True, return_str=True)
+          for line in lines]
 
 
 def sacrebleu_score(hypotheses, references, lowercase=False):
