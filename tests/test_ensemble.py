@@ -217,3 +217,34 @@ def test_the_ensemble_record_counts_the_sentences_it_scored(toy_corpus, tmp_path
   assert len(sources) == 20
   assert record['sentences'] == 20
   assert json.loads((workdir / ensemble.VALIDATION_FILE).read_text())['sentences'] == 20
+
+
+def test_the_ensemble_record_of_blank_references_is_written_with_sacrebleus_length_ratio(tmp_path, monkeypatch):
+  """References of blank lines ended the training command after every member had trained with a ZeroDivisionError
+  (hypothesis length / reference length); the record takes sacreBLEU's ratio, 0 there, as compare's table does."""
+  import types  # pylint: disable=g-import-not-at-top
+  (tmp_path / 'data').mkdir()
+  sources = ['a dog runs .', 'two cats sleep .']
+  (tmp_path / 'data' / 'valid.en').write_text(''.join(s + '\n' for s in sources))
+  (tmp_path / 'data' / 'valid.de').write_text('\n\n')
+  config = small_config(tmp_path / 'data')
+  config.ensemble_members, config.eval_bleu_every_steps = 2, 100
+  workdir = tmp_path / 'ens'
+  for k in range(2):
+    member_workdir(workdir, k).mkdir(parents=True)
+    ensemble.mark_finished(member_workdir(workdir, k), ensemble.member_config(config, k), 20, 'config.num_train_steps')
+
+  class CopyingTranslator:
+    checkpoint, lowercase, config = 'stand-in', False, types.SimpleNamespace(target_lang='de')
+
+    def __init__(self, workdir):
+      del workdir
+
+    def translate(self, sources, **_):
+      return list(sources)
+  monkeypatch.setattr(ensemble.decode, 'Translator', CopyingTranslator)
+  record = ensemble.score_on_validation(config, workdir)
+  by_hand = sacrebleu.corpus_bleu(sources, [['', '']])
+  assert (by_hand.sys_len, by_hand.ref_len) == (8, 0)
+  assert (record['bleu'], record['length_ratio']) == (by_hand.score, 0.0)
+  assert json.loads((workdir / ensemble.VALIDATION_FILE).read_text())['length_ratio'] == 0.0

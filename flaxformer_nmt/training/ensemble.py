@@ -136,7 +136,7 @@ def score_on_validation(config, workdir):
       config.beam_size, config.length_penalty_alpha)
   record = dict(split=config.eval_split, sentences=count, checkpoints=translator.checkpoint,
                 beam_size=config.beam_size, alpha=config.length_penalty_alpha, bleu=bleu.score, tok_bleu=tok_bleu,
-                length_ratio=bleu.sys_len / bleu.ref_len, seconds=seconds, signature=signature)
+                length_ratio=bleu.ratio, seconds=seconds, signature=signature)  # sacreBLEU's: 0 without references
   workdir = epath.Path(workdir)
   (workdir / HYPOTHESES_DIR).mkdir(parents=True, exist_ok=True)
   (workdir / HYPOTHESES_DIR / 'hyp_ensemble.txt').write_text(''.join(h + '\n' for h in hypotheses))
