@@ -517,3 +517,32 @@ def test_a_corpus_with_no_pair_within_the_length_limit_is_one_clear_error(toy_co
   config.max_length = 2  # every toy sentence is longer: the first batch raised IndexError
   with pytest.raises(data_lib.DataError, match='no training pair with both sides non-empty and at most 2 tokens'):
     pipeline.input_pipeline(config, tmp_path, num_devices=1)
+
+
+def prefetcher_get_within(prefetcher, seconds=10):
+  """What prefetcher.get() returns or raises, from a thread: ('hung', None) where it waits longer than `seconds`."""
+  outcome = [('hung', None)]
+
+  def get():
+    try:
+      outcome[0] = ('item', prefetcher.get())
+    except BaseException as e:  # pylint: disable=broad-except
+      outcome[0] = ('raised', e)
+  thread = threading.Thread(target=get, daemon=True)
+  thread.start()
+  thread.join(seconds)
+  return outcome[0]
+
+
+@pytest.mark.parametrize('error', [ValueError('bad line'), SystemExit(3)])
+def test_an_error_in_the_prefetch_thread_is_raised_by_every_get_and_none_waits(error):
+  """Wrong rules caught: an exception not derived from Exception (SystemExit) ended the thread without a word and
+  the consumer waited for ever; and a second get after the error waited for ever on the empty queue."""
+  def build(step):
+    if step == 2:
+      raise error
+    return step, (step + 1,)  # (item, the next position)
+  prefetcher = batching.Prefetcher(build, (0,), depth=1)
+  assert [prefetcher_get_within(prefetcher) for _ in range(2)] == [('item', (0, (1,))), ('item', (1, (2,)))]
+  for _ in range(2):
+    assert prefetcher_get_within(prefetcher) == ('raised', error)

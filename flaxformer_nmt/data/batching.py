@@ -185,10 +185,11 @@ class EpochPlans:
 
 class Prefetcher:
   """Runs `build(position) -> (item, next position)` from `position` on in a background thread, `depth` items
-  ahead of the consumer. An exception in the thread is raised in the consumer's `get`."""
+  ahead of the consumer. An exception in the thread is raised in the consumer's `get`, and again by every later
+  `get` (the thread has ended)."""
 
   def __init__(self, build, position, depth):
-    self._build = build
+    self._build, self._error = build, None
     self._out, self._stop = queue.Queue(maxsize=depth), threading.Event()
     self._thread = threading.Thread(target=self._produce, args=(position,), daemon=True, name='Prefetcher')
     self._thread.start()
@@ -207,12 +208,15 @@ class Prefetcher:
         item = self._build(*position)
         position = item[1]
         self._put(item)
-    except Exception as e:  # pylint: disable=broad-except
+    except BaseException as e:  # pylint: disable=broad-except  (any: the consumer would wait for ever)
       self._put(e)
 
   def get(self):
+    if self._error is not None:
+      raise self._error
     item = self._out.get()
-    if isinstance(item, Exception):
+    if isinstance(item, BaseException):
+      self._error = item
       self.close()
       raise item
     return item
