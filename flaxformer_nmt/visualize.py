@@ -13,6 +13,9 @@ sentencepiece pieces on both axes (padding cropped):
   {i:02d}_cross_average.png     the same averaged over heads, per layer, and over all layers
   {i:02d}_encoder_layer{l}.png  encoder self-attention of layer l, one panel per head
 
+An ensemble's workdir (config.ensemble_members) is translated by the ensemble, and the weights drawn are its
+first member's, run teacher-forced on that translation.
+
 Language models (workdirs trained with config.task=lm or mlm) have self-attention only; each text is run
 as it is (LM: BOS + the text, causal; MLM: the text with its <mask>s + EOS) and drawn per layer and head,
 and averaged:
