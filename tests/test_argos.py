@@ -1,6 +1,7 @@
 """The Argos Translate package (python -m flaxformer_nmt.export --format argos): its layout and metadata, CTranslate2
 translating from it as our greedy search does, and the server's ctranslate2 backend on it and on a plain export."""
 import json
+import shutil
 import zipfile
 
 import jax
@@ -155,3 +156,31 @@ def test_the_ctranslate2_backend_reads_a_plain_export_from_its_readme(workdir, t
   assert [t['text'] for t in answer.json()['translations']] == translator.translate(SENTENCES[:3], beam_size=0)
   with pytest.raises(ValueError, match='neither an Argos package nor a CTranslate2 model directory'):
     argos.CTranslate2Backend(tmp_path)
+
+
+def test_a_plain_export_keeps_the_models_positions(workdir, tmp_path):
+  # A model of 256 positions (its sinusoids are no parameters: the toy's checkpoint with a changed config) refuses
+  # a max_length past them, as the jax backend does, rather than decoding past CTranslate2's position table.
+  shutil.copytree(workdir, tmp_path / 'run')
+  config = json.loads((tmp_path / 'run' / 'config.json').read_text())
+  config['model']['max_position'] = 256
+  (tmp_path / 'run' / 'config.json').write_text(json.dumps(config))
+  ct2_export.export_ctranslate2(tmp_path / 'run', tmp_path / 'ct2')
+  backend = argos.CTranslate2Backend(tmp_path / 'ct2', threads=1)
+  assert backend.max_position == 256
+  with client({'en-de': backend}) as c:
+    too_long = c.post('/v1/translate', json={'text': ['a dog'], 'max_length': 300})
+  assert (too_long.status_code, too_long.json()) == (400, {'detail': 'max_length=300 is over the model\'s limit of '
+                                                                     '255 target pieces'})
+
+
+def test_the_ctranslate2_backend_scores_greedy_search_as_its_log_probability(package, translator):
+  # As the jax backend and the docs say: greedy search's score is the log probability, not normalized by length.
+  # (A limit the toy's outputs end before: our search scores the EOS it forces at the limit, CTranslate2 none.)
+  backend = argos.CTranslate2Backend(package, threads=1)
+  with client({'en-de': backend}) as c:
+    answer = c.post('/v1/translate', json={'text': SENTENCES[:4], 'beam_size': 0, 'max_length': 60,
+                                           'return_scores': True})
+  want = translator.translate(SENTENCES[:4], beam_size=0, max_len_a=0, max_len_b=60, return_scores=True)
+  assert [t['text'] for t in answer.json()['translations']] == [text for text, _ in want]
+  np.testing.assert_allclose([t['score'] for t in answer.json()['translations']], [s for _, s in want], rtol=1e-2)

@@ -136,12 +136,14 @@ def _readme_settings(export_dir):
   direction = re.search(r'\((\w+)->(\w+),', text)
   beam, alpha = re.search(r'beam_size=(\d+)', text), re.search(r'length_penalty=([\d.]+)', text)
   extra = re.search(r'source length \+ (\d+)\)', text)
+  positions = re.search(r'(\d+) positions', text)  # not in the READMEs of older exports
   if not (direction and beam and alpha and extra):
     raise ValueError(f'{export_dir} has neither {SETTINGS_FILE} nor the README.md of python -m '
                      'flaxformer_nmt.export: cannot tell its languages and decode settings')
   return {'source_lang': direction.group(1), 'target_lang': direction.group(2), 'lowercase': '.lower()' in text,
           'beam_size': int(beam.group(1)), 'alpha': float(alpha.group(1)),
-          'max_decode_extra_length': int(extra.group(1)), 'max_position': DEFAULT_MAX_POSITION,
+          'max_decode_extra_length': int(extra.group(1)),
+          'max_position': int(positions.group(1)) if positions else DEFAULT_MAX_POSITION,
           'checkpoint': 'unknown', 'checkpoint_steps': [], 'validation_bleu': None, 'parameters': None, 'config': {}}
 
 
@@ -176,8 +178,8 @@ class CTranslate2Backend:
   before EOS): the sentences of a batch are decoded in groups of one limit, since CTranslate2's
   max_decoding_length is one limit per call, and in groups of one length penalty
   (ctranslate2.length_penalty_for: CTranslate2's length^penalty closest to our alpha at each source length).
-  Scores are CTranslate2's (log probability / length^penalty); attention is CTranslate2's one averaged map,
-  reported as one layer.
+  Beam search's scores are CTranslate2's (log probability / length^penalty), greedy search's the log
+  probability (no penalty), as ours; attention is CTranslate2's one averaged map, reported as one layer.
   """
 
   name = 'ctranslate2'
@@ -220,7 +222,8 @@ class CTranslate2Backend:
     groups = {}
     for i, tokens in enumerate(token_lists):
       limit = math.floor(options['max_len_a'] * (len(tokens) - 1) + options['max_len_b'] + 1e-4)
-      penalty = ct2_export.length_penalty_for(options['alpha'], len(tokens) - 1)
+      # Greedy search (beam_size 0) scores the log probability, as ours: no length penalty.
+      penalty = ct2_export.length_penalty_for(options['alpha'], len(tokens) - 1) if options['beam_size'] else 0.0
       groups.setdefault((max(limit, 1), penalty), []).append(i)
     for (limit, penalty), members in groups.items():
       results = self.translator.translate_batch(

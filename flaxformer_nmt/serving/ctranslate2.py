@@ -152,7 +152,7 @@ def write_readme(output_dir, *, workdir, checkpoint, config, quantization):
   text = README_TEMPLATE.format(
       workdir=workdir, checkpoint=checkpoint, direction=f'{config.source_lang}->{config.target_lang}',
       layers=f'{c.num_encoder_layers}+{c.num_decoder_layers} layers, d_model {c.d_model}, {c.num_heads} heads, '
-             f'{"pre" if c.pre_layer_norm else "post"}-LN',
+             f'{"pre" if c.pre_layer_norm else "post"}-LN, {c.max_position} positions',
       quantization=quantization or 'float32', output_dir=output_dir, beam_size=config.beam_size,
       alpha=config.length_penalty_alpha, extra=config.max_decode_extra_length,
       # A model of config.lowercase learnt lowercased text: its inputs are lowercased as decode.py does.
