@@ -231,6 +231,8 @@ BAD_REQUESTS = [  # (body, status, message)
     ('{"text": ["a dog", "a \\ud800 dog"]}', 400, 'text[1] is not valid Unicode (surrogates not allowed at character '
      '2)'),
     ('{"text": ["a dog"], "alpha": Infinity}', 422, 'alpha: Input should be a finite number'),
+    # A finite alpha past float32's powers zeroes every score: the beam then ranks nothing.
+    (json.dumps({'text': ['a dog'], 'alpha': 1e308}), 422, 'alpha: Input should be less than or equal to 10'),
 ]
 
 
@@ -240,6 +242,27 @@ def test_bad_requests_get_one_clear_error(backend, body, status, message):
     answer = c.post('/v1/translate', content=body, headers={'Content-Type': 'application/json'})
     assert (answer.status_code, answer.json()) == (status, {'detail': message})
     assert c.post('/v1/translate', json={'text': ['a dog']}).status_code == 200  # and the server goes on
+
+
+def test_bodies_fastapi_cannot_parse_get_an_error_naming_the_problem(backend):
+  with client({'en-de': backend}) as c:
+    deep = c.post('/v1/translate', content='{"text": ' + '[' * 100_000, headers={'Content-Type': 'application/json'})
+    form = c.post('/v1/translate', content='{"text": ["a dog"]}',  # curl -d without -H sends it so
+                  headers={'Content-Type': 'application/x-www-form-urlencoded'})
+    assert c.post('/v1/nothing').json() == {'detail': 'Not Found'}  # FastAPI's other errors as they were
+  assert deep.status_code == 422
+  assert deep.json()['detail'].startswith('the body is not valid JSON (maximum recursion depth exceeded')
+  assert (form.status_code, form.json()) == (415, {'detail': 'send the body as JSON with Content-Type: '
+                                                             'application/json (this request has Content-Type '
+                                                             'application/x-www-form-urlencoded)'})
+
+
+def test_line_breaks_come_back_as_they_were_sent(backend, translator):
+  want = [text for text, _ in expected(translator, ['a red ball', 'the cat runs .', 'dog'])]
+  with client({'en-de': backend}) as c:
+    texts = ['a red ball\r\nthe cat runs .\r\n\r\ndog', 'a red ball\rdog\n']
+    texts = [t['text'] for t in c.post('/v1/translate', json={'text': texts}).json()['translations']]
+  assert texts == [want[0] + '\r\n' + want[1] + '\r\n\r\n' + want[2], want[0] + '\r' + want[2] + '\n']
 
 
 def test_blank_lines_and_empty_texts_count_against_no_limit(backend):

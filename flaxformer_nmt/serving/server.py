@@ -29,12 +29,14 @@ import urllib.parse
 from typing import Optional
 
 import fastapi
+import fastapi.exception_handlers
 import numpy as np
 import prometheus_client
 import pydantic
 from absl import logging as absl_logging
 from fastapi import exceptions as fastapi_exceptions
 from fastapi import responses, staticfiles
+from starlette import exceptions as starlette_exceptions
 from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
 
@@ -45,6 +47,9 @@ STATIC_DIR = pathlib.Path(__file__).parent / 'static'
 LIBRE_PATHS = ('/translate', '/languages')
 PUBLIC_PATHS = ('/health', '/', '/favicon.ico', '/docs', '/docs/oauth2-redirect', '/openapi.json', '/redoc')
 WARMUP_LEVELS = ('none', 'full')
+# The largest alpha a request may ask for: the search's float32 length penalty ((5 + n) / 6)^alpha overflows past
+# about 17 for an output of 1,000 pieces, which zeroes every score.
+MAX_ALPHA = 10.0
 
 
 @dataclasses.dataclass
@@ -113,9 +118,17 @@ def _acronym(word):
   return bool(match) and match.group(1).isupper()
 
 
+_LINE_BREAK = re.compile(r'\r\n|\r|\n')
+
+
 def split_text(text):
-  """A text as lines of sentences: [[sentence, ...], ...]."""
-  return [split_sentences(line) for line in text.split('\n')]
+  """A text as lines of sentences: [[sentence, ...], ...] (the breaks between the lines: line_breaks)."""
+  return [split_sentences(line) for line in _LINE_BREAK.split(text)]
+
+
+def line_breaks(text):
+  """The line breaks of a text in order (\\n, \\r\\n or \\r), which its translation keeps."""
+  return _LINE_BREAK.findall(text)
 
 
 class TranslateRequest(pydantic.BaseModel):
@@ -127,8 +140,8 @@ class TranslateRequest(pydantic.BaseModel):
                                    'lines.')
   beam_size: Optional[int] = pydantic.Field(None, ge=0, description='0: greedy; default: the model\'s.')
   n_best: int = pydantic.Field(1, ge=1, description='Translations per text, best first (at most beam_size).')
-  alpha: Optional[float] = pydantic.Field(None, ge=0, allow_inf_nan=False, description='Length penalty exponent; '
-                                          'default: the model\'s.')
+  alpha: Optional[float] = pydantic.Field(None, ge=0, le=MAX_ALPHA, allow_inf_nan=False,
+                                          description='Length penalty exponent (0 to 10); default: the model\'s.')
   max_length: Optional[int] = pydantic.Field(None, ge=1, description='At most this many target pieces per '
                                              'sentence (default: source length + the model\'s extra length).')
   return_scores: bool = False
@@ -406,8 +419,9 @@ class Service:
       answers[i] = answer
     if attention:
       check_attention_size(layout, answers)
-    return await asyncio.to_thread(lambda: [text_answer(backend, lines, token_lists, answers, n_best, scores,
-                                                        attention) for lines in layout])
+    return await asyncio.to_thread(lambda: [
+        text_answer(backend, lines, line_breaks(text), token_lists, answers, n_best, scores, attention)
+        for lines, text in zip(layout, texts)])
 
 
 # return_attention's weights a request may ask for (layers x target x source pieces of each text, summed):
@@ -427,11 +441,13 @@ def check_attention_size(layout, answers):
                    f'{MAX_ATTENTION_WEIGHTS} (ask for fewer or shorter texts at a time)')
 
 
-def text_answer(backend, lines, token_lists, answers, n_best, scores, attention):
-  """One text's entry of /v1/translate: its sentences' translations rejoined in place."""
+def text_answer(backend, lines, breaks, token_lists, answers, n_best, scores, attention):
+  """One text's entry of /v1/translate: its sentences' translations rejoined in place, its lines joined by
+  `breaks` (the text's line breaks)."""
   def candidate(k):
-    text = '\n'.join(' '.join(t for t in (backend.decode(answers[i].hypotheses[k][0]) for i in line
-                                          if answers[i] is not None) if t) for line in lines)
+    translated = [' '.join(t for t in (backend.decode(answers[i].hypotheses[k][0]) for i in line
+                                       if answers[i] is not None) if t) for line in lines]
+    text = translated[0] + ''.join(b + t for b, t in zip(breaks, translated[1:]))
     score = sum(answers[i].hypotheses[k][1] for line in lines for i in line if answers[i] is not None)
     return {'text': text, 'score': float(score)}
   candidates = [candidate(k) for k in range(n_best)]
@@ -506,7 +522,15 @@ async def warm_up(service):
 
 
 def validation_error(request, error):
-  """422 naming each field that is missing, of the wrong type or out of range, or where the JSON breaks."""
+  """422 naming each field that is missing, of the wrong type or out of range, or where the JSON breaks; 415 for
+  a body sent as other than JSON (FastAPI reads no fields from it)."""
+  content_type = request.headers.get('content-type', '')
+  # A body FastAPI did not read as JSON fails as a whole (older FastAPI reads one without a Content-Type as JSON).
+  unread = all(tuple(e.get('loc', ())) == ('body',) for e in error.errors())
+  if 'json' not in content_type and unread:
+    given = f'Content-Type {content_type}' if content_type else 'no Content-Type'
+    return error_response(request.url.path, 415, f'send the body as JSON with Content-Type: application/json (this '
+                          f'request has {given})')
   messages = []
   for e in error.errors():
     location = [str(part) for part in e.get('loc', ()) if part != 'body']
@@ -516,6 +540,14 @@ def validation_error(request, error):
     else:
       messages.append(f'{".".join(location) or "body"}: {e.get("msg")}')
   return error_response(request.url.path, 422, '; '.join(messages))
+
+
+async def http_error(request, error):
+  """FastAPI's HTTP errors as it answers them, but for its 400 of a JSON body it could not parse for another
+  reason than a syntax error (arrays nested deeper than json.loads recurses): 422 saying why."""
+  if isinstance(error.__cause__, (ValueError, RecursionError)):
+    return error_response(request.url.path, 422, f'the body is not valid JSON ({error.__cause__})')
+  return await fastapi.exception_handlers.http_exception_handler(request, error)
 
 
 async def libre_fields(request):
@@ -696,6 +728,7 @@ def create_app(backends, settings=None):
   app.add_exception_handler(ApiError, lambda request, e: error_response(request.url.path, e.status, e.message,
                                                                         e.headers))
   app.add_exception_handler(fastapi_exceptions.RequestValidationError, validation_error)
+  app.add_exception_handler(starlette_exceptions.HTTPException, http_error)
   app.add_exception_handler(Exception, lambda request, e: error_response(
       request.url.path, 500, f'internal error: {type(e).__name__}'))
   add_api_routes(app, service)
