@@ -118,12 +118,18 @@ def settings_of(FLAGS):  # pylint: disable=invalid-name
       cors_origins=tuple(FLAGS.cors_origin), warmup=FLAGS.warmup)
 
 
+# The flags one backend reads alone.
+BACKEND_FLAGS = {'checkpoint': 'jax', 'dtype': 'jax', 'batch_invariant': 'jax', 'device': 'ctranslate2',
+                 'threads': 'ctranslate2'}
+
+
 def main(argv):
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  if FLAGS.batch_invariant and FLAGS.backend != 'jax':
-    raise app.UsageError('--batch_invariant is the jax backend\'s search: not with --backend ctranslate2')
+  for name, backend in BACKEND_FLAGS.items():  # a flag of the other backend would be ignored
+    if FLAGS[name].present and FLAGS.backend != backend:
+      raise app.UsageError(f'--{name} is the {backend} backend\'s: not with --backend {FLAGS.backend}')
   try:
     import uvicorn  # pylint: disable=g-import-not-at-top
     from flaxformer_nmt.serving import server  # pylint: disable=g-import-not-at-top

@@ -143,8 +143,14 @@ def test_batch_invariant_answers_are_asked_of_the_jax_search_and_refused_where_i
   from flaxformer_nmt import serve as serve_command  # pylint: disable=g-import-not-at-top
   result = in_process.run(serve_command, [f'--workdir={workdir}', '--batch_invariant', '--warmup=none'])
   assert result.returncode != 0 and 'bfloat16 matmul operands' in result.stderr
-  result = in_process.run(serve_command, [f'--model=en-de={workdir}', '--backend=ctranslate2', '--batch_invariant'])
-  assert result.returncode != 0 and 'not with --backend ctranslate2' in result.stderr
+  # Wrong rule caught: --checkpoint, --dtype (the jax backend's), --device and --threads (CTranslate2's) were
+  # ignored by the other backend; a user asking for a checkpoint got another model's answers without a word.
+  for flag, backend, other in (('--batch_invariant', 'jax', 'ctranslate2'), ('--checkpoint=best', 'jax', 'ctranslate2'),
+                               ('--dtype=float32', 'jax', 'ctranslate2'), ('--device=cuda', 'ctranslate2', 'jax'),
+                               ('--threads=2', 'ctranslate2', 'jax')):
+    result = in_process.run(serve_command, [f'--model=en-de={workdir}', f'--backend={other}', flag])
+    name = flag.split('=')[0]
+    assert result.returncode != 0 and f'{name} is the {backend} backend\'s: not with --backend {other}' in result.stderr
 
 
 def test_paragraphs_are_split_into_sentences_and_rejoined_and_empty_texts_stay_empty(backend, translator):
