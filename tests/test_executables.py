@@ -130,6 +130,30 @@ def test_a_damaged_executable_is_compiled_again_and_replaced(saved_in, caplog):
   np.testing.assert_allclose(result, loop_in_numpy(x, w, 2), rtol=1e-4, atol=1e-5)
 
 
+def test_a_file_damaged_inside_is_never_handed_to_xla(saved_in, caplog, monkeypatch):
+  # Catches a damaged file that still unpickles (a byte flipped inside the executable's bytes) passed to XLA:
+  # it loads many such executables and runs them to a crash (SIGILL) in this and every later process.
+  x, w = arguments()
+  executables.Program(loop, static_argnames=('k',))(x, w, k=2)
+  (path,) = saved(saved_in)
+  data = bytearray(path.read_bytes())
+  data[len(data) // 2] ^= 0x5A
+  path.write_bytes(bytes(data))
+  handed = []
+  def deserialize_and_load(serialized, *unused, **unused_kwargs):
+    handed.append(serialized)
+    raise RuntimeError('a damaged executable reached XLA')
+  monkeypatch.setattr(executables.serialize_executable, 'deserialize_and_load', deserialize_and_load)
+  with caplog.at_level(logging.WARNING):
+    result, loaded = loads(executables.Program(loop, static_argnames=('k',)), x, w, k=2)
+  assert not handed and not loaded and 'damaged' in caplog.text and path.name in caplog.text
+  np.testing.assert_allclose(result, loop_in_numpy(x, w, 2), rtol=1e-4, atol=1e-5)
+  monkeypatch.undo()
+  result, loaded = loads(executables.Program(loop, static_argnames=('k',)), x, w, k=2)  # replaced by a whole one
+  assert loaded
+  np.testing.assert_allclose(result, loop_in_numpy(x, w, 2), rtol=1e-4, atol=1e-5)
+
+
 def test_without_a_directory_a_program_is_plain_jit(tmp_path):
   # Catches files written (or read) while executables are off, as in a process no command turned them on.
   before = executables.directory()

@@ -45,6 +45,7 @@ LOADED_EVENT = '/flaxformer_nmt/executables/load_duration'
 # The environments whose executables are kept, this process's among them: two Pythons sharing the directory keep
 # theirs, and a jax upgrade or an edit of this package costs one compile of each program, not a set forever.
 KEEP_SETS = 4
+_DIGEST_BYTES = 32  # the sha256 in front of each file's pickle (_sealed)
 
 _directory = None
 _programs = weakref.WeakSet()  # every Program, so that clear() reaches their compiled programs
@@ -216,7 +217,7 @@ class Program:
     compiled for: by default a loaded executable spans all of the backend's), else compiled and saved."""
     path, start = self.path(description), time.perf_counter()
     try:
-      serialized, in_tree, out_tree, device_ids = pickle.loads(path.read_bytes())
+      serialized, in_tree, out_tree, device_ids = pickle.loads(_unsealed(path.read_bytes()))
       devices = {device.id: device for device in jax.devices()}
       compiled = serialize_executable.deserialize_and_load(
           serialized, in_tree, out_tree, execution_devices=[devices[i] for i in device_ids])
@@ -230,7 +231,7 @@ class Program:
     compiled = _compile_fresh(self.jitted.lower(*args, **kwargs))
     try:
       device_ids = sorted({d.id for s in jax.tree_util.tree_leaves(compiled.input_shardings) for d in s.device_set})
-      _write_atomically(path, pickle.dumps((*serialize_executable.serialize(compiled), device_ids)))
+      _write_atomically(path, _sealed(pickle.dumps((*serialize_executable.serialize(compiled), device_ids))))
     except (OSError, ValueError, TypeError, jax.errors.JaxRuntimeError) as e:  # XLA may not serialize a program
       logging.warning('Executable of %s not saved (%s)', self.name, e)
     return compiled
@@ -247,6 +248,21 @@ def _compile_fresh(lowered):
     return lowered.compile(compiler_options={'xla_embed_ir_in_executable': False})
   finally:
     jax.config.update('jax_persistent_cache_min_compile_time_secs', floor)
+
+
+def _sealed(payload):
+  """`payload` behind its sha256: a file damaged after it was written (a flipped bit, a bad sector) is told
+  from a whole one before XLA reads it; XLA loads many damaged executables and runs them to a crash
+  (SIGILL, SIGSEGV) in every later process."""
+  return hashlib.sha256(payload).digest() + payload
+
+
+def _unsealed(data):
+  """The payload of a `_sealed` file; ValueError where it does not match its sha256."""
+  digest, payload = data[:_DIGEST_BYTES], data[_DIGEST_BYTES:]
+  if hashlib.sha256(payload).digest() != digest:
+    raise ValueError('its contents do not match their sha256: the file is damaged')
+  return payload
 
 
 def _write_atomically(path, data):
