@@ -53,6 +53,28 @@ def test_last_k_of_the_loader_is_the_window_average_takes_and_bad_counts_are_ref
     checkpoints_lib.average_last(tmp_path, steps=['20', '20', '10'])
 
 
+def test_last_k_with_fewer_regular_checkpoints_says_how_many_it_averaged(tmp_path, caplog):
+  """Wrong rule caught: decode --checkpoint last:5 of a workdir holding 2 regular saves averaged those 2 without a
+  word, where the average command warns with the count."""
+  import logging  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import loader  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  saved_run(tmp_path, (10, 20, 22))  # 22: an off-interval final save
+  config = config_lib.base_config()
+  config.checkpoint_every_steps = 10
+  workdir_lib.save_or_check_config(config, tmp_path)
+  with caplog.at_level(logging.WARNING):
+    params, description = loader.load_params(tmp_path, 'last:5')
+  assert description == 'the average of checkpoints [10, 20]'
+  np.testing.assert_allclose(params['w'], [(10 + 20) / 2] * 2)
+  assert 'last:5 averages 2 checkpoints [10, 20], fewer than the 5 asked' in caplog.text
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    assert loader.load_params(tmp_path, 'last:2')[1] == 'the average of checkpoints [10, 20]'
+  assert 'fewer than' not in caplog.text
+
+
 def test_mismatched_shapes_are_refused_by_name(tmp_path):
   store = checkpoints_lib.Checkpoints(tmp_path, keep=0)
   save(store, 1, {'w': jnp.zeros((2, 3))})
@@ -160,6 +182,41 @@ def test_an_empty_steps_flag_is_refused_not_taken_for_the_default_window(tmp_pat
   result = in_process.run(average, [f'--workdir={tmp_path}', '--steps='])
   assert result.returncode != 0 and '--steps is empty' in result.stderr, result.stderr[-2000:]
   assert not (tmp_path / 'averaged').exists()
+
+
+_READ_ONLY_AVERAGE = '''
+import errno, os, runpy, sys
+workdir, real_mkdir = sys.argv[1], os.mkdir
+def mkdir(path, *args, **kwargs):  # as a read-only mount answers: an existing folder exists, nothing new is made
+  if os.fspath(path).startswith(workdir):
+    if os.path.exists(path):
+      raise FileExistsError(errno.EEXIST, 'File exists', os.fspath(path))
+    raise OSError(errno.EROFS, 'Read-only file system', os.fspath(path))
+  return real_mkdir(path, *args, **kwargs)
+os.mkdir = mkdir
+sys.argv = ['average', '--workdir=' + workdir, '--steps=10,20']
+runpy.run_module('flaxformer_nmt.average', run_name='__main__')
+'''
+
+
+def test_averaging_a_read_only_workdir_is_one_error_line_not_a_hang(tmp_path):
+  """Wrong rule caught: on a read-only workdir the average command printed orbax's traceback and then never
+  exited (orbax's writer threads waited for ever once it could not make its folder)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  from conftest import subprocess_env  # pylint: disable=g-import-not-at-top
+  saved_run(tmp_path, (10, 20))
+  before = sorted(p.name for p in tmp_path.iterdir())
+  try:
+    result = subprocess.run([sys.executable, '-c', _READ_ONLY_AVERAGE, str(tmp_path)], capture_output=True,
+                            text=True, env=subprocess_env(), timeout=60)
+  except subprocess.TimeoutExpired:
+    pytest.fail('the average command did not exit')
+  assert result.returncode == 1, result.stderr[-2000:]
+  assert result.stderr.strip().splitlines()[-1].startswith(
+      f'error: the average cannot be written into {tmp_path} ([Errno 30] Read-only file system: ')
+  assert 'Traceback' not in result.stderr
+  assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
 def test_retention_keeps_the_regular_saves_an_off_interval_save_would_push_out(tmp_path):

@@ -12,6 +12,7 @@ for what an ensemble's workdir stands for, and for the config changes that decod
 from typing import Any, NamedTuple
 
 import jax
+from absl import logging
 from etils import epath
 
 from flaxformer_nmt.checkpointing import best as best_checkpoint
@@ -54,12 +55,22 @@ def load_params(workdir, checkpoint=None):
     params, info = best_checkpoint.load_best(workdir)
     return jax.device_put(params), f'the best checkpoint (step {info["step"]}, {info["metric"]} {info["value"]:.4g})'
   if checkpoint.startswith('last:'):
-    # The window `average` and the trainer's average take (an off-interval final save is left out).
-    steps = checkpoints_lib.averaging_window(checkpoints_lib.saved_steps(workdir), int(checkpoint[5:]),
-                                             checkpoints_lib.regular_save_interval(workdir))
+    steps = _last_window(workdir, int(checkpoint[5:]))
     return jax.device_put(checkpoints_lib.average_params(workdir, steps)), f'the average of checkpoints {steps}'
   step = _saved_step(workdir, checkpoint)
   return jax.device_put(checkpoints_lib.saved_params(workdir, step)), f'checkpoint {step}'
+
+
+def _last_window(workdir, last):
+  """The steps `last:K` averages: the window `average` and the trainer's average take (an off-interval final
+  save is left out), with a warning, as theirs, where it holds fewer than K."""
+  steps = checkpoints_lib.averaging_window(checkpoints_lib.saved_steps(workdir), last,
+                                           checkpoints_lib.regular_save_interval(workdir))
+  if 0 < len(steps) < last:
+    logging.warning('--checkpoint last:%d averages %d checkpoints %s, fewer than the %d asked: %s holds no more '
+                    'at the regular interval', last, len(steps), steps, last,
+                    checkpoints_lib.checkpoint_directory(workdir))
+  return steps
 
 
 def _saved_step(workdir, checkpoint):
