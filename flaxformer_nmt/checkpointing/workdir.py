@@ -44,6 +44,8 @@ def _merge(config, saved, path, prefix=''):
       raise ConfigError(f'{path}: config.{prefix}{key} is not a field of this version\'s config (base_config); '
                         'the workdir was written by another version: train a new one')
     if isinstance(config[key], ml_collections.ConfigDict):
+      if not isinstance(value, dict):
+        raise ConfigError(f'{path}: config.{prefix}{key}={value!r} is not of its type (an object of fields)')
       _merge(config[key], value, path, f'{prefix}{key}.')
       continue
     try:
@@ -62,13 +64,16 @@ def read_config(path):
   except json.JSONDecodeError as e:
     raise ConfigError(f'{path} is not valid JSON ({e}): repair it (the config this workdir was trained with) or '
                       'use a new --workdir') from None
+  if not isinstance(saved, dict):
+    raise ConfigError(f'{path} holds {saved!r:.40}, not a config (a JSON object of fields): repair it (the config '
+                      'this workdir was trained with) or use a new --workdir')
   config = config_lib.base_config()
+  _merge(config, saved, path)
   for field in _model_fields(config):
     section, _, name = field.rpartition('.')
     if name not in (saved.get(section, {}) if section else saved):
       raise ConfigError(f'{path} lacks config.{field}, which names the trained model: the workdir was written by '
                         'another version; train a new one')
-  _merge(config, saved, path)
   return config
 
 
