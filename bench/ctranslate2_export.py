@@ -10,13 +10,17 @@ greedy search: ours (Translator with --dtype, default the config's, warmed up so
 its row names the compute dtype and the matmul operands' precision the model runs with, e.g. bfloat16
 operands where the config's matmul_precision is auto on a CPU with bf16 dot instructions) and CTranslate2
 (`translate_batch` on the whole input with `max_batch_size` 64 sorted by length, `intra_threads=--threads`,
-default every CPU). Our beam uses the config's
+default every CPU, after a warm-up on the first 64 sentences; each of its measurements in a fresh process,
+shared neither with our XLA threads nor with an earlier int8 translation). Our beam uses the config's
 GNMT length penalty ((5 + n) / 6)^alpha; CTranslate2's closest is length_penalty=alpha on length^alpha: the
 row "identical lines" measures how far apart that leaves the two. Timings are decoding only (tokenization
 and detokenization excluded on both sides). Prints a Markdown table.
 """
+import json
 import os
 import platform
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -54,20 +58,34 @@ def ours(translator, token_lists, beam_size):
   return [[t for t in hyps[0][0] if t != EOS_ID] for hyps in results], seconds
 
 
+# One CTranslate2 measurement in a process of its own (job on stdin, results on stdout, as JSON): in one process,
+# an int8 model's translation left CTranslate2 float32 greedy search 3.5x slower for the rest of the process.
+THEIRS_SCRIPT = r"""
+import json, sys, time, ctranslate2
+job = json.load(sys.stdin)
+translator = ctranslate2.Translator(job['model_dir'], device='cpu', compute_type=job['compute_type'], inter_threads=1,
+                                    intra_threads=job['threads'])
+translator.translate_batch(job['pieces'][:64], **job['options'])  # warm-up: allocations, thread pool
+start = time.perf_counter()
+results = translator.translate_batch(job['pieces'], **job['options'])
+seconds = time.perf_counter() - start
+json.dump({'hypotheses': [r.hypotheses[0] for r in results], 'seconds': seconds}, sys.stdout)
+"""
+
+
 def theirs(model_dir, compute_type, pieces, beam_size, alpha, threads, max_lengths):
-  """(token ids per line, seconds) of CTranslate2; max_decoding_length is one per call, so the longest
-  limit of the input (each line is then cut to its own limit, as ours would be)."""
-  import ctranslate2  # pylint: disable=g-import-not-at-top
-  translator = ctranslate2.Translator(str(model_dir), device='cpu', compute_type=compute_type,
-                                      inter_threads=1, intra_threads=threads)
+  """(pieces per line, seconds) of CTranslate2, in a fresh process (THEIRS_SCRIPT); max_decoding_length is one
+  per call, so the longest limit of the input (each line is then cut to its own limit, as ours would be)."""
   options = dict(beam_size=beam_size, length_penalty=alpha if beam_size > 1 else 1.0,
                  max_decoding_length=max(max_lengths), max_batch_size=64, batch_type='examples',
                  suppress_sequences=[['<pad>'], ['<s>']])
-  translator.translate_batch(pieces[:64], **options)  # warm-up: allocations, thread pool
-  start = time.perf_counter()
-  results = translator.translate_batch(pieces, **options)
-  seconds = time.perf_counter() - start
-  return [r.hypotheses[0][:limit] for r, limit in zip(results, max_lengths)], seconds
+  job = dict(model_dir=str(model_dir), compute_type=compute_type, threads=threads, pieces=pieces, options=options)
+  result = subprocess.run([sys.executable, '-c', THEIRS_SCRIPT], input=json.dumps(job), capture_output=True,
+                          text=True, check=False)
+  if result.returncode:
+    raise RuntimeError(f'CTranslate2 {compute_type} failed ({result.returncode}):\n{result.stderr[-3000:]}')
+  found = json.loads(result.stdout)
+  return [h[:limit] for h, limit in zip(found['hypotheses'], max_lengths)], found['seconds']
 
 
 def main(argv):

@@ -15,8 +15,11 @@ For every input and for beam search (the config's beam size and length penalty, 
   it (beam size, length penalty alpha, max_decoding_length = longest source + max_decode_extra_length in one
   translate_batch call, each hypothesis then cut to its own source's pieces + max_decode_extra_length as ours
   is limited; intra_threads --threads, batches of --tokens_per_batch tokens, default the config's, sorted by
-  length) and writes it. Its OpenMP threads wait passively (OMP_WAIT_POLICY=PASSIVE): where other processes share the
-  cores, spinning ones made it 7x slower (greedy test2016, 16.5 s against 2.4 s, 2-core EPYC).
+  length) and writes it (its seconds and peak RSS are up to then). Its OpenMP threads wait as the environment
+  says (OMP_WAIT_POLICY; unset: the runtime's own, spinning a while), as a user's process runs, or as
+  --omp_wait_policy sets: PASSIVE made its warm search 1.5x slower in beam search and 2.5x in greedy where
+  nothing else loads the cores (test2016, 2-core EPYC), but helps it where other processes do (spinning threads
+  made it 7x slower there: greedy test2016, 16.5 s against 2.4 s).
 - `warm search`: Translator.search_tokens in this process after a pass that compiled its programs, against
   translate_batch again in the CTranslate2 process after its first pass (a process of its own: XLA's threads
   do not share its cores), the fastest of --repeats: sentences per second.
@@ -79,6 +82,9 @@ for i, result in zip(nonempty, results):
   out[i] = sp.decode(result.hypotheses[0][:len(pieces[i]) + int(extra)])  # each line's own limit, as ours
 open(output, 'w', encoding='utf-8').write(''.join(line + '\n' for line in out))
 print('written at', time.time(), file=sys.stderr, flush=True)
+# its peak RSS up to its output written, where the decode command's life ends (the warm passes may add)
+print('peak RSS when written', [l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')][0], 'kB',
+      file=sys.stderr, flush=True)
 if int(repeats):  # the warm search: translate_batch again, after the pass above allocated its caches
   seconds = []
   for _ in range(int(repeats)):
@@ -105,6 +111,8 @@ def define_flags():
                        'command\'s, CTranslate2 the config\'s decode_tokens_per_batch).')
   flags.DEFINE_integer('threads', os.cpu_count(), 'CTranslate2 intra_threads (XLA uses every core).')
   flags.DEFINE_string('compute_type', 'float32', 'CTranslate2\'s compute_type.')
+  flags.DEFINE_enum('omp_wait_policy', None, ['ACTIVE', 'PASSIVE'], 'CTranslate2\'s OMP_WAIT_POLICY (default: '
+                    'the environment\'s): PASSIVE where other processes load the cores.')
   flags.DEFINE_enum('dtype', None, list(decode.DTYPES), 'Ours: the decode command\'s --dtype (default: the '
                     'config\'s; float32 also keeps matmul operands float32 where the config rounds them to bfloat16).')
   flags.DEFINE_bool('processes', True, 'Also time the decode command and CTranslate2 as whole processes.')
@@ -162,22 +170,27 @@ def alpha_of(FLAGS, translator):  # pylint: disable=invalid-name
 
 def ctranslate2_process(FLAGS, translator, model_dir, source, output, beam_size,  # pylint: disable=invalid-name
                         repeats=0):
-  """CTranslate2 as a whole process on `source`: (seconds from its launch to its output written, peak MB,
-  its warm search's seconds: the fastest of `repeats` more passes in that process after the output is
+  """CTranslate2 as a whole process on `source`: (seconds from its launch to its output written, peak MB until
+  then, its warm search's seconds: the fastest of `repeats` more passes in that process after the output is
   written; None without)."""
   c = translator.config
   alpha = alpha_of(FLAGS, translator) if beam_size > 1 else 1.0
-  env = dict(os.environ, OMP_WAIT_POLICY='PASSIVE')
+  env = ctranslate2_env(FLAGS.omp_wait_policy)
   launched = time.time()
-  _, megabytes, log = run_process([sys.executable, '-c', CT2_SCRIPT, str(model_dir), source, output,
-                                         str(max(beam_size, 1)), str(alpha), str(c.max_decode_extra_length),
-                                         str(FLAGS.threads), str(FLAGS.tokens_per_batch or c.decode_tokens_per_batch),
-                                         FLAGS.compute_type, '1' if translator.lowercase else '0', str(repeats)],
-                                        env)
+  _, _, log = run_process([sys.executable, '-c', CT2_SCRIPT, str(model_dir), source, output,
+                           str(max(beam_size, 1)), str(alpha), str(c.max_decode_extra_length),
+                           str(FLAGS.threads), str(FLAGS.tokens_per_batch or c.decode_tokens_per_batch),
+                           FLAGS.compute_type, '1' if translator.lowercase else '0', str(repeats)], env)
   warm = re.search(r'warm seconds ([\d.e-]+)', log)
   # The process as a user's script: from its launch to its output written (the warm passes come after).
   seconds = float(re.search(r'written at ([\d.]+)', log)[1]) - launched
+  megabytes = int(re.search(r'peak RSS when written (\d+) kB', log)[1]) / 1024
   return seconds, megabytes, float(warm[1]) if warm else None
+
+
+def ctranslate2_env(policy):
+  """The CTranslate2 process's environment: this process's, with OMP_WAIT_POLICY=`policy` where one is given."""
+  return dict(os.environ, **({'OMP_WAIT_POLICY': policy} if policy else {}))
 
 
 def warm_search(FLAGS, translator, sources, beam_size):  # pylint: disable=invalid-name
@@ -347,8 +360,9 @@ def run(FLAGS, translator, scratch, loaded):  # pylint: disable=invalid-name
         f'{alpha_of(FLAGS, translator)}; tokens per batch: ours '
         f'{translator.ladder(FLAGS.tokens_per_batch).tokens_per_batch}, '
         f'CTranslate2 {FLAGS.tokens_per_batch or c.decode_tokens_per_batch}; '
-        f'CTranslate2 {FLAGS.compute_type}, intra_threads {FLAGS.threads}; a 4096x1024x1024 matmul of {operands} '
-        f'operands {matmul / 1e9:.1f} GFLOP/s; our RSS with the model loaded {loaded:.0f} MB')
+        f'CTranslate2 {FLAGS.compute_type}, intra_threads {FLAGS.threads}, OMP_WAIT_POLICY '
+        f'{ctranslate2_env(FLAGS.omp_wait_policy).get("OMP_WAIT_POLICY", "unset")}; a 4096x1024x1024 matmul of '
+        f'{operands} operands {matmul / 1e9:.1f} GFLOP/s; our RSS with the model loaded {loaded:.0f} MB')
   rows = []
   for path in FLAGS.inputs:
     if not epath.Path(path).exists():

@@ -50,8 +50,10 @@ if [ "${SMOKE:-0}" = 1 ]; then
                --config.eval_bleu_every_steps=30 --config.eval_bleu_max_sentences=40
                --config.checkpoint_every_steps=30)
   DISPATCH_STEPS=${DISPATCH_STEPS:-40}
+  PROFILE_SIZES=("${TT_SIZES[@]}")
 else
   TT_SIZES=(--steps 20)
+  PROFILE_SIZES=(--steps 10)
   DECODE_SIZES=(--max_sentences 1000)
   TRAIN_SIZES=(--config.max_train_minutes=${MULTI30K_MINUTES:-2.5})
 fi
@@ -172,7 +174,9 @@ stage_dispatch() {
 }
 
 stage_multi30k() {
-  local workdir=/tmp/m30k_gpu worst=0
+  # A new workdir each time: a rerun on a warm machine would resume the last one, its minutes already trained
+  local workdir worst=0
+  workdir=$(mktemp -d /tmp/m30k_gpu.XXXXXX)
   local start=$SECONDS
   run timeout 600 $PY -m flaxformer_nmt.train --config configs/multi30k.py --workdir $workdir \
     --config.data_dir=gpu_carry/data/multi30k --config.eval_bleu_tok_ref_dir=gpu_carry/data/multi30k_tok \
@@ -192,7 +196,7 @@ stage_multi30k() {
 stage_profile() {
   # Where the big step's time goes, op by op (bench/op_profile.py): the share MFU does not account for
   timeout 150 $PY bench/train_throughput.py --nocheck_xla_flops --configs big --lengths 64 --tokens_per_batch 16384 \
-    --steps 10 --profile_dir /tmp/big_profile --profile_top 30
+    --profile_dir /tmp/big_profile --profile_top 30 "${PROFILE_SIZES[@]}"
 }
 
 setup

@@ -7,8 +7,10 @@ fresh process (their own devices), as `python bench/NAME.py`.
 """
 import os
 import re
+import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -225,3 +227,142 @@ def test_stop_latency_steady_ms_per_step():
   assert stop_latency.steady_ms_per_step(log) == 20
   assert stop_latency.steady_ms_per_step(line.format(5, 3292)) is None
   assert stop_latency.steady_ms_per_step(line.format(5, 3292) + line.format(10, 0)) is None
+
+
+def test_decode_throughput_leaves_ctranslate2_s_thread_policy_to_the_environment(monkeypatch):
+  """The CTranslate2 process waits as this process's OMP_WAIT_POLICY says (unset: the OpenMP runtime's own), or
+  as --omp_wait_policy sets. Catches a policy forced on it: PASSIVE made its warm search 1.5x (beam) and 2.5x
+  (greedy) slower on cores nothing else loads."""
+  decode_throughput = _bench_module('decode_throughput')
+  seen = []
+
+  def run_process(command, env=None):
+    del command
+    seen.append(env.get('OMP_WAIT_POLICY'))
+    return 1.0, 100.0, 'written at 0\npeak RSS when written 1000 kB\nwarm seconds 0.5\n'
+  monkeypatch.setattr(decode_throughput, 'run_process', run_process)
+  config = types.SimpleNamespace(length_penalty_alpha=1.0, max_decode_extra_length=50, decode_tokens_per_batch=512)
+  translator = types.SimpleNamespace(config=config, lowercase=False)
+  for environment, policy in ((None, None), ('ACTIVE', None), (None, 'PASSIVE')):
+    if environment:
+      monkeypatch.setenv('OMP_WAIT_POLICY', environment)
+    else:
+      monkeypatch.delenv('OMP_WAIT_POLICY', raising=False)
+    flags = types.SimpleNamespace(alpha=None, threads=1, tokens_per_batch=None, compute_type='float32',
+                                  omp_wait_policy=policy)
+    decode_throughput.ctranslate2_process(flags, translator, 'model', 'in.en', 'out.de', 5, repeats=1)
+  assert seen == [None, 'ACTIVE', 'PASSIVE']
+
+
+# Stand-ins for ctranslate2 and sentencepiece: their second translate_batch call (the first warm pass) holds 300 MB.
+_CT2_STUB = """
+class _Result:
+  hypotheses = [['w']]
+
+
+class Translator:
+  calls = 0
+
+  def __init__(self, *args, **kwargs):
+    pass
+
+  def translate_batch(self, batch, **options):
+    Translator.calls += 1
+    if Translator.calls > 1:
+      Translator.held = b'x' * (300 << 20)
+    return [_Result() for _ in batch]
+"""
+_SENTENCEPIECE_STUB = """
+class SentencePieceProcessor:
+  def __init__(self, model_file):
+    pass
+
+  def encode(self, line, out_type=str):
+    return line.split()
+
+  def decode(self, pieces):
+    return ' '.join(pieces)
+"""
+
+
+def test_decode_throughput_ctranslate2_s_peak_rss_is_up_to_its_output(tmp_path, monkeypatch):
+  """The CTranslate2 process's peak RSS is its peak up to its output written, as the decode command's ends with
+  its output. Catches the peak of the whole process, its warm passes after the output included (a greedy
+  process's 105 MB read 110-114)."""
+  decode_throughput = _bench_module('decode_throughput')
+  (tmp_path / 'ctranslate2.py').write_text(_CT2_STUB)
+  (tmp_path / 'sentencepiece.py').write_text(_SENTENCEPIECE_STUB)
+  (tmp_path / 'in.en').write_text('a dog\na cat\n')
+  monkeypatch.setenv('PYTHONPATH', str(tmp_path))
+  config = types.SimpleNamespace(length_penalty_alpha=1.0, max_decode_extra_length=50, decode_tokens_per_batch=512)
+  translator = types.SimpleNamespace(config=config, lowercase=False)
+  flags = types.SimpleNamespace(alpha=None, threads=1, tokens_per_batch=None, compute_type='float32',
+                                omp_wait_policy=None)
+  _, megabytes, warm = decode_throughput.ctranslate2_process(flags, translator, tmp_path, str(tmp_path / 'in.en'),
+                                                             str(tmp_path / 'out.de'), 5, repeats=1)
+  assert warm is not None and (tmp_path / 'out.de').read_text() == 'w\nw\n'
+  assert 0 < megabytes < 200, megabytes
+
+
+def test_ctranslate2_export_measures_ctranslate2_in_a_process_of_its_own(tmp_path, monkeypatch):
+  """bench/ctranslate2_export.py's CTranslate2 translations run in a fresh process each, with the translations an
+  in-process translate_batch gives. Catches them run in the bench's process, where an int8 model's translation
+  left the float32 greedy search that followed 3.5x slower."""
+  ctranslate2 = pytest.importorskip('ctranslate2')
+  from flaxformer_nmt.serving import ctranslate2 as export  # pylint: disable=import-outside-toplevel
+  from conftest import tiny_model  # pylint: disable=import-outside-toplevel
+  vocabulary = ['<pad>', '<unk>', '<s>', '</s>'] + [f'w{i}' for i in range(12)]
+  model, params = tiny_model()
+  spec = export.ctranslate2_spec(export.jax_to_numpy(params), model.config, vocabulary)
+  spec.validate()
+  spec.optimize()
+  spec.save(str(tmp_path))
+  pieces = [['w1', 'w2', 'w3'], ['w4'], ['w5', 'w6', 'w7', 'w8', 'w9']]
+  limits = [len(p) + 3 for p in pieces]
+  options = dict(beam_size=2, length_penalty=1.0, max_decoding_length=max(limits), max_batch_size=64,
+                 batch_type='examples', suppress_sequences=[['<pad>'], ['<s>']])
+  translator = ctranslate2.Translator(str(tmp_path), device='cpu', compute_type='float32', intra_threads=1)
+  expected = [r.hypotheses[0][:n] for r, n in zip(translator.translate_batch(pieces, **options), limits)]
+
+  class Refused:
+    def Translator(self, *args, **kwargs):  # pylint: disable=invalid-name
+      raise AssertionError('CTranslate2 translated in the bench\'s process')
+  monkeypatch.setitem(sys.modules, 'ctranslate2', Refused())
+  found, seconds = _bench_module('ctranslate2_export').theirs(tmp_path, 'float32', pieces, 2, 1.0, 1, limits)
+  assert found == expected and seconds > 0
+
+
+def _gpu_session(tmp_path, stub_lines, *stages, **variables):
+  """bench/gpu_session.sh `stages` run with a stand-in Python (`stub_lines` after setup's query); its stdout."""
+  stub = tmp_path / 'python'
+  stub.write_text('#!/usr/bin/env bash\n[ "$1" = - ] && exit 0\n' + ''.join(line + '\n' for line in stub_lines))
+  stub.chmod(0o755)
+  env = dict(os.environ, OUT=str(tmp_path / 'out'), PY=str(stub), **variables)
+  result = subprocess.run(['bash', os.path.join(BENCH, 'gpu_session.sh'), *stages], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+  return result.stdout
+
+
+def test_gpu_session_smoke_shrinks_every_train_step_it_times(tmp_path):
+  """SMOKE=1 (a CPU's rehearsal): each bench/train_throughput.py run of the throughput, memory and profile stages
+  times the tiny config (its last --configs, which absl keeps). Catches a stage left at the big model's steps."""
+  calls = tmp_path / 'calls'
+  _gpu_session(tmp_path, [f'echo "$*" >> {calls}'], 'throughput', 'memory', 'profile', SMOKE='1')
+  runs = [line.split() for line in calls.read_text().splitlines() if 'bench/train_throughput.py' in line]
+  configs = [[value for flag, value in zip(run, run[1:]) if flag == '--configs'][-1] for run in runs]
+  assert configs == ['multi30k_tiny'] * 6, runs
+
+
+def test_gpu_session_trains_multi30k_in_a_new_workdir_each_time(tmp_path):
+  """The multi30k stage run twice (a rerun on a warm machine) trains from scratch both times. Catches a fixed
+  workdir that the second run's trainer resumes, its minutes already trained."""
+  calls = tmp_path / 'calls'
+  stub = ['[ "$2" = flaxformer_nmt.train ] || exit 0', 'while [ "$1" != --workdir ]; do shift; done',
+          f'echo "$2 $(ls -A "$2" 2>/dev/null | wc -l)" >> {calls}', 'mkdir -p "$2" && touch "$2/metrics.jsonl"']
+  try:
+    _gpu_session(tmp_path, stub, 'multi30k', 'multi30k')
+    seen = [line.split() for line in calls.read_text().splitlines()]
+  finally:
+    for line in calls.read_text().splitlines() if calls.exists() else []:
+      shutil.rmtree(line.split()[0], ignore_errors=True)
+  assert len(seen) == 2 and seen[0][0] != seen[1][0] and [files for _, files in seen] == ['0', '0'], seen
