@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import zlib
 
 import pytest
 
@@ -298,6 +299,39 @@ def test_a_corrupted_download_stops_training_with_one_error(file_server, tmp_pat
   with pytest.raises(data_lib.DataError, match=r'val.de.gz: sha256 .* differs.*--config.data_dir=DIR'):
     download.ensure_corpus(load_config())
   assert not (tmp_path / 'cache' / 'multi30k' / 'valid.de').exists()
+
+
+def test_a_damaged_gzip_stream_is_refused_by_name_and_stops_training_with_one_error(file_server, tmp_path,
+                                                                                   monkeypatch):
+  """A .gz whose compressed data is damaged (a bad mirror, a flipped bit) made zlib.error escape as a traceback:
+  the download command and the first training run named neither the file nor the way forward."""
+  root, url, _ = file_server
+  serve_toy_multi30k(root, monkeypatch)
+  remote = download.MULTI30K_FILES['valid.de'][0]
+  damaged = bytearray((root / remote).read_bytes())
+  damaged[10] |= 0b110  # the first deflate block's type bits set to 11, a type that does not exist
+  (root / remote).write_bytes(bytes(damaged))
+  with pytest.raises(zlib.error):
+    gzip.decompress(bytes(damaged))
+  with pytest.raises(download.DownloadError, match=rf'{remote}: not a valid gzip file'):
+    download.download_multi30k(tmp_path / 'm30k', tmp_path / 'm30k_tok', url)
+  assert not (tmp_path / 'm30k' / 'valid.de').exists()
+  monkeypatch.setenv(download.URL_ENV, url)
+  monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / 'cache'))
+  with pytest.raises(data_lib.DataError, match=r'val.de.gz: not a valid gzip file.*--config.data_dir=DIR'):
+    download.ensure_corpus(load_config())
+
+
+def test_a_mirror_given_as_a_bare_path_is_one_error_naming_the_url_form(tmp_path, monkeypatch):
+  """$FLAXFORMER_NMT_MULTI30K_URL or --base_url set to a directory path (not a file:// URL) ended in urllib's
+  ValueError as a traceback, in training and in the download command alike."""
+  mirror = str(tmp_path / 'mirror')
+  with pytest.raises(download.DownloadError, match=r"mirror '.*/mirror' is not an http\(s\):// or file:// URL"):
+    download.download_files(tmp_path / 'm30k', download.MULTI30K_FILES, mirror)
+  monkeypatch.setenv(download.URL_ENV, mirror)
+  monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / 'cache'))
+  with pytest.raises(data_lib.DataError, match=r'is not an http\(s\):// or file:// URL.*--config.data_dir=DIR'):
+    download.ensure_corpus(load_config())
 
 
 def test_training_offline_stops_with_one_error_naming_the_flag(tmp_path):

@@ -21,7 +21,9 @@ import http.client
 import os
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
+import zlib
 
 from absl import logging
 from etils import epath
@@ -167,7 +169,11 @@ def download_multi30k(data_dir, tok_dir, base_url=None):
 
 def mirror(base_url=None):
   """`base_url`, else $FLAXFORMER_NMT_MULTI30K_URL, else the pinned commit on GitHub."""
-  return (base_url or os.environ.get(URL_ENV) or MULTI30K_URL).rstrip('/')
+  url = (base_url or os.environ.get(URL_ENV) or MULTI30K_URL).rstrip('/')
+  if urllib.parse.urlsplit(url).scheme not in ('http', 'https', 'file'):
+    raise DownloadError(f'mirror {url!r} is not an http(s):// or file:// URL (--base_url, ${URL_ENV}); for a local '
+                        'directory use file:///ABSOLUTE/PATH')
+  return url
 
 
 def download_files(directory, files, base_url=None):
@@ -217,7 +223,7 @@ def checked_text(url, data, expected, lines):
   if url.endswith('.gz'):
     try:
       data = gzip.decompress(data)
-    except (OSError, EOFError) as e:
+    except (OSError, EOFError, zlib.error) as e:  # zlib.error: a damaged compressed stream
       raise DownloadError(f'{url}: not a valid gzip file ({e})') from None
   if sha256(data) != expected:
     raise DownloadError(f'{url}: sha256 {sha256(data)} differs from the expected {expected} (a changed or '
