@@ -197,6 +197,18 @@ def test_export_cli_writes_text_splits(toy_corpus, tmp_path):
   assert (tmp_path / 'out' / 'valid.en').read_text() == (toy_corpus / 'valid.en').read_text()
 
 
+def test_export_writes_monolingual_text_as_the_target_side_alone(tmp_path):
+  """An lm/mlm config's corpus reads as (lines, None): export wrote its German lines as valid.en, then failed with
+  a TypeError on the missing second side."""
+  raw = 'Ein  Hund\tläuft.\n\n  Zwei Katzen \r\nDas Ende.'
+  (tmp_path / 'valid.de').write_bytes(raw.encode('utf-8'))
+  expected = [' '.join(line.split()) for line in raw.split('\n') if line.strip()]
+  paths = corpora.export_text(corpora.TextLines(tmp_path / 'valid.de'), tmp_path / 'out', 'valid', 'en', 'de')
+  assert [p.name for p in paths] == ['valid.de']
+  assert (tmp_path / 'out' / 'valid.de').read_text(encoding='utf-8') == ''.join(line + '\n' for line in expected)
+  assert sorted(p.name for p in (tmp_path / 'out').iterdir()) == ['valid.de']
+
+
 def test_a_file_rewritten_within_the_same_second_with_the_same_size_is_another_corpus(tmp_path):
   """Wrong rule caught: the fingerprint kept the modification time in whole seconds, so a fix of the same length
   (a typo, `sed -i`) made in the second the file was written kept serving the stale token cache."""

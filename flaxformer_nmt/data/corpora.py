@@ -230,12 +230,14 @@ def open_split(config, split):
 
 def export_text(pairs, output_dir, split, source_lang, target_lang):
   """Writes `{split}.{source_lang}` / `{split}.{target_lang}` files (for decode --input and evaluate --ref), the
-  text as training reads it (whitespace normalized; lowercased for a lowercased config)."""
+  text as training reads it (whitespace normalized; lowercased for a lowercased config). Monolingual text
+  (lm/mlm, read as (lines, None)) is the target side alone: `{split}.{target_lang}`."""
   output_dir = epath.Path(output_dir)
   output_dir.mkdir(parents=True, exist_ok=True)
   source, target = pairs.read(range(len(pairs)))
+  sides = ((target_lang, source),) if target is None else ((source_lang, source), (target_lang, target))
   paths = []
-  for lang, lines in ((source_lang, source), (target_lang, target)):
+  for lang, lines in sides:
     path = output_dir / f'{split}.{lang}'
     path.write_text(''.join(line + '\n' for line in lines), encoding='utf-8')
     paths.append(path)
