@@ -25,11 +25,16 @@ MULTI30K_CONFIGS = ('multi30k', 'multi30k_best', 'multi30k_tiny', 'lm_multi30k',
 
 class TruncatingHandler(http.server.SimpleHTTPRequestHandler):
   """Serves files from `directory`; a file named in `truncated` is announced whole (Content-Length) but only its
-  first half is sent before the connection closes, as a dropped connection does."""
-  truncated = ()
+  first half is sent before the connection closes, as a dropped connection does; a file named in `limited` is
+  answered 429 Too Many Requests that many times first, as a rate-limiting host does."""
+  truncated, limited = (), {}
 
   def do_GET(self):  # pylint: disable=invalid-name
     name = self.path.lstrip('/')
+    if self.limited.get(name):
+      self.limited[name] -= 1
+      self.send_error(429, 'Too Many Requests')
+      return None
     if name not in self.truncated:
       return super().do_GET()
     data = open(os.path.join(self.directory, name), 'rb').read()
@@ -49,7 +54,7 @@ def file_server(tmp_path):
   """(root, url, handler): an HTTP server on 127.0.0.1 serving tmp_path/'remote'."""
   root = tmp_path / 'remote'
   root.mkdir()
-  handler = type('Handler', (TruncatingHandler,), {'truncated': set()})
+  handler = type('Handler', (TruncatingHandler,), {'truncated': set(), 'limited': {}})
   server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), functools.partial(handler, directory=str(root)))
   thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
   thread.start()
@@ -121,6 +126,19 @@ def test_a_connection_dropped_mid_file_leaves_no_file(file_server, tmp_path, mon
     download.download_multi30k(tmp_path / 'm30k', tmp_path / 'm30k_tok', url)
   assert not (tmp_path / 'm30k_tok' / 'train.de').exists()
   assert not list((tmp_path / 'm30k_tok').glob('.*'))
+
+
+def test_a_rate_limited_file_is_asked_for_again(file_server, tmp_path, monkeypatch):
+  """Wrong rule caught: only 5xx answers were retried, so one 429 from a rate-limiting host (GitHub's raw files
+  answer so) stopped the download, where a later try gets the file."""
+  root, url, handler = file_server
+  serve_toy_multi30k(root, monkeypatch)
+  remote = download.MULTI30K_TOK_FILES['train.de'][0]
+  handler.limited[remote] = 2
+  monkeypatch.setattr(download.time, 'sleep', lambda seconds: None)  # the retries' backoff
+  download.download_multi30k(tmp_path / 'm30k', tmp_path / 'm30k_tok', url)
+  assert handler.limited[remote] == 0
+  assert (tmp_path / 'm30k_tok' / 'train.de').read_text() == (root / remote).read_text()
 
 
 def test_a_write_that_fails_midway_leaves_no_file(file_server, tmp_path, monkeypatch):

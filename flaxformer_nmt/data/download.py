@@ -207,7 +207,8 @@ def fetch(url, attempts=3, timeout=60):
       with urllib.request.urlopen(url, timeout=timeout) as response:
         return response.read()
     except urllib.error.HTTPError as e:
-      if e.code < 500 or attempt == attempts:  # 404 and the like will not get better
+      # 404 and the like will not get better; a server error, a timeout or a rate limit may
+      if (e.code < 500 and e.code not in (408, 429)) or attempt == attempts:
         raise DownloadError(f'{url}: HTTP {e.code} {e.reason}') from None
     except (urllib.error.URLError, http.client.HTTPException, TimeoutError, ConnectionError) as e:
       if url.startswith('file:'):  # a local mirror: asking again will not make a missing file appear
