@@ -30,6 +30,8 @@ def load_config_file(path, *args):
 TASKS = ('translation', 'lm', 'mlm')  # config.task
 DATA_SOURCES = ('text', 'tfds')  # config.data_source
 SCHEDULES = ('paper', 'inverse_sqrt')  # config.learning_rate_schedule
+# The field that sets each schedule's peak learning rate (what lowers the rate of a run that diverges).
+PEAK_FIELDS = {'paper': 'learning_rate_scale', 'inverse_sqrt': 'learning_rate'}
 BEST_CHECKPOINT_METRICS = ('bleu', 'tok_bleu', 'loss', 'nll')  # config.best_checkpoint_metric, or '' (off)
 MODEL_DTYPES = ('auto', 'float32', 'bfloat16', 'float16')  # config.model.dtype
 ATTENTION_IMPLS = ('auto', 'xla', 'cudnn', 'einsum')  # config.model.attention_impl
@@ -205,7 +207,7 @@ def _optimization_fields(c):
   c.learning_rate_scale = 1.0
   c.warmup_steps = 4000
   # > 0: the learning rate falls linearly to 0 over the last cooldown_steps of num_train_steps (times the
-  # schedule above; fairseq's tri_stage decay). 0 (the paper): no cooldown. A run stopped early by
+  # schedule above; the decay of warmup-stable-decay schedules). 0 (the paper): no cooldown. A run stopped early by
   # max_train_minutes never reaches the ramp's end: size num_train_steps to the time.
   c.cooldown_steps = 0
   c.adam_b1 = 0.9
@@ -363,6 +365,7 @@ def validate(config):
   _validate_counts(config)
   _validate_data(config)
   _validate_schedule(config)
+  _validate_optimizer(config)
   _validate_model(config)
   _validate_translation_options(config)
   _validate_checkpoints(config)
@@ -436,12 +439,26 @@ def _validate_schedule(config):
   if not 0.0 <= config.label_smoothing < 1.0:
     raise ConfigError(f'config.label_smoothing={config.label_smoothing} is a probability mass: use 0 (off) to '
                       'below 1')
-  if config.learning_rate_schedule == 'inverse_sqrt' and config.learning_rate <= 0:
-    raise ConfigError(f"config.learning_rate={config.learning_rate}: config.learning_rate_schedule='inverse_sqrt' "
-                      'needs a peak learning rate > 0')
+  peak = PEAK_FIELDS.get(config.learning_rate_schedule)
+  if peak and config[peak] <= 0:
+    raise ConfigError(f'config.{peak}={config[peak]}: config.learning_rate_schedule='
+                      f'{config.learning_rate_schedule!r} needs a peak learning rate > 0')
   if not 0 <= config.cooldown_steps <= config.num_train_steps:
     raise ConfigError(f'config.cooldown_steps={config.cooldown_steps}: use 0 (no cooldown) to config.num_train_steps='
                       f'{config.num_train_steps} (the ramp ends at the last update)')
+
+
+def _validate_optimizer(config):
+  """Adam's coefficients, weight decay and clipping. A beta of 1 or more, or an epsilon of 0 (where a dead ReLU
+  leaves a gradient of 0, its update is 0 / 0), makes a finite gradient's update NaN."""
+  for field in ('adam_b1', 'adam_b2'):
+    if not 0.0 <= config[field] < 1.0:
+      raise ConfigError(f'config.{field}={config[field]} is a moment decay rate: use 0 to below 1')
+  if not config.adam_eps > 0.0:
+    raise ConfigError(f'config.adam_eps={config.adam_eps}: use a number > 0 (the paper 1e-9, fairseq 1e-8)')
+  for field in ('weight_decay', 'grad_clip_norm'):
+    if not config[field] >= 0.0:
+      raise ConfigError(f'config.{field}={config[field]}: use 0 (off) or more')
 
 
 def _validate_model(config):

@@ -410,7 +410,15 @@ def _with(config, field, value):
     # ZeroDivisionError inside validate, or a model whose head size, dimensions or layer count is negative.
     ('model.num_heads', 0, 'use a whole number >= 1'), ('model.num_heads', -8, 'use a whole number >= 1'),
     ('model.d_model', 0, 'use a whole number >= 1'), ('model.d_ff', 0, 'use a whole number >= 1'),
-    ('model.num_encoder_layers', -1, 'use a whole number >= 0')])
+    ('model.num_encoder_layers', -1, 'use a whole number >= 0'),
+    # Adam's update of a finite gradient is NaN (written into the parameters, the NaN guard seeing a finite loss and
+    # gradient) at a beta of 1 (1 - beta^t = 0) or an epsilon of 0 (a dead ReLU's gradient 0: 0 / 0); a negative
+    # decay or clipping norm was ignored as off, a paper-schedule scale of 0 trained at rate 0.
+    ('adam_b1', 1.0, 'is a moment decay rate'), ('adam_b2', 1.0, 'is a moment decay rate'),
+    ('adam_b2', -0.5, 'is a moment decay rate'), ('adam_eps', 0.0, 'use a number > 0'),
+    ('adam_eps', -1e-9, 'use a number > 0'), ('weight_decay', -0.01, r'use 0 \(off\) or more'),
+    ('grad_clip_norm', -1.0, r'use 0 \(off\) or more'), ('learning_rate_scale', 0.0, 'needs a peak learning rate'),
+    ('learning_rate_scale', -2.0, "learning_rate_schedule='paper' needs a peak learning rate > 0")])
 def test_out_of_range_values_are_named(field, value, message):
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
   c = config_lib.base_config()

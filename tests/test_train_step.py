@@ -174,6 +174,30 @@ def test_adam_betas_and_decoupled_weight_decay_follow_the_config():
   np.testing.assert_allclose(updates['w'], -float(schedule(1)) * m / (np.sqrt(v) + 1e-8), rtol=1e-5)
 
 
+@pytest.mark.parametrize('field, value', [('adam_b1', 1.0), ('adam_b2', 1.0), ('adam_eps', 0.0), ('adam_b1', 0.0),
+                                          ('adam_b2', 0.0), ('adam_b2', 0.9999), ('adam_eps', 1e-30)])
+def test_adam_settings_are_refused_exactly_where_a_finite_gradient_gets_a_nonfinite_update(field, value):
+  """Adam's first update m_hat / (sqrt(v_hat) + eps), written out in NumPy, of a gradient holding a dead ReLU's 0:
+  where it is NaN the optimizer's is too (and the train step's NaN guard, which reads the loss and the gradient,
+  lets it into the parameters), so config.validate must refuse the setting, naming the field; elsewhere accept it."""
+  c = config_lib.base_config()
+  c.data_dir, c.warmup_steps = '/data', 1
+  c[field] = value
+  g = np.array([0.0, 0.5, -2.0])
+  b1, b2, eps = c.adam_b1, c.adam_b2, c.adam_eps
+  with np.errstate(all='ignore'):
+    expected = ((1 - b1) * g / (1 - b1)) / (np.sqrt((1 - b2) * g * g / (1 - b2)) + eps)
+  tx, _ = ts.make_optimizer(c)
+  params = {'w': jnp.zeros(3)}
+  updates, _ = tx.update({'w': jnp.asarray(g, jnp.float32)}, tx.init(params), params)
+  assert bool(np.all(np.isfinite(updates['w']))) == bool(np.all(np.isfinite(expected)))
+  if np.all(np.isfinite(expected)):
+    config_lib.validate(c)
+  else:
+    with pytest.raises(config_lib.ConfigError, match=f'config.{field}={value}'):
+      config_lib.validate(c)
+
+
 def test_train_step_lowers_the_loss_on_a_repeated_batch():
   model, _ = tiny_model()
   c = config_lib.base_config()
