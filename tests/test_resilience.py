@@ -1,5 +1,6 @@
 """Preemption, crashes, NaNs and damaged checkpoints: a run is never lost and resumes exactly."""
 import os
+import re
 import signal
 import json
 import subprocess
@@ -160,6 +161,36 @@ def test_the_nan_flag_of_a_step_run_inside_a_call_of_several_names_that_step():
   interval.add({'nonfinite': jnp.asarray([0, 1, 0, 1])}, [batch] * 4)  # steps 102-105 in one call
   with pytest.raises(metrics_lib.NonFiniteError, match='step 103:'):
     interval.check_finite(105)
+
+
+@pytest.mark.parametrize('schedule', config_lib.SCHEDULES)
+def test_the_nan_errors_advice_names_the_field_that_lowers_the_learning_rate_of_the_runs_schedule(schedule):
+  """The error tells the user which field to lower: halving the field it names must halve the learning rate of the
+  run's schedule at every step (learning_rate_scale moved nothing under 'inverse_sqrt', the Multi30k configs')."""
+  interval = metrics_lib.TrainInterval(None, skip_nonfinite_updates=False, learning_rate_schedule=schedule)
+  interval.add({'nonfinite': jnp.asarray(1)}, [{'src': np.zeros((1, 4)), 'tgt_in': np.zeros((1, 4))}])
+  with pytest.raises(metrics_lib.NonFiniteError, match='step 8:') as error:
+    interval.check_finite(8)
+  (field,) = re.findall(r'Lower the learning rate \(--config\.(\w+)\)', str(error.value))
+  c = config_lib.base_config()
+  c.learning_rate_schedule, c.learning_rate, c.learning_rate_scale, c.warmup_steps = schedule, 0.004, 2.0, 10
+  rates = [float(ts.make_schedule(c)(k)) for k in (0, 9, 40)]
+  c[field] /= 2
+  np.testing.assert_allclose([float(ts.make_schedule(c)(k)) for k in (0, 9, 40)], np.array(rates) / 2, rtol=1e-6)
+
+
+def test_the_trainer_gives_the_nan_error_the_runs_schedule(toy_corpus, tmp_path, monkeypatch):
+  """The loop builds its interval with config.learning_rate_schedule: an 'inverse_sqrt' run's error names
+  --config.learning_rate (a step reporting NaN is simulated; its update was dropped as the step drops it)."""
+  call = ts.TrainStep.__call__
+  monkeypatch.setattr(ts.TrainStep, '__call__', lambda self, state, batch: (
+      lambda out: (out[0], {**out[1], 'nonfinite': jnp.ones((), jnp.int32)}))(call(self, state, batch)))
+  config = small_config(toy_corpus)
+  config.learning_rate_schedule, config.learning_rate = 'inverse_sqrt', 0.001
+  config.num_train_steps, config.log_every_steps, config.length_buckets = 4, 2, (32,)
+  advice = r'step 1: .*Lower the learning rate \(--config\.learning_rate\)'
+  with pytest.raises(metrics_lib.NonFiniteError, match=advice):
+    train.train_and_evaluate(config, tmp_path / 'run')
 
 
 def test_damaged_and_partial_checkpoints_fall_back_to_the_last_good_one(tmp_path, caplog):

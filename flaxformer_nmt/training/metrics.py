@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from etils import epath
 
+from flaxformer_nmt import config as config_lib
 from flaxformer_nmt.runtime import distributed
 from flaxformer_nmt.runtime import flops as flops_lib
 
@@ -71,10 +72,11 @@ class NonFiniteError(RuntimeError):
   """A NaN/Inf loss or gradient, with config.skip_nonfinite_updates off."""
 
 
-def check_finite(unchecked, first_step, skip_nonfinite_updates):
+def check_finite(unchecked, first_step, skip_nonfinite_updates, learning_rate_schedule='paper'):
   """Consumes the per-step NaN/Inf flags of `unchecked` (steps first_step+1...); returns how many were set.
 
-  Raises NonFiniteError naming the first such step unless skip_nonfinite_updates.
+  Raises NonFiniteError naming the first such step unless skip_nonfinite_updates; its advice names the field that
+  sets the peak of `learning_rate_schedule` (config.learning_rate_schedule).
   """
   flags = [int(f) for flag in jax.device_get(unchecked) for f in np.ravel(flag)]  # a step's, or one call's steps'
   unchecked.clear()
@@ -82,9 +84,10 @@ def check_finite(unchecked, first_step, skip_nonfinite_updates):
     bad = first_step + flags.index(1) + 1
     raise NonFiniteError(f'step {bad}: the loss or a gradient is NaN/Inf; the update was not applied and '
                          'training stopped (the newest checkpoint holds the last good state). Lower the '
-                         'learning rate (--config.learning_rate_scale), clip gradients (--config.grad_clip_norm='
-                         '1.0) or skip such updates (--config.skip_nonfinite_updates=true), and rerun the same '
-                         'command: it resumes from that checkpoint with the new setting.')
+                         f'learning rate (--config.{config_lib.PEAK_FIELDS[learning_rate_schedule]}), clip '
+                         'gradients (--config.grad_clip_norm=1.0) or skip such updates '
+                         '(--config.skip_nonfinite_updates=true), and rerun the same command: it resumes from that '
+                         'checkpoint with the new setting.')
   return sum(flags)
 
 
@@ -143,8 +146,9 @@ class TrainInterval:
   """The steps since the last log line: their metrics (device arrays, read only when summarized), padded
   lengths (for the FLOP count), the time the loop waited for input, and the NaN flags not yet checked."""
 
-  def __init__(self, throughput, skip_nonfinite_updates):
+  def __init__(self, throughput, skip_nonfinite_updates, learning_rate_schedule='paper'):
     self.throughput, self.skip_nonfinite_updates = throughput, skip_nonfinite_updates
+    self.learning_rate_schedule = learning_rate_schedule
     self.pending, self.lengths, self.unchecked = [], [], []
     self.skipped = 0  # updates skipped as non-finite in this launch (a resume counts from 0)
     self.restart()
@@ -178,7 +182,8 @@ class TrainInterval:
   def check_finite(self, step):
     """Reads the unchecked steps' NaN flags (up to `step`): raises NonFiniteError or counts them as skipped."""
     unchecked_steps = sum(np.size(flags) for flags in self.unchecked)
-    self.skipped += check_finite(self.unchecked, step - unchecked_steps, self.skip_nonfinite_updates)
+    self.skipped += check_finite(self.unchecked, step - unchecked_steps, self.skip_nonfinite_updates,
+                                 self.learning_rate_schedule)
 
   def summarize(self, start_time, epoch):
     """The interval's metrics (interval_metrics plus the input wait); starts the next interval."""
