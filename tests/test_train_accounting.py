@@ -142,6 +142,28 @@ def test_max_train_minutes_counts_training_time_across_resumes(toy_corpus, tmp_p
   assert [r['elapsed_seconds'] for r in records if 'elapsed_seconds' in r][-1] > 3600
 
 
+def test_a_run_killed_in_the_evaluation_its_time_guard_ended_it_with_evaluates_that_step_when_rerun(toy_corpus,
+                                                                                                    tmp_path):
+  """The time guard stopped the run at step 4 of 6 and saved it; the kill came during that last step's
+  evaluation (evaluated.json still names none). The rerun is past the guard, takes no step and marks the run
+  finished: it must first log step 4's validation loss, the one evaluation the run's end was due."""
+  config = small_config(toy_corpus)
+  config.num_train_steps, config.checkpoint_every_steps, config.max_train_minutes = 4, 4, 60.0
+  config.log_every_steps, config.eval_every_steps, config.length_buckets = 1, 1000, (32,)
+  workdir = tmp_path / 'run'
+  train.train_and_evaluate(config, workdir)
+  metadata = workdir / 'checkpoints' / '4' / 'data' / 'metadata'
+  metadata.write_text(json.dumps({**json.loads(metadata.read_text()), 'trained_seconds': 3600.0}))
+  (workdir / train.EVALUATED_FILE).unlink()
+  (workdir / 'metrics.jsonl').unlink()
+  config.num_train_steps = 6  # the run's length: the guard, not the steps, ended it at 4
+  train.train_and_evaluate(config, workdir)
+  logged = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+  assert [r['step'] for r in logged if 'eval/loss' in r] == [4]
+  assert json.loads((workdir / train.EVALUATED_FILE).read_text()) == {'step': 4}
+  assert checkpoints_lib.saved_steps(workdir) == [4]
+
+
 def test_the_bleu_curve_joins_resumed_launches_minutes_whichever_clock_they_logged(tmp_path):
   def minutes(*records):
     (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in records))

@@ -197,8 +197,9 @@ def evaluate_step(run, step, start_time, done):
 def catch_up_evaluation(run, step, start_time):
   """The evaluations due at a resumed run's first step, where the run before saved that step and stopped
   before they ended (a kill during the validation decode, a stop signal: the save comes first); returns
-  their metrics (empty where none were missed)."""
-  done = step >= run.config.num_train_steps
+  their metrics (empty where none were missed). A run whose time guard had run out there ended at that step."""
+  minutes = run.config.max_train_minutes
+  done = step >= run.config.num_train_steps or (minutes > 0 and run.trained_seconds >= minutes * 60)
   due = step % run.config.eval_every_steps == 0 or done or run.validation_bleu.due(step, done)
   path = run.workdir / EVALUATED_FILE  # the workdir is shared by every host: they all decide alike
   if step == 0 or not due or (path.exists() and json.loads(path.read_text())['step'] == step):
@@ -252,7 +253,7 @@ def train_and_evaluate(config, workdir):
                f'; {metrics_lib.duration(run.trained_seconds)} trained before' if run.trained_seconds else '')
   # Where this launch's clock starts (bench/bleu_curve.py reads it to join the minutes of resumed launches).
   run.log.write(step, {'run/trained_seconds_at_start': run.trained_seconds})
-  interval = metrics_lib.TrainInterval(run.throughput, config.skip_nonfinite_updates)
+  interval = metrics_lib.TrainInterval(run.throughput, config.skip_nonfinite_updates, config.learning_rate_schedule)
   with clock.phase('validation'), interval.paused(), preemption.closed_on_error(run):
     last = catch_up_evaluation(run, step, start_time)
   preemption_sync = preemption.preemption_sync_available(step)
