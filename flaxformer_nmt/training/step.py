@@ -48,11 +48,11 @@ def inverse_sqrt_schedule(peak, warmup_steps):
 
 
 def with_cooldown(schedule, num_train_steps, cooldown_steps):
-  """`schedule` times a linear ramp from 1 down to 0 over the last `cooldown_steps` updates of a
-  `num_train_steps` run (the decay stage of fairseq's tri_stage and of warmup-stable-decay schedules): update
-  num_train_steps - cooldown_steps + i (counted from 0) runs at (1 - i / cooldown_steps) times the schedule,
-  so the last one runs at 1 / cooldown_steps of it. A short run ends at a low learning rate instead of where
-  the slow inverse square root has left it."""
+  """`schedule` times a linear ramp from 1 down to 0 over the last `cooldown_steps` updates of a `num_train_steps` run
+  (the decay stage of warmup-stable-decay schedules; fairseq's tri_stage decays exponentially): update num_train_steps -
+  cooldown_steps + i (counted from 0) runs at (1 - i / cooldown_steps) times the schedule, so the last one runs at 1 /
+  cooldown_steps of it. A short run ends at a low learning rate instead of where the slow inverse square root has left
+  it."""
   def cooled(count):
     ramp = jnp.clip((num_train_steps - jnp.asarray(count, jnp.float32)) / cooldown_steps, 0.0, 1.0)
     return schedule(count) * ramp
