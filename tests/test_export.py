@@ -1,6 +1,7 @@
 """The CTranslate2 export computes our model's function: greedy tokens identical (post-LN and pre-LN),
 teacher-forced log probabilities equal to 1e-4, beam search agreeing, the CLI's int8 export translating."""
 import json
+import shutil
 import struct
 import subprocess
 import sys
@@ -262,7 +263,17 @@ def test_export_errors_name_the_problem(workdir, exported, tmp_path):
   for output in (workdir, workdir.parent):  # --force deleted the run, then failed reading its vocabulary
     result = run_export(workdir, output, '--force')
     assert result.returncode == 1 and 'holds the workdir' in result.stderr, result.stderr[-2000:]
+  # Wrong rule caught: --force deleted any folder but the workdir and its parents, its checkpoints/ too.
+  checkpoints = sorted(str(p) for p in (workdir / 'checkpoints').rglob('*'))
+  result = run_export(workdir, workdir / 'checkpoints', '--force')
+  assert result.returncode == 1 and 'holds no CTranslate2 model (model.bin)' in result.stderr, result.stderr[-2000:]
+  assert sorted(str(p) for p in (workdir / 'checkpoints').rglob('*')) == checkpoints
   assert sorted(p.name for p in workdir.iterdir()) == before
+  replaced = tmp_path / 'replaced'
+  shutil.copytree(exported, replaced)
+  (replaced / 'stale.txt').write_text('from the export before')
+  assert run_export(workdir, replaced, '--force').returncode == 0  # an export is replaced whole
+  assert sorted(p.name for p in replaced.iterdir()) == sorted(p.name for p in exported.iterdir())
   result = run_export(workdir, tmp_path / 'x', '--checkpoint=999')
   assert result.returncode == 1 and 'no checkpoint 999' in result.stderr
   result = run_export(tmp_path / 'nowhere', tmp_path / 'y')

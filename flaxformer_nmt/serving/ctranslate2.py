@@ -194,8 +194,12 @@ def export_ctranslate2(workdir, output_dir, checkpoint=None, quantization=None, 
   run = epath.Path(workdir).resolve()
   if output_dir.resolve() in (run, *run.parents):  # --force would delete the run before reading it
     raise ExportError(f'--output_dir {output_dir} holds the workdir {workdir}: choose another --output_dir')
-  if output_dir.exists() and any(output_dir.iterdir()) and not force:
-    raise ExportError(f'{output_dir} exists and is not empty: choose another --output_dir or pass --force')
+  if output_dir.exists() and any(output_dir.iterdir()):
+    if not force:
+      raise ExportError(f'{output_dir} exists and is not empty: choose another --output_dir or pass --force')
+    if not (output_dir / 'model.bin').exists():  # --force replaces an export, never other files (checkpoints/)
+      raise ExportError(f'{output_dir} holds no CTranslate2 model (model.bin), so --force would delete other '
+                        'files: choose another --output_dir')
   check_exportable(workdir, workdir_lib.load_config(workdir))
   loaded = loader.load_for_inference(workdir, checkpoint)
   write_model(workdir, loaded, output_dir, quantization)
