@@ -22,15 +22,14 @@ Latency percentiles are over the 200 answers; a step with none reports them as n
 
 Every 200 answer is compared with the offline decode of the same sentence (python -m flaxformer_nmt.decode on
 the same workdir, checkpoint and decode options, or --expected): a server that answers, answers right. The
-offline decode gets the server flags that change translations (DECODE_FLAGS) and is cached in the workdir under
-a name hashed from the checkpoint, the sentences file's content and those flags. With --batch_invariant both
+offline decode gets the server flags that change translations (DECODE_FLAGS) and runs at each start (seconds), so
+that it is of the checkpoint and code the server runs now. With --batch_invariant both
 decode batch-invariantly, and every 200 must equal its offline line whatever the batches.
 """
 import asyncio
 import collections
 import concurrent.futures
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -38,6 +37,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -251,21 +251,18 @@ def decode_flags(server_flags):
   return [f for f in server_flags if f.split('=')[0] in DECODE_FLAGS]
 
 
-def expected_cache_name(checkpoint, sentences_path, extra_flags):
-  """serve_load_expected_<hash>.txt, the hash over the checkpoint, the sentences file's bytes and the flags."""
-  digest = hashlib.sha256(json.dumps([checkpoint, list(extra_flags)]).encode())
-  with open(sentences_path, 'rb') as f:
-    digest.update(f.read())
-  return f'serve_load_expected_{digest.hexdigest()[:16]}.txt'
-
-
-def offline_translations(workdir, checkpoint, sentences_path, expected_path, extra_flags=()):
-  """The decode command's translations of the sentences (written to expected_path once)."""
-  if not os.path.exists(expected_path):
+def offline_translations(workdir, checkpoint, sentences_path, extra_flags=()):
+  """The decode command's translations of the sentences, decoded now."""
+  with tempfile.TemporaryDirectory() as scratch:
+    expected_path = os.path.join(scratch, 'expected.txt')
     subprocess.run([sys.executable, '-m', 'flaxformer_nmt.decode', f'--workdir={workdir}',
                     f'--input={sentences_path}', f'--output={expected_path}', *extra_flags,
                     *([f'--checkpoint={checkpoint}'] if checkpoint else [])], cwd=REPOSITORY, check=True)
-  with open(expected_path, encoding='utf-8') as f:
+    return read_lines(expected_path)
+
+
+def read_lines(path):
+  with open(path, encoding='utf-8') as f:
     return f.read().split('\n')[:-1]
 
 
@@ -335,9 +332,8 @@ def main(argv):
     sentences = f.read().split('\n')[:-1]
   invariant = ['--batch_invariant'] if FLAGS.batch_invariant else []
   offline_flags = decode_flags(FLAGS.server_flag) + invariant
-  default_expected = expected_cache_name(FLAGS.checkpoint, FLAGS.sentences, offline_flags)
-  expected = offline_translations(FLAGS.workdir, FLAGS.checkpoint, FLAGS.sentences,
-                                  FLAGS.expected or os.path.join(FLAGS.workdir, default_expected), offline_flags)
+  expected = (read_lines(FLAGS.expected) if FLAGS.expected else
+              offline_translations(FLAGS.workdir, FLAGS.checkpoint, FLAGS.sentences, offline_flags))
   if len(expected) != len(sentences):
     raise app.UsageError(f'{len(sentences)} sentences but {len(expected)} expected translations')
   server, results = None, {'machine': os.uname().nodename, 'server_flags': FLAGS.server_flag,
