@@ -67,7 +67,9 @@ fi
 [[ -n "$HOSTS" ]] || { echo "--hosts (or --slurm) is required" >&2; usage; }
 IFS=, read -r -a HOST_LIST <<< "$HOSTS"
 NUM=${#HOST_LIST[@]}
-COORDINATOR="${HOST_LIST[0]#*@}:$PORT"  # ssh takes user@host; the coordinator address is host:port
+COORDINATOR="${HOST_LIST[0]#*@}"  # ssh takes user@host; the coordinator address is host:port,
+if [[ "$COORDINATOR" == *:* ]]; then COORDINATOR="[$COORDINATOR]"; fi  # an IPv6 host in brackets
+COORDINATOR+=":$PORT"
 if [[ -n "$TFDS_DATA_DIR" ]]; then
   run ssh "${HOST_LIST[0]}" "$PREPARE"  # waited for: no node trains before the data is prepared
 fi

@@ -220,6 +220,27 @@ def test_a_start_that_lacks_something_raises_an_error_naming_it(clean_environmen
     distributed.initialize(mode)
 
 
+@pytest.mark.parametrize('address,valid', [
+    ('node1:12355', True), ('10.0.0.1:1', True), ('[fd00::1]:12355', True), ('node1:65535', True),
+    ('node1', False), ('node1:', False), (':12355', False), ('node1:http', False), ('node1:0', False),
+    ('node1:65536', False), ('fd00::1:12355', False), ('node1:12355 ', False)])
+def test_the_coordinator_address_is_host_and_port(clean_environment, address, valid):
+  """An address without a port made JAX raise IndexError (a traceback), a named port failed to start the service,
+  and an IPv6 address without brackets left every process waiting until it aborted: each is one DistributedError
+  before JAX is called, from the flag or from JAX_COORDINATOR_ADDRESS alike."""
+  calls = []
+  clean_environment.setattr(jax.distributed, 'initialize', lambda **kwargs: calls.append(kwargs))
+  for given in ({'coordinator_address': address}, {}):
+    clean_environment.setenv('JAX_COORDINATOR_ADDRESS', 'unused:1' if given else address)
+    if valid:
+      assert distributed.initialize('on', num_processes=2, process_id=1, **given)
+      assert calls.pop()['coordinator_address'] == address
+    else:
+      with pytest.raises(distributed.DistributedError, match=re.escape(f'{address!r}') + '.* must be HOST:PORT'):
+        distributed.initialize('on', num_processes=2, process_id=1, **given)
+      assert not calls
+
+
 def test_a_start_jax_refuses_raises_an_error(clean_environment):
   """What jax.distributed.initialize refuses (an id out of range, a coordinator that does not answer) reaches
   the trainer as DistributedError, not as JAX's exception."""

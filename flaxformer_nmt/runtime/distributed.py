@@ -10,7 +10,8 @@
   - Cloud TPU VMs: JAX asks the TPU metadata server for the workers (launch/tpu_vm.sh).
 Otherwise (one machine) nothing is initialized and jax runs as a single process. A start that lacks what it
 needs (a SLURM job of several tasks outside srun, `on` without a job, an explicit start missing a value, a
-non-integer JAX_NUM_PROCESSES) raises DistributedError naming what is missing.
+non-integer JAX_NUM_PROCESSES, a coordinator address that is not HOST:PORT) raises DistributedError naming
+what is missing.
 
 Under SLURM or Open MPI JAX gives each process the one GPU numbered by its local rank (one process per GPU);
 with one process per node, initialize() passes all the node's GPUs instead (JAX_LOCAL_DEVICE_IDS overrides).
@@ -21,6 +22,7 @@ jax.distributed.initialize fail.
 import glob
 import importlib.util
 import os
+import re
 
 import jax
 from absl import logging
@@ -31,6 +33,8 @@ MODES = ('auto', 'on', 'off')
 SLURM_STEP_VARIABLES = ('SLURM_JOB_ID', 'SLURM_STEP_NODELIST', 'SLURM_NTASKS', 'SLURM_PROCID', 'SLURM_LOCALID')
 EXPLICIT = (('JAX_COORDINATOR_ADDRESS', '--coordinator_address'), ('JAX_NUM_PROCESSES', '--num_processes'),
             ('JAX_PROCESS_ID', '--process_id'))
+# HOST:PORT, an IPv6 host in brackets ([fd00::1]:12355): what JAX's client and its service's bind address take.
+COORDINATOR_ADDRESS = re.compile(r'(\[[^\]\s]+\]|[^\s:\[\]/]+):([0-9]{1,5})')
 
 
 class DistributedError(Exception):
@@ -45,6 +49,16 @@ def _env_int(name):
     return int(value)
   except ValueError:
     raise DistributedError(f'{name} must be an integer, not {value!r}') from None
+
+
+def check_coordinator_address(address):
+  """Raises DistributedError unless `address` is HOST:PORT with a port 1-65535. JAX fails on anything else
+  far from the cause: an IndexError without a port, a service that does not start with a named port, and an
+  unbracketed IPv6 address its processes wait on until they abort."""
+  match = COORDINATOR_ADDRESS.fullmatch(address)
+  if not match or not 0 < int(match.group(2)) < 65536:
+    raise DistributedError(f'coordinator address {address!r} (--coordinator_address or JAX_COORDINATOR_ADDRESS) '
+                           'must be HOST:PORT with a port 1-65535, e.g. node1:12355 or [fd00::1]:12355')
 
 
 def on_cloud_tpu_vm():
@@ -132,6 +146,8 @@ def initialize(mode='auto', coordinator_address=None, num_processes=None, proces
   coordinator_address = coordinator_address or os.environ.get('JAX_COORDINATOR_ADDRESS') or None
   num_processes = num_processes if num_processes is not None else _env_int('JAX_NUM_PROCESSES')
   process_id = process_id if process_id is not None else _env_int('JAX_PROCESS_ID')
+  if coordinator_address is not None:
+    check_coordinator_address(coordinator_address)
   cluster = cluster_from_environment(1 if mode == 'on' else 2)
   if not _check_start(mode, cluster, (coordinator_address, num_processes, process_id)):
     return False
