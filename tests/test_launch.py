@@ -60,6 +60,15 @@ def test_gpu_multinode_coordinator_address_is_the_first_host_without_its_ssh_use
     assert 'JAX_COORDINATOR_ADDRESS=node1:12355 ' in remote
 
 
+def test_gpu_multinode_puts_an_ipv6_coordinator_in_brackets():
+  """`--hosts alice@fd00::1,fd00::2`: ssh takes the bare IPv6 address, but fd00::1:12355 is no address JAX can
+  use (every process waited, then aborted); the coordinator is [fd00::1]:12355."""
+  commands = dry_run('gpu_multinode.sh', '--hosts', 'alice@fd00::1,fd00::2', '--', '--config', 'c')
+  assert [host for _, host, _ in commands] == ['alice@fd00::1', 'fd00::2']
+  for _, _, remote in commands:
+    assert 'JAX_COORDINATOR_ADDRESS=[fd00::1]:12355 ' in remote
+
+
 def test_gpu_multinode_prepares_once_on_the_first_node_before_any_node_trains():
   commands = dry_run('gpu_multinode.sh', '--hosts', 'gpu1,gpu2', '--tfds-data-dir', '/shared/tfds', '--',
                      *TRAIN_ARGS)
@@ -185,3 +194,17 @@ def test_the_printed_preparation_command_parses(tmp_path):
   out = subprocess.run([sys.executable, '-m', 'flaxformer_nmt.corpora', *args], cwd=repo, capture_output=True,
                        text=True, timeout=300, check=False)
   assert out.returncode == 0, out.stderr
+
+
+def test_an_unknown_field_in_a_flag_file_is_one_line(tmp_path):
+  """The launch scripts pass a `--flagfile` through: a misspelt override in it stops with the one `error:` line a
+  misspelt override on the command line gives, not ml_collections' traceback ending in AttributeError."""
+  repo = os.path.dirname(LAUNCH)
+  flag_file = tmp_path / 'run.flags'
+  flag_file.write_text(f'--config={repo}/configs/multi30k.py\n--config.model.d_modle=64\n')
+  out = subprocess.run([sys.executable, '-m', 'flaxformer_nmt.corpora', 'prepare', f'--flagfile={flag_file}'],
+                       cwd=repo, capture_output=True, text=True, timeout=300, check=False)
+  lines = [line for line in out.stderr.splitlines() if line.strip()]
+  assert out.returncode == 1 and len(lines) == 1, out.stderr[-3000:]
+  assert lines[0].startswith("error: --config.model.d_modle: the config of ") and "no field 'model.d_modle'" in lines[0]
+  assert 'did you mean --config.model.d_model' in lines[0]

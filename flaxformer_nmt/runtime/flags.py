@@ -12,6 +12,7 @@ import sys
 
 import ml_collections
 from absl import app
+from absl import flags
 
 from flaxformer_nmt import config as config_lib
 
@@ -56,6 +57,7 @@ def parse_flags(argv):
   try:
     return app.parse_flags_with_usage(argv)
   except (AttributeError, KeyError) as error:
+    argv = argv[:1] + flags.FLAGS.read_flags_from_files(argv[1:], force_gnu=False)  # --flagfile's flags too
     path = _config_file(argv)
     try:
       found = unknown_override(argv, config_lib.load_config_file(path)) if path else None
