@@ -27,7 +27,7 @@ from absl import app, flags, logging
 
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
 from flaxformer_nmt.data import corpus as data_lib
-from flaxformer_nmt.decoding.generator import Generator
+from flaxformer_nmt.decoding.generator import Generator, check_options
 from flaxformer_nmt.runtime import cache
 from flaxformer_nmt.runtime import flags as cli
 
@@ -70,6 +70,11 @@ def main(argv):
   cache.use_compilation_cache()
   if FLAGS.prompts_per_batch < 1:
     sys.exit(f'error: --prompts_per_batch={FLAGS.prompts_per_batch}: give at least 1')
+  try:  # before the model loads or any prompt is read: an empty input checks them too
+    check_options(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_k=FLAGS.top_k,
+                  top_p=FLAGS.top_p, num_samples=FLAGS.num_samples, seed=FLAGS.seed)
+  except ValueError as e:  # the flag's name on its message
+    sys.exit(f'error: --{e}')
   try:
     generator = Generator(FLAGS.workdir, FLAGS.checkpoint)
     if FLAGS.prompt is not None:

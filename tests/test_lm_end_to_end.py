@@ -171,6 +171,20 @@ def test_generate_refuses_a_too_long_prompt_by_its_line_before_generating(lm_run
   assert last_error(result) == 'error: --prompts_per_batch=0: give at least 1'
 
 
+@pytest.mark.parametrize('flag, message', [
+    ('--temperature=0', '--temperature=0.0: give above 0'),
+    ('--top_p=1.5', '--top_p=1.5: give above 0 and at most 1'),
+    ('--seed=2147483648', '--seed=2147483648: give an integer from -2147483648 to 2147483647'),
+])
+def test_generate_names_a_bad_sampling_flag_whatever_its_input(lm_run, flag, message):
+  """Rule: a generation flag outside its range is one error line naming the flag as typed on the command line,
+  and a failure, also where the input holds no prompt."""
+  workdir, _ = lm_run
+  for stdin in ('ein\n', ''):
+    result = in_process.run(generate_command, [f'--workdir={workdir}', flag, '--max_new_tokens=2'], stdin)
+    assert last_error(result) == f'error: {message}'
+
+
 def test_fill_mask_checks_every_text_before_printing_and_names_its_line(mlm_run, tmp_path):
   """Rule: a text without <mask> or over the model's positions is an error naming its input line (blank lines
   counted) and its real token count, before any text is printed; --top_k is at most the vocabulary's size."""

@@ -86,6 +86,18 @@ def generate_tokens(model, params, prompts, prompt_lengths, keys, *, max_new_tok
   return tokens
 
 
+def check_options(*, max_new_tokens, temperature, top_k, top_p, num_samples, seed):
+  """Raises ValueError naming the first generation option outside its range (`name=value: give ...`)."""
+  for name, value, allowed, rule in (('temperature', temperature, temperature > 0, 'above 0'),
+                                     ('top_k', top_k, top_k >= 0, '0 (off) or more'),
+                                     ('top_p', top_p, 0 < top_p <= 1, 'above 0 and at most 1'),
+                                     ('max_new_tokens', max_new_tokens, max_new_tokens >= 1, '1 or more'),
+                                     ('num_samples', num_samples, num_samples >= 1, '1 or more')):
+    if not allowed:  # NaN too
+      raise ValueError(f'{name}={value}: give {rule}')
+  search_lib.check_seed(seed)
+
+
 class Generator:
   """A trained language model, loaded once, continuing lists of prompts."""
 
@@ -100,14 +112,8 @@ class Generator:
   def generate_ids(self, prompt_ids, *, max_new_tokens=50, greedy=False, temperature=1.0, top_k=0, top_p=1.0,
                    num_samples=1, seed=0, use_cache=True, first_prompt=0):
     """For each prompt (token ids, no EOS), `num_samples` lists of generated ids (EOS excluded)."""
-    for name, value, allowed, rule in (('temperature', temperature, temperature > 0, 'above 0'),
-                                       ('top_k', top_k, top_k >= 0, '0 (off) or more'),
-                                       ('top_p', top_p, 0 < top_p <= 1, 'above 0 and at most 1'),
-                                       ('max_new_tokens', max_new_tokens, max_new_tokens >= 1, '1 or more'),
-                                       ('num_samples', num_samples, num_samples >= 1, '1 or more')):
-      if not allowed:  # NaN too
-        raise ValueError(f'{name}={value}: give {rule}')
-    search_lib.check_seed(seed)
+    check_options(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                  num_samples=num_samples, seed=seed)
     if not prompt_ids:
       return []
     max_position = self.config.model.max_position
