@@ -24,6 +24,7 @@ usage() {
 HOSTS="" NODES="" GPUS=8 PORT=12355 PYTHON="python3" SLURM=0 DRY_RUN=0 TFDS_DATA_DIR=""
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 while [[ $# -gt 0 ]]; do
+  case "$1" in --slurm|--dry-run|-h|--help|--) ;; --*) [[ $# -ge 2 ]] || { echo "$1 needs a value" >&2; usage; } ;; esac
   case "$1" in
     --hosts) HOSTS="$2"; shift 2 ;;
     --nodes) NODES="$2"; shift 2 ;;

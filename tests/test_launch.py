@@ -176,7 +176,9 @@ def test_tpu_vm_without_a_tfds_directory_prepares_nothing():
     ('tpu_vm.sh', ['--name', 'n', '--zone', 'z'], 'required'),
     # A worker's local disk is not shared: the TPU script needs a bucket.
     ('tpu_vm.sh', ['--name', 'n', '--zone', 'z', '--tfds-data-dir', '/tmp/tfds', '--', '--config', 'c'],
-     'must be a gs:// directory')])
+     'must be a gs:// directory'),
+    # An option's value left out at the end was bash's `$2: unbound variable`.
+    ('gpu_multinode.sh', ['--hosts'], '--hosts needs a value'), ('tpu_vm.sh', ['--zone'], '--zone needs a value')])
 def test_bad_options_fail(script, args, message):
   out = subprocess.run(['bash', os.path.join(LAUNCH, script), '--dry-run', *args], capture_output=True, text=True,
                        timeout=60, check=False)
