@@ -112,6 +112,22 @@ def test_attention_equals_a_numpy_softmax():
   np.testing.assert_allclose(out, np.einsum('bhqk,bkhd->bqhd', expected_w, v), atol=1e-5)
 
 
+def test_bfloat16_attention_logits_are_the_float32_products_of_the_bfloat16_operands():
+  """The explicit path in bfloat16 (decoding, attention dropout): the weights are the float32 softmax of q.k /
+  sqrt(d_k) for the bf16 q and k it is given, with no second rounding of the queries (sqrt(32) is no power of 2)."""
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 6, 4, 32)) * 2, jnp.bfloat16) for _ in range(3))
+  mask = rng.random((2, 1, 6, 6)) > 0.3
+  mask[..., 0] = True
+  _, weights = model_lib.scaled_dot_product_attention(q, k, v, jnp.asarray(mask))
+  q64, k64 = (np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k))
+  scores = np.where(mask, np.einsum('bqhd,bkhd->bhqk', q64, k64) / np.sqrt(32), -np.inf)
+  expected = np.exp(scores - scores.max(-1, keepdims=True))
+  expected /= expected.sum(-1, keepdims=True)
+  assert weights.dtype == jnp.float32
+  np.testing.assert_allclose(weights, expected, atol=2e-6)
+
+
 def test_embedding_is_shared_and_scaled():
   model, params = tiny_model()
   embedding = np.asarray(params['shared_embedding']['embedding'])

@@ -322,8 +322,8 @@ def scaled_dot_product_attention(q, k, v, mask, dropout=None, kv_head_major=Fals
   The explicit path: it materializes the float32 weights (attention pictures, attention dropout, decoding).
   """
   kv = 'bhkd' if kv_head_major else 'bkhd'
-  q = q / jnp.sqrt(q.shape[-1]).astype(q.dtype)
-  scores = jnp.einsum(f'bqhd,{kv}->bhqk', q, k, preferred_element_type=jnp.float32)
+  # Scaled in float32, after the product: dividing bfloat16 queries first would round them a second time.
+  scores = jnp.einsum(f'bqhd,{kv}->bhqk', q, k, preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
   # A select, not an added large negative: adding overflows to NaN in half precision. A fully masked row
   # (a padding query) gets uniform weights: finite, and the loss ignores it.
   scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
