@@ -27,7 +27,10 @@ TFDS_DATA_DIR=""
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 REMOTE_DIR="flaxformer_nmt"
 while [[ $# -gt 0 ]]; do
-  case "$1" in --create|--no-install|--dry-run|-h|--help|--) ;; --*) [[ $# -ge 2 ]] || { echo "$1 needs a value" >&2; usage; } ;; esac
+  case "$1" in
+    --create|--no-install|--dry-run|-h|--help|--) ;;
+    --*) [[ $# -ge 2 ]] || { echo "$1 needs a value" >&2; usage; } ;;
+  esac
   case "$1" in
     --name) NAME="$2"; shift 2 ;;
     --zone) ZONE="$2"; shift 2 ;;
