@@ -3,6 +3,7 @@ import json
 import signal
 import subprocess
 import sys
+import types
 
 import jax
 import numpy as np
@@ -190,28 +191,35 @@ def _bleu_curve_and_average(workdir, members, rows):
     assert json.loads((member / 'averaged' / 'averaged.json').read_text()) == {'steps': [90, 100]}
 
 
+class CopyingTranslator:
+  """A stand-in for the ensemble's Translator: its translations are its sources."""
+  checkpoint, lowercase, config = 'stand-in', False, types.SimpleNamespace(target_lang='de')
+
+  def __init__(self, workdir):
+    del workdir
+
+  def translate(self, sources, **_):
+    return list(sources)
+
+
+def scored_by_copying_members(config, workdir, monkeypatch):
+  """ensemble.score_on_validation of a 2-member workdir whose members are marked finished, decoded by a
+  CopyingTranslator."""
+  for k in range(2):
+    member_workdir(workdir, k).mkdir(parents=True)
+    ensemble.mark_finished(member_workdir(workdir, k), ensemble.member_config(config, k), 20, 'config.num_train_steps')
+  monkeypatch.setattr(ensemble.decode, 'Translator', CopyingTranslator)
+  return ensemble.score_on_validation(config, workdir)
+
+
 def test_the_ensemble_record_counts_the_sentences_it_scored(toy_corpus, tmp_path, monkeypatch):
   """eval_bleu_max_sentences above the split's size scores the whole split (20 pairs here), and the record and
   log say 20 sentences, as a member's validation BLEU does (it recorded the cap). The members are decoded by a
   stand-in translator that copies its sources."""
-  import types  # pylint: disable=g-import-not-at-top
   config = small_config(toy_corpus)
   config.ensemble_members, config.eval_bleu_every_steps, config.eval_bleu_max_sentences = 2, 100, 500
   workdir = tmp_path / 'ens'
-  for k in range(2):
-    member_workdir(workdir, k).mkdir(parents=True)
-    ensemble.mark_finished(member_workdir(workdir, k), ensemble.member_config(config, k), 20, 'config.num_train_steps')
-
-  class CopyingTranslator:
-    checkpoint, lowercase, config = 'stand-in', False, types.SimpleNamespace(target_lang='de')
-
-    def __init__(self, workdir):
-      del workdir
-
-    def translate(self, sources, **_):
-      return list(sources)
-  monkeypatch.setattr(ensemble.decode, 'Translator', CopyingTranslator)
-  record = ensemble.score_on_validation(config, workdir)
+  record = scored_by_copying_members(config, workdir, monkeypatch)
   sources = (toy_corpus / 'valid.en').read_text().splitlines()
   assert (workdir / 'eval' / 'hyp_ensemble.txt').read_text().splitlines() == sources
   assert len(sources) == 20
@@ -222,7 +230,6 @@ def test_the_ensemble_record_counts_the_sentences_it_scored(toy_corpus, tmp_path
 def test_the_ensemble_record_of_blank_references_is_written_with_sacrebleus_length_ratio(tmp_path, monkeypatch):
   """References of blank lines ended the training command after every member had trained with a ZeroDivisionError
   (hypothesis length / reference length); the record takes sacreBLEU's ratio, 0 there, as compare's table does."""
-  import types  # pylint: disable=g-import-not-at-top
   (tmp_path / 'data').mkdir()
   sources = ['a dog runs .', 'two cats sleep .']
   (tmp_path / 'data' / 'valid.en').write_text(''.join(s + '\n' for s in sources))
@@ -230,20 +237,7 @@ def test_the_ensemble_record_of_blank_references_is_written_with_sacrebleus_leng
   config = small_config(tmp_path / 'data')
   config.ensemble_members, config.eval_bleu_every_steps = 2, 100
   workdir = tmp_path / 'ens'
-  for k in range(2):
-    member_workdir(workdir, k).mkdir(parents=True)
-    ensemble.mark_finished(member_workdir(workdir, k), ensemble.member_config(config, k), 20, 'config.num_train_steps')
-
-  class CopyingTranslator:
-    checkpoint, lowercase, config = 'stand-in', False, types.SimpleNamespace(target_lang='de')
-
-    def __init__(self, workdir):
-      del workdir
-
-    def translate(self, sources, **_):
-      return list(sources)
-  monkeypatch.setattr(ensemble.decode, 'Translator', CopyingTranslator)
-  record = ensemble.score_on_validation(config, workdir)
+  record = scored_by_copying_members(config, workdir, monkeypatch)
   by_hand = sacrebleu.corpus_bleu(sources, [['', '']])
   assert (by_hand.sys_len, by_hand.ref_len) == (8, 0)
   assert (record['bleu'], record['length_ratio']) == (by_hand.score, 0.0)
