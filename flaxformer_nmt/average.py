@@ -9,7 +9,6 @@ workdir: K is config.average_last_checkpoints, the window the trainer averages w
 The result goes to `{workdir}/averaged/`; decode loads it with `--checkpoint averaged`. The workdir of an
 ensemble (config.ensemble_members) averages each member's checkpoints into its own averaged/.
 """
-import os
 import sys
 
 from absl import app, flags
@@ -27,22 +26,6 @@ def window(workdir, last):
   if last is not None:
     return last
   return workdir_lib.load_config(workdir).average_last_checkpoints or DEFAULT_LAST
-
-
-def check_writable(workdir):
-  """OSError naming `workdir` where the average cannot be written into it (a read-only file system, no
-  permission), before any checkpoint is read: orbax's writer, failing to make its folder there, leaves the
-  process waiting at exit for ever. A workdir on a remote store (gs://...) is left to the writer."""
-  if '://' in str(workdir):
-    return
-  probe = os.path.join(workdir, f'.average-write-check-{os.getpid()}')
-  try:
-    os.mkdir(probe)
-  except FileNotFoundError:
-    return  # no such workdir: reading it names what is missing
-  except OSError as e:
-    raise OSError(f'the average cannot be written into {workdir} ({e})') from None
-  os.rmdir(probe)
 
 
 def parse_steps(values):
@@ -77,7 +60,6 @@ def main(argv):
     # An ensemble's workdir (config.ensemble_members): each member averages its own checkpoints.
     for workdir in workdir_lib.member_workdirs(flags.FLAGS.workdir):
       last = None if chosen else window(workdir, flags.FLAGS.last)
-      check_writable(workdir)
       steps = checkpoints_lib.average_last(workdir, last, chosen)
       print(f'averaged checkpoints {steps} -> {workdir}/{checkpoints_lib.AVERAGED_DIR}')
   except (checkpoints_lib.AveragingError, OSError, ValueError) as e:

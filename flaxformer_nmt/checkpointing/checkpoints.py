@@ -484,6 +484,10 @@ def save_averaged(workdir, params, steps):
   one is written whole into `.averaged.tmp/` and renamed into place, the older one removed only then."""
   directory = absolute(workdir) / AVERAGED_DIR
   staged, retired = directory.with_name(f'.{AVERAGED_DIR}.tmp'), directory.with_name(f'.{AVERAGED_DIR}.old')
+  try:  # here, not in orbax's writer thread: one that cannot make its folder leaves the process waiting for ever
+    staged.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise OSError(f'the average cannot be written into {workdir} ({e})') from None
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(staged / 'params', params, force=True)  # force: over what a failed write left there
     checkpointer.wait_until_finished()
