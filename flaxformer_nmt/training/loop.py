@@ -198,8 +198,7 @@ def catch_up_evaluation(run, step, start_time):
   """The evaluations due at a resumed run's first step, where the run before saved that step and stopped
   before they ended (a kill during the validation decode, a stop signal: the save comes first); returns
   their metrics (empty where none were missed). A run whose time guard had run out there ended at that step."""
-  minutes = run.config.max_train_minutes
-  done = step >= run.config.num_train_steps or (minutes > 0 and run.trained_seconds >= minutes * 60)
+  done = step >= run.config.num_train_steps or run.trained_seconds >= preemption.time_limit_seconds(run.config)
   due = step % run.config.eval_every_steps == 0 or done or run.validation_bleu.due(step, done)
   path = run.workdir / EVALUATED_FILE  # the workdir is shared by every host: they all decide alike
   if step == 0 or not due or (path.exists() and json.loads(path.read_text())['step'] == step):

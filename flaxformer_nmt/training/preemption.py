@@ -114,6 +114,11 @@ def preemption_sync_available(step):
     return False
 
 
+def time_limit_seconds(config):
+  """config.max_train_minutes in seconds (infinite where it is 0: no guard)."""
+  return config.max_train_minutes * 60 if config.max_train_minutes > 0 else float('inf')
+
+
 class StopDecision:
   """After each step: save now? stop now? (and why), the same on every host.
 
@@ -126,7 +131,7 @@ class StopDecision:
     self.num_steps, self.every_steps = config.num_train_steps, config.checkpoint_every_steps
     self.agree_every = agree_every_steps or config.log_every_steps
     self.start_time, self.last_save = start_time, time.time()
-    self.time_limit = config.max_train_minutes * 60 if config.max_train_minutes > 0 else float('inf')
+    self.time_limit = time_limit_seconds(config)
     self.save_interval = (config.checkpoint_every_minutes * 60 if config.checkpoint_every_minutes > 0
                           else float('inf'))
     self.stop_signal, self.preemption_sync = stop_signal, preemption_sync
