@@ -4,6 +4,7 @@
 #
 #   bash bench/gpu_session.sh env tests throughput memory     # stack, cuDNN tests, train-step MFU, memory
 #   bash bench/gpu_session.sh decode dispatch multi30k        # decoding speed; configs/multi30k.py trained on the GPU
+#   bash bench/gpu_session.sh env training                    # training speed in one call of at most 9 minutes
 #   bash bench/gpu_session.sh diagnose profile                # attention errors; where the big step's time goes
 #   SUITE_SECONDS=540 bash bench/gpu_session.sh env suite     # the whole test suite on the GPU
 #   SMOKE=1 bash bench/gpu_session.sh env throughput decode multi30k   # every stage shrunk, on a CPU, beforehand
@@ -26,17 +27,17 @@
 #               phase and the time outside the steps, by phase
 #   multi30k    configs/multi30k.py trained on the GPU for MULTI30K_MINUTES (2.5), MULTI30K_DISPATCH (10) steps a
 #               call, then test2016 BLEU, and the carried model decoded in bf16 and float32
+#   training    within 9 minutes: base and big train steps at 16,384 and 65,536 tokens (tokens/s, MFU), then the
+#               Multi30k recipe through the trainer (its 6,500 steps or TRAINING_MINUTES (3) of them, 10 steps a
+#               call, its validation and saves): wall time by phase, the share outside the steps, validation BLEU
 #   profile     the big step traced (bench/op_profile.py): time per part of the model and the costliest ops
 #
-# What travels with the working tree (the machine has no network), made beforehand and git-ignored:
+# What travels with the working tree (the machine has no network), made beforehand by
+# `bash bench/gpu_carry.sh runs/m30k` (git-ignored; the device call names both in carry):
 #   gpu_carry/m30k   a trained Multi30k workdir, slimmed: config.json, vocab.model and averaged/
-#                      mkdir -p gpu_carry/m30k gpu_carry/data; cp runs/m30k/{config.json,vocab.model} gpu_carry/m30k
-#                      cp -r runs/m30k/averaged gpu_carry/m30k
-#   gpu_carry/data   the corpus and its tokenized references from the download cache:
-#                      cp -r ~/.cache/flaxformer_nmt/{multi30k,multi30k_tok} gpu_carry/data
-#                    and optionally a newstest2013.en for the decode stage (a missing input is skipped)
-#   .whl             wheels for the GPU machine's Python (pip download --no-deps --only-binary=:all:
-#                    --python-version 3.12 -d .whl ...) of the dependencies its image lacks or has outside the
+#   gpu_carry/data   the corpus and its tokenized references; optionally a newstest2013.en for the decode stage
+#                    (a missing input is skipped)
+#   .whl             wheels for the GPU machine's Python of the dependencies its image lacks or has outside the
 #                    ranges of pyproject.toml: setup() installs only those
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_session}
@@ -50,12 +51,16 @@ if [ "${SMOKE:-0}" = 1 ]; then
                --config.eval_bleu_every_steps=30 --config.eval_bleu_max_sentences=40
                --config.checkpoint_every_steps=30)
   DISPATCH_STEPS=${DISPATCH_STEPS:-40}
+  TRAINING_STEPS=${TRAINING_STEPS:-40}
+  TRAINING_SIZES=(--trainer_flag=--config.eval_bleu_max_sentences=40 --trainer_flag=--config.checkpoint_every_steps=20
+                  --trainer_flag=--config.warmup_steps=10)
   PROFILE_SIZES=("${TT_SIZES[@]}")
 else
   TT_SIZES=(--steps 20)
   PROFILE_SIZES=(--steps 10)
   DECODE_SIZES=(--max_sentences 1000)
   TRAIN_SIZES=(--config.max_train_minutes=${MULTI30K_MINUTES:-2.5})
+  TRAINING_SIZES=()
 fi
 
 setup() {
@@ -190,6 +195,19 @@ stage_multi30k() {
       --input gpu_carry/data/multi30k/test2016.en --reference gpu_carry/data/multi30k/test2016.de \
       --tok_reference gpu_carry/data/multi30k_tok/test2016.de --output "$OUT/test2016.$dtype.de"
   done
+  return $worst
+}
+
+stage_training() {
+  local tt="$PY bench/train_throughput.py" worst=0
+  run timeout 200 $tt --nocheck_xla_flops --configs base,big --lengths 64 --tokens_per_batch 16384,65536 \
+    "${TT_SIZES[@]}"
+  # The recipe as a user runs it, a time guard keeping the stage within its 9 minutes
+  run timeout 300 $tt --configs multi30k --trainer_steps ${TRAINING_STEPS:-6500} --steps 20 \
+    --trainer_flag=--config.data_dir=gpu_carry/data/multi30k \
+    --trainer_flag=--config.eval_bleu_tok_ref_dir=gpu_carry/data/multi30k_tok \
+    --trainer_flag=--config.steps_per_dispatch=10 --trainer_flag=--config.max_train_minutes=${TRAINING_MINUTES:-3} \
+    "${TRAINING_SIZES[@]}"
   return $worst
 }
 

@@ -394,8 +394,9 @@ def fit_to_minutes(name, minutes):
 
 def trainer_share(name, steps):
   """Runs the trainer (python -m flaxformer_nmt.train) for `steps` steps of config `name` in a new workdir and
-  prints its wall time by phase (metrics.jsonl's wall/...) against `steps` x the step timed alone here: the
-  share of the run in which the device runs no train step."""
+  prints its wall time by phase (metrics.jsonl's wall/...) against the steps it ran x the step timed alone here:
+  the share of the run in which the device runs no train step. A --trainer_flag may stop it sooner
+  (--config.max_train_minutes); its last validation BLEU is printed too."""
   step = config_step(name)[-1]
   with tempfile.TemporaryDirectory() as workdir:
     command = [sys.executable, '-m', 'flaxformer_nmt.train', f'--config={CONFIGS / (name + ".py")}',
@@ -408,15 +409,20 @@ def trainer_share(name, steps):
       raise RuntimeError(f'the trainer failed ({result.returncode}):\n{result.stderr[-3000:]}')
     records = [json.loads(line) for line in (epath.Path(workdir) / 'metrics.jsonl').read_text().splitlines()]
   phases = next(r for r in reversed(records) if 'wall/total' in r)
+  ran = phases['step']
   intervals = [r['train/step_time'] for r in records if 'train/step_time' in r]
-  print(f'# the trainer, {steps} steps of {name}: {total:.1f} s from launch to exit; by phase (up to finishing): '
-        + ', '.join(f'{k[5:]} {v:.1f} s' for k, v in phases.items() if k.startswith('wall/')))
+  print(f'# the trainer, {ran} of {steps} steps of {name}: {total:.1f} s from launch to exit; by phase (up to '
+        'finishing): ' + ', '.join(f'{k[5:]} {v:.1f} s' for k, v in phases.items() if k.startswith('wall/')))
   print('# its log:', *re.findall(r'Wall time .*', result.stderr)[-1:])
+  bleu = [r for r in records if 'eval/tok_bleu' in r]
+  if bleu:
+    print(f'# its last validation BLEU, step {bleu[-1]["step"]}: {bleu[-1]["eval/tok_bleu"]:.2f} lc-tok '
+          f'(sacreBLEU {bleu[-1]["eval/bleu"]:.2f}), {bleu[-1]["eval/bleu_sentences"]} sentences')
   outside = total - phases['wall/steps']
-  print(f'# the steps phase: {phases["wall/steps"] / steps * 1e3:.1f} ms a step (the logged intervals\' median '
+  print(f'# the steps phase: {phases["wall/steps"] / ran * 1e3:.1f} ms a step (the logged intervals\' median '
         f'{np.median(intervals) * 1e3:.1f} ms; the step alone here: {step * 1e3:.1f} ms)')
   print(f'outside the steps (launch to exit, less the steps phase): {outside:.1f} s, {outside / total:.1%} of the run; '
-        f'1 - steps x step alone / launch to exit: {1 - steps * step / total:.1%}', flush=True)
+        f'1 - steps x step alone / launch to exit: {1 - ran * step / total:.1%}', flush=True)
 
 
 def main(argv):
