@@ -439,6 +439,27 @@ def test_bfloat16_matmul_precision_keeps_the_parameters_and_nearly_the_logits():
     _variant(model, matmul_precision='bf16')
 
 
+@pytest.mark.parametrize('changes, rounds', [({}, False), ({'matmul_precision': 'bfloat16'}, True),
+                                              ({'dtype': 'bfloat16'}, True)])
+def test_a_searchs_vocabulary_kernel_gives_the_logits_of_the_shared_embedding(changes, rounds):
+  # The search's [d, V] kernel made once (with_vocabulary_kernel) against the projection onto the embedding that
+  # training runs: a kernel left float32 where the operands are rounded, or rounded where they are not, or the
+  # states not rounded alike, gives other logits than the trained model and than the plain product below.
+  model, params = tiny_model()
+  model = _variant(model, **changes)
+  states = np.asarray(jax.random.normal(jax.random.PRNGKey(3), (2, 3, 32)), np.float32)
+  logits = model.apply({'params': params}, jnp.asarray(states), method=model_lib.Transformer.vocabulary_logits)
+  search_params = model_lib.with_vocabulary_kernel(model.config, params)
+  assert search_params[model_lib.VOCABULARY_KERNEL].shape == (32, params['shared_embedding']['embedding'].shape[0])
+  from_kernel = model.apply({'params': search_params}, jnp.asarray(states),
+                            method=model_lib.Transformer.vocabulary_logits)
+  assert from_kernel.dtype == logits.dtype == jnp.float32
+  np.testing.assert_array_equal(from_kernel, logits)
+  embedding = np.asarray(params['shared_embedding']['embedding'], np.float64)
+  expected = _bf16(states) @ _bf16(embedding).T if rounds else states.astype(np.float64) @ embedding.T
+  np.testing.assert_allclose(from_kernel, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_auto_matmul_precision_is_bfloat16_only_on_a_cpu_with_bfloat16_dot_instructions(tmp_path, monkeypatch):
   zen4, avx2 = tmp_path / 'zen4', tmp_path / 'avx2'
   zen4.write_text('processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n\n')

@@ -26,6 +26,7 @@ from flaxformer_nmt.decoding.ladder import Ladder
 from flaxformer_nmt.decoding import search as search_lib
 from flaxformer_nmt.decoding.search import MIN_LEN
 from flaxformer_nmt.models.transformer import cpu_has_bfloat16_dot
+from flaxformer_nmt.models.transformer import with_vocabulary_kernel
 from flaxformer_nmt.runtime import sharding
 
 # Kept importable from here for readers that load parameters or ensembles without a Translator.
@@ -67,6 +68,7 @@ class Translator:
       self.member_params = jax.device_put(self.member_params, sharding.replicated(self.mesh))
     # The first member, for single-model users (attention pictures teacher-force one model).
     self.model, self.params = self.models[0], self.member_params[0]
+    self._search_params = tuple(with_vocabulary_kernel(m.config, p) for m, p in zip(self.models, self.member_params))
     self.on_device, self.batch_invariant = on_device, batch_invariant
     if batch_invariant:
       self._check_batch_invariance()
@@ -88,8 +90,9 @@ class Translator:
 
   @property
   def search_params(self):
-    """What the jitted search takes as `params`: one tree, or a tuple of them for an ensemble."""
-    return self.member_params if len(self.models) > 1 else self.params
+    """What the jitted search takes as `params`: one tree, or a tuple of them for an ensemble; each member's
+    parameters with its vocabulary projection's kernel (transformer.with_vocabulary_kernel)."""
+    return self._search_params if len(self.models) > 1 else self._search_params[0]
 
   def ladder(self, tokens_per_batch=None):
     """The shapes this model's search runs in (ladder.py) for a token budget (None: the config's, on a CPU at

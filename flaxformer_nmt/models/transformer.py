@@ -205,6 +205,20 @@ def shared_embedding(params):
   return params['shared_embedding']['embedding']
 
 
+# The entry of a search's parameters that holds the vocabulary projection's kernel (with_vocabulary_kernel).
+VOCABULARY_KERNEL = 'vocabulary_kernel'
+
+
+def with_vocabulary_kernel(config, params):
+  """`params` with the vocabulary projection's [d, V] kernel beside them: the shared embedding transposed and
+  rounded to the projection's operand dtype, which Transformer.vocabulary_logits then reads. Made once for a
+  search, whose programs would otherwise transpose and round the [V, d] table in every call (on 2 CPU cores a
+  tenth of a greedy search of the Multi30k model). The same logits; not for training, whose gradient flows
+  through the embedding."""
+  kernel = jnp.asarray(shared_embedding(params).T, vocabulary_operand_dtype(config))
+  return {**params, VOCABULARY_KERNEL: kernel}
+
+
 def dense_dot_general(matmul_precision):
   """The `dot_general` argument of nn.Dense for a matmul precision (None: jax's own, in the compute dtype)."""
   return _bfloat16_dot_general if matmul_precision == 'bfloat16' else None
@@ -681,6 +695,9 @@ class TransformerStacks(nn.Module):
     bfloat16 for its two matmuls (as mixed-precision training does elsewhere). jax's own derivative would
     multiply that float32 gradient by the bfloat16 states and embedding: CUDA's lowering runs those two
     vocabulary-sized matmuls (about 12% of a Transformer big step's FLOPs) in float32, TPU's in several passes."""
+    if self.has_variable('params', VOCABULARY_KERNEL):  # a search's parameters (with_vocabulary_kernel)
+      kernel = self.get_variable('params', VOCABULARY_KERNEL)
+      return jnp.dot(y.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
     embedding = self.embedding.embedding
     if vocabulary_operand_dtype(self.config) == jnp.bfloat16:
       return bfloat16_matmul(y, embedding.T, jnp.float32)

@@ -29,6 +29,7 @@ from flaxformer_nmt.decoding import batch_search
 from flaxformer_nmt.decoding.ladder import Ladder
 from flaxformer_nmt.decoding import translator as translator_lib
 from flaxformer_nmt.evaluation import bleu as evaluate
+from flaxformer_nmt.models.transformer import with_vocabulary_kernel
 from flaxformer_nmt.runtime import distributed
 from flaxformer_nmt.runtime import sharding
 
@@ -102,6 +103,7 @@ class ValidationBleu:
     """Detokenized translations of the validation sources, in order (the same on every host)."""
     if self.to_search_device:
       params = jax.device_put(params, self.replicated)
+    params = with_vocabulary_kernel(self.model.config, params)  # as the decode command's search reads them
     # The same rows on every host: replicated global arrays (one process: just a device copy).
     place = lambda tree: jax.tree_util.tree_map(
         lambda x: jax.make_array_from_process_local_data(self.replicated, np.asarray(x)), tree)
