@@ -1,5 +1,6 @@
 r"""Times the compiled train step of configs after warm-up: tokens/s, model TFLOP/s, MFU and step time; on
-CPU also the achieved FLOP rate over a large float32 matmul's rate measured in the same process.
+CPU also the achieved FLOP rate over the rate of a large matmul of the step's operand dtype (float32, or bfloat16
+with matmul_precision 'bfloat16') measured in the same process.
 
   python bench/train_throughput.py --configs base,big,multi30k --lengths 32 --tokens_per_batch 4096
   python bench/train_throughput.py --configs big --tokens_per_batch 32768 --peak 989e12   # an H100
@@ -189,6 +190,12 @@ def batch_shapes(mesh, config):
       yield max(tokens_per_batch // length // rows_multiple, 1) * rows_multiple, length
 
 
+def reference_rate(matmul, model):
+  """The rate (FLOP/s) of the large matmul (matmul: {operand dtype: rate} or None) whose operands are of the
+  dtype the model's matmuls round theirs to."""
+  return matmul and matmul[model_lib.vocabulary_operand_dtype(model.config)]
+
+
 def print_row(label, rows, length, seconds, analytic, peak, matmul):
   achieved = analytic / seconds
   mfu = f'{achieved / (peak * jax.device_count()):7.1%}' if peak else f'{"-":>7}'
@@ -229,7 +236,8 @@ def alternate_variants(name, peak, matmul):
         jax.block_until_ready(run['state'])
         run['seconds'].append(time.perf_counter() - start)
     for run in runs:
-      print_row(run['label'], rows, length, float(np.median(run['seconds'])), run['analytic'], peak, matmul)
+      print_row(run['label'], rows, length, float(np.median(run['seconds'])), run['analytic'], peak,
+                reference_rate(matmul, run['model']))
 
 
 def bench_config(name, variant, peak, matmul, check_xla):
@@ -251,7 +259,7 @@ def bench_config(name, variant, peak, matmul, check_xla):
       print(f'{name:>9} {length:5d} {rows:5d} {"out of device memory":>40}', flush=True)
       return
     check_xla = False
-    print_row(name, rows, length, seconds, analytic, peak, matmul)
+    print_row(name, rows, length, seconds, analytic, peak, reference_rate(matmul, model))
 
 
 def print_memory(name, variant, train_fn, state, rows, length, vocab, mesh):
@@ -434,12 +442,13 @@ def main(argv):
     checkpoints_lib.quiet_orbax_logs()
   backend = jax.default_backend()
   peak = flops_lib.peak_flops_per_device(override=_PEAK.value)
-  matmul = flops_lib.matmul_rate() if backend == 'cpu' else None
+  matmul = {jnp.dtype(d): flops_lib.matmul_rate(d) for d in (jnp.float32, jnp.bfloat16)} if backend == 'cpu' else None
   print(f'# backend {backend}, {jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}, '
         f'peak {peak / 1e12 if peak else "-"} TFLOP/s per device, {",".join(_TOKENS.value)} tokens per side per step')
   if matmul:
-    print(f'# float32 4096x1024x1024 matmul: {matmul / 1e9:.1f} GFLOP/s; with bfloat16 operands (float32 '
-          f'accumulation and result): {flops_lib.matmul_rate(jnp.bfloat16) / 1e9:.1f} GFLOP/s')
+    print(f'# float32 4096x1024x1024 matmul: {matmul[jnp.dtype(jnp.float32)] / 1e9:.1f} GFLOP/s; with bfloat16 '
+          f'operands (float32 accumulation and result): {matmul[jnp.dtype(jnp.bfloat16)] / 1e9:.1f} GFLOP/s; '
+          '/matmul: against the one of the step\'s operand dtype')
   print(f'# {"config":>7} {"len":>5} {"rows":>5} {"step ms":>9} {"tok/s":>10} {"TFLOP/s":>8} {"MFU":>7} '
         f'{"/matmul":>8}')
   if _FIT_MINUTES.value > 0:
