@@ -215,8 +215,13 @@ def with_vocabulary_kernel(config, params):
   search, whose programs would otherwise transpose and round the [V, d] table in every call (on 2 CPU cores a
   tenth of a greedy search of the Multi30k model). The same logits; not for training, whose gradient flows
   through the embedding."""
-  kernel = jnp.asarray(shared_embedding(params).T, vocabulary_operand_dtype(config))
-  return {**params, VOCABULARY_KERNEL: kernel}
+  return {**params, VOCABULARY_KERNEL: _transposed(shared_embedding(params), vocabulary_operand_dtype(config))}
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _transposed(x, dtype):
+  """x.T in `dtype`: one program (eagerly, transposing and converting are two)."""
+  return x.T.astype(dtype)
 
 
 def dense_dot_general(matmul_precision):
