@@ -28,6 +28,7 @@ from flaxformer_nmt.training import loop as train
 from flaxformer_nmt.decoding import batch_search
 from flaxformer_nmt.decoding import beam_search
 from flaxformer_nmt.decoding import search as search_lib
+from flaxformer_nmt.runtime import executables
 
 
 @pytest.fixture(scope='module')
@@ -854,6 +855,26 @@ def test_commands_refuse_empty_files_nan_alphas_and_bad_checkpoint_names_up_fron
 
 
 @pytest.mark.skipif(not os.path.exists('/dev/full'), reason='needs /dev/full')
+def test_a_begin_program_loaded_from_disk_feeds_a_segment_program_traced_afresh(translator, mixed, tmp_path):
+  # A program loaded from its saved executable returns arrays laid out as it was compiled: a segment program
+  # traced for them refused them (its while loop's carry "layouts do not match") unless the host reads them
+  # back first, as it reads every segment's.
+  before = executables.directory()
+  executables.enable(tmp_path / 'executables')
+  try:
+    executables.clear()
+    expected = translator.translate(mixed)  # compiled and saved
+    segments = list((tmp_path / 'executables').glob('*/_segment-*.executable'))
+    assert segments and list((tmp_path / 'executables').glob('*/_begin-*.executable'))
+    for path in segments:
+      path.unlink()
+    executables.clear()
+    assert translator.translate(mixed) == expected
+  finally:
+    executables.enable(before)
+    executables.clear()
+
+
 def test_a_failed_write_names_the_output_and_a_closed_pipe_stops_quietly(workdir, translator, tmp_path):
   result = run_cli(['--output=/dev/full'], workdir, stdin='a dog .\n')
   assert result.returncode == 1 and 'Traceback' not in result.stderr, result.stderr[-3000:]
