@@ -64,8 +64,8 @@ def define_flags():
                       'comma-separated, with one vocabulary, decode as an ensemble.')
   flags.DEFINE_string('input', '-', 'Source sentences, one per line; - reads stdin.')
   flags.DEFINE_string('output', '-', 'Where translations go; - writes stdout.')
-  flags.DEFINE_string('reference', None, 'Raw references: prints cased sacreBLEU (13a) and chrF (case-insensitive '
-                      'for a model of config.lowercase).')
+  flags.DEFINE_string('reference', None, 'Raw references: prints sacreBLEU (13a) and chrF, both case-insensitive '
+                      'for a model of config.lowercase.')
   flags.DEFINE_string('tok_reference', None,
                       'Lowercased Moses-tokenized references: prints the paper-comparable BLEU.')
   flags.DEFINE_string('checkpoint', None, 'latest, averaged (see flaxformer_nmt.average), best (the best '
