@@ -2,6 +2,7 @@
 decode of the same sentences and options, also when many requests are batched together; each error has its
 status and message; keys, CORS, LibreTranslate's API, metrics, readiness and the SIGTERM drain."""
 import concurrent.futures
+import itertools
 import json
 import math
 import re
@@ -165,6 +166,34 @@ def test_paragraphs_are_split_into_sentences_and_rejoined_and_empty_texts_stay_e
   assert answer[3]['text'] == f'{lines[0]}\n{lines[1]}\n\n{lines[2]}'
 
 
+def test_a_texts_n_best_are_its_best_choices_of_one_candidate_per_sentence(backend, translator):
+  # The k-th candidate of every sentence together is not the text's k-th best: its second best changes one
+  # sentence, not all of them. Against every combination of the sentences' candidates, ranked by summed score.
+  sentences = ['a big dog runs .', 'The small cat sleeps .', 'A man sees the ball .']
+  with client({'en-de': backend}) as c:
+    entry = c.post('/v1/translate', json={'text': [' '.join(sentences)], 'beam_size': 3, 'n_best': 3,
+                                          'return_scores': True}).json()['translations'][0]
+  hyps = expected(translator, sentences, beam_size=3, n_best=3)
+  combinations = sorted(itertools.product(*hyps), key=lambda c: -sum(score for _, score in c))[:3]
+  assert [c['text'] for c in entry['n_best']] == [' '.join(text for text, _ in c) for c in combinations]
+  np.testing.assert_allclose([c['score'] for c in entry['n_best']],
+                             [sum(score for _, score in c) for c in combinations], atol=1e-4)
+  assert entry['text'] == entry['n_best'][0]['text']
+
+
+def test_best_combinations_ranks_like_every_combination_sorted():
+  rng = np.random.default_rng(0)
+  for sizes in ([3, 3, 3], [1, 4], [2], [5, 1, 2, 3]):
+    lists = [sorted(rng.normal(size=n).tolist(), reverse=True) for n in sizes]
+    every = sorted(itertools.product(*[range(n) for n in sizes]),
+                   key=lambda c: -sum(lists[s][k] for s, k in enumerate(c)))
+    n = min(4, len(every))
+    found = server.best_combinations(lists, n)
+    assert [indices for indices, _ in found] == every[:n], sizes
+    np.testing.assert_allclose([score for _, score in found], [sum(lists[s][k] for s, k in enumerate(c))
+                                                               for c in every[:n]])
+
+
 def test_split_sentences_keeps_abbreviations_and_lower_case_continuations():
   assert server.split_text('Mr. Smith runs. He sees it! "Yes," she says.\nno. break here') == [
       ['Mr. Smith runs.', 'He sees it!', '"Yes," she says.'], ['no. break here']]
@@ -179,6 +208,9 @@ def test_split_sentences_keeps_abbreviations_and_lower_case_continuations():
       ['It ends...', 'Then more!!!', 'And?!', 'So ' + '.' * 5000]]
   long = 'A ' + 'very ' * 40 + 'long line by Dr. Who. Dr. Nobody came. Then'
   assert server.split_text(long) == [[long[:long.index(' Dr. Nobody')], 'Dr. Nobody came.', 'Then']]
+  # "No." and "Nr." hold a sentence together before a number only (Moses' rule); a lone digit is no initial.
+  assert server.split_text('Is it raining? No. It is sunny. See No. 5 and J. Smith. He counted to 3. Then') == [
+      ['Is it raining?', 'No.', 'It is sunny.', 'See No. 5 and J. Smith.', 'He counted to 3.', 'Then']]
 
 
 def test_attention_is_the_teacher_forced_cross_attention_of_the_answer(backend, translator):
@@ -554,6 +586,16 @@ def test_libretranslate_routes(backend, translator):
                     headers={'Content-Type': 'application/x-www-form-urlencoded'})
     assert (answer.status_code, answer.json()) == (400, {'error': 'the form is not valid UTF-8 once unescaped '
                                                                   '(invalid start byte)'})
+    # As LibreTranslate (Flask's request.values): a form's fields from the query string too, the body's first;
+    # no format is text; FastAPI's own errors in LibreTranslate's {"error"} shape.
+    assert c.post(f'/translate?q={texts[0]}&source=en&target=de').json() == {'translatedText': want[0]}
+    answer = c.post(f'/translate?q={texts[0]}&target=fr', data={'q': texts[1], 'source': 'en', 'target': 'de'})
+    assert answer.json() == {'translatedText': want[1]}
+    assert c.post('/translate', json={'q': texts[0], 'source': 'en', 'target': 'de', 'format': None}).json() == {
+        'translatedText': want[0]}
+    answer = c.get('/translate')
+    assert (answer.status_code, answer.json()) == (405, {'error': 'Method Not Allowed'})
+    assert answer.headers['allow'] == 'POST'
 
 
 def test_libretranslate_fields_python_cannot_read_get_a_client_error_not_500(backend):

@@ -19,6 +19,7 @@ An empty text translates to an empty string. See docs/serving.md.
 import asyncio
 import contextlib
 import dataclasses
+import heapq
 import hmac
 import json
 import pathlib
@@ -89,6 +90,7 @@ def error_response(path, status, message, headers=None):
 _SENTENCE_END = re.compile(r'(?<![.!?\u2026])[.!?\u2026]+["\'\u201d\u2019)\]]*\s+')
 _LAST_WORD_CHARS = 100  # the last word before a mark is read from this many characters (an abbreviation is shorter)
 ABBREVIATIONS = frozenset('mr mrs ms dr prof st sr jr vs etc e.g i.e no nr ca bzw z.b usw'.split())
+NUMERIC_ONLY = frozenset('no nr'.split())  # abbreviations only before a number (No. 5), as in Moses' lists
 _ACRONYM = re.compile(r'\.([^\W\d_]+)\.+$')  # a word ending in a period, letters and a period (U.S., p.m.)
 
 
@@ -105,7 +107,9 @@ def split_sentences(line):
     word = words[-1].rstrip('.').lower() if words else ''
     starts = following[:1].isupper() or following[:1].isdigit() or (
         following[:1] in '"\'\u201c\u201e(' and following[1:2].isupper())
-    if starts and (not word or (word not in ABBREVIATIONS and len(word) > 1 and not _acronym(words[-1]))):
+    abbreviation = word in ABBREVIATIONS and not (word in NUMERIC_ONLY and not following[:1].isdigit())
+    initial = len(word) == 1 and not word.isdigit()  # J. Smith; not "counted to 3. Then"
+    if starts and (not word or (not abbreviation and not initial and not _acronym(words[-1]))):
       sentences.append(line[start:match.end()].strip())
       start = match.end()
   sentences.append(line[start:].strip())
@@ -441,16 +445,40 @@ def check_attention_size(layout, answers):
                    f'{MAX_ATTENTION_WEIGHTS} (ask for fewer or shorter texts at a time)')
 
 
+def best_combinations(score_lists, n):
+  """The n best choices of one candidate per sentence, by summed score, best first: [(indices, score)].
+  score_lists: per sentence its candidates' scores, best first (the k-th of every sentence together is not
+  the text's k-th best: its second best changes one sentence, not all of them)."""
+  if not score_lists:
+    return [((), 0.0)] * n
+  start = (0,) * len(score_lists)
+  total = lambda indices: sum(scores[k] for scores, k in zip(score_lists, indices))
+  heap, seen, found = [(-total(start), start)], {start}, []
+  while heap and len(found) < n:
+    negative, indices = heapq.heappop(heap)
+    found.append((indices, -negative))
+    for s in range(len(indices)):
+      if indices[s] + 1 < len(score_lists[s]):
+        following = indices[:s] + (indices[s] + 1,) + indices[s + 1:]
+        if following not in seen:
+          seen.add(following)
+          heapq.heappush(heap, (-total(following), following))
+  return found + [found[-1]] * (n - len(found))  # fewer combinations than asked (one candidate each): repeated
+
+
 def text_answer(backend, lines, breaks, token_lists, answers, n_best, scores, attention):
   """One text's entry of /v1/translate: its sentences' translations rejoined in place, its lines joined by
-  `breaks` (the text's line breaks)."""
-  def candidate(k):
-    translated = [' '.join(t for t in (backend.decode(answers[i].hypotheses[k][0]) for i in line
-                                       if answers[i] is not None) if t) for line in lines]
+  `breaks` (the text's line breaks); its n best: the n best combinations of its sentences' candidates."""
+  answered = [i for line in lines for i in line if answers[i] is not None]
+  position = {i: p for p, i in enumerate(answered)}
+
+  def candidate(indices, score):
+    translated = [' '.join(t for t in (backend.decode(answers[i].hypotheses[indices[position[i]]][0])
+                                       for i in line if answers[i] is not None) if t) for line in lines]
     text = translated[0] + ''.join(b + t for b, t in zip(breaks, translated[1:]))
-    score = sum(answers[i].hypotheses[k][1] for line in lines for i in line if answers[i] is not None)
     return {'text': text, 'score': float(score)}
-  candidates = [candidate(k) for k in range(n_best)]
+  combinations = best_combinations([[h[1] for h in answers[i].hypotheses[:n_best]] for i in answered], n_best)
+  candidates = [candidate(indices, score) for indices, score in combinations]
   entry = {'text': candidates[0]['text']}
   if scores:
     entry['score'] = candidates[0]['score']
@@ -543,23 +571,23 @@ def validation_error(request, error):
 
 
 async def http_error(request, error):
-  """FastAPI's HTTP errors as it answers them, but for its 400 of a JSON body it could not parse for another
-  reason than a syntax error (arrays nested deeper than json.loads recurses): 422 saying why."""
+  """FastAPI's HTTP errors as it answers them (as {"error": ...} on LibreTranslate's routes: a 405), but for its
+  400 of a JSON body it could not parse for another reason than a syntax error (arrays nested deeper than
+  json.loads recurses): 422 saying why."""
   if isinstance(error.__cause__, (ValueError, RecursionError)):
     return error_response(request.url.path, 422, f'the body is not valid JSON ({error.__cause__})')
+  if request.url.path in LIBRE_PATHS:
+    return error_response(request.url.path, error.status_code, str(error.detail), getattr(error, 'headers', None))
   return await fastapi.exception_handlers.http_exception_handler(request, error)
 
 
 async def libre_fields(request):
-  """LibreTranslate's request fields, from a JSON object or a form-encoded body."""
+  """LibreTranslate's request fields, from a JSON object or a form-encoded body; a form's fields may also come in
+  the query string (LibreTranslate reads Flask's request.values), the body's first."""
   content_type = request.headers.get('content-type', '')
   body = await request.body()
-  if 'x-www-form-urlencoded' in content_type:
-    try:  # percent-escapes may spell bytes that are no UTF-8
-      fields = urllib.parse.parse_qs(body.decode('utf-8'), keep_blank_values=True, errors='strict')
-    except UnicodeDecodeError as e:
-      raise ApiError(400, f'the form is not valid UTF-8 once unescaped ({e.reason})') from None
-    return {k: v[0] for k, v in fields.items()}
+  if 'x-www-form-urlencoded' in content_type or not (body or content_type):
+    return {**form_fields(request.url.query.encode('latin-1')), **form_fields(body)}
   if 'json' in content_type or not content_type:
     try:
       data = json.loads(body) if body else {}
@@ -571,6 +599,15 @@ async def libre_fields(request):
   raise ApiError(415, f'send JSON or application/x-www-form-urlencoded, not {content_type}')
 
 
+def form_fields(encoded):
+  """{name: first value} of an application/x-www-form-urlencoded form."""
+  try:  # percent-escapes may spell bytes that are no UTF-8
+    fields = urllib.parse.parse_qs(encoded.decode('utf-8'), keep_blank_values=True, errors='strict')
+  except UnicodeDecodeError as e:
+    raise ApiError(400, f'the form is not valid UTF-8 once unescaped ({e.reason})') from None
+  return {k: v[0] for k, v in fields.items()}
+
+
 def libre_request(data):
   """(texts, whether q was one string, source, target, alternatives) of a LibreTranslate request."""
   for field in ('q', 'source', 'target'):
@@ -579,6 +616,8 @@ def libre_request(data):
   q = data['q']
   if not (isinstance(q, str) or (isinstance(q, list) and all(isinstance(t, str) for t in q))):
     raise ApiError(422, 'q: must be a string or a list of strings')
+  if data.get('format') in (None, ''):  # as LibreTranslate: no format is text
+    data = dict(data, format='text')
   for field in ('source', 'target', 'format'):
     if not isinstance(data.get(field, 'text'), str):
       raise ApiError(422, f'{field}: must be a string')
