@@ -231,9 +231,9 @@ class RowSteps:
 
   def _counted(self, begin, segment):
     def counted_begin(model, params, src, *args, **options):
-      inputs, state = begin(model, params, src, *args, **options)
+      inputs, state, live = begin(model, params, src, *args, **options)
       self.count += src.shape[0] * max(options.get('beam_size', 0), 1) * int(state.index)
-      return inputs, state
+      return inputs, state, live
 
     def counted_segment(model, params, inputs, state, *args, **options):
       start = int(state.index)

@@ -857,8 +857,8 @@ def test_commands_refuse_empty_files_nan_alphas_and_bad_checkpoint_names_up_fron
 @pytest.mark.skipif(not os.path.exists('/dev/full'), reason='needs /dev/full')
 def test_a_begin_program_loaded_from_disk_feeds_a_segment_program_traced_afresh(translator, mixed, tmp_path):
   # A program loaded from its saved executable returns arrays laid out as it was compiled: a segment program
-  # traced for them refused them (its while loop's carry "layouts do not match") unless the host reads them
-  # back first, as it reads every segment's.
+  # traced for them refuses them (its while loop's carry "layouts do not match") unless the host reads them
+  # back first, as it reads every program's.
   before = executables.directory()
   executables.enable(tmp_path / 'executables')
   try:

@@ -3,9 +3,8 @@
 - segments (CPU): a batch searches until its cache is full or its searching sentences fit a lower row rung;
   the host then reads it back, keeps the finished sentences' results, and goes on with the others only, in
   that rung's rows (or in several batches of the next length's rung, the cache grown), as CTranslate2 and
-  fairseq drop finished sentences. What runs is a `begin` program (the encoder and the first step) per (rows,
-  source length) a batch starts in and a `segment` program per (rows, cache length) it searches in: all rungs
-  of the ladder, whatever the data.
+  fairseq drop finished sentences. What runs is a `begin` program per (rows, source length) a batch starts in
+  and a `segment` program per (rows, cache length) it goes on in: all rungs of the ladder, whatever the data.
 - on the device (GPU, TPU): each batch's whole search in one program (search.search, the cache growing
   inside it), with no host round trip until its results: one program per source length rung.
 
@@ -31,15 +30,15 @@ START_STATIC = ('beam_size', 'cache_cross_kv', 'num_samples')
 RULE_STATIC = ('beam_size', 'temperature', 'top_k', 'cache_cross_kv', 'min_len', 'scores')
 
 
-def _begin(model, params, src, lines, seed, alpha, max_len_a, extra_length, *, cache_length, num_samples=0, **options):
-  """start_search and its first step (search.first_step) of a padded source batch, sampling keys drawn here
-  from (seed, line numbers); returns (inputs, state). The steps after it are `segment` programs: begin programs
-  holding a segment's loop too would compile every loop twice (test2016's beam-5 programs took 6.6-7.4 s to
-  compile that way, 5.6 s this way, on 2 CPU cores)."""
+def _begin(model, params, src, lines, seed, stop, alpha, max_len_a, extra_length, *, cache_length, num_samples=0,
+           **options):
+  """start_search and its first segment (search.run_segment) of a padded source batch, sampling keys drawn
+  here from (seed, line numbers); returns (inputs, state, [B] still searching)."""
   keys = search_lib.line_keys(seed, lines, num_samples) if num_samples else None
   inputs, state = search_lib.start_search(model, params, src, keys, cache_length=cache_length, length=cache_length,
                                           max_len_a=max_len_a, extra_length=extra_length, **options)
-  return inputs, search_lib.first_step(model, params, inputs, state, alpha=alpha, **options)
+  state, live = search_lib.run_segment(model, params, inputs, state, stop, first=True, alpha=alpha, **options)
+  return inputs, state, live
 
 
 def _segment(model, params, inputs, state, stop, alpha, **options):
@@ -172,11 +171,9 @@ def _segmented_batch(model, params, src, lines, seed, ladder, options, place):
   src = beam_search.pad_axis(src, 1, begin_length, search_lib.PAD_ID)
   alpha, rule = options['alpha'], _static(options, RULE_STATIC)
   begin_jit, segment_jit = _programs_for(options)
-  # Read back as every segment's state is: a loaded program's arrays carry its layouts, which a segment
-  # program traced for them would not match
-  inputs, state = jax.device_get(begin_jit(model, params, *place((src, lines)), seed, alpha, *_limit(options),
-                                           cache_length=begin_length, **_static(options, _BEGIN_STATIC)))
-  state, live = segment_jit(model, params, *place((inputs, state)), ladder.below(rows, begin_length), alpha, **rule)
+  inputs, state, live = begin_jit(model, params, *place((src, lines)), seed, ladder.below(rows, begin_length),
+                                   alpha, *_limit(options), cache_length=begin_length,
+                                   **_static(options, _BEGIN_STATIC))
   results, work = [], [(np.arange(rows), inputs, state, live)]
   while work:
     sentences, inputs, state, live = jax.device_get(work.pop())
@@ -252,8 +249,8 @@ def warm_up(model, params, ladder, options, *, max_source_length=None, on_device
   for length in source_lengths:
     for rows in ladder.rows(length):
       begun[length] = jax.device_get(begin_jit(
-          model, params, *place((_empty_sources(rows, length), np.zeros(rows, np.int32))), 0, options['alpha'],
-          *_limit(options), cache_length=length, **_static(options, _BEGIN_STATIC)))
+          model, params, *place((_empty_sources(rows, length), np.zeros(rows, np.int32))), 0, 0, options['alpha'],
+          *_limit(options), cache_length=length, **_static(options, _BEGIN_STATIC)))[:2]
   top = ladder.length_for(search_lib.max_steps(source_lengths[-1], options.get('max_len_a', 1.0),
                                                options['extra_length'], ladder.max_position))
   count, (inputs, state) = sum(len(ladder.rows(length)) for length in source_lengths), begun[source_lengths[0]]

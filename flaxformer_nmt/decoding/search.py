@@ -1,7 +1,7 @@
 """The batched search of a trained translation model: the encoder once, then the decoder's steps over a KV cache
 (beam_search.py for the rules of beam, greedy and sampling), either in one jit-able call (`search`) or started
-and continued in segments between which a host loop drops finished sentences (`start_search`, `first_step`,
-`run_segment`; batch_search.py runs them on the ladder of shapes of ladder.py)."""
+and continued in segments between which a host loop drops finished sentences (`start_search`, `run_segment`;
+batch_search.py runs them on the ladder of shapes of ladder.py)."""
 import functools
 import math
 from typing import Any, NamedTuple
@@ -190,16 +190,13 @@ def unfinished_sentences(inputs, state):
   return beam_search.token_unfinished(state).reshape(inputs.src.shape[0], -1).any(axis=1)
 
 
-def first_step(model, params, inputs, state, **options):
-  """start_search's `state` after its first step (beam search's on one row per sentence, see _search_rule)."""
-  return _search_rule(model, params, inputs, **options)[0](state)
-
-
-def run_segment(model, params, inputs, state, stop=0, **options):
+def run_segment(model, params, inputs, state, stop=0, *, first=False, **options):
   """(the state stepped until its cache is full, no sentence searches, or at most `stop` (a traced scalar)
   still search; [B] bool: the sentences still searching). A host loop then drops the finished sentences
-  or grows the cache (batch_search.py). `state`: first_step's, or an earlier segment's."""
-  _, step = _search_rule(model, params, inputs, **options)
+  or grows the cache (batch_search.py). first=True: `state` is start_search's, whose first step runs first."""
+  first_step, step = _search_rule(model, params, inputs, **options)
+  if first:
+    state = first_step(state)
   live = lambda s: unfinished_sentences(inputs, s)
   until = beam_search.cache_length(state)
   state = jax.lax.while_loop(lambda s: (s.index < until) & (live(s).sum() > stop), step, state)
@@ -253,9 +250,9 @@ def search(model, params, src, sample_keys=None, *, beam_size, alpha, extra_leng
     cache_lengths = cache_lengths[-1:]
   inputs, state = start_search(model, params, src, sample_keys, cache_length=cache_lengths[0],
                                length=cache_lengths[-1], **options)
-  first, step = _search_rule(model, params, inputs, **options)
+  first_step, step = _search_rule(model, params, inputs, **options)
   unfinished = lambda s: unfinished_sentences(inputs, s)
-  return search_output(inputs, beam_search.staged_search(unfinished, step, first(state), cache_lengths))
+  return search_output(inputs, beam_search.staged_search(unfinished, step, first_step(state), cache_lengths))
 
 
 def take_sentences(tree, keep, batch):
