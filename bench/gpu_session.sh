@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # GPU measurements in stages, each bounded by its own time limit, for a GPU machine that is reachable for a few
 # minutes and has no network access. Each stage writes $OUT/<stage>.log (absl's INFO/WARNING lines only there).
+# Each line below fits one device call of at most 10 minutes: its stages' time limits add up to 9 or less.
 #
-#   bash bench/gpu_session.sh env tests throughput memory     # stack, cuDNN tests, train-step MFU, memory
-#   bash bench/gpu_session.sh decode dispatch multi30k        # decoding speed; configs/multi30k.py trained on the GPU
-#   bash bench/gpu_session.sh env training                    # training speed in one call of at most 9 minutes
+#   bash bench/gpu_session.sh env decode                      # decoding speed and compile times (3 minutes)
+#   bash bench/gpu_session.sh env training                    # training speed: MFU, the Multi30k recipe (9 minutes)
+#   bash bench/gpu_session.sh env tests throughput            # stack, cuDNN tests, train-step MFU (7 minutes)
+#   bash bench/gpu_session.sh memory                          # remat, the largest budgets (7.5 minutes)
+#   bash bench/gpu_session.sh multi30k                        # configs/multi30k.py trained on the GPU (9 minutes)
+#   bash bench/gpu_session.sh dispatch                        # one step a call against 10 (7 minutes)
 #   bash bench/gpu_session.sh diagnose profile                # attention errors; where the big step's time goes
 #   SUITE_SECONDS=540 bash bench/gpu_session.sh env suite     # the whole test suite on the GPU
 #   SMOKE=1 bash bench/gpu_session.sh env throughput decode multi30k   # every stage shrunk, on a CPU, beforehand
@@ -25,8 +29,9 @@
 #   dispatch    the recipe's first DISPATCH_STEPS (1,000) steps through the trainer, one step a call and then
 #               10 (config.steps_per_dispatch), validation BLEU off (the multi30k stage has it): the steps
 #               phase and the time outside the steps, by phase
-#   multi30k    configs/multi30k.py trained on the GPU for MULTI30K_MINUTES (2.5), MULTI30K_DISPATCH (10) steps a
-#               call, then test2016 BLEU, and the carried model decoded in bf16 and float32
+#   multi30k    configs/multi30k.py trained on the GPU for MULTI30K_MINUTES (2.5; the training's limit is 330 s),
+#               MULTI30K_DISPATCH (10) steps a call, then test2016 BLEU, and the carried model decoded in bf16 and
+#               float32
 #   training    within 9 minutes: base and big train steps at 16,384 and 65,536 tokens (tokens/s, MFU), then the
 #               Multi30k recipe through the trainer (its 6,500 steps or TRAINING_MINUTES (3) of them, 10 steps a
 #               call, its validation and saves): wall time by phase, the share outside the steps, validation BLEU
@@ -183,7 +188,7 @@ stage_multi30k() {
   local workdir worst=0
   workdir=$(mktemp -d /tmp/m30k_gpu.XXXXXX)
   local start=$SECONDS
-  run timeout 600 $PY -m flaxformer_nmt.train --config configs/multi30k.py --workdir $workdir \
+  run timeout 330 $PY -m flaxformer_nmt.train --config configs/multi30k.py --workdir $workdir \
     --config.data_dir=gpu_carry/data/multi30k --config.eval_bleu_tok_ref_dir=gpu_carry/data/multi30k_tok \
     --config.steps_per_dispatch=${MULTI30K_DISPATCH:-10} "${TRAIN_SIZES[@]}"
   echo "# training wall time: $((SECONDS - start)) s"
