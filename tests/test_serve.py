@@ -525,6 +525,11 @@ def test_api_keys_guard_every_route_but_health_and_the_page(backend):
     # A JSON body without a Content-Type is read as JSON (libre_fields does), its key too.
     assert c.post('/translate', content=json.dumps(dict(libre, api_key='first-key'))).status_code == 200
     assert c.get('/languages?api_key=first-key').status_code == 200
+    # Multipart forms (LibreTranslate's own page sends FormData), and a form's key in the query string.
+    multipart = {k: (None, v) for k, v in libre.items()}
+    assert c.post('/translate', files=dict(multipart, api_key=(None, 'first-key'))).status_code == 200
+    assert c.post('/translate', files=multipart).status_code == 401
+    assert c.post('/translate?api_key=second-key', data=libre).status_code == 200
 
 
 def test_keys_compare_in_constant_time_against_every_key(monkeypatch):
@@ -593,6 +598,14 @@ def test_libretranslate_routes(backend, translator):
     assert answer.json() == {'translatedText': want[1]}
     assert c.post('/translate', json={'q': texts[0], 'source': 'en', 'target': 'de', 'format': None}).json() == {
         'translatedText': want[0]}
+    # Multipart forms as LibreTranslate's own page sends them (FormData); a part that is a file is no field.
+    answer = c.post('/translate?source=en', files={'q': (None, texts[1]), 'target': (None, 'de'),
+                                                   'source': (None, 'en'), 'format': (None, 'text'),
+                                                   'alternatives': ('a.txt', b'2', 'text/plain')})
+    assert answer.json() == {'translatedText': want[1]}
+    answer = c.post('/translate', content=b'--x\r\nContent-Disposition: form-data; name="q"\r\n\r\na dog',
+                    headers={'Content-Type': 'multipart/form-data'})  # no boundary
+    assert answer.status_code == 400 and answer.json()['error'].startswith('the multipart form could not be read (')
     answer = c.get('/translate')
     assert (answer.status_code, answer.json()) == (405, {'error': 'Method Not Allowed'})
     assert answer.headers['allow'] == 'POST'

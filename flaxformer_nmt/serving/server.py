@@ -40,6 +40,7 @@ from fastapi import responses, staticfiles
 from starlette import exceptions as starlette_exceptions
 from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
 
 from flaxformer_nmt.serving import argos
 from flaxformer_nmt.serving import batcher as batcher_lib
@@ -213,19 +214,22 @@ class Keys:
     return self.accepts(key.strip()) if scheme.lower() == 'bearer' else False
 
 
-def libre_api_key(body, headers, query_string):
-  """LibreTranslate's api_key field: from a JSON or form body, or the query string."""
+async def libre_api_key(scope, body, headers):
+  """LibreTranslate's api_key field: from a JSON, form-encoded or multipart body, else the query string."""
   content_type = headers.get('content-type', '')
+  query = urllib.parse.parse_qs(scope['query_string'].decode('latin-1')).get('api_key', [None])[0]
   try:
     if body and ('json' in content_type or not content_type):  # as libre_fields reads it
       data = json.loads(body)
       key = data.get('api_key') if isinstance(data, dict) else None
       return key if isinstance(key, str) else None
     if body and 'x-www-form-urlencoded' in content_type:
-      return urllib.parse.parse_qs(body.decode('utf-8')).get('api_key', [None])[0]
-  except (ValueError, UnicodeDecodeError, RecursionError):
+      return urllib.parse.parse_qs(body.decode('utf-8')).get('api_key', [query])[0]
+    if body and 'multipart/form-data' in content_type:
+      return (await multipart_fields(scope, body)).get('api_key', query)
+  except (ValueError, UnicodeDecodeError, RecursionError, ApiError):
     return None
-  return urllib.parse.parse_qs(query_string.decode('latin-1')).get('api_key', [None])[0]
+  return query
 
 
 class Guard:
@@ -249,7 +253,7 @@ class Guard:
       if error is not None:
         return await error_response(path, *error)(scope, receive, send)
     if needs_key and path in LIBRE_PATHS and not (
-        self.keys.bearer(headers) or self.keys.accepts(libre_api_key(body, headers, scope['query_string']))):
+        self.keys.bearer(headers) or self.keys.accepts(await libre_api_key(scope, body, headers))):
       return await error_response(path, 401, unauthorized, {'WWW-Authenticate': 'Bearer'})(scope, receive, send)
     replayed = False
 
@@ -582,12 +586,16 @@ async def http_error(request, error):
 
 
 async def libre_fields(request):
-  """LibreTranslate's request fields, from a JSON object or a form-encoded body; a form's fields may also come in
-  the query string (LibreTranslate reads Flask's request.values), the body's first."""
+  """LibreTranslate's request fields, from a JSON object or a form-encoded or multipart body (its own page sends
+  FormData); a form's fields may also come in the query string (LibreTranslate reads Flask's request.values), the
+  body's first."""
   content_type = request.headers.get('content-type', '')
   body = await request.body()
+  query = form_fields(request.url.query.encode('latin-1'))
   if 'x-www-form-urlencoded' in content_type or not (body or content_type):
-    return {**form_fields(request.url.query.encode('latin-1')), **form_fields(body)}
+    return {**query, **form_fields(body)}
+  if 'multipart/form-data' in content_type:
+    return {**query, **await multipart_fields(request.scope, body)}
   if 'json' in content_type or not content_type:
     try:
       data = json.loads(body) if body else {}
@@ -596,7 +604,22 @@ async def libre_fields(request):
     if not isinstance(data, dict):
       raise ApiError(422, 'the body must be a JSON object')
     return data
-  raise ApiError(415, f'send JSON or application/x-www-form-urlencoded, not {content_type}')
+  raise ApiError(415, f'send JSON, application/x-www-form-urlencoded or multipart/form-data, not {content_type}')
+
+
+async def multipart_fields(scope, body):
+  """{name: first value} of the text fields of a multipart/form-data body (Starlette's parser, python-multipart)."""
+  async def receive():
+    return {'type': 'http.request', 'body': body, 'more_body': False}
+  try:
+    form = await Request(scope, receive).form()
+  except Exception as e:  # pylint: disable=broad-except  # the parser's errors (a bad boundary, a cut body)
+    raise ApiError(400, f'the multipart form could not be read ({getattr(e, "detail", e)})') from None
+  fields = {}
+  for name, value in form.multi_items():
+    if isinstance(value, str):  # files are no LibreTranslate field
+      fields.setdefault(name, value)
+  return fields
 
 
 def form_fields(encoded):
