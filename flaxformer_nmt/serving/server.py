@@ -214,22 +214,13 @@ class Keys:
     return self.accepts(key.strip()) if scheme.lower() == 'bearer' else False
 
 
-async def libre_api_key(scope, body, headers):
-  """LibreTranslate's api_key field: from a JSON, form-encoded or multipart body, else the query string."""
-  content_type = headers.get('content-type', '')
-  query = urllib.parse.parse_qs(scope['query_string'].decode('latin-1')).get('api_key', [None])[0]
+async def libre_api_key(scope, body):
+  """LibreTranslate's api_key field, read as libre_fields reads the request; None where it cannot be read."""
   try:
-    if body and ('json' in content_type or not content_type):  # as libre_fields reads it
-      data = json.loads(body)
-      key = data.get('api_key') if isinstance(data, dict) else None
-      return key if isinstance(key, str) else None
-    if body and 'x-www-form-urlencoded' in content_type:
-      return urllib.parse.parse_qs(body.decode('utf-8')).get('api_key', [query])[0]
-    if body and 'multipart/form-data' in content_type:
-      return (await multipart_fields(scope, body)).get('api_key', query)
-  except (ValueError, UnicodeDecodeError, RecursionError, ApiError):
+    key = (await libre_fields(scope, body)).get('api_key')
+  except ApiError:
     return None
-  return query
+  return key if isinstance(key, str) else None
 
 
 class Guard:
@@ -253,7 +244,7 @@ class Guard:
       if error is not None:
         return await error_response(path, *error)(scope, receive, send)
     if needs_key and path in LIBRE_PATHS and not (
-        self.keys.bearer(headers) or self.keys.accepts(await libre_api_key(scope, body, headers))):
+        self.keys.bearer(headers) or self.keys.accepts(await libre_api_key(scope, body))):
       return await error_response(path, 401, unauthorized, {'WWW-Authenticate': 'Bearer'})(scope, receive, send)
     replayed = False
 
@@ -585,17 +576,16 @@ async def http_error(request, error):
   return await fastapi.exception_handlers.http_exception_handler(request, error)
 
 
-async def libre_fields(request):
+async def libre_fields(scope, body):
   """LibreTranslate's request fields, from a JSON object or a form-encoded or multipart body (its own page sends
   FormData); a form's fields may also come in the query string (LibreTranslate reads Flask's request.values), the
   body's first."""
-  content_type = request.headers.get('content-type', '')
-  body = await request.body()
-  query = form_fields(request.url.query.encode('latin-1'))
+  content_type = Headers(scope=scope).get('content-type', '')
+  query = form_fields(scope['query_string'])
   if 'x-www-form-urlencoded' in content_type or not (body or content_type):
     return {**query, **form_fields(body)}
   if 'multipart/form-data' in content_type:
-    return {**query, **await multipart_fields(request.scope, body)}
+    return {**query, **await multipart_fields(scope, body)}
   if 'json' in content_type or not content_type:
     try:
       data = json.loads(body) if body else {}
@@ -707,7 +697,7 @@ def add_libretranslate_routes(app, service):
   @app.post('/translate')
   async def libre_translate(request: fastapi.Request):
     """LibreTranslate's translate: {"q", "source", "target", "format": "text"} -> {"translatedText"}."""
-    texts, single, source, target, alternatives = libre_request(await libre_fields(request))
+    texts, single, source, target, alternatives = libre_request(await libre_fields(request.scope, await request.body()))
     name, backend = service.by_languages(source, target)
     beam_size = backend.defaults()['beam_size']
     if alternatives >= max(beam_size, 1):
