@@ -13,7 +13,9 @@ Starts the server on 127.0.0.1 (or loads --url, a server already running), waits
    is reported before and after. target_per_second is the scheduled rate, offered_per_second the requests the
    clients actually sent per second (a warning is printed when it is more than 10% below the target), and each
    request's latency runs from its scheduled time (start + i / rate), so a client that falls behind shows as
-   latency rather than as a lower rate;
+   latency rather than as a lower rate; from_send gives the latencies from the moment each request was handed to
+   its client (the server's share, with the client's own delays in reading the answer), and server_side_mean_s
+   the server's own mean time for a /v1/translate request;
 3. --kill_test: under 32 clients, the server is killed with SIGKILL; the clients must see connection errors,
    never a wrong translation; sentences/s is the rate up to the kill, and the server is started again and the
    time to /ready and to its first answer is reported.
@@ -76,6 +78,7 @@ def define_flags():
 class Tally:
   """What the clients of one step saw."""
   latencies: list = dataclasses.field(default_factory=list)
+  from_send: list = dataclasses.field(default_factory=list)  # the same answers' latencies from their send
   statuses: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   wrong: int = 0
   wrong_examples: dict = dataclasses.field(default_factory=dict)  # sentence index -> the answer
@@ -113,8 +116,9 @@ def printable(result):
 
 async def one_request(client, url, index, sentences, expected, tally, start=None):
   """POSTs sentence `index`; records the status (or the error's name) and checks a 200 answer. Its latency runs
-  from `start` (a perf_counter time: when it was due) or else from now."""
-  start = time.perf_counter() if start is None else start
+  from `start` (a perf_counter time: when it was due) or else from now; tally.from_send's from now."""
+  sent_at = time.perf_counter()
+  start = sent_at if start is None else start
   try:
     answer = await client.post(f'{url}/v1/translate', json={'text': [sentences[index]]})
   except httpx.TimeoutException:
@@ -125,7 +129,9 @@ async def one_request(client, url, index, sentences, expected, tally, start=None
     return
   tally.statuses[answer.status_code] += 1
   if answer.status_code == 200:
-    tally.latencies.append(time.perf_counter() - start)
+    answered_at = time.perf_counter()
+    tally.latencies.append(answered_at - start)
+    tally.from_send.append(answered_at - sent_at)
     tally.sentences += 1
     text = answer.json()['translations'][0]['text']
     if text != expected[index]:
@@ -282,6 +288,7 @@ def split_load(kind, total, per_process, url, seconds, sentences, expected, time
   merged = Tally()
   for tally, _ in parts:
     merged.latencies += tally.latencies
+    merged.from_send += tally.from_send
     merged.statuses.update(tally.statuses)
     merged.wrong_examples.update(tally.wrong_examples)
     merged.wrong += tally.wrong
@@ -367,12 +374,12 @@ def overload(server, url, closed, seconds, sentences, expected, timeout):
   """Open-loop arrivals scheduled at 4x the best sustained rate of the closed-loop steps; reports the target and
   the rate the clients actually sent."""
   rate = 4 * max(r['sentences_per_second'] for r in closed.values())
-  rss_before = server.rss_mb() if server else None
+  rss_before, histogram = server.rss_mb() if server else None, batch_histogram(url)
   tally, elapsed = split_load('open', rate, rate / OPEN_LOOP_PROCESSES, url, seconds, sentences, expected, timeout)
   offered, short = offered_rate(tally.sent, seconds, rate)
-  result = dict(tally.summary(elapsed), target_per_second=round(rate, 1), offered_per_second=round(offered, 1),
-                sent=tally.sent, rss_mb_before=rss_before and round(rss_before),
-                rss_mb_after=server and round(server.rss_mb()))
+  result = dict(tally.summary(elapsed), from_send=percentiles(tally.from_send), target_per_second=round(rate, 1),
+                offered_per_second=round(offered, 1), sent=tally.sent, rss_mb_before=rss_before and round(rss_before),
+                rss_mb_after=server and round(server.rss_mb()), **batch_sizes(histogram, batch_histogram(url)))
   if short:
     print(f'WARNING: overload: the clients sent {offered:.1f} requests/s, more than {SHORTFALL_WARNING:.0%} below '
           f'the target {rate:.1f}/s: the load processes fell behind, this is not {rate:.1f}/s offered', flush=True)

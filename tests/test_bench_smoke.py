@@ -5,6 +5,7 @@ that each script still runs against the current library and prints the table or 
 define their flags in define_flags run in this process (tests/in_process.py); the others, and those that need a
 fresh process (their own devices), as `python bench/NAME.py`.
 """
+import json
 import os
 import re
 import shutil
@@ -183,11 +184,15 @@ def test_serve_load(toy, tmp_path):
   sentences.write_text(''.join(line + '\n' for line in (toy.parent / 'data' / 'test.en').read_text().splitlines()[:4]))
   # A subprocess: its clients run in a process pool, which imports the script by name.
   result = subprocess.run([sys.executable, os.path.join(BENCH, 'serve_load.py'), f'--workdir={toy}',
-                           f'--sentences={sentences}', '--clients=1', '--duration_s=1', '--server_flag=--warmup=none'],
+                           f'--sentences={sentences}', '--clients=1', '--duration_s=1', '--overload',
+                           '--server_flag=--warmup=none'],
                           env=subprocess_env(), capture_output=True, text=True, timeout=600)
   out = result.stdout + result.stderr
   assert result.returncode == 0, out[-3000:]
   assert re.search(r'^\s*1 clients: \{', out, re.M), out[-3000:]
+  overload = json.loads(re.search(r'^overload: (\{.*\})$', out, re.M).group(1))
+  # The open loop's answers are timed from their schedule and from their send, and the server's own mean read.
+  assert overload['from_send']['p50_s'] <= overload['p50_s'] and overload['server_side_mean_s'] > 0, overload
   # Wrong rule caught: the offline decode was cached in the workdir by checkpoint name, and a workdir trained on
   # (or other code) then counted the server's right answers as wrong.
   assert not list(toy.glob('serve_load_expected_*'))
