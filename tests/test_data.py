@@ -546,3 +546,22 @@ def test_an_error_in_the_prefetch_thread_is_raised_by_every_get_and_none_waits(e
   assert [prefetcher_get_within(prefetcher) for _ in range(2)] == [('item', (0, (1,))), ('item', (1, (2,)))]
   for _ in range(2):
     assert prefetcher_get_within(prefetcher) == ('raised', error)
+
+
+def test_validation_leaves_out_pairs_longer_than_the_models_positions(toy_corpus, tmp_path, caplog):
+  """A validation pair with a side of more than config.model.max_position tokens would be scored at positions past
+  the sinusoidal table, which the model reads as its last row (a wrong eval/loss, without a word): such pairs are
+  left out, with a warning. The pairs kept are counted from the text tokenized here, written out."""
+  from conftest import small_config  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.data import pipeline  # pylint: disable=g-import-not-at-top
+  config = small_config(toy_corpus)
+  config.model.max_position = config.max_length = 8
+  config.prefetch_batches = 0
+  train_batches, eval_batches, tokenizer = pipeline.input_pipeline(config, tmp_path / 'work', num_devices=1)
+  train_batches.close()
+  encode = lambda lang: tokenizer.encode(data_lib.read_lines(toy_corpus / f'valid.{lang}'))
+  pairs = [(tuple(s), tuple(t)) for s, t in zip(encode('en'), encode('de'))]
+  expected = sorted((s, t) for s, t in pairs if max(len(s), len(t)) <= 8)
+  assert 0 < len(expected) < len(pairs)  # the toy validation split has pairs on both sides of the limit
+  assert sorted(p for batch in eval_batches() for p in _pairs_of(batch)) == expected
+  assert f'{len(pairs) - len(expected)} validation pairs' in caplog.text

@@ -67,8 +67,23 @@ def input_pipeline(config, workdir, num_devices):
                  '%d divides avoids the padding (a new plan: set it when starting a run).',
                  config.batch_rows_multiple, num_devices, num_devices)
   eval_batches = functools.partial(batching.eval_batches, eval_corpus, tokens_per_batch=config.tokens_per_batch,
-                                   buckets=config.length_buckets, multiple_of=num_devices, **hosts)
+                                   buckets=config.length_buckets, multiple_of=num_devices,
+                                   examples=validation_examples(config, eval_corpus), **hosts)
   return train_batches, eval_batches, tokenizer
+
+
+def validation_examples(config, eval_corpus):
+  """The validation pairs of the loss: both sides non-empty and at most config.model.max_position tokens (the model
+  has no position past its sinusoidal table: it would read every later one as the last)."""
+  examples = eval_corpus.usable(config.model.max_position)
+  left_out = len(eval_corpus.usable()) - len(examples)
+  if left_out:
+    logging.warning('%d validation pairs have a side longer than config.model.max_position=%d tokens: left out of '
+                    'the validation loss', left_out, config.model.max_position)
+  if not len(examples):
+    raise data_lib.DataError(f'{config.eval_split}: no validation pair with both sides non-empty and at most '
+                             f'config.model.max_position={config.model.max_position} tokens a side')
+  return examples
 
 
 def vocabulary_and_tokens(config, workdir):
