@@ -100,6 +100,9 @@ def main(argv):
     beam_size = config.beam_size if f.beam_size is None else f.beam_size
     alphas = alpha_values(f.alpha, config.length_penalty_alpha)
     n_best = (f.n_best or beam_size) if f.mbr else 1
+    if f.mbr and not 2 <= n_best <= beam_size:  # before any checkpoint loads
+      raise app.UsageError(f'--mbr chooses among --n_best of the beam\'s candidates, 2 to the beam size: n_best '
+                           f'{n_best}, beam size {beam_size} (--beam_size, or the config\'s)')
     print(f'{description}: {len(sources)} sentences, {"greedy" if beam_size == 0 else f"beam {beam_size}"}'
           + (f', MBR by sentence {f.mbr} among {n_best} candidates' if f.mbr else ''))
     print('| checkpoint | parameters | alpha | sacreBLEU | lc-tok BLEU | length ratio | BP | decode s |')

@@ -118,6 +118,16 @@ def test_compare_refuses_rescorer_options_without_a_rescorer(tmp_path):
     assert result.returncode != 0 and 'options of --rerank_workdir' in result.stderr, result.stderr[-2000:]
 
 
+def test_compare_refuses_mbr_without_two_candidates_before_loading_a_checkpoint(trained_toy):
+  # Wrong order caught: greedy search, one beam or n_best 1 left MBR nothing to choose, and that was found only
+  # when the first checkpoint's search began, in an error that named n_best alone.
+  for options in (['--beam_size=0'], ['--beam_size=1'], ['--beam_size=3', '--n_best=1'],
+                  ['--beam_size=2', '--n_best=3']):
+    result = in_process.run(compare_command, [f'--workdir={trained_toy}', '--mbr=bleu', *options])
+    assert result.returncode != 0 and '--mbr chooses among --n_best' in result.stderr, (options, result.stderr)
+    assert 'Translating' not in result.stderr and '| checkpoint |' not in result.stdout
+
+
 def test_attention_maps_of_a_source_past_the_positions_are_those_of_the_cut_source(trained_toy, tmp_path):
   # max_position 1024 - max_decode_extra_length 1012: the search translates the first 11 tokens and EOS.
   workdir = copy_of_trained_toy(trained_toy, tmp_path / 'toy', max_decode_extra_length=1012)
