@@ -47,8 +47,8 @@ def _jaxlib_older_than(version):
 # In jaxlib 0.10, XLA's CPU backend can still emit fusions with its older elemental emitter instead of the MLIR
 # fusion emitters (jaxlib 0.11.2, the GPU machines', and 0.12 have only those, and abort on the flag): it compiles
 # the toy trainer's step in half the time (4.3-5.4 s -> 2.0-2.5 s, jaxlib 0.10.2 on the 2-core Zen 3), for code
-# that agrees to float32 rounding. With it the oldest stack's pytest took 1,330 s instead of 1,698 s in CI (the newest's: 1,470 s).
-# TESTS_XLA_OPTIMIZE=1 keeps XLA's defaults here too.
+# that agrees to float32 rounding. With it the oldest stack's pytest took 1,330 s instead of 1,698 s in CI (the
+# newest's: 1,470 s). TESTS_XLA_OPTIMIZE=1 keeps XLA's defaults here too.
 if os.environ.get('TESTS_XLA_OPTIMIZE', '0') != '1' and _jaxlib_older_than((0, 11)):
   os.environ['XLA_FLAGS'] += ' --xla_cpu_use_fusion_emitters=false'
 
