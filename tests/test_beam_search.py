@@ -506,3 +506,54 @@ def test_a_tiny_temperature_draws_the_most_likely_allowed_token(temperature):
     allowed = np.array(logits)
     allowed[[PAD_ID, BOS_ID]] = -np.inf
     assert np.all(np.asarray(tokens[:, 0]) == np.argmax(allowed)), (top_k, np.asarray(tokens[:, 0]))
+
+
+def test_a_first_step_on_one_row_keeps_a_beam_wider_than_half_the_vocabulary():
+  # search.py's beam search takes its first step on one row per sentence (beam_first_step): 2K candidates from
+  # a vocabulary of 8 tokens, of which 6 may be generated. Beam 5 and 10 (wider than the vocabulary) find what
+  # the plain reference finds.
+  rng = np.random.default_rng(5)
+  batch, vocab, max_length = 12, 8, 5
+  next_state, logits = random_automata(rng, batch, 6, vocab)
+  log_probs = np.asarray(jax.jit(jax.nn.log_softmax)(logits))
+  max_lengths = rng.integers(2, max_length + 1, size=batch)
+  table, state_logits = jnp.asarray(next_state), jnp.asarray(logits)
+
+  def step_fn(tokens, index, state):  # any number of rows per sentence: the first step has one
+    sentence = jnp.arange(tokens.shape[0]) // (tokens.shape[0] // batch)
+    state = table[sentence, state, tokens]
+    return state_logits[sentence, state], state
+
+  for beam_size in (5, 10):
+    rule = dict(alpha=0.6, eos_id=EOS_ID, forbidden_ids=FORBIDDEN, min_length=1)
+    state = beam_search.beam_start(jnp.zeros(batch * beam_size, jnp.int32), batch_size=batch, beam_size=beam_size,
+                                   max_length=max_length, max_lengths=jnp.asarray(max_lengths), bos_id=BOS_ID)
+    state = beam_search.beam_first_step(step_fn, state, **rule)
+    state = beam_search.staged_search(beam_search.beam_unfinished,
+                                      functools.partial(beam_search.beam_step, step_fn, **rule), state, ())
+    sequences, scores = jax.device_get(beam_search.beam_output(state))
+    for b in range(batch):
+      expected = reference_beam_search(automaton_log_probs(next_state, log_probs, b), beam_size,
+                                       int(max_lengths[b]), 0.6, min_length=1)
+      found = hypotheses(sequences[b], scores[b])
+      assert [tokens for tokens, _ in found] == [tokens for tokens, _ in expected], (beam_size, b)
+      np.testing.assert_allclose([s for _, s in found], [s for _, s in expected], rtol=1e-5, atol=1e-5)
+
+
+def test_search_takes_a_beam_wider_than_half_the_vocabulary():
+  # The model's own search (first step on one row per sentence) with beam 9 and 20 over 16 tokens: every
+  # hypothesis ends with EOS within the limit (1 source piece + extra_length 1: 2 tokens before EOS) and scores
+  # its teacher-forced log P / lp(n) under the full decoder; the n best are sorted.
+  model, params = tiny_model()
+  src = jnp.array([[5, EOS_ID]])
+  for beam_size in (9, 20):
+    tokens, scores = jax.device_get(search_lib.search(model, params, src, beam_size=beam_size, alpha=0.6,
+                                                      extra_length=1))
+    found = hypotheses(tokens[0], scores[0])
+    assert len(found) == beam_size and np.all(np.diff([s for _, s in found]) <= 1e-6)
+    for output, score in found:
+      assert 2 <= len(output) <= 3 and output[-1] == EOS_ID, output
+      tgt_in = jnp.array([(BOS_ID,) + output[:-1]])
+      log_probs = np.asarray(jax.nn.log_softmax(model.apply({'params': params}, src, tgt_in)[0]), np.float64)
+      log_p = sum(log_probs[t, token] for t, token in enumerate(output))
+      np.testing.assert_allclose(score, log_p / ((5 + len(output)) / 6) ** 0.6, rtol=1e-5, atol=1e-5)
