@@ -149,6 +149,27 @@ def test_unknown_field_is_a_clear_error(tmp_path):
   assert not (tmp_path / 'checkpoints').exists()
 
 
+@pytest.mark.parametrize('path, reason', [('configs/no_such_config.py', 'No such file or directory'),
+                                          ('configs', 'Is a directory')])
+@pytest.mark.parametrize('override', [[], ['--config.num_train_steps=5']])
+def test_a_config_file_that_cannot_be_opened_is_one_line_naming_it(tmp_path, path, reason, override):
+  """ml_collections defers the failure to the config's first use: a 40-line traceback, with or without an
+  override."""
+  result = run_train('--config', path, '--workdir', str(tmp_path / 'w'), *override)
+  assert result.returncode == 1
+  assert 'Traceback' not in result.stderr, result.stderr
+  assert result.stderr.strip().splitlines()[-1] == f'error: --config {path}: {reason}'
+  assert not (tmp_path / 'w').exists()
+
+
+def test_corpora_names_a_config_file_that_cannot_be_opened(tmp_path):
+  result = subprocess.run([sys.executable, '-m', 'flaxformer_nmt.corpora', 'export', '--config',
+                           'configs/no_such_config.py', '--split', 'test', '--output_dir', str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines() == ['error: --config configs/no_such_config.py: No such file or directory']
+
+
 def test_wrong_type_is_a_clear_error(tmp_path):
   result = run_train('--config', 'configs/multi30k.py', '--workdir', str(tmp_path), '--config.model.d_model=wide')
   assert result.returncode != 0

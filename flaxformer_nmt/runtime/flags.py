@@ -3,7 +3,8 @@ quiet stop when the reader of their output stops reading.
 
 ml_collections reports an override of a field the config does not have as a 30-line traceback ending in
 `AttributeError: "'no_such_field'"`. `parse_flags` (for `app.run(main, flags_parser=parse_flags)`) turns it
-into one line naming the override and the nearest valid fields, and exits with status 1.
+into one line naming the override and the nearest valid fields, and exits with status 1; so does a --config file
+that cannot be opened (ml_collections raises that at the config's first use, as a traceback).
 
 """
 import difflib
@@ -52,15 +53,28 @@ def unknown_override(argv, config):
   return None
 
 
+def unreadable_config(path):
+  """The error line for a --config file that cannot be opened (missing, a directory, unreadable), or None."""
+  try:
+    with open(path, 'rb'):
+      return None
+  except OSError as e:
+    return f'error: --config {path}: {e.strerror}'
+
+
 def parse_flags(argv):
-  """absl's flag parsing (`app.parse_flags_with_usage`); an unknown config field is one line and exit 1."""
+  """absl's flag parsing (`app.parse_flags_with_usage`); a --config file that cannot be opened, or an override of
+  a field the config does not have, is one line and exit 1."""
+  expanded = argv[:1] + flags.FLAGS.read_flags_from_files(argv[1:], force_gnu=False)  # --flagfile's flags too
+  path = _config_file(expanded)
+  # ml_collections keeps an unopenable file's error until the config's first use, then raises a 40-line traceback.
+  if path is not None and (message := unreadable_config(path)):
+    sys.exit(message)
   try:
     return app.parse_flags_with_usage(argv)
   except (AttributeError, KeyError) as error:
-    argv = argv[:1] + flags.FLAGS.read_flags_from_files(argv[1:], force_gnu=False)  # --flagfile's flags too
-    path = _config_file(argv)
     try:
-      found = unknown_override(argv, config_lib.load_config_file(path)) if path else None
+      found = unknown_override(expanded, config_lib.load_config_file(path)) if path else None
     except Exception:  # pylint: disable=broad-except  (the config file's own error is reported below)
       found = None
     if found is None:
