@@ -37,7 +37,7 @@ def define_flags():
   flags.DEFINE_string('device', 'cpu', 'ctranslate2 backend: cpu or cuda.')
   flags.DEFINE_integer('threads', 0, 'ctranslate2 backend: intra-op threads (0: its default).')
   flags.DEFINE_string('host', '127.0.0.1', 'Address to bind (0.0.0.0 exposes the server to the network).')
-  flags.DEFINE_integer('port', 8000, 'Port to bind.')
+  flags.DEFINE_integer('port', 8000, 'Port to bind (0: one the system chooses).', lower_bound=0, upper_bound=65535)
   flags.DEFINE_integer('max_batch_tokens', d.max_batch_tokens, 'Source tokens per decoded batch.')
   flags.DEFINE_float('max_wait_ms', d.max_wait_ms, 'After a batch of several requests, how long the next one '
                      'gathers before it decodes (a request to an idle server is decoded at once).')

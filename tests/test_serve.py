@@ -725,6 +725,16 @@ def test_sigterm_drains_the_requests_in_flight_then_exits_0(workdir, translator,
   assert 'Application shutdown complete' in output and 'Stopped.' in output, output[-3000:]
 
 
+@pytest.mark.parametrize('port', [65536 + 8000, -1])
+def test_a_port_outside_0_to_65535_is_refused_before_anything_loads(tmp_path, port):
+  """The socket layer took --port modulo 65536: --port=73536 served on 8000, logging 'Listening on ...:73536'."""
+  result = subprocess.run([sys.executable, '-m', 'flaxformer_nmt.serve', f'--workdir={tmp_path / "none"}',
+                           f'--port={port}'], env=conftest.subprocess_env(), capture_output=True, text=True,
+                          timeout=120)
+  assert result.returncode == 1
+  assert f'flag --port={port}: {port} is not an integer in the range [0, 65535]' in result.stderr, result.stderr
+
+
 def test_sigterm_during_the_warm_up_exits_0(workdir, tmp_path):
   # The interpreter's exit used to abort inside XLA while the warm-up thread compiled (exit 134).
   port = free_port()
