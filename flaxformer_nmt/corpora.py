@@ -45,8 +45,11 @@ def main(argv):
       prepare_tfds(config.tfds_name, config.tfds_data_dir)
     if argv[1] == 'export':
       pairs = open_split(config, flags.FLAGS.split)
-      for path in export_text(pairs, flags.FLAGS.output_dir, flags.FLAGS.split, config.source_lang,
-                              config.target_lang):
+      try:
+        paths = export_text(pairs, flags.FLAGS.output_dir, flags.FLAGS.split, config.source_lang, config.target_lang)
+      except OSError as e:  # a file where the directory goes, no permission, a full disk
+        sys.exit(f'error: --output_dir {flags.FLAGS.output_dir}: {e}')
+      for path in paths:
         print(f'wrote {path} ({len(pairs):,} lines)')
   except data_lib.DataError as e:
     sys.exit(f'error: {e}')

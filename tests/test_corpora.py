@@ -197,6 +197,18 @@ def test_export_cli_writes_text_splits(toy_corpus, tmp_path):
   assert (tmp_path / 'out' / 'valid.en').read_text() == (toy_corpus / 'valid.en').read_text()
 
 
+def test_export_cli_names_an_output_dir_it_cannot_make_in_one_line(toy_corpus, tmp_path):
+  (tmp_path / 'taken').write_text('a file where the directory should go\n')
+  result = subprocess.run(
+      [sys.executable, '-m', 'flaxformer_nmt.corpora', 'export', '--config',
+       os.path.join(REPO, 'configs', 'multi30k.py'), f'--config.data_dir={toy_corpus}', '--split', 'valid',
+       '--output_dir', str(tmp_path / 'taken')],
+      capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1
+  taken = tmp_path / 'taken'
+  assert result.stderr.strip().splitlines() == [f"error: --output_dir {taken}: [Errno 17] File exists: '{taken}'"]
+
+
 def test_export_writes_monolingual_text_as_the_target_side_alone(tmp_path):
   """An lm/mlm config's corpus reads as (lines, None): export wrote its German lines as valid.en, then failed with
   a TypeError on the missing second side."""
