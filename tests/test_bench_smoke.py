@@ -138,12 +138,13 @@ def test_train_throughput_alternates_over_several_shapes():
   assert rows == ['16', '32'], out
 
 
-def test_train_throughput_counts_xla_flops_over_every_device():
-  """On 2 CPU devices XLA's FLOP count of the step, one device's program, is set against the analytic FLOPs of
-  the whole batch. Catches the check reading one device's half as the whole step's (a ratio near 0.5)."""
+def test_train_throughput_counts_xla_flops_over_every_device_and_microbatch():
+  """On 2 CPU devices with 2 microbatches, XLA's FLOP count of the step (one device's program, the microbatches'
+  loop body counted once) is set against the analytic FLOPs of the whole batch. Catches the check reading one
+  device's half, or one microbatch, as the whole step's (a ratio near 0.5 or 0.25)."""
   flags = f'{xla_flags_without_device_count()} --xla_force_host_platform_device_count=2'.strip()
   out = run_script('train_throughput', '--configs', 'multi30k_tiny', '--lengths', '16', '--tokens_per_batch', '256',
-                   '--steps', '1', '--vocab_size', '64', XLA_FLAGS=flags)
+                   '--steps', '1', '--vocab_size', '64', '--grad_accumulation_steps', '2', XLA_FLAGS=flags)
   assert "'data': 2" in out, out
   ratio = float(re.search(r'XLA cost analysis / analytic FLOPs: ([\d.]+)', out)[1])
   assert 0.8 < ratio < 1.3, out
