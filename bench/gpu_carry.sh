@@ -4,10 +4,11 @@
 #   gpu_carry/m30k   a trained Multi30k workdir, slimmed to config.json, vocab.model and averaged/
 #   gpu_carry/data   multi30k/ and multi30k_tok/ (the corpus and its tokenized references)
 #   .whl             wheels for Python 3.12 of the dependencies that the GPU image lacks (WHEELS: their names,
-#                    default ml-collections, tensorboardX and sacremoses; their versions within pyproject.toml's
-#                    pins). Naming more (the server's fastapi and uvicorn, say) means naming what each needs
-#                    that the image lacks too: each wheel comes without its dependencies. gpu_session.sh's setup
-#                    installs only what the image lacks or has outside the pins, and names what it could not.
+#                    default ml-collections, tensorboardX, sacremoses and the joblib and tqdm it imports; their
+#                    versions within pyproject.toml's pins). Naming more (the server's fastapi and uvicorn, say)
+#                    means naming what each needs that the image lacks too: each wheel comes without its
+#                    dependencies. gpu_session.sh's setup installs only what the image lacks or has outside the
+#                    pins, and names what it could not.
 #
 #   bash bench/gpu_carry.sh runs/m30k [DATA]    # DATA: the folder holding multi30k/ and multi30k_tok/ (default:
 #                                               # the download cache, $FLAXFORMER_NMT_CACHE or ~/.cache/flaxformer_nmt)
@@ -32,7 +33,7 @@ cp -r "$data/multi30k" "$data/multi30k_tok" gpu_carry/data/
 
 # Each wheel's requirement as pyproject.toml pins it (its optional dependencies too); a name it does not pin
 # is taken as given
-requirements=$($PY - ${WHEELS:-ml-collections tensorboardX sacremoses} <<'EOF'
+requirements=$($PY - ${WHEELS:-ml-collections tensorboardX sacremoses joblib tqdm} <<'EOF'
 import sys, tomllib
 from packaging.requirements import Requirement
 with open('pyproject.toml', 'rb') as f:

@@ -69,23 +69,31 @@ else
 fi
 
 setup() {
-  # The dependencies of pyproject.toml that this Python lacks or has outside their pinned ranges: those get
-  # the carried wheels; the image's own packages are used where they fit the pins.
+  # The dependencies of pyproject.toml that this Python lacks or has outside their pinned ranges, and the carried
+  # wheels' own dependencies it lacks (sacremoses imports joblib and tqdm): those get the carried wheels; the
+  # image's own packages are used where they fit the pins.
   local need
   need=$($PY - <<'EOF'
-import importlib.metadata as md, tomllib
+import importlib.metadata as md, os, tomllib
 from packaging.requirements import Requirement
 with open('pyproject.toml', 'rb') as f:
   dependencies = tomllib.load(f)['project']['dependencies']
+need = set()
 for requirement in map(Requirement, dependencies):
   try:
     if requirement.specifier.contains(md.version(requirement.name), prereleases=True):
       continue
   except md.PackageNotFoundError:
     pass
-  print(requirement.name.lower().replace('-', '_'))
+  need.add(requirement.name.lower().replace('-', '_'))
+for wheel in os.listdir('.whl') if os.path.isdir('.whl') else []:
+  try:
+    md.version(wheel.split('-')[0])
+  except md.PackageNotFoundError:
+    need.add(wheel.split('-')[0].lower())
+print('\n'.join(sorted(need)))
 EOF
-)
+) || { echo "# setup: could not read pyproject.toml's dependencies (above)"; exit 1; }
   local wheels=()
   for name in $need; do
     local found=($(ls .whl/ 2>/dev/null | grep -i "^${name}-" | sed 's|^|.whl/|'))
