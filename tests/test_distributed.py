@@ -114,7 +114,8 @@ def test_sigterm_to_one_process_makes_both_save_the_same_step_and_the_resume_is_
 LAUNCH_VARIABLES = ('JAX_COORDINATOR_ADDRESS', 'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID', 'JAX_LOCAL_DEVICE_IDS',
                     'CUDA_VISIBLE_DEVICES', 'SLURM_STEP_NUM_NODES', 'OMPI_COMM_WORLD_SIZE',
                     'OMPI_COMM_WORLD_LOCAL_SIZE', 'SLURM_JOB_ID', 'SLURM_STEP_NODELIST', 'SLURM_NTASKS',
-                    'SLURM_PROCID', 'SLURM_LOCALID')
+                    'SLURM_PROCID', 'SLURM_LOCALID', 'OMPI_MCA_orte_hnp_uri', 'OMPI_COMM_WORLD_RANK',
+                    'OMPI_COMM_WORLD_LOCAL_RANK', 'OMPI_VERSION')
 # What srun --nodes 2 --ntasks-per-node 1 --gpus-per-node 8 gives the task on the second node.
 SRUN_TASK = {'SLURM_JOB_ID': '1234', 'SLURM_STEP_NODELIST': 'gpu[1-2]', 'SLURM_NTASKS': '2', 'SLURM_PROCID': '1',
              'SLURM_LOCALID': '0', 'SLURM_STEP_NUM_NODES': '2', 'CUDA_VISIBLE_DEVICES': '0,1,2,3,4,5,6,7'}
@@ -180,6 +181,15 @@ def test_one_srun_task_per_node_drives_all_the_nodes_gpus(clean_environment):
   assert initialize_as_jax_would(clean_environment, one_per_gpu) == ('gpu1:62674', 16, 9, [1])
   clean_environment.setenv('JAX_LOCAL_DEVICE_IDS', '0,1')  # the user's choice: left to JAX, which reads it
   assert distributed.local_device_ids('slurm') is None
+
+
+def test_mpirun_inside_a_slurm_job_keeps_jaxs_open_mpi_choice(clean_environment):
+  """mpirun in a SLURM job starts its daemons with one srun task per node, so its processes also carry that
+  step's SLURM variables (two tasks on two nodes: one per node). JAX takes Open MPI's ranks first; with 8 ranks
+  a node each process drives the one GPU of its local rank, not all 8."""
+  mpirun_rank = dict(SRUN_TASK, OMPI_MCA_orte_hnp_uri='1531576320.0;tcp://10.0.0.1:34911', OMPI_COMM_WORLD_SIZE='16',
+                     OMPI_COMM_WORLD_RANK='11', OMPI_COMM_WORLD_LOCAL_RANK='3', OMPI_COMM_WORLD_LOCAL_SIZE='8')
+  assert initialize_as_jax_would(clean_environment, mpirun_rank) == ('10.0.0.1:62624', 16, 11, [3])
 
 
 @pytest.mark.parametrize('environment', [

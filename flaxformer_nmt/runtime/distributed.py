@@ -76,11 +76,12 @@ def _slurm_job_outside_step():
 
 def cluster_from_environment(least_processes=2):
   """The launcher whose environment describes a job of at least `least_processes` processes (2: a multi-process
-  job; 1, for --distributed=on: a one-task srun step or a one-process mpirun too), or None."""
-  if all(name in os.environ for name in SLURM_STEP_VARIABLES) and (_env_int('SLURM_NTASKS') or 0) >= least_processes:
-    return 'slurm'
+  job; 1, for --distributed=on: a one-task srun step or a one-process mpirun too), or None. Open MPI comes first,
+  as in JAX: mpirun in a SLURM job starts its daemons in an srun step, whose variables its processes inherit."""
   if (_env_int('OMPI_COMM_WORLD_SIZE') or 0) >= least_processes:
     return 'openmpi'
+  if all(name in os.environ for name in SLURM_STEP_VARIABLES) and (_env_int('SLURM_NTASKS') or 0) >= least_processes:
+    return 'slurm'
   if on_cloud_tpu_vm():
     return 'tpu'
   return None
