@@ -47,8 +47,9 @@ ARGS=("$@")
 [[ -n "$TFDS_DATA_DIR" ]] && ARGS+=("--config.tfds_data_dir=$TFDS_DATA_DIR")
 mapfile -t CONFIG_ARGS < <(config_args "${ARGS[@]}")
 VISIBLE="$(seq -s, 0 $((GPUS - 1)))"
-PREPARE="cd $(quote "$REPO") && $PYTHON -m pip install -q -e '.[tfds]'"
-PREPARE+=" && $PYTHON -m flaxformer_nmt.corpora prepare $(quote "${CONFIG_ARGS[@]}")"
+REMOTE_PYTHON="$(printf '%q' "$PYTHON")"  # one word in the remote command lines, as srun gets it
+PREPARE="cd $(quote "$REPO") && $REMOTE_PYTHON -m pip install -q -e '.[tfds]'"
+PREPARE+=" && $REMOTE_PYTHON -m flaxformer_nmt.corpora prepare $(quote "${CONFIG_ARGS[@]}")"
 
 run() {  # prints the command (shell-quoted); runs it unless --dry-run
   quote "$@"; echo
@@ -77,7 +78,7 @@ fi
 PIDS=()
 for i in "${!HOST_LIST[@]}"; do
   REMOTE="cd $(quote "$REPO") && JAX_COORDINATOR_ADDRESS=$COORDINATOR JAX_NUM_PROCESSES=$NUM JAX_PROCESS_ID=$i"
-  REMOTE+=" CUDA_VISIBLE_DEVICES=$VISIBLE $PYTHON -m flaxformer_nmt.train --distributed=on $(quote "${ARGS[@]}")"
+  REMOTE+=" CUDA_VISIBLE_DEVICES=$VISIBLE $REMOTE_PYTHON -m flaxformer_nmt.train --distributed=on $(quote "${ARGS[@]}")"
   quote ssh "${HOST_LIST[$i]}" "$REMOTE"; echo
   if [[ "$DRY_RUN" == 0 ]]; then
     ssh "${HOST_LIST[$i]}" "$REMOTE" &

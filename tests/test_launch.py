@@ -210,3 +210,37 @@ def test_an_unknown_field_in_a_flag_file_is_one_line(tmp_path):
   assert out.returncode == 1 and len(lines) == 1, out.stderr[-3000:]
   assert lines[0].startswith("error: --config.model.d_modle: the config of ") and "no field 'model.d_modle'" in lines[0]
   assert 'did you mean --config.model.d_model' in lines[0]
+
+
+@pytest.mark.parametrize('script,options', [('gpu_multinode.sh', ['--hosts', 'h']),
+                                            ('tpu_vm.sh', ['--name', 'n', '--zone', 'z'])])
+def test_a_flag_file_config_reaches_preparation(tmp_path, script, options):
+  """`-- --flagfile run.flags` with --tfds-data-dir: preparation reads the flag file's config (the trainer's own
+  flags in it skipped), not a bare --config.tfds_data_dir that absl refuses as an unknown flag."""
+  repo = os.path.dirname(LAUNCH)
+  flag_file = tmp_path / 'run.flags'
+  flag_file.write_text(f'--config={repo}/configs/multi30k.py\n--workdir={tmp_path}/w\n--distributed=on\n')
+  commands = dry_run(script, *options, '--tfds-data-dir', f'gs://{tmp_path}', '--', '--flagfile', str(flag_file),
+                     '--config.seed=3')
+  remote = [c[-1] for c in commands if 'flaxformer_nmt.corpora' in c[-1]]
+  args = module_args(shlex.split(remote[0]), 'flaxformer_nmt.corpora')
+  out = subprocess.run([sys.executable, '-m', 'flaxformer_nmt.corpora', *args], cwd=repo, capture_output=True,
+                       text=True, timeout=300, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize('slurm', [False, True])
+def test_a_python_path_with_a_space_stays_one_word(slurm):
+  """--python '/opt/nmt env/bin/python': every remote command line runs that interpreter, not `/opt/nmt`."""
+  python = '/opt/nmt env/bin/python'
+  where = ['--slurm', '--nodes', '2'] if slurm else ['--hosts', 'gpu1,gpu2']
+  commands = dry_run('gpu_multinode.sh', *where, '--python', python, '--tfds-data-dir', '/shared/tfds', '--',
+                     '--config', 'c', '--workdir', 'w')
+  remote = [command[-1] for command in commands if command[0] == 'ssh' or command[-3:-1] == ['bash', '-c']]
+  lines = [shlex.split(line) for line in remote]
+  for words in lines:
+    for module in ('pip', 'flaxformer_nmt.corpora', 'flaxformer_nmt.train'):
+      for i in range(1, len(words)):
+        if words[i] == '-m' and words[i + 1] == module:
+          assert words[i - 1] == python, words
+  assert len(lines) == (1 if slurm else 3)
