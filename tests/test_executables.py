@@ -246,6 +246,22 @@ def test_the_key_tells_jax_trace_settings_apart(saved_in):
   assert len(saved(saved_in)) == 2
 
 
+def test_the_key_tells_xla_build_settings_apart(saved_in):
+  """A program saved as usual, then asked for under jax_disable_most_optimizations (a debugging run): it is compiled
+  again, not loaded. Catches a key that leaves out JAX's settings of XLA's build options, which trace_context
+  does not hold: the unoptimized program would then be loaded by every later run."""
+  x = np.ones(3, np.int32)
+  executables.Program(add_iota)(x)
+  executables.clear()
+  before = jax.config.values['jax_disable_most_optimizations']
+  jax.config.update('jax_disable_most_optimizations', True)
+  try:
+    _, loaded = loads(executables.Program(add_iota), x)
+  finally:
+    jax.config.update('jax_disable_most_optimizations', before)
+  assert not loaded and len(saved(saved_in)) == 2
+
+
 def test_a_remote_directory_turns_saved_executables_off_and_writes_nothing_here(tmp_path, monkeypatch, caplog):
   """A gs:// directory (JAX's persistent cache on a bucket) leaves the programs as plain jit, with a warning.
   Catches such a path read as a local one ('gs:/bucket/...', relative): executables written into a folder

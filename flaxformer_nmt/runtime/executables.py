@@ -104,20 +104,26 @@ def environment():
       _cpu_features()])
 
 
+# JAX's settings of XLA's build options, which trace_context leaves out: a program compiled unoptimized while
+# debugging must not be loaded by a later run.
+COMPILE_SETTINGS = ('jax_disable_most_optimizations', 'jax_optimization_level', 'jax_memory_fitting_level')
+
+
 def _trace_settings():
   """JAX's settings that change what a function traces to (jax_enable_x64, jax_default_matmul_precision, ...:
-  those jax.jit keys its programs by) and the default PRNG implementation (a key made inside the function),
-  read at every call: a process may change them while it runs."""
-  return jax_config.trace_context(), jax.config.jax_default_prng_impl
+  those jax.jit keys its programs by), the default PRNG implementation (a key made inside the function) and
+  COMPILE_SETTINGS, read at every call: a process may change them while it runs."""
+  return (jax_config.trace_context(), jax.config.jax_default_prng_impl,
+          tuple(str(jax.config.values.get(name)) for name in COMPILE_SETTINGS))
 
 
 def _described(settings):
   """`_trace_settings()` as text that another process writes alike: sets sorted, and objects that only their
   address describes (JAX's axis environment, empty outside a trace) left out."""
-  context, prng_impl = settings
+  context, prng_impl, compile_settings = settings
   values = [sorted(map(repr, v)) if isinstance(v, (set, frozenset)) else v for v in context
             if type(v).__repr__ is not object.__repr__]
-  return repr((values, prng_impl))
+  return repr((values, prng_impl, compile_settings))
 
 
 @functools.cache
