@@ -106,7 +106,7 @@ def define_flags():
   flags.DEFINE_integer('max_sentences', 0, 'Use the first N sentences of each input (0: all).')
   flags.DEFINE_integer('beam_size', None, 'Beam width (default: the config\'s).')
   flags.DEFINE_float('alpha', None, 'Length penalty exponent, both sides (default: the config\'s).')
-  flags.DEFINE_integer('repeats', 2, 'Warm passes of each search; the fastest is reported.')
+  flags.DEFINE_integer('repeats', 2, 'Warm passes of each search; the fastest is reported.', lower_bound=1)
   flags.DEFINE_integer('tokens_per_batch', None, 'Source tokens per batch, both sides (default: ours the decode '
                        'command\'s, CTranslate2 the config\'s decode_tokens_per_batch).')
   flags.DEFINE_integer('threads', os.cpu_count(), 'CTranslate2 intra_threads (XLA uses every core).')
