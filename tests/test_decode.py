@@ -590,6 +590,8 @@ def test_mbr_chooses_among_the_n_best_in_the_api_the_cli_and_compare(workdir, tr
   assert chosen != [c[0] for c in candidates]  # the toy's beams disagree: some choice is not the best-scored
   with pytest.raises(ValueError, match='n_best=1 must be at least 2'):
     translator.translate(mixed, beam_size=3, mbr='chrf')
+  with pytest.raises(ValueError, match='n_best=2: greedy search gives one candidate'):  # not 'beam size (0)'
+    translator.translate(mixed, beam_size=0, n_best=2)
   result = run_cli(['--beam_size=3', '--n_best=3', '--mbr=chrf'], workdir, stdin=''.join(s + '\n' for s in mixed))
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.split('\n')[:-1] == chosen and 'MBR by sentence chrf among 3 candidates' in result.stderr

@@ -128,7 +128,8 @@ class Translator:
     if not math.isfinite(alpha):  # nan ranks every hypothesis alike: empty outputs
       raise ValueError(f'alpha={alpha} must be a finite number')
     if n_best < 1 or (not sampling and n_best > max(beam_size, 1)):
-      raise ValueError(f'n_best={n_best} must be between 1 and the beam size ({beam_size})')
+      raise ValueError(f'n_best={n_best} must be between 1 and the beam size ({beam_size})' if beam_size else
+                       f'n_best={n_best}: greedy search gives one candidate (a beam search or sampling gives more)')
     if sampling and (not temperature > 0 or top_k < 0):  # NaN too
       raise ValueError(f'sampling needs temperature > 0 and top_k >= 0, not {temperature} and {top_k}')
     options = dict(beam_size=beam_size, alpha=float(alpha), extra_length=int(max_len_b), max_len_a=max_len_a,
