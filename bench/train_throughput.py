@@ -248,9 +248,10 @@ def bench_config(name, variant, peak, matmul, check_xla):
       print_memory(name, variant, train_fn, state, rows, length, vocab, mesh)
       continue
     analytic = flops_lib.train_flops(model.config, vocab, rows * length, rows * length, length, length)
-    if check_xla and config.vocabulary_loss_chunk_tokens:
+    check = analytic if check_xla else 0
+    if check and config.vocabulary_loss_chunk_tokens:
       print('# XLA cost analysis: not compared (it counts the chunked vocabulary loss\'s loop body once)')
-    check = analytic if check_xla and not config.vocabulary_loss_chunk_tokens else 0
+      check = 0
     try:
       state, seconds = time_steps(train_fn, state, rng, (rows, length), vocab, mesh, check,
                                   profile_dir=_PROFILE.value and os.path.join(_PROFILE.value,
