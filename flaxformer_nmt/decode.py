@@ -102,7 +102,7 @@ def define_flags():
   flags.DEFINE_enum('format', 'plain', ['plain', 'fairseq'],
                     'plain: one translation per input line. fairseq: S-i, H-i (score, pieces), D-i (score, text).')
   flags.DEFINE_integer('tokens_per_batch', None, 'Source tokens per batch (default: the config\'s '
-                       'decode_tokens_per_batch, on a CPU at most 512).')
+                       'decode_tokens_per_batch, on a CPU at most 512).', lower_bound=1)
   flags.DEFINE_integer('buffer_lines', 5000, 'Lines read and translated at a time.', lower_bound=1)
   flags.DEFINE_integer('devices', 1, 'Devices to split each batch\'s sentences over (data parallel, the parameters '
                        'replicated on each): 1 the default device, N the first N local devices (a CPU host\'s CPU '
@@ -128,6 +128,8 @@ def check_flag_combinations(FLAGS):  # pylint: disable=invalid-name
                          'not with --mbr, --sampling, greedy search, --n_best or --format=fairseq')
   if FLAGS.batch_invariant and FLAGS.rerank_workdir:
     raise app.UsageError('--batch_invariant covers the search, not --rerank_workdir\'s rescoring: not together')
+  if FLAGS.greedy and FLAGS.beam_size:
+    raise app.UsageError(f'--greedy and --beam_size={FLAGS.beam_size} ask for two searches: give one')
   if FLAGS.tok_reference and not FLAGS.reference:
     raise app.UsageError('--tok_reference scores alongside --reference: give both')
   if FLAGS.n_best > 1 and FLAGS.format == 'plain' and not FLAGS.mbr:

@@ -606,6 +606,17 @@ def test_mbr_chooses_among_the_n_best_in_the_api_the_cli_and_compare(workdir, tr
   assert scored == [chosen]
 
 
+def test_contradicting_or_empty_search_options_are_refused_not_ignored(workdir, translator, mixed):
+  # --greedy silently won over --beam_size=3, and a budget of 0 tokens silently meant the config's (0 is falsy).
+  result = run_cli(['--greedy', '--beam_size=3'], workdir, stdin='a dog .\n')
+  assert result.returncode != 0 and '--greedy and --beam_size=3' in result.stderr
+  result = run_cli(['--tokens_per_batch=0'], workdir, stdin='a dog .\n')
+  assert result.returncode != 0 and 'tokens_per_batch' in result.stderr and not result.stdout
+  for budget in (0, -64, 2.5):
+    with pytest.raises(ValueError, match=f'tokens_per_batch={budget} must be a whole number >= 1'):
+      translator.translate(mixed, beam_size=2, tokens_per_batch=budget)
+
+
 def test_dtype_float32_decodes_a_bfloat16_matmul_config_in_float32(workdir, translator, mixed, tmp_path):
   # A workdir trained on a bf16-dot CPU says matmul_precision 'bfloat16' (the recipes' 'auto' there): decoding it
   # rounds the operands, and --dtype=float32 must undo that, scoring exactly as the float32 config does.

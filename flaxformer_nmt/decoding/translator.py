@@ -130,6 +130,8 @@ class Translator:
     if n_best < 1 or (not sampling and n_best > max(beam_size, 1)):
       raise ValueError(f'n_best={n_best} must be between 1 and the beam size ({beam_size})' if beam_size else
                        f'n_best={n_best}: greedy search gives one candidate (a beam search or sampling gives more)')
+    if tokens_per_batch is not None and (int(tokens_per_batch) != tokens_per_batch or tokens_per_batch < 1):
+      raise ValueError(f'tokens_per_batch={tokens_per_batch} must be a whole number >= 1 (None: the config\'s)')
     if sampling and (not temperature > 0 or top_k < 0):  # NaN too
       raise ValueError(f'sampling needs temperature > 0 and top_k >= 0, not {temperature} and {top_k}')
     options = dict(beam_size=beam_size, alpha=float(alpha), extra_length=int(max_len_b), max_len_a=max_len_a,
