@@ -30,6 +30,7 @@ def load_config_file(path, *args):
 TASKS = ('translation', 'lm', 'mlm')  # config.task
 DATA_SOURCES = ('text', 'tfds')  # config.data_source
 SCHEDULES = ('paper', 'inverse_sqrt')  # config.learning_rate_schedule
+DATA_DOWNLOADS = ('', 'multi30k')  # config.data_download: '' never downloads
 # The field that sets each schedule's peak learning rate (what lowers the rate of a run that diverges).
 PEAK_FIELDS = {'paper': 'learning_rate_scale', 'inverse_sqrt': 'learning_rate'}
 BEST_CHECKPOINT_METRICS = ('bleu', 'tok_bleu', 'loss', 'nll')  # config.best_checkpoint_metric, or '' (off)
@@ -385,7 +386,8 @@ def _validate_fields(config):
 
 
 def _validate_names(config):
-  for field, allowed in (('task', TASKS), ('data_source', DATA_SOURCES), ('learning_rate_schedule', SCHEDULES),
+  for field, allowed in (('task', TASKS), ('data_source', DATA_SOURCES), ('data_download', DATA_DOWNLOADS),
+                         ('learning_rate_schedule', SCHEDULES),
                          ('prng_impl', PRNG_IMPLS), ('best_checkpoint_metric', ('',) + BEST_CHECKPOINT_METRICS),
                          ('model.dtype', MODEL_DTYPES), ('model.attention_impl', ATTENTION_IMPLS),
                          ('model.remat', REMAT_POLICIES), ('model.matmul_precision', MATMUL_PRECISIONS)):

@@ -472,7 +472,7 @@ def test_an_odd_d_model_is_refused_before_the_positions_fail_to_broadcast():
 def test_bad_names_are_refused_with_the_values_they_take():
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
   for field, value in (('prng_impl', 'philox'), ('task', 'nmt'), ('data_source', 'csv'),
-                       ('best_checkpoint_metric', 'accuracy'), ('model.remat', 'some')):
+                       ('best_checkpoint_metric', 'accuracy'), ('model.remat', 'some'), ('data_download', 'yes')):
     c = config_lib.base_config()
     c.data_dir = '/data'
     section, _, name = field.rpartition('.')

@@ -121,10 +121,8 @@ def ensure_corpus(config, is_leader=True, barrier=lambda name: None):
   splits (an offline copy, or the user's own corpus) is read as it is, nothing fetched. Raises corpus.DataError
   naming --config.data_dir when the files cannot be fetched (e.g. no internet)."""
   from flaxformer_nmt.data import corpus as data_lib  # pylint: disable=g-import-not-at-top
-  if not config.data_download or config.data_source != 'text':
+  if not config.data_download or config.data_source != 'text':  # config.validate allows '' and 'multi30k'
     return
-  if config.data_download != 'multi30k':
-    raise data_lib.DataError(f"config.data_download={config.data_download!r}: use 'multi30k' or '' (never)")
   if all(path.exists() for path in files_read(config)):  # none at all: nothing to fetch
     return
   try:
