@@ -36,9 +36,10 @@ def test_one_sided_empty_and_overlong_lines_are_named_or_skipped(tmp_path):
   (tmp_path / 'train.de').write_text('ein hund\n\ndie katze\nkurz\ngut\n')
   with pytest.raises(data_lib.DataError, match=r'train.en:4: line of 50 characters'):
     data_lib.read_parallel(tmp_path, 'train', 'en', 'de', max_line_chars=40)
-  src, tgt, lines = data_lib.read_parallel(tmp_path, 'train', 'en', 'de', max_line_chars=40, skip_bad_pairs=True)
+  src, tgt, lines, num_lines = data_lib.read_parallel(tmp_path, 'train', 'en', 'de', max_line_chars=40,
+                                                     skip_bad_pairs=True)
   assert src == ['a dog', '', 'the cat', 'fine'] and tgt == ['ein hund', '', 'die katze', 'gut']
-  assert lines == [0, 1, 2, 4]
+  assert lines == [0, 1, 2, 4] and num_lines == 5
 
 
 def test_a_pair_empty_on_both_sides_keeps_its_line_and_is_not_trained_on(tmp_path):
@@ -46,7 +47,7 @@ def test_a_pair_empty_on_both_sides_keeps_its_line_and_is_not_trained_on(tmp_pat
   # be line i of both files, a blank pair included.
   (tmp_path / 'valid.en').write_text('A dog.\n\nTwo cats.\n \t\nThe end.\n')
   (tmp_path / 'valid.de').write_text('Ein Hund.\n\nZwei Katzen.\n\nDas Ende.\n')
-  src, tgt, _ = data_lib.read_parallel(tmp_path, 'valid', 'en', 'de')
+  src, tgt, _, _ = data_lib.read_parallel(tmp_path, 'valid', 'en', 'de')
   expected = [[line.strip() for line in (tmp_path / f'valid.{lang}').read_text().split('\n')[:-1]]
               for lang in ('en', 'de')]
   assert [src, tgt] == expected

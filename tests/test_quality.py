@@ -165,6 +165,32 @@ def test_validation_reads_the_tokenized_reference_of_each_pair_past_a_skipped_on
   assert bleu.tok_references == tok_lines[:2] + tok_lines[3:7]
 
 
+def test_validation_refuses_tokenized_references_of_another_corpus(trained_toy, tmp_path):
+  """A run on a new data_dir that kept the config's eval_bleu_tok_ref_dir (another corpus's references) scored
+  lowercased tokenized BLEU against them without a word whenever they had at least as many lines."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.data import corpus as data_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.runtime import sharding  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.training import validation  # pylint: disable=g-import-not-at-top
+  tok = tmp_path / 'tok'
+  shutil.copytree(trained_toy.parent / 'tok', tok)
+  config = workdir_lib.load_config(trained_toy)
+  config.data_dir, config.eval_bleu_tok_ref_dir = str(trained_toy.parent / 'data'), str(tok)
+  config.eval_bleu_max_sentences = 4
+  tokenizer = tokenizer_lib.Tokenizer(trained_toy / 'vocab.model')
+  mesh = sharding.make_mesh(devices=jax.devices()[:1])
+  tok_lines = (tok / 'valid.de').read_text().splitlines()
+  assert len(validation.ValidationBleu(config, tokenizer, tmp_path / 'w', mesh).tok_references) == 4
+  for lines in (tok_lines + ['ein weiterer satz .'], tok_lines[:-1]):
+    (tok / 'valid.de').write_text('\n'.join(lines) + '\n')
+    with pytest.raises(data_lib.DataError, match=f'{tok / "valid.de"}: {len(lines)} lines, but valid has '
+                       f'{len(tok_lines)} .*eval_bleu_tok_ref_dir'):
+      validation.ValidationBleu(config, tokenizer, tmp_path / 'w', mesh)
+
+
 def test_tokenized_bleu_lowercases_the_tokenized_references_too():
   """'lowercased moses-tokenized' BLEU lowercased the hypotheses alone: a cased tokenized reference scored a
   perfect translation 22.09 (the official lc.norm.tok files are lowercase already)."""

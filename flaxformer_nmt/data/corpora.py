@@ -17,8 +17,8 @@ class TextPairs:
 
   def __init__(self, data_dir, split, source_lang, target_lang, max_line_chars=0, skip_bad_pairs=False,
                lowercase=False):
-    # line_indices: the pair's line in the files (pairs dropped by skip_bad_pairs leave gaps).
-    self.source_lines, self.target_lines, self.line_indices = data_lib.read_parallel(
+    # line_indices: the pair's line in the files (pairs dropped by skip_bad_pairs leave gaps) of num_lines lines.
+    self.source_lines, self.target_lines, self.line_indices, self.num_lines = data_lib.read_parallel(
         data_dir, split, source_lang, target_lang, max_line_chars=max_line_chars, skip_bad_pairs=skip_bad_pairs)
     if lowercase:
       self.source_lines, self.target_lines = _lower(self.source_lines), _lower(self.target_lines)

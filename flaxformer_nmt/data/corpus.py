@@ -84,8 +84,8 @@ def split_paths(data_dir, split, source_lang, target_lang):
 
 
 def read_parallel(data_dir, split, source_lang, target_lang, max_line_chars=0, skip_bad_pairs=False):
-  """(source lines, target lines, the 0-based line index of each pair) of one split, checked to be non-empty and
-  aligned.
+  """(source lines, target lines, the 0-based line index of each pair, the files' line count) of one split,
+  checked to be non-empty and aligned.
 
   A pair with one empty side (a sign of misaligned files) or a line over `max_line_chars` characters (a sign
   of a broken file) is an error naming the file and line, or with `skip_bad_pairs` is dropped and counted.
@@ -115,9 +115,10 @@ def read_parallel(data_dir, split, source_lang, target_lang, max_line_chars=0, s
       raise DataError(problem + '; fix the data or set --config.skip_bad_pairs=true to drop such pairs')
   if bad:
     logging.warning('Dropped %d bad pairs from %s/%s (config.skip_bad_pairs)', bad, data_dir, split)
-  if len(keep) < len(src):
+  num_lines = len(src)
+  if len(keep) < num_lines:
     src, tgt = [src[i] for i in keep], [tgt[i] for i in keep]
-  return src, tgt, keep
+  return src, tgt, keep, num_lines
 
 
 class Ragged:
