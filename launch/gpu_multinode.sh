@@ -7,6 +7,8 @@
 # flaxformer_nmt.distributed gives each task all its node's GPUs). With --tfds-data-dir (a directory every
 # node reads: shared filesystem or gs://), the first node alone installs the [tfds] extra (TensorFlow) and
 # prepares the config's TFDS builder into it before training starts; every node trains with that directory.
+# Over ssh, Ctrl-C (or SIGTERM, SIGHUP) stops every node's process: each runs in a terminal of its own
+# (ssh -tt) that sshd hangs up when its ssh ends. The status is the last failing node's, else 0.
 #
 #   launch/gpu_multinode.sh --hosts node1,node2 --gpus-per-node 8 --tfds-data-dir /shared/tensorflow_datasets \
 #       -- --config configs/wmt14_ende_big.py --workdir /shared/runs/big
@@ -41,6 +43,7 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 [[ $# -gt 0 ]] || { echo "training arguments (after --) are required" >&2; usage; }
+[[ "$GPUS" =~ ^[1-9][0-9]*$ ]] || { echo "--gpus-per-node must be a positive number, not $GPUS" >&2; usage; }
 # shellcheck source=launch/common.sh
 . "$(dirname "$0")/common.sh"
 ARGS=("$@")
@@ -72,19 +75,28 @@ NUM=${#HOST_LIST[@]}
 COORDINATOR="${HOST_LIST[0]#*@}"  # ssh takes user@host; the coordinator address is host:port,
 if [[ "$COORDINATOR" == *:* ]]; then COORDINATOR="[$COORDINATOR]"; fi  # an IPv6 host in brackets
 COORDINATOR+=":$PORT"
-if [[ -n "$TFDS_DATA_DIR" ]]; then
-  run ssh "${HOST_LIST[0]}" "$PREPARE"  # waited for: no node trains before the data is prepared
-fi
+# A remote terminal (-tt) is hung up by sshd when its ssh ends, which stops the command in it (SIGHUP); without
+# one the command would go on running. ssh's own input is /dev/null, so it leaves the local terminal alone.
+SSH=(ssh -tt)
 PIDS=()
+stop() { kill "${PIDS[@]}" 2>/dev/null || true; wait; exit "$1"; }  # the ssh clients ignore SIGINT (background)
+trap 'stop 130' INT; trap 'stop 143' TERM; trap 'stop 129' HUP
+on_host() {  # on_host HOST COMMAND: prints the ssh command; unless --dry-run, starts it in the background
+  quote "${SSH[@]}" "$1" "$2"; echo
+  if [[ "$DRY_RUN" == 0 ]]; then "${SSH[@]}" "$1" "$2" < /dev/null & PIDS+=($!); fi
+}
+wait_all() {  # waits for every ssh started; returns the last failing one's status, else 0
+  local status=0 pid
+  for pid in "${PIDS[@]}"; do wait "$pid" || status=$?; done
+  PIDS=()
+  return "$status"
+}
+if [[ -n "$TFDS_DATA_DIR" ]]; then
+  on_host "${HOST_LIST[0]}" "$PREPARE"; wait_all  # no node trains before the data is prepared
+fi
 for i in "${!HOST_LIST[@]}"; do
   REMOTE="cd $(quote "$REPO") && JAX_COORDINATOR_ADDRESS=$COORDINATOR JAX_NUM_PROCESSES=$NUM JAX_PROCESS_ID=$i"
   REMOTE+=" CUDA_VISIBLE_DEVICES=$VISIBLE $REMOTE_PYTHON -m flaxformer_nmt.train --distributed=on $(quote "${ARGS[@]}")"
-  quote ssh "${HOST_LIST[$i]}" "$REMOTE"; echo
-  if [[ "$DRY_RUN" == 0 ]]; then
-    ssh "${HOST_LIST[$i]}" "$REMOTE" &
-    PIDS+=($!)
-  fi
+  on_host "${HOST_LIST[$i]}" "$REMOTE"
 done
-STATUS=0
-for pid in "${PIDS[@]}"; do wait "$pid" || STATUS=$?; done
-exit "$STATUS"
+wait_all

@@ -6,7 +6,8 @@
 # (TensorFlow) and prepares the config's TFDS builder once into that gs:// directory; then the same training
 # command (the same config, --config.tfds_data_dir included) starts on all workers, which read the prepared
 # data. Each worker runs one process; flaxformer_nmt.distributed finds the others through the TPU metadata
-# server. Keep --workdir and the data on gs://.
+# server. Keep --workdir and the data on gs://. Ctrl-C stops the installation, preparation or training on every
+# worker: each runs in a terminal of its own (ssh -tt), which sshd hangs up when gcloud's ssh ends.
 #
 #   launch/tpu_vm.sh --name nmt --zone us-central2-b --accelerator-type v4-32 --create \
 #       --tfds-data-dir gs://BUCKET/tensorflow_datasets \
@@ -17,7 +18,7 @@ set -euo pipefail
 usage() {
   sed -n '2,/^set /s/^# \{0,1\}//p' "$0"  # the comment above
   echo "options: --name NAME --zone ZONE [--project P] [--accelerator-type v4-8] [--version RUNTIME] [--create]"
-  echo "         [--tfds-data-dir gs://DIR] [--repo DIR] [--remote-dir DIR] [--no-install] [--dry-run]"
+  echo "         [--tfds-data-dir gs://DIR] [--repo DIR] [--remote-dir DIR_IN_HOME] [--no-install] [--dry-run]"
   echo "         -- TRAIN_ARGS..."
   exit "${1:-2}"
 }
@@ -53,6 +54,10 @@ done
 if [[ -n "$TFDS_DATA_DIR" && "$TFDS_DATA_DIR" != gs://* ]]; then
   echo "--tfds-data-dir must be a gs:// directory that every worker reads, not $TFDS_DATA_DIR" >&2; exit 2
 fi
+# A path in ~ that no shell or scp reads differently (scp's legacy and SFTP modes take quoting differently).
+if [[ ! "$REMOTE_DIR" =~ ^[A-Za-z0-9._-][A-Za-z0-9._/-]*$ ]]; then
+  echo "--remote-dir must be a relative path (in ~) of letters, digits and ._/- only, not $REMOTE_DIR" >&2; exit 2
+fi
 # shellcheck source=launch/common.sh
 . "$(dirname "$0")/common.sh"
 
@@ -69,8 +74,11 @@ run() {  # prints the command (shell-quoted); runs it unless --dry-run
   quote "$@"; echo
   if [[ "$DRY_RUN" == 0 ]]; then "$@"; fi
 }
-on_workers() {  # on_workers all|0 REMOTE_COMMAND
-  run "${GCLOUD[@]}" ssh "$NAME" "--worker=$1" "${WHERE[@]}" --command "$2"
+# on_workers all|0 REMOTE_COMMAND, in a remote terminal (-tt): sshd hangs it up when gcloud's ssh ends (Ctrl-C),
+# which stops the command (SIGHUP) that would otherwise go on running. gcloud's input is /dev/null, so that ssh
+# leaves the local terminal alone.
+on_workers() {
+  run "${GCLOUD[@]}" ssh "$NAME" "--worker=$1" "${WHERE[@]}" --ssh-flag=-tt --command "$2" < /dev/null
 }
 
 if [[ "$CREATE" == 1 ]]; then
@@ -78,7 +86,8 @@ if [[ "$CREATE" == 1 ]]; then
 fi
 # Copy what runs into an existing ~/$REMOTE_DIR: copying the checkout's folder itself would nest it inside
 # that directory on a second run, leaving the old code in place.
-on_workers all "mkdir -p ~/$REMOTE_DIR"
+# The first command keeps the local terminal as gcloud's input: gcloud may ask there for a new SSH key's passphrase.
+run "${GCLOUD[@]}" ssh "$NAME" --worker=all "${WHERE[@]}" --command "mkdir -p ~/$REMOTE_DIR"
 run "${GCLOUD[@]}" scp --recurse --worker=all "${WHERE[@]}" "$REPO/pyproject.toml" "$REPO/README.md" \
   "$REPO/flaxformer_nmt" "$REPO/configs" "$NAME:~/$REMOTE_DIR/"
 # uv (installed with the image's python3) fetches Python 3.12 where the image has none; the commands below run

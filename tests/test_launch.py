@@ -1,8 +1,11 @@
-"""The launch scripts in --dry-run mode print every command they would run, in order."""
+"""The launch scripts in --dry-run mode print every command they would run, in order; run against a fake ssh and
+gcloud, Ctrl-C stops every remote process and a failing one fails the launcher."""
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import time
 import tomllib
 
 import pytest
@@ -33,8 +36,8 @@ def test_gpu_multinode_over_ssh_gives_every_node_its_process_id():
   commands = dry_run('gpu_multinode.sh', '--hosts', 'gpu1,gpu2,gpu3', '--gpus-per-node', '4', '--port', '9999',
                      '--', '--config', 'configs/big.py', '--workdir', '/shared/run big')
   assert len(commands) == 3  # no --tfds-data-dir: nothing to prepare
-  for i, (ssh, host, remote) in enumerate(commands):
-    assert ssh == 'ssh' and host == f'gpu{i + 1}'
+  for i, (ssh, tty, host, remote) in enumerate(commands):
+    assert [ssh, tty] == ['ssh', '-tt'] and host == f'gpu{i + 1}'
     assert f'JAX_PROCESS_ID={i} ' in remote
     assert 'JAX_COORDINATOR_ADDRESS=gpu1:9999 JAX_NUM_PROCESSES=3 ' in remote
     assert 'CUDA_VISIBLE_DEVICES=0,1,2,3 ' in remote
@@ -46,8 +49,8 @@ def test_gpu_multinode_without_config_arguments_still_launches():
   """The config may come from a flag file (`--flagfile run.flags`): no --config among the arguments leaves nothing
   for preparation, and the nodes still start (not a silent exit with status 1 and no command printed)."""
   commands = dry_run('gpu_multinode.sh', '--hosts', 'gpu1,gpu2', '--', '--flagfile', 'run.flags')
-  assert [host for _, host, _ in commands] == ['gpu1', 'gpu2']
-  for _, _, remote in commands:
+  assert [host for *_, host, _ in commands] == ['gpu1', 'gpu2']
+  for *_, remote in commands:
     assert module_args(shlex.split(remote), 'flaxformer_nmt.train') == ['--distributed=on', '--flagfile', 'run.flags']
 
 
@@ -55,8 +58,8 @@ def test_gpu_multinode_coordinator_address_is_the_first_host_without_its_ssh_use
   """`--hosts alice@node1,...`: ssh needs the user, but JAX_COORDINATOR_ADDRESS must be host:port, never
   alice@node1:port."""
   commands = dry_run('gpu_multinode.sh', '--hosts', 'alice@node1,bob@node2', '--', '--config', 'c')
-  assert [host for _, host, _ in commands] == ['alice@node1', 'bob@node2']
-  for _, _, remote in commands:
+  assert [host for *_, host, _ in commands] == ['alice@node1', 'bob@node2']
+  for *_, remote in commands:
     assert 'JAX_COORDINATOR_ADDRESS=node1:12355 ' in remote
 
 
@@ -64,16 +67,16 @@ def test_gpu_multinode_puts_an_ipv6_coordinator_in_brackets():
   """`--hosts alice@fd00::1,fd00::2`: ssh takes the bare IPv6 address, but fd00::1:12355 is no address JAX can
   use (every process waited, then aborted); the coordinator is [fd00::1]:12355."""
   commands = dry_run('gpu_multinode.sh', '--hosts', 'alice@fd00::1,fd00::2', '--', '--config', 'c')
-  assert [host for _, host, _ in commands] == ['alice@fd00::1', 'fd00::2']
-  for _, _, remote in commands:
+  assert [host for *_, host, _ in commands] == ['alice@fd00::1', 'fd00::2']
+  for *_, remote in commands:
     assert 'JAX_COORDINATOR_ADDRESS=[fd00::1]:12355 ' in remote
 
 
 def test_gpu_multinode_prepares_once_on_the_first_node_before_any_node_trains():
   commands = dry_run('gpu_multinode.sh', '--hosts', 'gpu1,gpu2', '--tfds-data-dir', '/shared/tfds', '--',
                      *TRAIN_ARGS)
-  prepare, *trains = [shlex.split(remote) for _, _, remote in commands]
-  assert [host for _, host, _ in commands] == ['gpu1', 'gpu1', 'gpu2']
+  prepare, *trains = [shlex.split(remote) for *_, remote in commands]
+  assert [host for *_, host, _ in commands] == ['gpu1', 'gpu1', 'gpu2']
   assert '.[tfds]' in prepare  # TensorFlow where preparation runs
   shared = ['--config.tfds_data_dir=/shared/tfds']
   assert module_args(prepare, 'flaxformer_nmt.corpora') == ['prepare'] + CONFIG_ARGS + shared
@@ -99,7 +102,7 @@ def test_a_bare_boolean_override_does_not_take_the_next_flag_as_its_value():
   commands = dry_run('gpu_multinode.sh', '--hosts', 'gpu1', '--tfds-data-dir', '/shared/tfds', '--',
                      '--config', 'configs/big.py', '--config.skip_bad_pairs', '--workdir', '/shared/run',
                      '--config.data_parallelism', '-1')
-  prepare = shlex.split(commands[0][2])
+  prepare = shlex.split(commands[0][-1])
   assert module_args(prepare, 'flaxformer_nmt.corpora') == [
       'prepare', '--config', 'configs/big.py', '--config.skip_bad_pairs', '--config.data_parallelism', '-1',
       '--config.tfds_data_dir=/shared/tfds']
@@ -191,7 +194,7 @@ def test_the_printed_preparation_command_parses(tmp_path):
   commands = dry_run('gpu_multinode.sh', '--hosts', 'h', '--tfds-data-dir', str(tmp_path), '--',
                      '--config', 'configs/multi30k.py', '--workdir', 'w', '--config.model.remat', 'full',
                      '--config.seed=3')
-  args = module_args(shlex.split(commands[0][2]), 'flaxformer_nmt.corpora')
+  args = module_args(shlex.split(commands[0][-1]), 'flaxformer_nmt.corpora')
   repo = os.path.dirname(LAUNCH)
   out = subprocess.run([sys.executable, '-m', 'flaxformer_nmt.corpora', *args], cwd=repo, capture_output=True,
                        text=True, timeout=300, check=False)
@@ -244,3 +247,136 @@ def test_a_python_path_with_a_space_stays_one_word(slurm):
         if words[i] == '-m' and words[i + 1] == module:
           assert words[i - 1] == python, words
   assert len(lines) == (1 if slurm else 3)
+
+
+@pytest.mark.parametrize('script,args,message', [
+    # A path the remote shell splits (`mkdir -p ~/my dir`) and which scp's legacy and SFTP modes quote differently.
+    ('tpu_vm.sh', ['--remote-dir', 'my dir'], '--remote-dir must be'),
+    ('tpu_vm.sh', ['--remote-dir', 'x;rm -rf ~'], '--remote-dir must be'),
+    ('tpu_vm.sh', ['--remote-dir', '/opt/nmt'], '--remote-dir must be'),  # it would be ~/opt/nmt
+    ('gpu_multinode.sh', ['--gpus-per-node', '0'], '--gpus-per-node must be'),  # CUDA_VISIBLE_DEVICES= : no GPU
+    ('gpu_multinode.sh', ['--gpus-per-node', 'eight'], '--gpus-per-node must be')])
+def test_bad_paths_and_counts_fail(script, args, message):
+  where = ['--hosts', 'h'] if script == 'gpu_multinode.sh' else ['--name', 'n', '--zone', 'z']
+  out = subprocess.run(['bash', os.path.join(LAUNCH, script), '--dry-run', *where, *args, '--', '--config', 'c'],
+                       capture_output=True, text=True, timeout=60, check=False)
+  assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_tpu_vm_remote_dir_reaches_every_step():
+  commands = dry_run('tpu_vm.sh', '--name', 'nmt', '--zone', 'z', '--remote-dir', 'runs/nmt-1', '--', '--config', 'c')
+  mkdir, copy, install, train = commands
+  assert mkdir[mkdir.index('--command') + 1] == 'mkdir -p ~/runs/nmt-1' and copy[-1] == 'nmt:~/runs/nmt-1/'
+  for command in (install, train):
+    assert shlex.split(command[command.index('--command') + 1])[:2] == ['cd', '~/runs/nmt-1']
+
+
+# Stands in for ssh and for `gcloud compute tpus tpu-vm ssh|scp|create`. It runs the remote command here, in a session
+# of its own as on another machine, and models what sshd does when the connection closes: it hangs up a remote
+# terminal (-tt), which sends SIGHUP to the command in it; a command without one goes on running.
+FAKE_REMOTE_CLIENT = r'''#!/bin/bash
+tty=0 command=
+if [[ "$(basename "$0")" == gcloud ]]; then
+  [[ "$4" == ssh ]] || exit 0
+  for arg; do
+    [[ "$arg" == --ssh-flag=-tt ]] && tty=1
+    [[ "${previous:-}" == --command ]] && command="$arg"
+    previous="$arg"
+  done
+else
+  [[ "$1" == -tt ]] && tty=1
+  command="${!#}"
+fi
+if [[ "$tty" == 1 && -t 0 ]]; then echo "ssh -tt would put the local terminal in raw mode" >&2; exit 97; fi
+setsid bash -c "$command" & remote=$!
+[[ "$tty" == 0 ]] || trap 'kill -HUP -- -$remote; exit 255' INT TERM HUP
+wait "$remote"
+'''
+# The remote python: notes its process id, then runs until stopped (or exits 3 as the process FAKE_FAIL names).
+FAKE_PYTHON = r'''#!/bin/bash
+echo $$ > "$FAKE_STARTED/$$"
+if [[ -n "${FAKE_FAIL:-}" ]]; then [[ "${JAX_PROCESS_ID:-prepare}" == "$FAKE_FAIL" ]] && exit 3; exit 0; fi
+exec sleep 600
+'''
+
+
+def fake_hosts(tmp_path, fail=None):
+  """Fake ssh and gcloud on PATH, and a fake python at --repo (GPU) and in ~/flaxformer_nmt/.venv (TPU)."""
+  bin_dir, started, home = tmp_path / 'bin', tmp_path / 'started', tmp_path / 'home'
+  venv = home / 'flaxformer_nmt' / '.venv' / 'bin'
+  for folder in (bin_dir, started, venv):
+    folder.mkdir(parents=True)
+  for path, text in ((bin_dir / 'ssh', FAKE_REMOTE_CLIENT), (bin_dir / 'gcloud', FAKE_REMOTE_CLIENT),
+                     (tmp_path / 'python', FAKE_PYTHON), (venv / 'python', FAKE_PYTHON)):
+    path.write_text(text)
+    path.chmod(0o755)
+  env = dict(os.environ, PATH=f'{bin_dir}{os.pathsep}{os.environ["PATH"]}', HOME=str(home), FAKE_STARTED=str(started))
+  if fail is not None:
+    env['FAKE_FAIL'] = fail
+  return env, started
+
+
+def running(pid):
+  try:
+    with open(f'/proc/{pid}/stat') as f:
+      return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
+  except FileNotFoundError:
+    return False
+
+
+def wait_until(condition, seconds):
+  deadline = time.monotonic() + seconds
+  while not condition() and time.monotonic() < deadline:
+    time.sleep(0.1)
+  return condition()
+
+
+@pytest.mark.skipif(not sys.platform.startswith('linux'), reason='reads /proc')
+@pytest.mark.parametrize('script,step,signum,to_group', [
+    ('gpu_multinode.sh', 'train', signal.SIGINT, True),  # Ctrl-C: SIGINT to the terminal's foreground group
+    ('gpu_multinode.sh', 'prepare', signal.SIGINT, True),
+    ('gpu_multinode.sh', 'train', signal.SIGTERM, False),  # `kill PID`
+    ('gpu_multinode.sh', 'prepare', signal.SIGTERM, False),
+    ('tpu_vm.sh', 'train', signal.SIGINT, True),
+    ('tpu_vm.sh', 'prepare', signal.SIGINT, True)])
+def test_stopping_the_launcher_stops_every_remote_process(tmp_path, script, step, signum, to_group):
+  """Like torchrun or mpirun: Ctrl-C stops the whole job, leaving no trainer on a remote host holding its GPUs or
+  TPU (over ssh without a remote terminal the remote commands went on running)."""
+  env, started = fake_hosts(tmp_path)
+  if script == 'gpu_multinode.sh':
+    options, processes = ['--hosts', 'gpu1,gpu2', '--repo', str(tmp_path), '--python', str(tmp_path / 'python')], 2
+  else:
+    options, processes = ['--name', 'nmt', '--zone', 'z', '--no-install'], 1
+  if step == 'prepare':
+    options, processes = options + ['--tfds-data-dir', 'gs://b/tfds'], 1
+  terminal, stdin = os.openpty()  # started from a shell: the input is a terminal
+  with open(tmp_path / 'out', 'w') as out:
+    launcher = subprocess.Popen(['bash', os.path.join(LAUNCH, script), *options, '--', '--config', 'c'], env=env,
+                                stdin=stdin, stdout=out, stderr=out, process_group=0)
+  pids = lambda: [int(name) for name in os.listdir(started)]
+  try:
+    assert wait_until(lambda: len(pids()) == processes, 30), (tmp_path / 'out').read_text()
+    (os.killpg if to_group else os.kill)(launcher.pid, signum)
+    assert launcher.wait(timeout=30) != 0
+    assert wait_until(lambda: not any(running(pid) for pid in pids()), 10), 'a remote process goes on running'
+  finally:
+    for pid in pids():
+      if running(pid):
+        os.kill(pid, signal.SIGKILL)
+    if launcher.poll() is None:
+      os.killpg(launcher.pid, signal.SIGKILL)
+      launcher.wait()
+    os.close(terminal)
+    os.close(stdin)
+
+
+@pytest.mark.parametrize('fail,status,processes', [('none', 0, 5), ('1', 3, 5), ('prepare', 3, 1)])
+def test_gpu_multinode_exits_with_a_failing_process_status(tmp_path, fail, status, processes):
+  """A failing node (or a failing preparation, after which no node trains) makes the launcher fail."""
+  env, started = fake_hosts(tmp_path, fail)
+  out = subprocess.run(['bash', os.path.join(LAUNCH, 'gpu_multinode.sh'), '--hosts', 'gpu1,gpu2,gpu3', '--repo',
+                        str(tmp_path), '--python', str(tmp_path / 'python'), '--tfds-data-dir', str(tmp_path), '--',
+                        '--config', 'c'], env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                       timeout=60, check=False)
+  assert out.returncode == status, out.stderr
+  assert len(os.listdir(started)) == processes  # preparation's pip and corpora, then one per node
