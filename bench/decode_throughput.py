@@ -3,7 +3,7 @@ decode command from process start to its last line (cold, and with the compilati
 a whole process (import, load, translate), and the warm search inside one process; with the compiled programs.
 
   python bench/decode_throughput.py --workdir runs/m30k --checkpoint averaged \
-      [--inputs ../shared/data/multi30k/test2016.en,../shared/data/wmt_ende/newstest2015.en] [--threads 2]
+      [--inputs $D/multi30k/test2016.en,newstest2015.en] [--threads 2]    # $D: the download cache
 
 For every input and for beam search (the config's beam size and length penalty, or --beam_size) and greedy:
 - `decode command`: `python -m flaxformer_nmt.decode` in a fresh process, first with an empty compilation cache
@@ -44,7 +44,6 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 from absl import app, flags
 from etils import epath
 
@@ -58,7 +57,7 @@ from flaxformer_nmt.runtime import flops as flops_lib
 from flaxformer_nmt.runtime import host_memory
 
 REPO = epath.Path(__file__).resolve().parent.parent
-DATA = REPO.parent / 'shared' / 'data'
+DATA = cache.cache_dir()  # where `python -m flaxformer_nmt.download` puts Multi30k
 PROGRAMS_LINE = re.compile(r'Programs: (\d+) compiled, (\d+) loaded from the compilation cache, (\d+) loaded as '
                            r'saved executables \(([\d.]+) s\)')
 
@@ -73,10 +72,11 @@ lines = [' '.join(line.split()) for line in open(source, encoding='utf-8')]
 lines = [line.lower() for line in lines] if lowercase == '1' else lines
 pieces = [sp.encode(line, out_type=str) for line in lines]
 nonempty = [i for i, p in enumerate(pieces) if p]
-results = translator.translate_batch(
-    [pieces[i] for i in nonempty], beam_size=int(beam), length_penalty=float(alpha), max_batch_size=int(budget),
-    batch_type='tokens', max_decoding_length=max(map(len, pieces)) + int(extra),
-    suppress_sequences=[['<pad>'], ['<s>']])
+batch = [pieces[i] for i in nonempty]
+options = dict(beam_size=int(beam), length_penalty=float(alpha), max_batch_size=int(budget), batch_type='tokens',
+               max_decoding_length=max(map(len, pieces), default=0) + int(extra),
+               suppress_sequences=[['<pad>'], ['<s>']])
+results = translator.translate_batch(batch, **options)
 out = [''] * len(lines)
 for i, result in zip(nonempty, results):
   out[i] = sp.decode(result.hypotheses[0][:len(pieces[i]) + int(extra)])  # each line's own limit, as ours
@@ -89,10 +89,7 @@ if int(repeats):  # the warm search: translate_batch again, after the pass above
   seconds = []
   for _ in range(int(repeats)):
     start = time.perf_counter()
-    translator.translate_batch(
-        [pieces[i] for i in nonempty], beam_size=int(beam), length_penalty=float(alpha), max_batch_size=int(budget),
-        batch_type='tokens', max_decoding_length=max(map(len, pieces)) + int(extra),
-        suppress_sequences=[['<pad>'], ['<s>']])
+    translator.translate_batch(batch, **options)
     seconds.append(time.perf_counter() - start)
   print('warm seconds', min(seconds), file=sys.stderr)
 '''
@@ -101,8 +98,8 @@ if int(repeats):  # the warm search: translate_batch again, after the pass above
 def define_flags():
   flags.DEFINE_string('workdir', None, 'Trained workdir.')
   flags.DEFINE_string('checkpoint', 'latest', 'latest, averaged, best or a step.')
-  flags.DEFINE_list('inputs', [str(DATA / 'multi30k' / 'test2016.en'), str(DATA / 'wmt_ende' / 'newstest2015.en')],
-                    'Source files (missing ones are skipped).')
+  flags.DEFINE_list('inputs', [str(DATA / 'multi30k' / 'test2016.en')],
+                    'Source files (missing ones are skipped; default: test2016 of the download cache).')
   flags.DEFINE_integer('max_sentences', 0, 'Use the first N sentences of each input (0: all).')
   flags.DEFINE_integer('beam_size', None, 'Beam width (default: the config\'s).')
   flags.DEFINE_float('alpha', None, 'Length penalty exponent, both sides (default: the config\'s).')
@@ -352,17 +349,17 @@ def run(FLAGS, translator, scratch, loaded):  # pylint: disable=invalid-name
   process's RSS once the model was loaded)."""
   c = translator.config
   model_dir = export(FLAGS.workdir, FLAGS.checkpoint, os.path.join(scratch, 'ct2'), FLAGS.compute_type)
-  operands = translator.model.config.matmul_precision
-  matmul = flops_lib.matmul_rate(jnp.bfloat16 if operands == 'bfloat16' else jnp.float32)
+  operands = model_lib.vocabulary_operand_dtype(translator.model.config)  # bfloat16 in a bfloat16 model too
+  matmul = flops_lib.matmul_rate(operands)
   print(f'{time.strftime("%Y-%m-%d %H:%M %Z")}; {cpu_description()}; jax {jax.__version__} '
         f'({jax.default_backend()}); {FLAGS.workdir} ({translator.checkpoint}); model dtype {c.model.dtype}, '
-        f'matmul operands {translator.model.config.matmul_precision}; beam length penalty alpha '
+        f'matmul operands {operands.name}; beam length penalty alpha '
         f'{alpha_of(FLAGS, translator)}; tokens per batch: ours '
         f'{translator.ladder(FLAGS.tokens_per_batch).tokens_per_batch}, '
         f'CTranslate2 {FLAGS.tokens_per_batch or c.decode_tokens_per_batch}; '
         f'CTranslate2 {FLAGS.compute_type}, intra_threads {FLAGS.threads}, OMP_WAIT_POLICY '
         f'{ctranslate2_env(FLAGS.omp_wait_policy).get("OMP_WAIT_POLICY", "unset")}; a 4096x1024x1024 matmul of '
-        f'{operands} operands {matmul / 1e9:.1f} GFLOP/s; our RSS with the model loaded {loaded:.0f} MB')
+        f'{operands.name} operands {matmul / 1e9:.1f} GFLOP/s; our RSS with the model loaded {loaded:.0f} MB')
   rows = []
   for path in FLAGS.inputs:
     if not epath.Path(path).exists():

@@ -112,6 +112,10 @@ def time_batches(config, corpus, examples, max_length, epochs):
                                     packed_length=config.packed_length,
                                     packing_open_rows=config.packing_open_rows, max_length=max_length)
     count = int(batches.batches_per_epoch() * epochs)
+    if not count:  # no rates to give, rather than a division by zero
+      print(f'batches (prefetch {prefetch}): 0 batches ({epochs:g} epochs of {batches.batches_per_epoch()} batches)')
+      batches.close()
+      continue
     start = time.perf_counter()
     real = padded = rows = 0
     for _ in range(count):

@@ -9,11 +9,11 @@ the trainer must finish the step, save and exit within that, or the work since t
 Each trial trains a fresh workdir until the log line of step --after_step, waits --delay seconds more (so the
 signal falls mid-interval, where the loop has had time to run ahead of the device), sends SIGTERM and times
 the exit. It prints: seconds to exit; the step the run stopped (and saved) at; the step the device had reached
-at the signal, estimated from the logged step time (after_step + delay / step time, the step time being the
-median of the intervals logged before the signal after the first, which holds compiling; '-' where no interval
-is steady or the logged time rounds to 0 ms); and the difference, the
-steps the loop had dispatched ahead (meaningful when the device step dominates: for a toy model of a few ms per
-step, Python's per-step work sets the pace and the estimate runs far past the real step). Extra
+at the signal, estimated from the logged step time (the latest step logged once --after_step's line or a later
+one appeared, + delay / step time, the step time being the median of the intervals logged before the signal after
+the first, which holds compiling; '-' where no interval is steady or the logged time rounds to 0 ms); and the
+difference, the steps the loop had dispatched ahead (meaningful when the device step dominates: for a toy model
+of a few ms per step, Python's per-step work sets the pace and the estimate runs far past the real step). Extra
 --config.FIELD=VALUE arguments go to the trainer. Measured with it and by hand: bench/RESULTS.md.
 
   python bench/stop_latency.py --smoke    # seconds: a tiny model on a generated corpus, SIGTERM after step 5
@@ -41,12 +41,13 @@ STOP_LINE = re.compile(r'Stopping at step (\d+) after')
 
 
 def wait_for_step(log_path, process, step, timeout):
-  """Blocks until the log has step `step`'s line."""
+  """Blocks until the log has the line of step `step` or a later one; returns the latest step logged then (where
+  the loop logs every N steps, `step` itself may have no line)."""
   deadline = time.time() + timeout
   while time.time() < deadline:
-    for match in STEP_LINE.finditer(open(log_path).read()):
-      if int(match.group(1)) >= step:
-        return
+    logged = [int(match.group(1)) for match in STEP_LINE.finditer(open(log_path).read())]
+    if logged and max(logged) >= step:
+      return max(logged)
     if process.poll() is not None:
       sys.exit(f'the trainer exited ({process.returncode}) before step {step}; log: {log_path}')
     time.sleep(0.05)
@@ -70,7 +71,7 @@ def trial(args, extra, workdir):
   command = [sys.executable, '-m', 'flaxformer_nmt.train', f'--config={args.config}', f'--workdir={workdir}'] + extra
   with open(log_path, 'w') as log:
     process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-  wait_for_step(log_path, process, args.after_step, args.timeout)
+  logged_step = wait_for_step(log_path, process, args.after_step, args.timeout)
   time.sleep(args.delay)
   ms_per_step = steady_ms_per_step(open(log_path).read())
   signalled = time.time()
@@ -80,7 +81,7 @@ def trial(args, extra, workdir):
   stop = STOP_LINE.search(open(log_path).read())
   if returncode != 0 or not stop:
     sys.exit(f'the trainer did not stop cleanly (exit {returncode}); log: {log_path}')
-  device_step = args.after_step + args.delay * 1000 / ms_per_step if ms_per_step else None
+  device_step = logged_step + args.delay * 1000 / ms_per_step if ms_per_step else None
   return seconds, int(stop.group(1)), device_step, ms_per_step
 
 

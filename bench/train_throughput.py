@@ -41,7 +41,9 @@ The untrained model's searches run to their length limit, so the validation time
 
 Where a real run's time goes: --trainer_steps N runs the trainer for N steps of each config in a new workdir
 and prints its wall time by phase (set-up, compiling, steps, validation, saves) against N x the step timed
-alone, and the share of the run in which the device runs no train step:
+alone, and the share of the run in which the device runs no train step (the trainer gets this script's
+overrides of the config, --dtype, --matmul_precision, --dropout_rate, --vocab_size, --grad_accumulation_steps and
+--fsdp, as --config flags; --fit_minutes prints them with its num_train_steps):
 
   python bench/train_throughput.py --configs multi30k --trainer_steps 1000 --steps 20
 
@@ -159,6 +161,17 @@ def load_config(name, attention_impl, remat, prng_impl='', chunk=''):
   config.grad_accumulation_steps = _ACCUMULATE.value
   config.fsdp_parallelism = _FSDP.value
   return config
+
+
+def override_flags():
+  """The trainer's --config flags for this script's overrides of a config (load_config), so that a run of the
+  trainer trains the step timed here: --dtype, --matmul_precision, --vocab_size and --dropout_rate where given,
+  --grad_accumulation_steps and --fsdp where not 1."""
+  given = {'model.dtype': _DTYPE.value or None, 'model.matmul_precision': _MATMUL.value or None,
+           'vocab_size': _VOCAB.value or None, 'model.dropout_rate': _DROPOUT.value if _DROPOUT.value >= 0 else None,
+           'grad_accumulation_steps': _ACCUMULATE.value if _ACCUMULATE.value != 1 else None,
+           'fsdp_parallelism': _FSDP.value if _FSDP.value != 1 else None}
+  return [f'--config.{field}={value}' for field, value in given.items() if value is not None]
 
 
 def out_of_memory(error):
@@ -402,7 +415,8 @@ def fit_to_minutes(name, minutes):
   if steps < config.warmup_steps:
     print(f'# {steps} steps do not reach the end of the {config.warmup_steps}-step warmup: a shorter warmup or '
           'more minutes')
-  print(f'--config.num_train_steps={steps} --config.cooldown_steps={cooldown}', flush=True)
+  print(' '.join([f'--config.num_train_steps={steps}', f'--config.cooldown_steps={cooldown}', *override_flags()]),
+        flush=True)
   return steps, cooldown
 
 
@@ -415,7 +429,7 @@ def trainer_share(name, steps):
   with tempfile.TemporaryDirectory() as workdir:
     command = [sys.executable, '-m', 'flaxformer_nmt.train', f'--config={CONFIGS / (name + ".py")}',
                f'--workdir={workdir}', f'--config.num_train_steps={steps}', f'--config.cooldown_steps={steps // 2}',
-               '--config.max_train_minutes=0', *_TRAINER_FLAGS.value]
+               '--config.max_train_minutes=0', *override_flags(), *_TRAINER_FLAGS.value]
     start = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     total = time.perf_counter() - start

@@ -99,6 +99,13 @@ def test_input_pipeline():
   assert re.search(r'batches \(prefetch 0\): \d+ batches', out), out
 
 
+def test_input_pipeline_building_no_batches():
+  """--epochs too few for one batch prints that none was built. Catches the rates divided by zero batches
+  (ZeroDivisionError: the real share of no padded tokens)."""
+  out = run_script('input_pipeline', '--smoke', '--epochs', '0.001')
+  assert re.search(r'batches \(prefetch 0\): 0 batches', out), out
+
+
 def test_stop_latency():
   out = run_script('stop_latency', '--smoke')
   row = [line for line in out.splitlines() if line.startswith('| 0 |')]
@@ -148,6 +155,37 @@ def test_train_throughput_counts_xla_flops_over_every_device_and_microbatch():
   assert "'data': 2" in out, out
   ratio = float(re.search(r'XLA cost analysis / analytic FLOPs: ([\d.]+)', out)[1])
   assert 0.8 < ratio < 1.3, out
+
+
+# bench/train_throughput.py's --trainer_steps with the step alone and the trainer's process stood in for: prints the
+# trainer's command. A process of its own: the script defines its flags when imported.
+_TRAINER_COMMAND = r"""
+import sys
+from absl import flags
+sys.path.insert(0, sys.argv[1])
+import train_throughput
+flags.FLAGS(['train_throughput', *sys.argv[2:]])
+train_throughput.config_step = lambda name: (0.1,)
+def trainer(command, **unused):
+  print('TRAINER', *command)
+  sys.exit(0)
+train_throughput.subprocess.run = trainer
+train_throughput.trainer_share('multi30k_tiny', 2)
+"""
+
+
+def test_train_throughput_s_trainer_runs_the_step_timed():
+  """--trainer_steps sets the trainer's run against the step timed here: the trainer gets the overrides of the
+  config that the timed step has. Catches a trainer run with the config's float32 matmuls and dropout against a
+  step timed with bfloat16 operands and none."""
+  result = subprocess.run([sys.executable, '-c', _TRAINER_COMMAND, BENCH, '--matmul_precision=bfloat16',
+                           '--dropout_rate=0', '--trainer_flag=--config.eval_bleu_every_steps=0'], cwd=REPO,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+  command = re.search(r'^TRAINER (.*)$', result.stdout, re.M)
+  assert command, (result.stdout[-2000:], result.stderr[-3000:])
+  assert {'--config.model.matmul_precision=bfloat16', '--config.model.dropout_rate=0.0',
+          '--config.eval_bleu_every_steps=0'} <= set(command[1].split()), command[1]
+  assert 'grad_accumulation_steps' not in command[1] and 'model.dtype' not in command[1], command[1]
 
 
 def test_bleu_curve(toy):
@@ -232,6 +270,19 @@ def test_stop_latency_steady_ms_per_step():
   assert stop_latency.steady_ms_per_step(line.format(5, 3292) + line.format(10, 0)) is None
 
 
+def test_stop_latency_counts_from_the_step_logged(tmp_path):
+  """The device's step at the signal is estimated from the step whose line the wait saw, the latest logged: with a
+  line every 50 steps, --after_step 120 waits for step 150's line. Catches the estimate counted from 120, 30 steps
+  short (and from an earlier line where several appeared between two polls)."""
+  stop_latency = _bench_module('stop_latency')
+  log = tmp_path / 'trial.log'
+  line = 'I0 loop.py:160] step {}/900 | loss 1 | {} ms/step | epoch 0\n'
+  log.write_text(''.join(line.format(step, ms) for step, ms in ((50, 3292), (100, 20), (150, 20))))
+  running = types.SimpleNamespace(poll=lambda: None, returncode=None)
+  assert stop_latency.wait_for_step(str(log), running, 120, timeout=5) == 150
+  assert stop_latency.wait_for_step(str(log), running, 50, timeout=5) == 150
+
+
 def test_decode_throughput_leaves_ctranslate2_s_thread_policy_to_the_environment(monkeypatch):
   """The CTranslate2 process waits as this process's OMP_WAIT_POLICY says (unset: the OpenMP runtime's own), or
   as --omp_wait_policy sets. Catches a policy forced on it: PASSIVE made its warm search 1.5x (beam) and 2.5x
@@ -305,6 +356,44 @@ def test_decode_throughput_ctranslate2_s_peak_rss_is_up_to_its_output(tmp_path, 
                                                              str(tmp_path / 'out.de'), 5, repeats=1)
   assert warm is not None and (tmp_path / 'out.de').read_text() == 'w\nw\n'
   assert 0 < megabytes < 200, megabytes
+
+
+def test_decode_throughput_ctranslate2_process_takes_an_empty_input(tmp_path, monkeypatch):
+  """An empty input file gives CTranslate2's process an empty output, as it gives the decode command. Catches the
+  length limit taken as the longest of no sources (ValueError: max() of an empty sequence)."""
+  decode_throughput = _bench_module('decode_throughput')
+  (tmp_path / 'ctranslate2.py').write_text(_CT2_STUB)
+  (tmp_path / 'sentencepiece.py').write_text(_SENTENCEPIECE_STUB)
+  (tmp_path / 'in.en').write_text('')
+  monkeypatch.setenv('PYTHONPATH', str(tmp_path))
+  config = types.SimpleNamespace(length_penalty_alpha=1.0, max_decode_extra_length=50, decode_tokens_per_batch=512)
+  translator = types.SimpleNamespace(config=config, lowercase=False)
+  flags = types.SimpleNamespace(alpha=None, threads=1, tokens_per_batch=None, compute_type='float32',
+                                omp_wait_policy=None)
+  _, _, warm = decode_throughput.ctranslate2_process(flags, translator, tmp_path, str(tmp_path / 'in.en'),
+                                                     str(tmp_path / 'out.de'), 5, repeats=1)
+  assert warm is not None and (tmp_path / 'out.de').read_text() == ''
+
+
+def test_decode_throughput_s_matmul_reference_has_the_model_s_operands(monkeypatch, capsys):
+  """The work table's reference matmul multiplies operands of the dtype the model's matmuls run in: bfloat16 in a
+  bfloat16 model (a GPU's 'auto', --dtype bfloat16) whose matmul_precision is float32. Catches the reference taken
+  from matmul_precision alone (a float32 matmul's rate set against a bfloat16 search's)."""
+  decode_throughput = _bench_module('decode_throughput')
+  rates = []
+  monkeypatch.setattr(decode_throughput.flops_lib, 'matmul_rate', lambda dtype: rates.append(dtype) or 1e9)
+  monkeypatch.setattr(decode_throughput, 'export', lambda *args: None)
+  model_config = types.SimpleNamespace(dtype='bfloat16', matmul_precision='float32')
+  config = types.SimpleNamespace(model=types.SimpleNamespace(dtype='bfloat16'), length_penalty_alpha=1.0,
+                                 decode_tokens_per_batch=4096)
+  translator = types.SimpleNamespace(config=config, model=types.SimpleNamespace(config=model_config),
+                                     checkpoint='checkpoint 1', ladder=lambda _: types.SimpleNamespace(
+                                         tokens_per_batch=4096))
+  flags = types.SimpleNamespace(workdir='w', checkpoint='latest', compute_type='float32', alpha=None, threads=1,
+                                tokens_per_batch=None, omp_wait_policy=None, inputs=[])
+  decode_throughput.run(flags, translator, 'scratch', 100.0)
+  assert [str(dtype) for dtype in rates] == ['bfloat16'], rates
+  assert 'matmul operands bfloat16' in capsys.readouterr().out
 
 
 def test_ctranslate2_export_measures_ctranslate2_in_a_process_of_its_own(tmp_path, monkeypatch):
