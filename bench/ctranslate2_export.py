@@ -26,15 +26,15 @@ import time
 
 import jax
 from absl import app, flags
-from etils import epath
 
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
 from flaxformer_nmt.data.tokenizer import EOS_ID
 from flaxformer_nmt.decoding import translator as decode
 from flaxformer_nmt.evaluation import bleu as evaluate
+from flaxformer_nmt.runtime import cache
 from flaxformer_nmt.serving import ctranslate2 as export
 
-DATA = epath.Path(__file__).resolve().parent.parent.parent / 'shared' / 'data'
+DATA = cache.cache_dir()  # where `python -m flaxformer_nmt.download` puts Multi30k
 
 
 def define_flags():

@@ -18,7 +18,7 @@
 set -euo pipefail
 [ -f pyproject.toml ] || { echo "gpu_carry.sh: run it from the repository's root" >&2; exit 2; }
 workdir=${1:?usage: bash bench/gpu_carry.sh WORKDIR [DATA]}
-data=${2:-${FLAXFORMER_NMT_CACHE:-$HOME/.cache/flaxformer_nmt}}
+data=${2:-${FLAXFORMER_NMT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/flaxformer_nmt}}
 PY=${PY:-python3}
 for path in "$workdir/config.json" "$workdir/vocab.model" "$workdir/averaged" "$data/multi30k/test2016.en" \
             "$data/multi30k_tok/test2016.de"; do
