@@ -295,6 +295,17 @@ def test_best_is_replaced_only_by_a_better_value_and_survives_a_restart(tmp_path
   np.testing.assert_array_equal(checkpoints_lib.read_params(directory)['w'], fake_params(4.0)['w'])
 
 
+def test_best_json_is_strict_json_when_another_metric_is_not_finite(tmp_path):
+  # json.dumps writes NaN and Infinity, which Python reads back but JSON readers (jq, JavaScript) refuse.
+  import json  # pylint: disable=g-import-not-at-top
+  tracker = best_checkpoint.BestCheckpoint(tmp_path, 'bleu')
+  assert tracker.update(100, fake_params(1.0), {'eval/bleu': 20.0, 'eval/loss': float('nan'),
+                                                'eval/nll': float('inf'), 'eval/tok_bleu': 19.0})
+  text = (tmp_path / 'best' / 'best.json').read_text()
+  info = json.loads(text, parse_constant=lambda name: pytest.fail(f'best.json holds {name}'))
+  assert info['value'] == 20.0 and info['metrics'] == {'eval/bleu': 20.0, 'eval/tok_bleu': 19.0}
+
+
 def test_loss_is_minimized():
   import tempfile  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory() as workdir:

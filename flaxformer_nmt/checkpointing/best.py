@@ -90,7 +90,8 @@ class BestCheckpoint:
     checkpointer.wait_until_finished()
     checkpointer.close()
     if jax.process_index() == 0:
-      numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+      # NaN or infinity (a diverged loss beside the BLEU kept) is not JSON: other readers of the file refuse it.
+      numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
       info = {'metric': self.metric, 'step': int(step), 'value': float(value), 'params': name,
               'metrics': numbers}
       tmp = directory(self.workdir) / f'.{INFO_FILENAME}.tmp'
