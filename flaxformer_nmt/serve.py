@@ -35,22 +35,24 @@ def define_flags():
                     'ctranslate2: an exported model (python -m flaxformer_nmt.export).')
   flags.DEFINE_enum('dtype', None, ['auto', 'float32', 'bfloat16'], 'Compute dtype of decoding (jax backend).')
   flags.DEFINE_string('device', 'cpu', 'ctranslate2 backend: cpu or cuda.')
-  flags.DEFINE_integer('threads', 0, 'ctranslate2 backend: intra-op threads (0: its default).')
+  flags.DEFINE_integer('threads', 0, 'ctranslate2 backend: intra-op threads (0: its default).', lower_bound=0)
   flags.DEFINE_string('host', '127.0.0.1', 'Address to bind (0.0.0.0 exposes the server to the network).')
   flags.DEFINE_integer('port', 8000, 'Port to bind (0: one the system chooses).', lower_bound=0, upper_bound=65535)
-  flags.DEFINE_integer('max_batch_tokens', d.max_batch_tokens, 'Source tokens per decoded batch.')
+  flags.DEFINE_integer('max_batch_tokens', d.max_batch_tokens, 'Source tokens per decoded batch.', lower_bound=1)
   flags.DEFINE_float('max_wait_ms', d.max_wait_ms, 'After a batch of several requests, how long the next one '
-                     'gathers before it decodes (a request to an idle server is decoded at once).')
-  flags.DEFINE_integer('max_queue', d.max_queue_sentences, 'Sentences waiting at most; more: 503 + Retry-After.')
+                     'gathers before it decodes (a request to an idle server is decoded at once).', lower_bound=0)
+  flags.DEFINE_integer('max_queue', d.max_queue_sentences, 'Sentences waiting at most; more: 503 + Retry-After.',
+                       lower_bound=1)
   flags.DEFINE_float('max_queue_wait_s', d.max_queue_wait_s, 'A request the queue would reach later than this '
-                     '(at the measured decoding rate) gets 503 + Retry-After at once.')
+                     '(at the measured decoding rate) gets 503 + Retry-After at once.', lower_bound=0)
   flags.DEFINE_float('timeout_s', d.timeout_s, 'A request not answered by then gets 504.')
-  flags.DEFINE_integer('max_input_tokens', d.max_input_tokens, 'Source pieces per sentence at most (413 above).')
-  flags.DEFINE_integer('max_sentences', d.max_sentences, 'Sentences per request at most (413 above).')
-  flags.DEFINE_integer('max_body_bytes', d.max_body_bytes, 'Request body size at most (413 above).')
-  flags.DEFINE_integer('max_beam_size', d.max_beam_size, 'Largest beam_size a request may ask for.')
+  flags.DEFINE_integer('max_input_tokens', d.max_input_tokens, 'Source pieces per sentence at most (413 above).',
+                       lower_bound=1)
+  flags.DEFINE_integer('max_sentences', d.max_sentences, 'Sentences per request at most (413 above).', lower_bound=1)
+  flags.DEFINE_integer('max_body_bytes', d.max_body_bytes, 'Request body size at most (413 above).', lower_bound=1)
+  flags.DEFINE_integer('max_beam_size', d.max_beam_size, 'Largest beam_size a request may ask for.', lower_bound=0)
   flags.DEFINE_string('api_keys_file', None, 'A file of API keys, one a line (# comments): every route but '
-                      '/health and the page then needs "Authorization: Bearer KEY".')
+                      '/health, the page and /docs, /redoc, /openapi.json then needs "Authorization: Bearer KEY".')
   flags.DEFINE_multi_string('cors_origin', [], 'An origin allowed to call the API from a browser (repeatable; '
                             'default: none, CORS off).')
   flags.DEFINE_enum('warmup', d.warmup, ['none', 'full'], 'full: compile (or load from the compilation cache) '
@@ -60,10 +62,14 @@ def define_flags():
                     'requests batched with them, equal to the decode command\'s with --batch_invariant (a CPU with '
                     'bf16 dot, bfloat16 matmul operands); 21-42% fewer sentences/s (bench/RESULTS.md).')
   flags.DEFINE_float('switch_interval_ms', 1.0, 'Python\'s thread switch interval (its default: 5 ms).')
-  flags.DEFINE_float('graceful_timeout_s', 60.0, 'On SIGTERM, how long to wait for the requests in flight.')
+  flags.DEFINE_float('graceful_timeout_s', 60.0, 'On SIGTERM, how long to wait for the requests in flight.',
+                     lower_bound=0)
   flags.DEFINE_float('keep_alive_s', 75.0, 'How long an idle connection stays open. Longer than the clients\' and '
                      'load balancers\' idle timeouts (httpx: 5 s, AWS ALB: 60 s), so that the server never closes a '
-                     'connection a client is sending its next request on (the client would see a reset).')
+                     'connection a client is sending its next request on (the client would see a reset).',
+                     lower_bound=0)
+  for name in ('timeout_s', 'switch_interval_ms'):  # 0: every request would time out; Python refuses it
+    flags.register_validator(name, lambda value: value > 0, message=f'--{name} must be > 0')
 
 
 def read_api_keys(path):
@@ -147,9 +153,10 @@ def main(argv):
   config = uvicorn.Config(application, host=FLAGS.host, port=FLAGS.port, log_level='info',
                           timeout_graceful_shutdown=FLAGS.graceful_timeout_s, timeout_keep_alive=FLAGS.keep_alive_s)
   logging.info('Listening on http://%s:%d/', FLAGS.host, FLAGS.port)
-  # uvicorn drains on SIGTERM, restores the handler it found and raises the signal again: with this one the
-  # drained server then exits 0 instead of dying of the signal.
-  signal.signal(signal.SIGTERM, lambda signum, frame: None)
+  # uvicorn drains on SIGTERM and SIGINT (Ctrl-C), restores the handlers it found and raises the signal again:
+  # with these the drained server then exits 0 instead of dying of the signal (or of a KeyboardInterrupt).
+  for signum in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(signum, lambda signum, frame: None)
   uvicorn.Server(config).run()
   logging.info('Stopped.')
   if any(t.name == server.WARM_UP_THREAD and t.is_alive() for t in threading.enumerate()):

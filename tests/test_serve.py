@@ -552,6 +552,19 @@ def test_cors_is_off_unless_an_origin_is_given(backend):
     assert other.status_code == 400
 
 
+def test_a_page_of_an_allowed_origin_can_read_retry_after_and_www_authenticate(backend):
+  # A browser hides the response headers CORS does not expose: a refusal's Retry-After would be unreadable.
+  gate, origin = Gate(backend), {'Origin': 'http://app.test'}
+  with client({'en-de': gate}, warmup='full', cors_origins=('http://app.test',), api_keys=('key',)) as c:
+    refused = c.post('/v1/translate', json={'text': ['dog']}, headers=dict(origin, Authorization='Bearer key'))
+    unauthorized = c.get('/v1/models', headers=origin)
+  gate.warm_release.set()
+  assert (refused.status_code, refused.headers['Retry-After'], unauthorized.status_code) == (503, '5', 401)
+  for answer in (refused, unauthorized):
+    exposed = {h.strip().lower() for h in answer.headers.get('access-control-expose-headers', '').split(',')}
+    assert {'retry-after', 'www-authenticate'} <= exposed
+
+
 def test_libretranslate_routes(backend, translator):
   texts = ['a big dog runs .', 'the cat runs .']
   want = [text for text, _ in expected(translator, texts)]
@@ -690,12 +703,20 @@ def free_port():
     return s.getsockname()[1]
 
 
-def test_sigterm_drains_the_requests_in_flight_then_exits_0(workdir, translator, tmp_path):
+def default_sigint():
+  """In a child process: SIGINT delivered as a terminal's Ctrl-C delivers it, also where the test runs with SIGINT
+  ignored (a shell's background job), which the child would inherit."""
+  signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+# Ctrl-C exited 130 with a KeyboardInterrupt's traceback after the drain (uvicorn raises the signal again).
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT], ids=['sigterm', 'ctrl_c'])
+def test_sigterm_or_ctrl_c_drains_the_requests_in_flight_then_exits_0(workdir, translator, tmp_path, signum):
   port = free_port()
   with open(tmp_path / 'server.log', 'w', encoding='utf-8') as log:
     process = subprocess.Popen([sys.executable, '-m', 'flaxformer_nmt.serve', f'--workdir={workdir}',
                                 f'--port={port}', '--warmup=none'], env=conftest.subprocess_env(), stdout=log,
-                               stderr=subprocess.STDOUT)
+                               stderr=subprocess.STDOUT, preexec_fn=default_sigint)
   url, finished = f'http://127.0.0.1:{port}', []
 
   def post(texts):
@@ -704,12 +725,13 @@ def test_sigterm_drains_the_requests_in_flight_then_exits_0(workdir, translator,
     return answer
   try:
     wait_until(lambda: ready(url), timeout=180)
-    texts = SENTENCES * 12  # seconds of decoding for 4 such requests
+    texts = SENTENCES * 12  # about 800 source tokens: a batch (--max_batch_tokens 2048) holds two such requests
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
       answers = [pool.submit(post, texts) for _ in range(4)]
-      time.sleep(0.5)
+      # Signalled while a batch decodes and requests wait behind it (compiled programs may decode all in 0.2 s).
+      wait_until(lambda: metric(httpx.get(f'{url}/metrics').text, 'flaxformer_nmt_queue_sentences') > 0)
       signalled = time.time()
-      process.send_signal(signal.SIGTERM)
+      process.send_signal(signum)
       want = translator.translate(texts)
       for answer in answers:
         assert answer.result().status_code == 200
@@ -733,6 +755,16 @@ def test_a_port_outside_0_to_65535_is_refused_before_anything_loads(tmp_path, po
                           timeout=120)
   assert result.returncode == 1
   assert f'flag --port={port}: {port} is not an integer in the range [0, 65535]' in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize('flag', ['--switch_interval_ms=0', '--timeout_s=0', '--max_batch_tokens=0',
+                                  '--graceful_timeout_s=-1'])
+def test_a_limit_or_timing_flag_out_of_range_is_refused_naming_it(tmp_path, flag):
+  """--switch_interval_ms=0 crashed with Python's ValueError, --timeout_s=0 answered every request 504,
+  --max_batch_tokens=0 every one 500, and a negative --graceful_timeout_s cut the requests in flight on SIGTERM."""
+  from flaxformer_nmt import serve as serve_command  # pylint: disable=g-import-not-at-top
+  result = in_process.run(serve_command, [f'--workdir={tmp_path / "none"}', flag])
+  assert result.returncode == 1 and f'flag {flag.split("=")[0]}=' in result.stderr, result.stderr
 
 
 def test_sigterm_during_the_warm_up_exits_0(workdir, tmp_path):

@@ -788,8 +788,10 @@ def create_app(backends, settings=None):
   add_status_routes(app, service, metrics)
   app.add_middleware(Guard, max_body_bytes=settings.max_body_bytes, keys=Keys(settings.api_keys))
   if settings.cors_origins:
+    # A browser shows a page only the headers exposed: a refusal's Retry-After and WWW-Authenticate are not by default.
     app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=['GET', 'POST'],
-                       allow_headers=['Authorization', 'Content-Type'])
+                       allow_headers=['Authorization', 'Content-Type'],
+                       expose_headers=['Retry-After', 'WWW-Authenticate'])
   routes = {route.path for route in app.routes if hasattr(route, 'path') and route.path != '/static'}
   app.add_middleware(RequestMetrics, metrics=metrics, routes=routes)
   return app
