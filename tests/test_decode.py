@@ -125,6 +125,29 @@ def test_a_batch_invariant_search_scores_each_sentence_as_it_would_alone(workdir
   assert search(token_lists[12:15]) == together[12:15]
 
 
+@pytest.mark.skipif(not cpu_has_bfloat16_dot(), reason='batch-invariant decoding needs a CPU with bf16 dot')
+def test_the_batch_invariant_matmuls_round_each_row_alike_at_the_configs_widths():
+  # What the batch-invariant search rests on: a row's bfloat16 matmul gives the same float32 sums whatever the row
+  # count, at the widths of every shipped config's layers and vocabulary. XLA's kernels do not for outputs of 32
+  # columns or fewer (a toy's 64 -> 32 feed-forward output differs from 16 rows on); a jaxlib whose kernels change
+  # with the rows at these widths breaks --batch_invariant.
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  configs = [config_lib.load_config_file(os.path.join(repo, 'configs', name))
+             for name in sorted(os.listdir(os.path.join(repo, 'configs'))) if name.endswith('.py')]
+  shapes = {(k, n) for c in configs for d, f in [(c.model.d_model, c.model.d_ff)]
+            for k, n in ((d, d), (d, f), (f, d), (d, c.vocab_size))}
+  assert (128, 256) in shapes and (1024, 37_000) in shapes
+  rng = np.random.default_rng(0)
+  matmul = lambda x, w: jnp.dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+  for k, n in sorted(shapes):
+    x, w = rng.standard_normal((256, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+    first_rows = [np.asarray(jax.jit(matmul).lower(x[:rows], w).compile(
+        compiler_options=batch_search.BATCH_INVARIANT_OPTIONS)(x[:rows], w))[:2] for rows in (2, 8, 16, 64, 256)]
+    for rows, found in zip((8, 16, 64, 256), first_rows[1:]):
+      np.testing.assert_array_equal(found, first_rows[0], err_msg=f'{k} x {n} at {rows} rows')
+
+
 def test_batch_invariance_is_refused_where_it_cannot_hold(workdir, bfloat16_workdir):
   # Not silently ignored: the device's one-program search, float32 matmuls (their kernels change with the row
   # count), and a rescorer's teacher-forced batches are not batch-invariant.

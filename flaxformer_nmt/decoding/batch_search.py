@@ -58,6 +58,8 @@ def _on_device(model, params, src, lines, seed, alpha, max_len_a, extra_length, 
 # XLA's own loops, so a batch's size decides how LayerNorm and attention round; and a lone sentence's matmuls
 # take matrix-vector kernels. Batch-invariant programs leave YNNPACK the matmuls only, and their batches hold
 # at least BATCH_INVARIANT_MIN_ROWS sentences; beam search runs about 20% fewer sentences/s (bench/RESULTS.md).
+# YNNPACK's matmuls round a row alike at any row count where both widths are 48 or more; outputs of 32 columns
+# or fewer (a toy's feed-forward) round differently from 16 rows on.
 BATCH_INVARIANT_OPTIONS = {'xla_cpu_experimental_ynn_fusion_type': 'LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT'}
 BATCH_INVARIANT_MIN_ROWS = 2
 

@@ -51,7 +51,8 @@ class Translator:
   batch_invariant: each sentence's translation and score the same whatever else a call or batch holds (a
   server's batches; batch_search.BATCH_INVARIANT_OPTIONS): on one CPU device with bf16 dot instructions and
   bfloat16 matmul operands (model.matmul_precision 'bfloat16', or 'auto' there); about 20% fewer sentences/s
-  in beam search. Attention pictures (the server's return_attention) are not covered.
+  in beam search; layers of 48 units or more (XLA's kernels for narrower matmul outputs round with the row
+  count). Attention pictures (the server's return_attention) are not covered.
   The decoding settings (beam size, length penalty, batch budget, max length) come from the first member.
   """
 
