@@ -10,7 +10,7 @@ handed back to each request in its order. Every search runs on one worker thread
 device, and the event loop stays free to answer, queue and refuse.
 
 A request is refused rather than answered late or wrongly: a full queue, or a queue that the measured rate
-would not clear within max_queue_wait_s (or the request's timeout), raises Overloaded (HTTP 503 with
+(of the batches that compiled no program) would not clear within max_queue_wait_s (or the request's timeout), raises Overloaded (HTTP 503 with
 Retry-After); a request still unanswered at its deadline raises DeadlineExceeded (504) and is taken out of
 the queue; a batch whose search raises answers its requests with BatchFailed (500), and the next batch
 decodes as usual.
@@ -35,6 +35,7 @@ from flaxformer_nmt.data import corpus as data_lib
 from flaxformer_nmt.decoding.translator import Translator
 from flaxformer_nmt.evaluation import attention as attention_lib
 from flaxformer_nmt.models.tokens import BOS_ID, PAD_ID
+from flaxformer_nmt.runtime import cache
 
 RATE_SMOOTHING = 0.3  # weight of the newest batch in the source tokens per second the admission test uses
 
@@ -121,6 +122,11 @@ class Batcher:
     self._rate = tokens_per_second
 
   @property
+  def rate(self):
+    """The admission test's source tokens per second (None before the first batch that compiled nothing)."""
+    return self._rate
+
+  @property
   def queued_sentences(self):
     return self._queued_sentences
 
@@ -205,7 +211,8 @@ class Batcher:
     n_best = max(job.n_best for job in jobs)
     start = time.perf_counter()
     try:
-      results, target_tokens = await self.run_exclusive(self.run_batch, key, token_lists, n_best, attention)
+      with cache.ProgramCounter() as programs:
+        results, target_tokens = await self.run_exclusive(self.run_batch, key, token_lists, n_best, attention)
     except Exception as e:  # pylint: disable=broad-except  (answered to the batch's requests; serving goes on)
       logging.exception('A batch of %d sentences failed', len(token_lists))
       for job in jobs:
@@ -214,8 +221,9 @@ class Batcher:
       return
     seconds = time.perf_counter() - start
     tokens = sum(job.tokens for job in jobs)
-    rate = tokens / max(seconds, 1e-6)
-    self._rate = rate if self._rate is None else (1 - RATE_SMOOTHING) * self._rate + RATE_SMOOTHING * rate
+    if not programs.names:  # a batch that compiled (or loaded) programs took longer than its decoding
+      rate = tokens / max(seconds, 1e-6)
+      self._rate = rate if self._rate is None else (1 - RATE_SMOOTHING) * self._rate + RATE_SMOOTHING * rate
     self.observer.batch(len(token_lists), tokens, target_tokens, seconds)
     offset = 0
     for job in jobs:
