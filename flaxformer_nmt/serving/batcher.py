@@ -9,11 +9,11 @@ into the search's ladder of shapes (Translator.search_tokens), decoded with the 
 handed back to each request in its order. Every search runs on one worker thread: one process owns the
 device, and the event loop stays free to answer, queue and refuse.
 
-A request is refused rather than answered late or wrongly: a full queue, or a queue that the measured rate
-(of the batches that compiled no program) would not clear within max_queue_wait_s (or the request's timeout), raises Overloaded (HTTP 503 with
-Retry-After); a request still unanswered at its deadline raises DeadlineExceeded (504) and is taken out of
-the queue; a batch whose search raises answers its requests with BatchFailed (500), and the next batch
-decodes as usual.
+A request is refused rather than answered late or wrongly: a full queue, or a queue that the measured rate (of the
+batches that compiled no program) would not clear within max_queue_wait_s (or the request's timeout), raises
+Overloaded (HTTP 503 with Retry-After); a request still unanswered at its deadline raises DeadlineExceeded (504)
+and is taken out of the queue; a batch whose search raises answers its requests with BatchFailed (500), and the
+next batch decodes as usual.
 """
 import asyncio
 import collections
