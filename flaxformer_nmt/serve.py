@@ -44,7 +44,8 @@ def define_flags():
   flags.DEFINE_integer('max_queue', d.max_queue_sentences, 'Sentences waiting at most; more: 503 + Retry-After.',
                        lower_bound=1)
   flags.DEFINE_float('max_queue_wait_s', d.max_queue_wait_s, 'A request the queue would reach later than this '
-                     '(at the measured decoding rate) gets 503 + Retry-After at once.', lower_bound=0)
+                     '(at the measured decoding rate) gets 503 + Retry-After at once (0: later than --timeout_s).',
+                     lower_bound=0)
   flags.DEFINE_float('timeout_s', d.timeout_s, 'A request not answered by then gets 504.')
   flags.DEFINE_integer('max_input_tokens', d.max_input_tokens, 'Source pieces per sentence at most (413 above).',
                        lower_bound=1)
