@@ -14,6 +14,7 @@ from flax import linen as nn
 from conftest import distinct_vectors, subprocess_env, tiny_model
 from flaxformer_nmt import config as config_lib
 from flaxformer_nmt.models import transformer as model_lib
+from flaxformer_nmt.serving import ctranslate2 as ctranslate2_export
 from flaxformer_nmt.training import step as ts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -153,6 +154,30 @@ def test_post_and_pre_layer_norm_numpy_forwards_differ():
   post = np_transformer(params, SRC[0], TGT_IN[0][:4], heads=4, pre_ln=False)
   pre = np_transformer(params, SRC[0], TGT_IN[0][:4], heads=4, pre_ln=True)
   assert np.abs(post - pre).max() > 1e-2
+
+
+@pytest.mark.parametrize('pre_layer_norm', [False, True])
+def test_every_layer_norm_uses_the_epsilon_of_the_numpy_reference_and_the_export(pre_layer_norm):
+  """At unit-scale activations LayerNorm's epsilon is invisible; on states of variance ~1e-5 it is half the
+  denominator. Each sub-layer's norm (post-LN: LN(x + f(x)); pre-LN: x + f(LN(x))) and pre-LN's final encoder and
+  decoder norms against np_layer_norm with 1e-5, the epsilon the CTranslate2 export declares."""
+  eps = ctranslate2_export.LAYER_NORM_EPSILON
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(2, 3, 32)) * 10 ** -2.5
+  norm = {'scale': rng.normal(size=32) + 1.0, 'bias': rng.normal(size=32)}
+  f = lambda z: 0.5 * z
+  sublayer = model_lib.SublayerConnection(0.0, pre_layer_norm)
+  got = sublayer.apply({'params': {'norm': norm}}, jnp.asarray(x, jnp.float32), f, True)
+  want = x + f(np_layer_norm(x, norm, eps)) if pre_layer_norm else np_layer_norm(x + f(x), norm, eps)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+  if pre_layer_norm:
+    model, params = tiny_model(pre_layer_norm=True)
+    params = distinct_vectors(params)
+    for name in ('encoder_norm', 'decoder_norm'):
+      got = model.apply({'params': params}, jnp.asarray(x, jnp.float32), method=lambda m, y: getattr(m, name)(y))
+      want = np_layer_norm(x, jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params[name]), eps)
+      np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
+  assert np.abs(np_layer_norm(x, norm, eps) - np_layer_norm(x, norm, eps / 10)).max() > 0.1  # epsilon matters here
 
 
 # --- Tied output projection ----------------------------------------------------------------------------------

@@ -110,9 +110,9 @@ def every_output(model, params, src_row, max_length, vocab):
 
 
 def exhaustive_best(candidates, token_log_probs, alpha):
-  """Best-scoring output of `every_output`'s candidates under length penalty alpha (a plain loop)."""
-  scores = [token_log_probs[i, :len(c)].sum() / beam_search.length_penalty(len(c), alpha)
-            for i, c in enumerate(candidates)]
+  """Best-scoring output of `every_output`'s candidates under length penalty alpha, GNMT's ((5 + n) / 6)^alpha with n
+  counting EOS (a plain loop)."""
+  scores = [token_log_probs[i, :len(c)].sum() / ((5 + len(c)) / 6) ** alpha for i, c in enumerate(candidates)]
   best = int(np.argmax(scores))
   return scores[best], candidates[best]
 
@@ -506,6 +506,48 @@ def test_a_tiny_temperature_draws_the_most_likely_allowed_token(temperature):
     allowed = np.array(logits)
     allowed[[PAD_ID, BOS_ID]] = -np.inf
     assert np.all(np.asarray(tokens[:, 0]) == np.argmax(allowed)), (top_k, np.asarray(tokens[:, 0]))
+
+
+def test_successive_sampled_tokens_are_independent_draws():
+  """Each position draws with its own key (fold_in of the row's key and the position): under the same distribution
+  at every step, each position's frequencies follow it and two positions of a row agree with probability
+  sum_v p_v^2, as independent draws do. One key for every position would repeat the first token."""
+  vocab, rows = 8, 4000
+  logits = jnp.array([0.0, 1.0, 3.0, -30.0, 2.0, 1.5, -1.0, 2.5])  # 0 (PAD), 2 (BOS) forbidden; 3 (EOS) unlikely
+
+  def step_fn(tokens, index, cache):
+    return jnp.broadcast_to(logits, (tokens.shape[0], vocab)), cache
+
+  keys = jax.random.split(jax.random.key(1), rows)
+  tokens, _ = beam_search.sample_search(step_fn, jnp.zeros(()), keys, temperature=1.0, top_k=0, batch_size=rows,
+                                        max_length=3, max_lengths=jnp.full((rows,), 3), bos_id=BOS_ID, eos_id=EOS_ID,
+                                        forbidden_ids=(PAD_ID, BOS_ID))
+  tokens = np.asarray(tokens)
+  allowed = np.array(logits, np.float64)
+  allowed[[PAD_ID, BOS_ID]] = -np.inf
+  p = np.exp(allowed - allowed.max())
+  p /= p.sum()
+  for position in (0, 1):
+    np.testing.assert_allclose(np.bincount(tokens[:, position], minlength=vocab) / rows, p, atol=0.03)
+  np.testing.assert_allclose(np.mean(tokens[:, 0] == tokens[:, 1]), (p ** 2).sum(), atol=0.03)
+
+
+def test_a_sample_may_end_right_after_min_length_tokens():
+  """min_length m forbids EOS as the first m tokens only: where the model gives EOS 0.9 at every step, a sample is
+  the one allowed prefix of m tokens, then EOS with probability 0.9."""
+  vocab, rows = 8, 400
+  tree = {(): {EOS_ID: 0.9, 5: 0.1}, (5,): {EOS_ID: 0.9, 6: 0.1}, (5, 6): {EOS_ID: 0.9, 7: 0.1},
+          (5, 6, 7): {EOS_ID: 1.0}}
+  next_state, logits = trie_automaton(tree, vocab)
+  keys = jax.random.split(jax.random.key(2), rows)
+  for min_length, shortest in ((1, (5, EOS_ID)), (2, (5, 6, EOS_ID))):
+    samples, _ = jax.device_get(beam_search.sample_search(
+        automaton_step_fn(next_state, logits, rows), jnp.zeros(rows, jnp.int32), keys, temperature=1.0, top_k=0,
+        batch_size=rows, max_length=5, max_lengths=jnp.full((rows,), 5), bos_id=BOS_ID, eos_id=EOS_ID,
+        forbidden_ids=FORBIDDEN, min_length=min_length))
+    outputs = [tuple(decode._through_eos(row)) for row in samples]
+    assert all(len(output) > min_length for output in outputs)
+    assert abs(np.mean([output == shortest for output in outputs]) - 0.9) < 0.06, (min_length, outputs[:5])
 
 
 def test_a_first_step_on_one_row_keeps_a_beam_wider_than_half_the_vocabulary():

@@ -30,3 +30,36 @@ def test_pictures_draw_dollar_signs_as_written(tmp_path, monkeypatch):
   for fig in figures:
     for t in fig.findobj(text_lib.Text):
       assert t._preprocess_math(t.get_text()) == (t.get_text(), False)  # pylint: disable=protected-access
+
+
+def test_pictures_put_target_pieces_on_rows_and_draw_each_head_and_the_head_averages(tmp_path, monkeypatch):
+  """A cross-attention map of 4 target x 5 source pieces: every layer's picture has a panel per head showing that
+  head's weights, target pieces down and source pieces across; the average picture has each layer's mean over heads
+  and then the mean over all layers and heads (loops below)."""
+  pyplot = pytest.importorskip('matplotlib.pyplot')
+  figures, close = [], pyplot.close
+  monkeypatch.setattr(pyplot, 'close', lambda fig: (figures.append(fig), close(fig)))
+  rng = np.random.default_rng(0)
+  layers, heads, t, s = 2, 3, 4, 5
+  cross = rng.random((layers, heads, t, s)).astype(np.float32)
+  source_pieces, target_pieces = ['▁a', '▁b', '▁c', '▁d', '</s>'], ['▁w', '▁x', '▁y', '</s>']
+  maps = [{'source': 'a b c d', 'translation': 'w x y', 'source_pieces': source_pieces,
+           'target_pieces': target_pieces, 'cross': cross, 'encoder': _uniform(1, heads, s, s)}]
+  paths = attention.write_pictures(maps, tmp_path)
+  names = [p.name for p in paths]
+  assert names == ['00_cross_layer0.png', '00_cross_layer1.png', '00_cross_average.png', '00_encoder_layer0.png']
+  drawn = {name: [(np.asarray(ax.get_images()[0].get_array()), [label.get_text() for label in ax.get_yticklabels()],
+                   [label.get_text() for label in ax.get_xticklabels()]) for ax in fig.axes if ax.get_images()]
+           for name, fig in zip(names, figures)}
+  expected = {f'00_cross_layer{layer}.png': [cross[layer, h] for h in range(heads)] for layer in range(layers)}
+  averages = []
+  for layer in range(layers):
+    averages.append(sum(cross[layer, h].astype(np.float64) for h in range(heads)) / heads)
+  averages.append(sum(cross[layer, h].astype(np.float64) for layer in range(layers) for h in range(heads))
+                  / (layers * heads))
+  expected['00_cross_average.png'] = averages
+  for name, panels in expected.items():
+    assert len(drawn[name]) == len(panels), name
+    for (image, rows, columns), want in zip(drawn[name], panels):
+      assert rows == target_pieces and columns == source_pieces, name
+      np.testing.assert_allclose(image, want, rtol=1e-6, err_msg=name)

@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import linen as nn
 
 from conftest import tiny_model
 from flaxformer_nmt import config as config_lib
@@ -77,8 +78,9 @@ def test_schedule_equals_the_paper_formula():
   np.testing.assert_allclose(ts.paper_schedule(512, 4000)(3999), peak, rtol=1e-5)
 
 
-def numpy_adam_on_the_paper_schedule(params, grads_per_step, d_model, warmup, scale, b1, b2, eps):
-  """Adam with bias correction (Kingma & Ba, Algorithm 1), lr_t = scale * d^-0.5 * min(t^-0.5, t * w^-1.5)."""
+def numpy_adam_on_the_paper_schedule(params, grads_per_step, d_model, warmup, scale, b1, b2, eps, weight_decay=0.0):
+  """Adam with bias correction (Kingma & Ba, Algorithm 1), lr_t = scale * d^-0.5 * min(t^-0.5, t * w^-1.5); with
+  weight_decay, AdamW's decoupled decay lr_t * weight_decay * param added to each update."""
   params = np.asarray(params, np.float64)
   m, v = np.zeros_like(params), np.zeros_like(params)
   for t, g in enumerate(grads_per_step, start=1):
@@ -87,17 +89,19 @@ def numpy_adam_on_the_paper_schedule(params, grads_per_step, d_model, warmup, sc
     v = b2 * v + (1 - b2) * g * g
     m_hat, v_hat = m / (1 - b1 ** t), v / (1 - b2 ** t)
     lr = scale * d_model ** -0.5 * min(t ** -0.5, t * warmup ** -1.5)
-    params = params - lr * m_hat / (np.sqrt(v_hat) + eps)
+    params = params - lr * (m_hat / (np.sqrt(v_hat) + eps) + weight_decay * params)
   return params
 
 
-@pytest.mark.parametrize('b1,b2,eps', [(0.9, 0.98, 1e-9), (0.8, 0.9, 1e-3)])
-def test_optimizer_is_adam_with_bias_correction_on_the_paper_schedule(b1, b2, eps):
+@pytest.mark.parametrize('b1,b2,eps,weight_decay', [(0.9, 0.98, 1e-9, 0.0), (0.8, 0.9, 1e-3, 0.0),
+                                                     (0.8, 0.9, 1e-3, 0.05)])
+def test_optimizer_is_adam_with_bias_correction_on_the_paper_schedule(b1, b2, eps, weight_decay):
   """Several steps with gradients of changing sign and size (Adam's first step is sign(g) whatever the moments,
-  so only later steps see beta2 and epsilon), across the warmup peak; eps = 1e-3 on gradients of that size."""
+  so only later steps see beta2 and epsilon), across the warmup peak; eps = 1e-3 on gradients of that size.
+  With weight decay the optimizer is built by another call (AdamW), which must take the same betas and epsilon."""
   c = config_lib.base_config()
   c.model.d_model, c.warmup_steps, c.learning_rate_scale = 64, 3, 2.0
-  c.adam_b1, c.adam_b2, c.adam_eps = b1, b2, eps
+  c.adam_b1, c.adam_b2, c.adam_eps, c.weight_decay = b1, b2, eps, weight_decay
   tx, _ = ts.make_optimizer(c)
   rng = np.random.default_rng(0)
   grads_per_step = [rng.normal(size=4) * 10.0 ** rng.uniform(-4, 0, size=4) for _ in range(8)]
@@ -106,13 +110,41 @@ def test_optimizer_is_adam_with_bias_correction_on_the_paper_schedule(b1, b2, ep
   for g in grads_per_step:
     updates, state = tx.update({'w': jnp.asarray(g, jnp.float32)}, state, params)
     params = optax.apply_updates(params, updates)
-  expected = numpy_adam_on_the_paper_schedule([1.0, -2.0, 0.5, 3.0], grads_per_step, 64, 3, 2.0, b1, b2, eps)
+  expected = numpy_adam_on_the_paper_schedule([1.0, -2.0, 0.5, 3.0], grads_per_step, 64, 3, 2.0, b1, b2, eps,
+                                              weight_decay)
   np.testing.assert_allclose(params['w'], expected, rtol=1e-5, atol=1e-7)
   # The reference is sensitive to what it checks: another beta2 or epsilon moves the result beyond tolerance.
   for other in (dict(b2=0.999), dict(eps=max(eps * 100, 1e-5))):
-    args = {**dict(b1=b1, b2=b2, eps=eps), **other}
+    args = {**dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay), **other}
     moved = numpy_adam_on_the_paper_schedule([1.0, -2.0, 0.5, 3.0], grads_per_step, 64, 3, 2.0, **args)
     assert not np.allclose(moved, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_gradient_clipping_rescales_to_the_global_norm_before_adam():
+  """grad_clip_norm: a gradient whose global norm (over every leaf) exceeds the limit is scaled down to it, then
+  Adam runs on it; one below the limit passes unchanged. Checked over steps whose norms lie on both sides, where
+  Adam's moments remember the clipped sizes (its first step alone is sign(g), blind to any scaling)."""
+  c = config_lib.base_config()
+  c.model.d_model, c.warmup_steps, c.learning_rate_scale = 64, 3, 2.0
+  c.adam_b1, c.adam_b2, c.adam_eps, c.grad_clip_norm = 0.8, 0.9, 1e-3, 0.5
+  tx, _ = ts.make_optimizer(c)
+  rng = np.random.default_rng(4)
+  steps = [(rng.normal(size=2) * size, rng.normal(size=(2, 2)) * size) for size in (3.0, 0.01, 2.0, 0.05, 10.0, 0.2)]
+  params = {'a': jnp.array([1.0, -2.0]), 'b': jnp.array([[0.5, 3.0], [-1.0, 0.25]])}
+  state = tx.init(params)
+  for a, b in steps:
+    updates, state = tx.update({'a': jnp.asarray(a, jnp.float32), 'b': jnp.asarray(b, jnp.float32)}, state, params)
+    params = optax.apply_updates(params, updates)
+  flat = [np.concatenate([a, b.ravel()]) for a, b in steps]
+  norms = [np.sqrt((g ** 2).sum()) for g in flat]
+  assert min(norms) < 0.5 < max(norms)
+  clipped = [g * min(1.0, 0.5 / norm) for g, norm in zip(flat, norms)]
+  start = [1.0, -2.0, 0.5, 3.0, -1.0, 0.25]
+  expected = numpy_adam_on_the_paper_schedule(start, clipped, 64, 3, 2.0, 0.8, 0.9, 1e-3)
+  got = np.concatenate([np.asarray(params['a']), np.asarray(params['b']).ravel()])
+  np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+  unclipped = numpy_adam_on_the_paper_schedule(start, flat, 64, 3, 2.0, 0.8, 0.9, 1e-3)
+  assert not np.allclose(unclipped, expected, rtol=1e-5, atol=1e-7)  # clipping changes the result
 
 
 def test_inverse_sqrt_schedule_equals_fairseqs_formula():
@@ -280,6 +312,106 @@ def test_the_steps_of_one_call_update_as_the_same_steps_called_one_at_a_time():
   for i, want in enumerate(expected):
     for name, value in want.items():
       np.testing.assert_allclose(stacked[name][i], value, rtol=1e-5, err_msg=f'step {i + 1}: {name}')
+
+
+def _padded_batch(rng, rows, length=8, vocab=32):
+  """Random rows of real tokens then padding (each row a different length), as src, tgt_in and tgt_out."""
+  batch = {key: rng.integers(4, vocab, (rows, length), dtype=np.int32) for key in ('src', 'tgt_in', 'tgt_out')}
+  for key in batch:
+    for row, real in enumerate(rng.integers(2, length + 1, rows)):
+      batch[key][row, real:] = 0
+  return batch
+
+
+def test_accumulated_microbatches_give_the_loss_and_gradient_of_the_whole_batch():
+  """grad_accumulation_steps=2: microbatch i holds rows i, i + 2, ... and draws its dropout from fold_in(the step's
+  key, i); the step's loss is the sum over both, and its gradient that of the sum over all target tokens. Written
+  out by hand, scored in NumPy: catches microbatch gradients averaged instead of summed (half the gradient), or
+  the same dropout key for every microbatch."""
+  state, train_fn, _, _ = tiny_run(grad_accumulation_steps=2, warmup_steps=2)
+  model = train_fn.options.model
+  assert model.config.dropout_rate > 0
+  batch = _padded_batch(np.random.default_rng(5), 4)
+  params, base_key = jax.device_get(state.params), jax.device_get(state.rng)
+  _, metrics = train_fn(state, batch)
+  step_key = jax.random.fold_in(jax.random.wrap_key_data(jnp.asarray(base_key)), 0)
+
+  @jax.jit
+  def gradient_and_logits(p, rows, key):  # of the summed smoothed loss of some rows, with one dropout key
+    def loss(p):
+      logits = model.apply({'params': p}, rows['src'], rows['tgt_in'], False, rngs={'dropout': key})
+      return ts.label_smoothed_cross_entropy(logits, rows['tgt_out'], 0.1)[0], logits
+    return jax.grad(loss, has_aux=True)(p)
+
+  loss_sum = count = 0.0
+  grads = []
+  for i in range(2):
+    rows = {key: value[i::2] for key, value in batch.items()}
+    g, logits = gradient_and_logits(params, rows, jax.random.fold_in(step_key, i))
+    loss, _, tokens = numpy_label_smoothed_loss(np.asarray(logits), rows['tgt_out'], 0.1)
+    loss_sum, count = loss_sum + loss, count + tokens
+    grads.append([np.asarray(leaf, np.float64) for leaf in jax.tree_util.tree_leaves(g)])
+  assert float(metrics['target_tokens']) == count == (batch['tgt_out'] != 0).sum()
+  np.testing.assert_allclose(metrics['loss_sum'], loss_sum, rtol=1e-5)
+  norm = np.sqrt(sum(((a + b) ** 2).sum() for a, b in zip(*grads)))
+  np.testing.assert_allclose(metrics['grad_norm'], norm / count, rtol=1e-4)
+
+
+def test_the_logged_rate_is_the_applied_one_and_evaluation_scores_the_smoothed_loss_without_dropout():
+  """Update t (from 1) runs at d^-0.5 * min(t^-0.5, t * w^-1.5), and its metrics log that rate: Adam's first update
+  moves every parameter whose gradient is far above epsilon by the rate itself. The eval step's sums are the
+  label-smoothed loss of the deterministic model, in NumPy."""
+  state, train_fn, eval_fn, _ = tiny_run(warmup_steps=2)
+  model = train_fn.options.model
+  batch = _padded_batch(np.random.default_rng(6), 2)
+  before = jax.device_get(state.params)
+  rates = []
+  for t in (1, 2, 3):
+    state, metrics = train_fn(state, batch)
+    rates.append(float(metrics['learning_rate']))
+    if t == 1:
+      moved = max(np.abs(np.asarray(a) - np.asarray(b)).max() for a, b in zip(
+          jax.tree_util.tree_leaves(jax.device_get(state.params)), jax.tree_util.tree_leaves(before)))
+  np.testing.assert_allclose(rates, [16 ** -0.5 * min(t ** -0.5, t * 2 ** -1.5) for t in (1, 2, 3)], rtol=1e-6)
+  np.testing.assert_allclose(moved, rates[0], rtol=1e-4)
+  params = jax.device_get(state.params)
+  sums = eval_fn(state.params, batch)
+  logits = np.asarray(model.apply({'params': params}, batch['src'], batch['tgt_in']))
+  loss, nll, count = numpy_label_smoothed_loss(logits, batch['tgt_out'], 0.1)
+  assert float(sums['target_tokens']) == count
+  np.testing.assert_allclose([sums['loss_sum'], sums['nll_sum']], [loss, nll], rtol=1e-5)
+
+
+@jax.custom_vjp
+def _nan_gradient(x):
+  return x
+
+
+_nan_gradient.defvjp(lambda x: (x, None), lambda _, g: (g * jnp.nan,))
+
+
+class _FiniteLossNonfiniteGradient(nn.Module):
+  """Logits from one parameter vector, finite forward, NaN backward (as an overflowing half-precision backward
+  pass gives): a loss that is finite over a gradient that is not."""
+
+  @nn.compact
+  def __call__(self, src, tgt_in, deterministic=True, project=True):
+    w = self.param('w', nn.initializers.ones, (8,))
+    return _nan_gradient(jnp.broadcast_to(w, tgt_in.shape + (8,)))
+
+
+def test_an_update_whose_gradient_alone_is_nonfinite_is_not_applied():
+  tx, schedule = ts.make_optimizer(config_lib.base_config())
+  params = {'w': jnp.ones(8)}
+  state = ts.TrainState(step=jnp.asarray(0, jnp.int32), params=params, opt_state=tx.init(params),
+                        rng=jax.random.key_data(jax.random.PRNGKey(0)))
+  tokens = jnp.array([[4, 5, 3]])
+  new, metrics = jax.jit(lambda s, b: ts.train_step(s, b, model=_FiniteLossNonfiniteGradient(), optimizer=tx,
+                                                    schedule=schedule, label_smoothing=0.1))(
+      state, {'src': tokens, 'tgt_in': tokens, 'tgt_out': tokens})
+  assert np.isfinite(float(metrics['loss_sum'])) and not np.isfinite(float(metrics['grad_norm']))
+  assert int(metrics['nonfinite']) == 1 and int(new.step) == 1
+  np.testing.assert_array_equal(new.params['w'], np.ones(8))
 
 
 def test_runs_differing_only_in_the_schedules_numbers_compile_to_one_program():
