@@ -101,6 +101,9 @@ def main(argv):
   tok_references = evaluate.read_text(FLAGS.tok_reference)
   if FLAGS.max_sentences:
     sources, references, tok_references = (x[:FLAGS.max_sentences] for x in (sources, references, tok_references))
+  if not sources or not len(sources) == len(references) == len(tok_references):
+    sys.exit(f'error: {FLAGS.input}, {FLAGS.reference}, {FLAGS.tok_reference}: {len(sources)}, {len(references)} '
+             f'and {len(tok_references)} lines (at least one sentence, as many lines in each)')
   token_lists = translator.tokenizer.encode(translator.prepare(sources))
   pieces = [[sp.id_to_piece(t) for t in ids[:-1]] for ids in token_lists]
   max_lengths = [len(p) + c.max_decode_extra_length for p in pieces]

@@ -215,6 +215,11 @@ def test_ctranslate2_export(toy):
                        f'--reference={data / "test.de"}', f'--tok_reference={data / "test.de"}',
                        '--max_sentences=8', '--threads=1')
   assert '| greedy | CTranslate2 int8 |' in out, out
+  empty = toy.parent / 'empty.en'  # no sentences: one line saying so, before any export (it crashed after both)
+  empty.write_text('')
+  result = in_process.run(in_process.bench_script('ctranslate2_export'), [
+      f'--workdir={toy}', f'--input={empty}', f'--reference={data / "test.de"}', f'--tok_reference={data / "test.de"}'])
+  assert result.returncode != 0 and result.stderr.strip().splitlines()[-1].startswith(f'error: {empty}, '), result.stderr
 
 
 def test_serve_load(toy, tmp_path):
