@@ -219,7 +219,8 @@ def test_ctranslate2_export(toy):
   empty.write_text('')
   result = in_process.run(in_process.bench_script('ctranslate2_export'), [
       f'--workdir={toy}', f'--input={empty}', f'--reference={data / "test.de"}', f'--tok_reference={data / "test.de"}'])
-  assert result.returncode != 0 and result.stderr.strip().splitlines()[-1].startswith(f'error: {empty}, '), result.stderr
+  last_line = result.stderr.strip().splitlines()[-1]
+  assert result.returncode != 0 and last_line.startswith(f'error: {empty}, '), result.stderr
 
 
 def test_serve_load(toy, tmp_path):
