@@ -81,6 +81,17 @@ def check_flags(f):
     raise app.UsageError('--rerank_weight is empty: give the rescorer\'s weights, e.g. 0.3,0.5')
 
 
+def check_models(f):
+  """ValueError, before anything decodes, where a workdir is no translation model or a checkpoint is not saved."""
+  for workdir, _ in loader.ensemble_members(f.workdir, None):
+    loader.inference_config(workdir, task='translation')
+  if f.rerank_workdir:
+    loader.inference_config(f.rerank_workdir, task='translation')
+  for name in f.checkpoints:
+    for workdir, checkpoint in loader.ensemble_members(f.workdir, name):
+      loader.check_checkpoint(workdir, checkpoint)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
@@ -94,10 +105,10 @@ def main(argv):
     # member's config names the split and the decoding defaults.
     config = workdir_lib.load_config(loader.ensemble_members(f.workdir, None)[0][0])
     description, sources, references, tok_references = sentences(config, f.split, f.input, f.ref, f.tok_ref)
-    for name in f.checkpoints:  # every one saved, before the first decodes
-      for workdir, checkpoint in loader.ensemble_members(f.workdir, name):
-        loader.check_checkpoint(workdir, checkpoint)
+    check_models(f)
     beam_size = config.beam_size if f.beam_size is None else f.beam_size
+    if beam_size < 0:
+      raise app.UsageError(f'--beam_size={beam_size}: give 0 (greedy) or a beam width')
     alphas = alpha_values(f.alpha, config.length_penalty_alpha)
     n_best = (f.n_best or beam_size) if f.mbr else 1
     if f.mbr and not 2 <= n_best <= beam_size:  # before any checkpoint loads

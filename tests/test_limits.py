@@ -128,6 +128,16 @@ def test_compare_refuses_mbr_without_two_candidates_before_loading_a_checkpoint(
     assert 'Translating' not in result.stderr and '| checkpoint |' not in result.stdout
 
 
+def test_compare_refuses_a_negative_beam_and_a_language_model_before_the_table(trained_toy, tmp_path):
+  lm_workdir = copy_of_trained_toy(trained_toy, tmp_path / 'lm', task='lm')
+  for workdir, options, message in ((trained_toy, ['--beam_size=-1'], '--beam_size=-1'),
+                                    (lm_workdir, [], "config.task='lm'"),
+                                    (trained_toy, [f'--rerank_workdir={lm_workdir}'], "config.task='lm'")):
+    result = in_process.run(compare_command, [f'--workdir={workdir}', '--checkpoints=latest', *options])
+    assert result.returncode != 0 and message in result.stderr, (options, result.stderr[-2000:])
+    assert '| checkpoint |' not in result.stdout, result.stdout
+
+
 def test_attention_maps_of_a_source_past_the_positions_are_those_of_the_cut_source(trained_toy, tmp_path):
   # max_position 1024 - max_decode_extra_length 1012: the search translates the first 11 tokens and EOS.
   workdir = copy_of_trained_toy(trained_toy, tmp_path / 'toy', max_decode_extra_length=1012)
