@@ -291,6 +291,24 @@ def test_export_errors_name_the_problem(workdir, exported, tmp_path):
   assert not (tmp_path / 'z').exists()
 
 
+def test_a_forced_export_that_fails_keeps_the_export_before(workdir, tmp_path, monkeypatch):
+  output = tmp_path / 'ct2'
+  export.export_ctranslate2(workdir, output, 'latest')
+  before = {p.name: p.read_bytes() for p in output.iterdir()}
+
+  def disk_full(*args, **kwargs):
+    raise OSError(28, 'No space left on device')
+
+  monkeypatch.setattr(export, 'write_readme', disk_full)
+  with pytest.raises(OSError, match='No space left'):
+    export.export_ctranslate2(workdir, output, 'latest', force=True)
+  assert {p.name: p.read_bytes() for p in output.iterdir()} == before
+  monkeypatch.undo()
+  export.export_ctranslate2(workdir, output, '300', force=True)  # over what the failed run left beside it
+  assert 'checkpoint 300' in (output / 'README.md').read_text()
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['ct2']
+
+
 def test_export_defaults_to_the_checkpoint_the_config_chose(workdir, tmp_path):
   # A recipe that chose the average on validation (config.decode_checkpoint) exports it without --checkpoint.
   import shutil  # pylint: disable=g-import-not-at-top

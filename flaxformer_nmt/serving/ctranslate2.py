@@ -147,7 +147,8 @@ Our decoder also stops every sentence at (source length + {extra}) tokens: CTran
 """
 
 
-def write_readme(output_dir, *, workdir, checkpoint, config, quantization):
+def write_readme(output_dir, *, workdir, checkpoint, config, quantization, directory=None):
+  """The export's README.md, naming output_dir, written into `directory` (default: output_dir)."""
   c = config.model
   text = README_TEMPLATE.format(
       workdir=workdir, checkpoint=checkpoint, direction=f'{config.source_lang}->{config.target_lang}',
@@ -157,7 +158,7 @@ def write_readme(output_dir, *, workdir, checkpoint, config, quantization):
       alpha=config.length_penalty_alpha, extra=config.max_decode_extra_length,
       # A model of config.lowercase learnt lowercased text: its inputs are lowercased as decode.py does.
       prepare="' '.join(s.split()).lower()" if tokenizer_lib.lowercase_of(config) else "' '.join(s.split())")
-  (epath.Path(output_dir) / 'README.md').write_text(text)
+  (epath.Path(directory or output_dir) / 'README.md').write_text(text)
 
 
 def length_penalty_for(alpha, source_pieces):
@@ -208,21 +209,35 @@ def export_ctranslate2(workdir, output_dir, checkpoint=None, quantization=None, 
 
 def write_model(workdir, loaded, output_dir, quantization=None):
   """Writes the CTranslate2 model of `loaded` (loader.load_for_inference(workdir, ...)) into `output_dir`, which
-  it replaces."""
+  it replaces once the new model is written whole beside it."""
   tokenizer = loaded.tokenizer
   model_config = model_lib.ModelConfig.from_config(loaded.config, tokenizer.vocab_size)
   pieces = [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
   spec = ctranslate2_spec(jax_to_numpy(loaded.params), model_config, pieces)
   spec.validate()
   optimize(spec, quantization)
-  output_dir = epath.Path(output_dir)
-  if output_dir.exists():
-    shutil.rmtree(output_dir)
-  output_dir.mkdir(parents=True)
-  spec.save(str(output_dir))
-  shutil.copyfile(epath.Path(workdir) / tokenizer_lib.VOCAB_FILENAME, output_dir / tokenizer_lib.VOCAB_FILENAME)
+  target = epath.Path(output_dir).resolve()
+  staged = target.with_name(f'.{target.name}.partial')
+  if staged.exists():  # what an interrupted export left
+    shutil.rmtree(staged)
+  staged.mkdir(parents=True)
+  spec.save(str(staged))
+  shutil.copyfile(epath.Path(workdir) / tokenizer_lib.VOCAB_FILENAME, staged / tokenizer_lib.VOCAB_FILENAME)
   write_readme(output_dir, workdir=workdir, checkpoint=loaded.description, config=loaded.config,
-               quantization=quantization)
+               quantization=quantization, directory=staged)
+  replace_directory(staged, target)
+
+
+def replace_directory(staged, target):
+  """Moves the written `staged` directory to `target`, whose older contents are removed only then."""
+  retired = target.with_name(f'.{target.name}.old')
+  if retired.exists():
+    shutil.rmtree(retired)
+  if target.exists():
+    target.rename(retired)
+  staged.rename(target)
+  if retired.exists():
+    shutil.rmtree(retired)
 
 
 def optimize(spec, quantization):
