@@ -221,6 +221,30 @@ def test_export_writes_monolingual_text_as_the_target_side_alone(tmp_path):
   assert sorted(p.name for p in (tmp_path / 'out').iterdir()) == ['valid.de']
 
 
+def test_export_refuses_to_write_over_the_files_it_reads(tmp_path):
+  (tmp_path / 'valid.en').write_text('A  Dog runs .\n')
+  (tmp_path / 'valid.de').write_text('Ein  Hund läuft .\n')
+  before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+  pairs = corpora.TextPairs(tmp_path, 'valid', 'en', 'de', lowercase=True)
+  with pytest.raises(corpora.data_lib.DataError, match='valid.en is a file the export reads'):
+    corpora.export_text(pairs, tmp_path, 'valid', 'en', 'de')
+  lines = corpora.TextLines(tmp_path / 'valid.de')
+  with pytest.raises(corpora.data_lib.DataError, match='valid.de is a file the export reads'):
+    corpora.export_text(lines, tmp_path / '.', 'valid', 'en', 'de')
+  assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_an_export_that_fails_midway_leaves_the_files_before_it(toy_corpus, tmp_path):
+  out = tmp_path / 'out'
+  out.mkdir()
+  (out / 'valid.en').write_text('an earlier export\n')
+  (out / '.valid.de.partial').mkdir()  # the second file cannot be written
+  pairs = corpora.TextPairs(toy_corpus, 'valid', 'en', 'de')
+  with pytest.raises(OSError):
+    corpora.export_text(pairs, out, 'valid', 'en', 'de')
+  assert not (out / 'valid.de').exists() and (out / 'valid.en').read_text() == 'an earlier export\n'
+
+
 def test_a_file_rewritten_within_the_same_second_with_the_same_size_is_another_corpus(tmp_path):
   """Wrong rule caught: the fingerprint kept the modification time in whole seconds, so a fix of the same length
   (a typo, `sed -i`) made in the second the file was written kept serving the stale token cache."""

@@ -233,12 +233,25 @@ def export_text(pairs, output_dir, split, source_lang, target_lang):
   text as training reads it (whitespace normalized; lowercased for a lowercased config). Monolingual text
   (lm/mlm, read as (lines, None)) is the target side alone: `{split}.{target_lang}`."""
   output_dir = epath.Path(output_dir)
-  output_dir.mkdir(parents=True, exist_ok=True)
   source, target = pairs.read(range(len(pairs)))
   sides = ((target_lang, source),) if target is None else ((source_lang, source), (target_lang, target))
-  paths = []
-  for lang, lines in sides:
-    path = output_dir / f'{split}.{lang}'
-    path.write_text(''.join(line + '\n' for line in lines), encoding='utf-8')
-    paths.append(path)
+  paths = [output_dir / f'{split}.{lang}' for lang, _ in sides]
+  read = {os.path.realpath(name) for name in _files_read(pairs)}
+  for path in paths:
+    if os.path.realpath(path) in read:
+      raise data_lib.DataError(f'--output_dir {output_dir}: {path} is a file the export reads: choose another '
+                               '--output_dir')
+  output_dir.mkdir(parents=True, exist_ok=True)
+  partials = [path.with_name(f'.{path.name}.partial') for path in paths]
+  for partial, (_, lines) in zip(partials, sides):  # every file written whole before any is replaced
+    partial.write_text(''.join(line + '\n' for line in lines), encoding='utf-8')
+  for partial, path in zip(partials, paths):
+    partial.replace(path)
   return paths
+
+
+def _files_read(corpus):
+  """The local text files a corpus was read from (none for TFDS), as its fingerprint names them."""
+  fingerprint = getattr(corpus, 'fingerprint', {})
+  stamps = fingerprint.get('files') or ([fingerprint['file']] if 'file' in fingerprint else [])
+  return [str(stamp[0]) for stamp in stamps if '://' not in str(stamp[0])]
