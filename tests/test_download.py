@@ -203,6 +203,15 @@ def test_the_download_command_offline_says_how_to_copy_the_corpus(tmp_path, monk
   assert '--config.data_dir=DIR' in result.stderr
 
 
+def test_a_directory_where_a_file_goes_is_one_error_naming_it(tmp_path):
+  import in_process  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import download as command  # pylint: disable=g-import-not-at-top
+  (tmp_path / 'm30k' / 'train.en').mkdir(parents=True)
+  result = in_process.run(command, [f'--data_dir={tmp_path / "m30k"}', f'--base_url={tmp_path.as_uri()}'])
+  assert result.returncode == 1 and 'Traceback' not in result.stderr, result.stderr[-2000:]
+  assert result.stderr.strip().splitlines()[-1].startswith(f'error: {tmp_path / "m30k" / "train.en"}: a directory')
+
+
 def test_a_file_missing_from_a_local_mirror_is_named_at_once_not_called_unreachable(tmp_path, monkeypatch):
   """A file:// mirror without the file was asked 3 times, about 6 s of backoff, then called unreachable with the
   advice for machines without internet."""

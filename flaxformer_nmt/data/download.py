@@ -185,7 +185,7 @@ def download_files(directory, files, base_url=None):
   written = []
   for number, (name, (remote, expected, lines)) in enumerate(files.items(), 1):
     path = directory / name
-    if path.exists() and sha256(path.read_bytes()) == expected:
+    if is_present(path, expected):
       logging.info('%s is present', path)
     else:
       url = f'{mirror(base_url)}/{remote}'
@@ -196,6 +196,17 @@ def download_files(directory, files, base_url=None):
                    time.time() - start)
     written.append(path)
   return written
+
+
+def is_present(path, expected):
+  """Whether `path` holds the file of sha256 `expected`; DownloadError where it cannot be read or replaced."""
+  if path.is_dir():
+    raise DownloadError(f'{path}: a directory where the downloaded file goes: move it away or choose another '
+                        'directory')
+  try:
+    return path.exists() and sha256(path.read_bytes()) == expected
+  except OSError as e:
+    raise DownloadError(f'{path}: cannot read ({e.strerror or e})') from None
 
 
 def fetch(url, attempts=3, timeout=60):
