@@ -215,3 +215,18 @@ def test_training_with_bpe_dropout_resegments_every_epoch(toy_corpus, tmp_path, 
   lines = [r.getMessage() for r in caplog.records if 'BPE-dropout 0.10 resegmented' in r.getMessage()]
   assert lines and lines[0].startswith('Epoch 0:')
   assert (tmp_path / 'run' / 'tokenized' / 'train_bpe_dropout' / 'epoch_000000.npz').exists()
+
+
+def test_validation_batches_keep_the_deterministic_pieces_under_bpe_dropout(toy_corpus, tmp_path):
+  """BPE-dropout segments training pairs only: with config.bpe_dropout=1 (every sentence in characters) the
+  validation batches hold the validation text's deterministic encoding, pair for pair."""
+  from flaxformer_nmt.data import pipeline  # pylint: disable=g-import-not-at-top
+  config = small_config(toy_corpus)
+  config.bpe_dropout, config.prefetch_batches = 1.0, 0
+  train_batches, eval_batches, tokenizer = pipeline.input_pipeline(config, tmp_path / 'work', num_devices=1)
+  train_batches.close()
+  encode = lambda lang: tokenizer.encode(data.read_lines(toy_corpus / f'valid.{lang}'))
+  expected = sorted((tuple(s), tuple(t)) for s, t in zip(encode('en'), encode('de'))
+                    if max(len(s), len(t)) <= config.model.max_position)
+  got = sorted(pair for batch in eval_batches() for pair in batch_sentences([batch]))
+  assert got == [(s[:-1], t[:-1]) for s, t in expected]

@@ -257,3 +257,37 @@ def test_a_file_rewritten_within_the_same_second_with_the_same_size_is_another_c
   (data / 'train.de').write_text('ein maus\n')  # same size, written in the same second
   os.utime(data / 'train.de', (1_700_000_000.75, 1_700_000_000.75))
   assert corpora.TextPairs(data, 'train', 'en', 'de').fingerprint != before
+
+
+def test_a_lowercased_tfds_split_lowercases_both_sides_and_keys_its_own_fingerprint(tmp_path):
+  """config.lowercase on a TFDS corpus: every side is str.lower of the whitespace-normalized text (as for text
+  files), the source and the target alike, and the fingerprint tells it from the cased corpus."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  english = ['A  Man on the STREET', 'Two\u00a0Dogs RUN', 'ÜBER Alles']
+  german = ['Ein Mann auf der STRAßE', 'Zwei\tHunde', 'Über ALLES']
+
+  class CasedTranslate(tfds.core.GeneratorBasedBuilder):
+    VERSION = tfds.core.Version('1.0.0')
+
+    def _info(self):
+      return tfds.core.DatasetInfo(builder=self, features=tfds.features.Translation(languages=('de', 'en')))
+
+    def _split_generators(self, dl_manager):
+      return {'train': self._generate_examples()}
+
+    def _generate_examples(self):
+      for i, (en, de) in enumerate(zip(english, german)):
+        yield i, {'en': en, 'de': de}
+
+  data_dir = str(tmp_path / 'tfds')
+  CasedTranslate(data_dir=data_dir, file_format='array_record').download_and_prepare()
+  lowered = corpora.TfdsPairs('cased_translate', 'train', 'en', 'de', data_dir=data_dir, lowercase=True)
+  cased = corpora.TfdsPairs('cased_translate', 'train', 'en', 'de', data_dir=data_dir)
+  expected = sorted((' '.join(en.split()).lower(), ' '.join(de.split()).lower()) for en, de in zip(english, german))
+  assert sorted(zip(*lowered.read(range(3)))) == expected
+  assert sorted(lowered[i] for i in range(3)) == expected
+  assert sorted(zip(*cased.read(range(3)))) == sorted((' '.join(en.split()), ' '.join(de.split()))
+                                                       for en, de in zip(english, german))
+  assert lowered.fingerprint != cased.fingerprint
+  text = corpora.TfdsText('cased_translate', 'train', feature='de', data_dir=data_dir, lowercase=True)
+  assert sorted(text[i] for i in range(3)) == sorted(' '.join(de.split()).lower() for de in german)

@@ -168,6 +168,66 @@ def test_iterator_resumes_exactly_from_a_saved_position():
       np.testing.assert_array_equal(got[key], expected[key])
 
 
+def test_each_epoch_regroups_its_examples_and_shuffles_its_batches():
+  """Two epochs' plans against properties written out: within an epoch the batches' bucket lengths are mixed
+  (a plan left in bucket order changes length only between buckets), and another epoch groups other examples
+  together (shuffling only the order of the batches, or the same draw every epoch, keeps the groups)."""
+  corpus = corpus_of_lengths(np.random.default_rng(8).integers(2, 40, size=400))
+  buckets = (8, 16, 32, 48)
+  batches = batching.TrainBatches(corpus, tokens_per_batch=128, buckets=buckets, seed=6, prefetch=0)
+  plans = [batches.plan(epoch) for epoch in (0, 1)]
+  for plan in plans:
+    lengths = [length for length, _, _ in plan]
+    changes = sum(a != b for a, b in zip(lengths, lengths[1:]))
+    assert changes > 4 * len(buckets), lengths
+    assert sorted(i for _, _, members in plan for i in members.tolist()) == list(range(400))
+  groups = [{frozenset(members.tolist()) for _, _, members in plan if len(members) > 1} for plan in plans]
+  assert len(groups[0] & groups[1]) < len(groups[0]) // 4
+
+
+@pytest.mark.parametrize('multiple_of', [2, 3, 8])
+def test_rows_are_the_largest_multiple_the_token_budget_holds(multiple_of):
+  """A batch's rows: the largest multiple of `multiple_of` with rows x padded length within the budget (at least
+  `multiple_of` rows where the budget holds fewer), written out as a loop. Catches rounding up to the multiple
+  (a batch over the budget)."""
+  corpus = corpus_of_lengths(np.random.default_rng(9).integers(2, 60, size=300))
+  budget = 200
+  batches = batching.TrainBatches(corpus, tokens_per_batch=budget, buckets=(8, 16, 24, 32, 48), seed=1,
+                                  multiple_of=multiple_of, prefetch=0)
+  seen = set()
+  for length, rows, members in batches.plan(0):
+    expected = multiple_of
+    while (expected + multiple_of) * length <= budget:
+      expected += multiple_of
+    assert rows == expected, (length, rows, expected)
+    assert len(members) <= rows
+    seen.add(length)
+  assert any(budget // length % multiple_of for length in seen)  # a bucket where the budget is not a multiple
+
+
+def test_batches_are_padded_to_the_longer_side_of_each_pair():
+  """Sources and targets of independent lengths: every row sits in the smallest bucket that holds the longer
+  side (a plan by one side puts a longer target in too short a bucket), with both sides intact."""
+  rng = np.random.default_rng(10)
+  src_lengths, tgt_lengths = rng.integers(2, 40, size=200), rng.integers(2, 40, size=200)
+  source = [[10 + i] * (n - 1) + [EOS_ID] for i, n in enumerate(src_lengths)]
+  target = [[500 + i] * (n - 1) + [EOS_ID] for i, n in enumerate(tgt_lengths)]
+  corpus = data_lib.TokenizedCorpus.from_lists(source, target)
+  buckets = (8, 16, 32, 48)
+  batches = batching.TrainBatches(corpus, tokens_per_batch=256, buckets=buckets, seed=2, prefetch=0)
+  seen = []
+  for _ in range(batches.batches_per_epoch()):
+    batch = next(batches)
+    length = batch['src'].shape[1]
+    for s, t in _pairs_of(batch):
+      i = s[0] - 10
+      assert (list(s), list(t)) == (source[i], target[i])
+      assert length == smallest_bucket(max(src_lengths[i], tgt_lengths[i]), buckets)
+      seen.append(i)
+  assert sorted(seen) == list(range(200))
+  assert any(smallest_bucket(s, buckets) < smallest_bucket(t, buckets) for s, t in zip(src_lengths, tgt_lengths))
+
+
 def test_eval_batches_cover_everything_once_in_a_fixed_order():
   corpus = corpus_of_lengths(np.random.default_rng(0).integers(2, 40, size=100))
   runs = [list(batching.eval_batches(corpus, tokens_per_batch=128, buckets=(8, 16, 32, 48))) for _ in range(2)]

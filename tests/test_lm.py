@@ -199,6 +199,61 @@ def test_the_train_steps_masking_changes_with_the_step_and_repeats_at_the_same_s
   np.testing.assert_array_equal(masks[0], masks[2])  # step 3 twice
 
 
+def test_bert_masking_draws_each_input_with_bert_probabilities_over_a_small_vocabulary():
+  """Over three ordinary ids (5, 6, 7 after the mask id 4) the input at a selected position is written out per
+  outcome: the mask with 0.8, the token itself with 0.1 + 0.1 / 3 (kept, or drawn), each other ordinary id with
+  0.1 / 3, and never a reserved id. Catches the random draw starting at the mask id or a reserved id, and BOS
+  (the row's first token here) selected."""
+  vocab, ordinary = 8, np.array([5, 6, 7])
+  tokens = np.random.default_rng(11).choice(ordinary, size=(600, 400))
+  tokens[:, 0], tokens[:, -1] = BOS_ID, EOS_ID
+  inputs, targets = jax.device_get(lm.bert_mask(jax.random.PRNGKey(5), jnp.asarray(tokens, jnp.int32), mask_id=4,
+                                                vocab_size=vocab))
+  selected = targets != PAD_ID
+  assert not selected[:, 0].any() and not selected[:, -1].any()
+  np.testing.assert_array_equal(inputs[~selected], tokens[~selected])
+  chosen, original = inputs[selected], tokens[selected]
+  assert set(np.unique(chosen).tolist()) <= {4, 5, 6, 7}
+  k = len(chosen)  # about 0.15 * 600 * 398 = 36k: standard deviations below 0.0025
+  assert abs(np.mean(chosen == 4) - 0.8) < 0.01
+  assert abs(np.mean(chosen == original) - (0.1 + 0.1 / 3)) < 0.008
+  for v in ordinary:
+    other = (original != v)
+    assert abs(np.mean(chosen[other] == v) - 0.1 / 3) < 0.006, (v, k)
+
+
+def test_validation_masks_depend_on_the_batch_content_and_repeat_for_the_same_batch():
+  """eval_mask_rng: the same batch masks the same positions at every evaluation; a batch of the same shape with
+  other tokens masks other positions."""
+  tokens = jnp.asarray(np.random.default_rng(12).integers(5, VOCAB, (8, 64)), jnp.int32)
+  other = 5 + (tokens - 4) % (VOCAB - 5)  # every token replaced by another ordinary one
+  selected = lambda t: np.asarray(lm.bert_mask(lm.eval_mask_rng(t), t, mask_id=4, vocab_size=VOCAB)[1]) != PAD_ID
+  np.testing.assert_array_equal(selected(tokens), selected(tokens))
+  assert not np.array_equal(selected(tokens), selected(other))
+
+
+def test_the_lm_loss_predicts_each_next_token_of_the_batch_text():
+  """What the LM's loss is taken over (lm.forward on a batch built by make_batch), against NumPy: the input row
+  BOS + text, each position scored on the token after it (the text, then EOS), padding unscored. Catches
+  targets or inputs shifted by another position, or the targets fed as the input."""
+  model, params = tiny('lm', sharpen=1.0)
+  rng = np.random.default_rng(13)
+  sentences = [list(rng.integers(5, VOCAB, size=n)) + [EOS_ID] for n in (4, 7, 1, 9)]
+  batch = {k: jnp.asarray(v) for k, v in batching.make_batch(sentences, sentences, 4, 12).items()}
+  logits, targets, _ = lm.forward('lm', model, params, batch, True)
+  logits, targets = np.asarray(logits, np.float64), np.asarray(targets)
+  inputs = np.full((4, 12), PAD_ID, np.int32)
+  for r, s in enumerate(sentences):
+    inputs[r, :len(s)] = [BOS_ID] + s[:-1]
+  expected = np.asarray(model.apply({'params': params}, jnp.asarray(inputs)), np.float64)
+  nll = lambda lp, r, t, target: -(lp[r, t, target] - np.log(np.exp(lp[r, t]).sum()))
+  want = sum(nll(expected, r, t, target) for r, s in enumerate(sentences) for t, target in enumerate(s))
+  scored = [(r, t) for r, t in zip(*np.nonzero(targets != PAD_ID))]
+  assert len(scored) == sum(map(len, sentences))
+  got = sum(nll(logits, r, t, targets[r, t]) for r, t in scored)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 # --- Generation ----------------------------------------------------------------------------------------------
 
 def _generate(model, params, prompts, seeds, **options):

@@ -54,3 +54,17 @@ def test_ties_go_to_the_earlier_candidate_and_bad_utilities_are_named():
     mbr.select(CANDIDATES[:1], 'ter')
   with pytest.raises(ValueError, match='at least one candidate'):
     mbr.select([], 'bleu')
+
+
+@pytest.mark.parametrize('utility, sentence_metric', [('bleu', sacrebleu.sentence_bleu),
+                                                      ('chrf', sacrebleu.sentence_chrf)])
+def test_short_candidates_are_scored_with_the_metrics_sentence_defaults(utility, sentence_metric):
+  # Candidates of fewer than four words: BLEU's effective order (sacreBLEU's sentence default) decides their
+  # scores; the diagonal, a candidate against itself, is 100.
+  candidates = ['a dog', 'a dog runs', 'the dog runs .', 'a dog runs on grass .', 'dog']
+  matrix = mbr.utility_matrix(candidates, utility)
+  for i, h in enumerate(candidates):
+    for j, r in enumerate(candidates):
+      assert matrix[i, j] == pytest.approx(100.0 if i == j else sentence_metric(h, [r]).score), (h, r)
+  means = expected_utilities(candidates, sentence_metric)
+  assert mbr.select(candidates, utility) == max(range(len(candidates)), key=lambda i: (means[i], -i))

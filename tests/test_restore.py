@@ -78,6 +78,19 @@ def test_each_kind_of_damage_is_set_aside_by_name_and_the_previous_one_restored(
   store.close()
 
 
+def test_a_checkpoint_missing_a_file_is_damaged_not_a_storage_failure(tmp_path, monkeypatch):
+  """A file gone from a committed checkpoint (FileNotFoundError) is the checkpoint's damage: it is set aside and
+  the previous one restored at once, not retried and then reported as failing storage."""
+  state = fresh_state()
+  directory = write_checkpoints(tmp_path, state, (1, 2))
+  (directory / '2' / 'data' / 'metadata').unlink()
+  waits = []
+  monkeypatch.setattr(checkpoints_lib.time, 'sleep', waits.append)
+  with checkpoints_lib.Checkpoints(tmp_path) as store:
+    restored, data_state = store.restore_newest_good(checkpoints_lib.abstract_like(state))
+  assert int(restored.step) == 1 and data_state['batch'] == 1 and waits == []
+  assert sorted(p.name for p in (tmp_path / 'corrupt_checkpoints').iterdir()) == ['2']
+
 def test_every_checkpoint_damaged_is_an_error_not_a_silent_restart(tmp_path):
   state = fresh_state()
   directory = write_checkpoints(tmp_path, state, (1,))
