@@ -175,7 +175,9 @@ def test_cli_from_stdin_in_chunks_equals_the_api(workdir, translator, mixed):
 
 def test_cli_fairseq_format_with_n_best(workdir, translator, mixed, tmp_path):
   (tmp_path / 'in.en').write_text('\n'.join(mixed) + '\n')
-  result = run_cli(['--input', str(tmp_path / 'in.en'), '--format=fairseq', '--n_best=2', '--beam_size=3'], workdir)
+  # Chunks of 5 lines: the ids count on across chunks.
+  result = run_cli(['--input', str(tmp_path / 'in.en'), '--format=fairseq', '--n_best=2', '--beam_size=3',
+                    '--buffer_lines=5'], workdir)
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.rstrip('\n').split('\n')
   assert len(lines) == 5 * len(mixed)  # S, then H and D for each of the 2 hypotheses
@@ -399,8 +401,9 @@ def test_a_lowercased_model_lowercases_its_inputs_and_scores_case_insensitively(
   assert decode.Translator(lowered).translate(shouting, beam_size=2) == expected
   reference = tmp_path / 'ref.de'
   reference.write_text(''.join(line.upper() + '\n' for line in expected))  # the right words, other case
-  result = run_cli(['--beam_size=2', f'--reference={reference}', f'--output={tmp_path / "out.de"}'], lowered,
-                   stdin=''.join(s + '\n' for s in shouting))
+  # One line a chunk: the scores read every chunk's translations.
+  result = run_cli(['--beam_size=2', f'--reference={reference}', f'--output={tmp_path / "out.de"}',
+                    '--buffer_lines=1'], lowered, stdin=''.join(s + '\n' for s in shouting))
   assert result.returncode == 0, result.stderr[-3000:]
   assert (tmp_path / 'out.de').read_text().splitlines() == expected
   # (chrF: the toy's translations are too short for 4-grams, so BLEU would be 0 whatever the case)
@@ -546,6 +549,46 @@ def test_segments_and_the_device_search_give_the_one_call_search(translator, mix
   assert any(rows < ladder.rows(16)[0] for rows, length in segments if length == 16), segments
   assert segments.count((ladder.rows(32)[0], 32)) >= 2, segments
 
+def test_going_on_keeps_the_searching_sentences_and_marks_padding_rows_finished():
+  # Catches a batch that goes on with the wrong rows or their row numbers instead of their sentences, and padding
+  # rows (copies of a searching sentence) that are not marked finished: they would keep the batch searching.
+  from flaxformer_nmt.decoding import ladder as ladder_lib  # pylint: disable=g-import-not-at-top
+  batch, beams, samples, length = 8, 2, 3, 16
+  rng = np.random.default_rng(0)
+  ints = lambda *shape: rng.integers(4, 99, shape).astype(np.int32)
+  cache = lambda rows: {'keys': rng.normal(size=(rows, 1, length, 2)).astype(np.float32)}
+  beam = beam_search.BeamState(
+      index=np.int32(5), sequences=ints(batch, beams, length + 1), alive_log_probs=np.zeros((batch, beams)),
+      finished_sequences=ints(batch, beams, length + 1), finished_scores=np.zeros((batch, beams)),
+      num_finished=np.zeros(batch, np.int32), max_lengths=np.arange(20, 20 + batch, dtype=np.int32),
+      cache=cache(batch * beams))
+  sampled = beam_search.TokenState(
+      index=np.int32(5), sequences=ints(batch * samples, length + 1), finished=rng.random(batch * samples) < 0.5,
+      scores=np.zeros(batch * samples, np.float32), max_lengths=np.full(batch * samples, 20, np.int32),
+      cache=cache(batch * samples))
+  inputs = search_lib.SearchInputs(src=ints(batch, length), members=(), sample_keys=None)
+  sentences = np.array([30, 31, 32, 33, 34, 35, 36, -1])
+  live = np.array([True, False, True, False, False, True, False, False])
+  ladder = ladder_lib.Ladder(tokens_per_batch=32, max_position=64, min_length=16)  # rows 4 and 1 at 16
+  for state, rows in ((beam, beams), (sampled, samples)):
+    (went_on, batch_inputs, batch_state), = batch_search._go_on(sentences, inputs, state, live, ladder)
+    assert list(went_on) == [30, 32, 35, -1]
+    for row, old in enumerate([0, 2, 5]):
+      assert (batch_inputs.src[row] == inputs.src[old]).all()
+      new, before = slice(rows * row, rows * (row + 1)), slice(rows * old, rows * (old + 1))
+      assert (batch_state.cache['keys'][new] == state.cache['keys'][before]).all()
+      if rows == beams:
+        assert (batch_state.sequences[row] == state.sequences[old]).all()
+        assert batch_state.max_lengths[row] == state.max_lengths[old]
+      else:
+        assert (batch_state.sequences[new] == state.sequences[before]).all()
+        assert (batch_state.finished[new] == state.finished[before]).all()
+    # A padding row has no step left (beam) or its samples are finished: it never keeps the batch searching.
+    if rows == beams:
+      assert batch_state.max_lengths[3] == 0
+    else:
+      assert batch_state.finished[3 * rows:].all()
+
 
 def test_the_ladder_has_a_few_shapes_that_hold_every_batch():
   # Catches rungs that break the token budget, rows that are not the ladder's, and batches that waste more than
@@ -587,6 +630,23 @@ def test_a_length_with_more_sentences_than_its_top_rung_pads_its_last_batch_to_i
   assert shapes(2 * top + 3) == [((top, 32), top), ((top, 32), top), ((top, 32), 3)]
   assert shapes(top) == [((top, 32), top)]
   assert shapes(1) == [((1, 32), 1)] and shapes(3) == [((4, 32), 3)]  # split's rows
+
+def test_a_source_is_padded_to_the_smallest_length_rung_that_holds_it():
+  # Catches a rung one off at its edge: a source of exactly 32 tokens (EOS included) padded to 64.
+  from flaxformer_nmt.decoding import ladder as ladder_lib  # pylint: disable=g-import-not-at-top
+  ladder = ladder_lib.Ladder(tokens_per_batch=512, max_position=256)
+  for n in (2, 31, 32, 33, 64, 65, 128, 129):
+    expected = 32
+    while expected < n:
+      expected *= 2
+    for sort_by_length in (True, False):
+      ((members, src),) = ladder.batches([[5] * (n - 1) + [3]], sort_by_length)
+      assert members == [0] and src.shape == (1, expected), (n, sort_by_length, src.shape)
+  # In input order a batch holds at most the top rung of rows: 33 sentences at 32 rows, 32 and then 1.
+  shapes = [(len(members), src.shape) for members, src in ladder.batches([[5] * 9 + [3]] * 33, False)]
+  assert shapes == [(32, (32, 32)), (1, (1, 32))], shapes
+  # A batch goes on in a rung strictly below its rows (rows 32, 4 and 1 at length 32), none below one row.
+  assert ladder.rows(32) == (32, 4, 1) and [ladder.below(r, 32) for r in (32, 4, 1)] == [4, 1, 0]
 
 
 def test_commands_keep_compiled_programs_in_the_user_cache(tmp_path):
@@ -841,6 +901,12 @@ def test_after_the_ladder_warm_up_inputs_of_any_size_compile_no_program(workdir,
   with cache.ProgramCounter() as warm_up:
     count = translator.warm_up_ladder(max_source_length=40, **options)
   assert len(warm_up.names) == count and set(warm_up.names) == {'jit(_begin)', 'jit(_segment)'}, warm_up.names
+  # A begin program per row rung of each source length up to 40 tokens' (64), and a segment program per row rung
+  # of each cache length up to the longest search's: 64 positions of source + max_decode_extra_length.
+  ladder = translator.ladder(options['tokens_per_batch'])
+  longest = min(64 + translator.config.max_decode_extra_length, ladder.max_position)
+  rungs = lambda top: sum(len(ladder.rows(c)) for c in ladder.lengths if c <= top)
+  assert count == rungs(64) + rungs(next(c for c in ladder.lengths if c >= longest)), count
   shapes = []
   for name in ('_begin_jit', '_segment_jit'):
     program = getattr(batch_search, name)

@@ -284,3 +284,35 @@ def test_a_remote_directory_turns_saved_executables_off_and_writes_nothing_here(
   assert directory is None and not loaded and 'not on a local file system' in caplog.text
   assert not list(tmp_path.iterdir())
   np.testing.assert_allclose(result, loop_in_numpy(x, w, 2), rtol=1e-4, atol=1e-5)
+
+
+def scaled(k, x):
+  return x * k
+
+
+def test_the_key_tells_positional_static_arguments_device_array_dtypes_and_jit_options_apart(saved_in):
+  # Catches a key that leaves out a static argument given by position (the search's model), the dtype of a
+  # jax.Array argument, or the Program's jit options (the batch-invariant programs' compiler options): a fresh
+  # Program would load the other call's executable.
+  x = np.arange(4, dtype=np.float32)
+  for k in (2.0, 3.0):
+    result, loaded = loads(executables.Program(scaled, static_argnums=(0,)), k, x)
+    assert not loaded
+    np.testing.assert_array_equal(result, x * k)
+  for dtype in (jnp.float32, jnp.bfloat16):
+    result, loaded = loads(executables.Program(loop, static_argnames=('k',)), *map(jnp.asarray, arguments(8, dtype)),
+                           k=2)
+    assert not loaded and result.dtype == dtype
+  _, loaded = loads(executables.Program(loop, static_argnames=('k',), keep_unused=True), *map(jnp.asarray, arguments()),
+                    k=2)
+  assert not loaded
+  assert len(saved(saved_in)) == 5
+
+
+def test_the_environment_tells_xla_flags_apart(monkeypatch):
+  # Catches an environment that leaves out XLA_FLAGS: executables compiled under other flags (fast math, another
+  # device count) would be loaded.
+  monkeypatch.setenv('XLA_FLAGS', '--xla_cpu_enable_fast_math=true')
+  fast = executables.environment.__wrapped__()
+  monkeypatch.setenv('XLA_FLAGS', '--xla_cpu_enable_fast_math=false')
+  assert executables.environment.__wrapped__() != fast
