@@ -345,21 +345,26 @@ class SentencePieceProcessor:
 """
 
 
-def test_decode_throughput_ctranslate2_s_peak_rss_is_up_to_its_output(tmp_path, monkeypatch):
-  """The CTranslate2 process's peak RSS is its peak up to its output written, as the decode command's ends with
-  its output. Catches the peak of the whole process, its warm passes after the output included (a greedy
-  process's 105 MB read 110-114)."""
-  decode_throughput = _bench_module('decode_throughput')
+def _stub_ctranslate2_process(tmp_path, monkeypatch, text):
+  """decode_throughput.ctranslate2_process on `text` (in.en, translated to out.de in tmp_path), its ctranslate2 and
+  sentencepiece the stubs above."""
   (tmp_path / 'ctranslate2.py').write_text(_CT2_STUB)
   (tmp_path / 'sentencepiece.py').write_text(_SENTENCEPIECE_STUB)
-  (tmp_path / 'in.en').write_text('a dog\na cat\n')
+  (tmp_path / 'in.en').write_text(text)
   monkeypatch.setenv('PYTHONPATH', str(tmp_path))
   config = types.SimpleNamespace(length_penalty_alpha=1.0, max_decode_extra_length=50, decode_tokens_per_batch=512)
   translator = types.SimpleNamespace(config=config, lowercase=False)
   flags = types.SimpleNamespace(alpha=None, threads=1, tokens_per_batch=None, compute_type='float32',
                                 omp_wait_policy=None)
-  _, megabytes, warm = decode_throughput.ctranslate2_process(flags, translator, tmp_path, str(tmp_path / 'in.en'),
-                                                             str(tmp_path / 'out.de'), 5, repeats=1)
+  return _bench_module('decode_throughput').ctranslate2_process(
+      flags, translator, tmp_path, str(tmp_path / 'in.en'), str(tmp_path / 'out.de'), 5, repeats=1)
+
+
+def test_decode_throughput_ctranslate2_s_peak_rss_is_up_to_its_output(tmp_path, monkeypatch):
+  """The CTranslate2 process's peak RSS is its peak up to its output written, as the decode command's ends with
+  its output. Catches the peak of the whole process, its warm passes after the output included (a greedy
+  process's 105 MB read 110-114)."""
+  _, megabytes, warm = _stub_ctranslate2_process(tmp_path, monkeypatch, 'a dog\na cat\n')
   assert warm is not None and (tmp_path / 'out.de').read_text() == 'w\nw\n'
   assert 0 < megabytes < 200, megabytes
 
@@ -367,17 +372,7 @@ def test_decode_throughput_ctranslate2_s_peak_rss_is_up_to_its_output(tmp_path, 
 def test_decode_throughput_ctranslate2_process_takes_an_empty_input(tmp_path, monkeypatch):
   """An empty input file gives CTranslate2's process an empty output, as it gives the decode command. Catches the
   length limit taken as the longest of no sources (ValueError: max() of an empty sequence)."""
-  decode_throughput = _bench_module('decode_throughput')
-  (tmp_path / 'ctranslate2.py').write_text(_CT2_STUB)
-  (tmp_path / 'sentencepiece.py').write_text(_SENTENCEPIECE_STUB)
-  (tmp_path / 'in.en').write_text('')
-  monkeypatch.setenv('PYTHONPATH', str(tmp_path))
-  config = types.SimpleNamespace(length_penalty_alpha=1.0, max_decode_extra_length=50, decode_tokens_per_batch=512)
-  translator = types.SimpleNamespace(config=config, lowercase=False)
-  flags = types.SimpleNamespace(alpha=None, threads=1, tokens_per_batch=None, compute_type='float32',
-                                omp_wait_policy=None)
-  _, _, warm = decode_throughput.ctranslate2_process(flags, translator, tmp_path, str(tmp_path / 'in.en'),
-                                                     str(tmp_path / 'out.de'), 5, repeats=1)
+  _, _, warm = _stub_ctranslate2_process(tmp_path, monkeypatch, '')
   assert warm is not None and (tmp_path / 'out.de').read_text() == ''
 
 
