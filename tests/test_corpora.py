@@ -97,27 +97,32 @@ def test_export_writes_a_tfds_split_as_text(tmp_path):
   assert tgt_path.read_text().splitlines() == [t for _, t in expected]
 
 
-def test_a_prepared_array_record_builder_is_read_without_mocks(toy_corpus, tmp_path):
-  """The real read path: a translation builder prepared as array_record (as WMT is), read by language name."""
+def prepare_translation_builder(class_name, pairs, data_dir, supervised_keys=None):
+  """Prepares, as array_record in data_dir, a TFDS translation builder named after class_name ('ToyTranslate':
+  'toy_translate') whose train split holds the (en, de) pairs."""
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
-  class ToyTranslate(tfds.core.GeneratorBasedBuilder):
-    VERSION = tfds.core.Version('1.0.0')
+  def info(builder):
+    return tfds.core.DatasetInfo(builder=builder, features=tfds.features.Translation(languages=('de', 'en')),
+                                 supervised_keys=supervised_keys)
 
-    def _info(self):
-      return tfds.core.DatasetInfo(builder=self, features=tfds.features.Translation(languages=('de', 'en')),
-                                   supervised_keys=('de', 'en'))
+  def examples(builder):
+    del builder
+    for i, (en, de) in enumerate(pairs):
+      yield i, {'en': en, 'de': de}
 
-    def _split_generators(self, dl_manager):
-      return {'train': self._generate_examples()}
+  builder_class = type(class_name, (tfds.core.GeneratorBasedBuilder,), {
+      'VERSION': tfds.core.Version('1.0.0'), '_info': info, '_generate_examples': examples,
+      '_split_generators': lambda builder, dl_manager: {'train': builder._generate_examples()}})
+  builder_class(data_dir=data_dir, file_format='array_record').download_and_prepare()
 
-    def _generate_examples(self):
-      english = (toy_corpus / 'train.en').read_text().splitlines()
-      german = (toy_corpus / 'train.de').read_text().splitlines()
-      for i, (en, de) in enumerate(zip(english, german)):
-        yield i, {'en': en + '\u00a0', 'de': de}
 
-  ToyTranslate(data_dir=str(tmp_path / 'tfds'), file_format='array_record').download_and_prepare()
+def test_a_prepared_array_record_builder_is_read_without_mocks(toy_corpus, tmp_path):
+  """The real read path: a translation builder prepared as array_record (as WMT is), read by language name."""
+  english = (toy_corpus / 'train.en').read_text().splitlines()
+  german = (toy_corpus / 'train.de').read_text().splitlines()
+  prepare_translation_builder('ToyTranslate', [(en + '\u00a0', de) for en, de in zip(english, german)],
+                              str(tmp_path / 'tfds'), supervised_keys=('de', 'en'))
   pairs = corpora.TfdsPairs('toy_translate', 'train', 'en', 'de', data_dir=str(tmp_path / 'tfds'))
   text = corpora.TextPairs(toy_corpus, 'train', 'en', 'de')
   assert len(pairs) == len(text)
@@ -129,23 +134,8 @@ def test_a_prepared_array_record_builder_is_read_without_mocks(toy_corpus, tmp_p
 
 def test_a_tfds_split_expression_reads_that_part_of_the_split(tmp_path):
   """TFDS split expressions ('train[:4]', 'train[4:]') name parts of a split, as the builder's readers take them."""
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-
-  class SlicedTranslate(tfds.core.GeneratorBasedBuilder):
-    VERSION = tfds.core.Version('1.0.0')
-
-    def _info(self):
-      return tfds.core.DatasetInfo(builder=self, features=tfds.features.Translation(languages=('de', 'en')))
-
-    def _split_generators(self, dl_manager):
-      return {'train': self._generate_examples()}
-
-    def _generate_examples(self):
-      for i in range(10):
-        yield i, {'en': f'sentence {i}', 'de': f'satz {i}'}
-
   data_dir = str(tmp_path / 'tfds')
-  SlicedTranslate(data_dir=data_dir, file_format='array_record').download_and_prepare()
+  prepare_translation_builder('SlicedTranslate', [(f'sentence {i}', f'satz {i}') for i in range(10)], data_dir)
   records = corpora.tfds_builder('sliced_translate', data_dir).as_data_source(split='train')
   stored = [(records[i]['en'].decode(), records[i]['de'].decode()) for i in range(len(records))]
   head = corpora.TfdsPairs('sliced_translate', 'train[:4]', 'en', 'de', data_dir=data_dir)
@@ -262,25 +252,10 @@ def test_a_file_rewritten_within_the_same_second_with_the_same_size_is_another_c
 def test_a_lowercased_tfds_split_lowercases_both_sides_and_keys_its_own_fingerprint(tmp_path):
   """config.lowercase on a TFDS corpus: every side is str.lower of the whitespace-normalized text (as for text
   files), the source and the target alike, and the fingerprint tells it from the cased corpus."""
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   english = ['A  Man on the STREET', 'Two\u00a0Dogs RUN', 'ÜBER Alles']
   german = ['Ein Mann auf der STRAßE', 'Zwei\tHunde', 'Über ALLES']
-
-  class CasedTranslate(tfds.core.GeneratorBasedBuilder):
-    VERSION = tfds.core.Version('1.0.0')
-
-    def _info(self):
-      return tfds.core.DatasetInfo(builder=self, features=tfds.features.Translation(languages=('de', 'en')))
-
-    def _split_generators(self, dl_manager):
-      return {'train': self._generate_examples()}
-
-    def _generate_examples(self):
-      for i, (en, de) in enumerate(zip(english, german)):
-        yield i, {'en': en, 'de': de}
-
   data_dir = str(tmp_path / 'tfds')
-  CasedTranslate(data_dir=data_dir, file_format='array_record').download_and_prepare()
+  prepare_translation_builder('CasedTranslate', list(zip(english, german)), data_dir)
   lowered = corpora.TfdsPairs('cased_translate', 'train', 'en', 'de', data_dir=data_dir, lowercase=True)
   cased = corpora.TfdsPairs('cased_translate', 'train', 'en', 'de', data_dir=data_dir)
   expected = sorted((' '.join(en.split()).lower(), ' '.join(de.split()).lower()) for en, de in zip(english, german))
