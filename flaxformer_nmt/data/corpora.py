@@ -27,7 +27,7 @@ class TextPairs:
     self.fingerprint = {'kind': 'text', 'files': [_file_stamp(src_path), _file_stamp(tgt_path)],
                         'max_line_chars': max_line_chars, 'skip_bad_pairs': skip_bad_pairs,
                         **_lowercase_stamp(lowercase)}
-    self.description = f'{src_path} + {tgt_path}'
+    self.description, self.files = f'{src_path} + {tgt_path}', (src_path, tgt_path)
 
   def __len__(self):
     return len(self.source_lines)
@@ -159,7 +159,7 @@ class TextLines:
     self.lines = keep
     self.fingerprint = {'kind': 'text_lines', 'file': _file_stamp(path), 'max_line_chars': max_line_chars,
                         'skip_bad_pairs': skip_bad_pairs, **_lowercase_stamp(lowercase)}
-    self.description = str(path)
+    self.description, self.files = str(path), (path,)
 
   def __len__(self):
     return len(self.lines)
@@ -236,7 +236,7 @@ def export_text(pairs, output_dir, split, source_lang, target_lang):
   source, target = pairs.read(range(len(pairs)))
   sides = ((target_lang, source),) if target is None else ((source_lang, source), (target_lang, target))
   paths = [output_dir / f'{split}.{lang}' for lang, _ in sides]
-  read = {os.path.realpath(name) for name in _files_read(pairs)}
+  read = {os.path.realpath(name) for name in getattr(pairs, 'files', ())}  # text files (TFDS splits: none)
   for path in paths:
     if os.path.realpath(path) in read:
       raise data_lib.DataError(f'--output_dir {output_dir}: {path} is a file the export reads: choose another '
@@ -248,10 +248,3 @@ def export_text(pairs, output_dir, split, source_lang, target_lang):
   for partial, path in zip(partials, paths):
     partial.replace(path)
   return paths
-
-
-def _files_read(corpus):
-  """The local text files a corpus was read from (none for TFDS), as its fingerprint names them."""
-  fingerprint = getattr(corpus, 'fingerprint', {})
-  stamps = fingerprint.get('files') or ([fingerprint['file']] if 'file' in fingerprint else [])
-  return [str(stamp[0]) for stamp in stamps if '://' not in str(stamp[0])]
