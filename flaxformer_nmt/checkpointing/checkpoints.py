@@ -483,7 +483,7 @@ def save_averaged(workdir, params, steps):
   """Writes `{workdir}/averaged/` (parameters + averaged.json naming the steps), replacing an older one: the new
   one is written whole into `.averaged.tmp/` and renamed into place, the older one removed only then."""
   directory = absolute(workdir) / AVERAGED_DIR
-  staged, retired = directory.with_name(f'.{AVERAGED_DIR}.tmp'), directory.with_name(f'.{AVERAGED_DIR}.old')
+  staged = directory.with_name(f'.{AVERAGED_DIR}.tmp')
   try:  # here, not in orbax's writer thread: one that cannot make its folder leaves the process waiting for ever
     staged.mkdir(parents=True, exist_ok=True)
   except OSError as e:
@@ -494,14 +494,21 @@ def save_averaged(workdir, params, steps):
   # The orbax save above is collective (every host calls it); the index and the renames are process 0's.
   if jax.process_index() == 0:
     (staged / AVERAGED_INFO).write_text(json.dumps({'steps': [int(s) for s in steps]}))
-    retired.rmtree(missing_ok=True)
-    if directory.exists():
-      directory.rename(retired)  # a kill before the next rename leaves the older one whole there
-    staged.rename(directory)
-    retired.rmtree(missing_ok=True)
+    replace_directory(staged, directory)
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices('averaged.json written')
   return directory
+
+
+def replace_directory(staged, directory):
+  """Renames the written `staged` directory (an epath.Path) to `directory`, whose older contents are set aside
+  first (`.NAME.old`: a kill before the second rename leaves them whole there) and removed only then."""
+  retired = directory.with_name(f'.{directory.name}.old')
+  retired.rmtree(missing_ok=True)
+  if directory.exists():
+    directory.rename(retired)
+  staged.rename(directory)
+  retired.rmtree(missing_ok=True)
 
 
 def averaged_directory(workdir):

@@ -7,6 +7,7 @@ import ml_dtypes
 import numpy as np
 from etils import epath
 
+from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
 from flaxformer_nmt.checkpointing import loader
 from flaxformer_nmt.checkpointing import workdir as workdir_lib
 from flaxformer_nmt.data import corpus as data_lib
@@ -218,26 +219,13 @@ def write_model(workdir, loaded, output_dir, quantization=None):
   optimize(spec, quantization)
   target = epath.Path(output_dir).resolve()
   staged = target.with_name(f'.{target.name}.partial')
-  if staged.exists():  # what an interrupted export left
-    shutil.rmtree(staged)
+  staged.rmtree(missing_ok=True)  # what an interrupted export left
   staged.mkdir(parents=True)
   spec.save(str(staged))
   shutil.copyfile(epath.Path(workdir) / tokenizer_lib.VOCAB_FILENAME, staged / tokenizer_lib.VOCAB_FILENAME)
   write_readme(output_dir, workdir=workdir, checkpoint=loaded.description, config=loaded.config,
                quantization=quantization, directory=staged)
-  replace_directory(staged, target)
-
-
-def replace_directory(staged, target):
-  """Moves the written `staged` directory to `target`, whose older contents are removed only then."""
-  retired = target.with_name(f'.{target.name}.old')
-  if retired.exists():
-    shutil.rmtree(retired)
-  if target.exists():
-    target.rename(retired)
-  staged.rename(target)
-  if retired.exists():
-    shutil.rmtree(retired)
+  checkpoints_lib.replace_directory(staged, target)
 
 
 def optimize(spec, quantization):
