@@ -65,10 +65,11 @@ class ValidationBleu:
       # Line i of the tokenized references is line i of the split's files, whose dropped pairs leave gaps.
       lines = getattr(pairs, 'line_indices', range(count))[:count]
       tok_lines = evaluate.read_text(tok_path)
-      if len(tok_lines) != getattr(pairs, 'num_lines', len(pairs)):  # another corpus's references
-        raise data_lib.DataError(f'{tok_path}: {len(tok_lines)} lines, but {config.eval_split} has '
-                                 f'{getattr(pairs, "num_lines", len(pairs))} ({pairs.description}): set '
-                                 '--config.eval_bleu_tok_ref_dir to its tokenized references, or empty')
+      num_lines = getattr(pairs, 'num_lines', len(pairs))  # a text split's lines, its dropped pairs included
+      if len(tok_lines) != num_lines:  # another corpus's references
+        raise data_lib.DataError(f'{tok_path}: {len(tok_lines)} lines, but {config.eval_split} has {num_lines} '
+                                 f'({pairs.description}): set --config.eval_bleu_tok_ref_dir to its tokenized '
+                                 'references, or empty')
       self.tok_references = [tok_lines[i] for i in lines]
     elif config.eval_bleu_tok_ref_dir:
       logging.warning('No %s.%s in %s (config.eval_bleu_tok_ref_dir): validation BLEU is sacreBLEU only, without '
