@@ -8,7 +8,7 @@ import sys
 
 from absl import app, flags
 
-from flaxformer_nmt.evaluation.bleu import read_text, report
+from flaxformer_nmt.evaluation.bleu import moses_languages, read_text, report
 
 
 def define_flags():
@@ -25,10 +25,16 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   f = flags.FLAGS
-  try:
-    texts = {flag: read_text(f[flag].value) for flag in ('hyp', 'ref', 'tok_ref') if f[flag].value}
-  except (OSError, ValueError) as e:
-    sys.exit(f'error: {e}')
+  if f.tok_ref and f.lang not in moses_languages():  # only the tokenized BLEU reads it
+    sys.exit(f'error: --lang {f.lang}: the Moses tokenization of --tok_ref has no rules for it (one of '
+             f'{", ".join(moses_languages())})')
+  texts = {}
+  for flag in ('hyp', 'ref', 'tok_ref'):
+    try:
+      texts[flag] = read_text(f[flag].value) if f[flag].value else None
+    except ValueError as e:  # the file and its reason, or its line
+      sys.exit(f'error: --{flag} {e}')
+  texts = {flag: text for flag, text in texts.items() if text is not None}
   for flag, text in texts.items():
     if len(text) != len(texts['hyp']):
       sys.exit(f'error: --{flag} {f[flag].value} has {len(text)} lines but --hyp {f.hyp} has {len(texts["hyp"])}')

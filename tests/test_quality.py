@@ -243,6 +243,29 @@ def test_evaluate_names_the_files_whose_lines_differ_and_refuses_stray_arguments
   assert result.returncode == 0 and 'chrF = 100.00' in result.stdout, result.stderr
 
 
+def test_evaluate_names_the_flag_of_a_file_it_cannot_read_and_a_language_moses_has_no_rules_for(tmp_path):
+  # A directory was a bare "error: [Errno 21] Is a directory: '...'" naming no flag; --lang xx scored the
+  # tokenized BLEU with English rules and said nothing.
+  (tmp_path / 'hyp.de').write_text('ein hund .\n')
+  (tmp_path / 'bad.de').write_bytes(b'ein hund .\n\xff\n')
+  (tmp_path / 'folder').mkdir()
+  good = str(tmp_path / 'hyp.de')
+  for args, line in (
+      ([f'--hyp={tmp_path / "folder"}', f'--ref={good}'], f'error: --hyp {tmp_path / "folder"}: Is a directory'),
+      ([f'--hyp={good}', f'--ref={tmp_path / "missing"}'], f'error: --ref {tmp_path / "missing"}: file not found'),
+      ([f'--hyp={good}', f'--ref={good}', f'--tok_ref={tmp_path / "bad.de"}'],
+       f'error: --tok_ref {tmp_path / "bad.de"}:2: invalid UTF-8 (invalid start byte at byte 0)')):
+    result = in_process.run(evaluate_command, args)
+    assert result.returncode == 1 and result.stderr.strip().splitlines() == [line], result.stderr[-2000:]
+  result = in_process.run(evaluate_command, [f'--hyp={good}', f'--ref={good}', f'--tok_ref={good}', '--lang=xx'])
+  assert result.returncode == 1 and result.stdout == '', result.stderr[-2000:]
+  assert result.stderr.startswith('error: --lang xx: the Moses tokenization of --tok_ref has no rules for it')
+  assert ' de, ' in result.stderr and ' en, ' in result.stderr
+  for lang in ('en', 'ja'):  # one with nonbreaking prefixes, one the tokenizer splits as CJK
+    result = in_process.run(evaluate_command, [f'--hyp={good}', f'--ref={good}', f'--tok_ref={good}', f'--lang={lang}'])
+    assert result.returncode == 0 and f'moses-tokenized ({lang})' in result.stdout, result.stderr[-2000:]
+
+
 def test_compare_rows_take_sacrebleus_length_ratio_and_an_empty_checkpoint_list_is_refused(tmp_path):
   """Wrong rules caught: the length ratio was sys_len / ref_len, so references of blank lines ended compare with a
   ZeroDivisionError traceback after the whole decode; --checkpoints= printed an empty table and exited 0."""

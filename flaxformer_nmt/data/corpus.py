@@ -39,7 +39,10 @@ def read_text_lines(path):
   path = epath.Path(path)
   if not path.exists():
     raise DataError(f'{path}: file not found')
-  lines = path.read_bytes().removeprefix(BOM).split(b'\n')
+  try:
+    lines = path.read_bytes().removeprefix(BOM).split(b'\n')
+  except OSError as e:  # a directory, no permission
+    raise DataError(f'{path}: {e.strerror or e}') from None
   if lines and lines[-1] == b'':
     lines.pop()
   out = []

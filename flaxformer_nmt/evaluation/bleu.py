@@ -46,6 +46,13 @@ def sacrebleu_score(hypotheses, references, lowercase=False):
   return result.score, str(bleu.get_signature())
 
 
+def moses_languages():
+  """The languages the Moses recipe has rules for: sacremoses' nonbreaking prefixes, and the CJK scripts its
+  tokenizer splits. For any other code sacremoses tokenizes as English, without a word."""
+  from sacremoses.corpus import NonbreakingPrefixes  # pylint: disable=g-import-not-at-top  (as in _moses)
+  return sorted(set(NonbreakingPrefixes().available_langs.values()) | {'ja', 'ko'})
+
+
 def tokenized_bleu(hypotheses, tokenized_references, lang):
   """(score, description) of lowercased Moses-tokenized BLEU against already-tokenized references (lowercased
   too: the official lc.norm.tok files already are)."""
