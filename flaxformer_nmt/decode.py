@@ -183,15 +183,15 @@ def open_files(FLAGS):  # pylint: disable=invalid-name
   try:
     chunks = data_lib.read_chunks(FLAGS.input, FLAGS.buffer_lines)
     first = next(chunks, None)
-  except OSError as e:
-    sys.exit(f'error: {FLAGS.input}: {e}')
+  except OSError as e:  # missing, a directory, no permission
+    sys.exit(f'error: --input {FLAGS.input}: {e.strerror or e}')
   except ValueError as e:  # a line that is not UTF-8, named
     sys.exit(f'error: {e}')
   chunks = itertools.chain([] if first is None else [first], chunks)
   try:
     return chunks, sys.stdout if FLAGS.output == '-' else epath.Path(FLAGS.output).open('w', encoding='utf-8')
-  except OSError as e:
-    sys.exit(f'error: {FLAGS.output}: {e}')
+  except OSError as e:  # a directory, under a file, no permission
+    sys.exit(f'error: --output {FLAGS.output}: {e.strerror or e}')
 
 
 def write_output(FLAGS, out, text):  # pylint: disable=invalid-name
@@ -256,7 +256,7 @@ def read_references(FLAGS):  # pylint: disable=invalid-name
       with epath.Path(FLAGS.input).open('rb') as f:
         count = sum(1 for _ in f)
     except OSError as e:
-      sys.exit(f'error: {FLAGS.input}: {e}')
+      sys.exit(f'error: --input {FLAGS.input}: {e.strerror or e}')
     for flag, text in lines.items():
       if text is not None and len(text) != count:
         sys.exit(f'error: --{flag} {FLAGS[flag].value} has {len(text)} lines but --input {FLAGS.input} has {count}')

@@ -29,6 +29,7 @@ import sys
 from absl import app, flags, logging
 
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
+from flaxformer_nmt.runtime import flags as cli
 from flaxformer_nmt.serving import argos
 from flaxformer_nmt.serving.ctranslate2 import FORMATS, QUANTIZATIONS, export_ctranslate2
 
@@ -53,6 +54,8 @@ def main(argv):
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if message := cli.unmakeable_directory('output_dir', FLAGS.output_dir):  # before the checkpoint loads
+    sys.exit(message)
   checkpoints_lib.quiet_orbax_logs()
   try:
     if FLAGS.format == 'argos':

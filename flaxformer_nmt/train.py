@@ -40,6 +40,8 @@ def define_flags():
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if message := cli.unmakeable_directory('workdir', flags.FLAGS.workdir):  # before the data is read
+    sys.exit(message)
   if host_memory.keep_freed_memory():  # before the first computation starts XLA's threads (host_memory.py)
     logging.info('Host memory: freed buffers kept for reuse (%s=0 turns it off)', host_memory.ENV)
   checkpoints_lib.quiet_orbax_logs()

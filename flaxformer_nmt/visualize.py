@@ -24,7 +24,6 @@ and averaged:
   {i:02d}_self_average.png                                       per layer and over all layers
 """
 import importlib.util
-import os
 import sys
 
 from absl import app, flags
@@ -37,6 +36,7 @@ from flaxformer_nmt.evaluation.attention import (attention_maps, self_attention_
                                                  write_self_attention_pictures)
 from flaxformer_nmt.models import lm
 from flaxformer_nmt.runtime import cache
+from flaxformer_nmt.runtime import flags as cli
 
 
 def define_flags():
@@ -57,6 +57,8 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   if importlib.util.find_spec('matplotlib') is None:
     sys.exit('error: attention pictures need matplotlib: pip install "flaxformer_nmt[plot]"')
+  if message := cli.unmakeable_directory('output_dir', FLAGS.output_dir):  # before any decoding
+    sys.exit(message)
   checkpoints_lib.quiet_orbax_logs()
   cache.use_compilation_cache()
   try:
@@ -65,8 +67,6 @@ def main(argv):
       sentences += [line for line in data_lib.read_lines(FLAGS.input) if line]
     if not sentences:
       raise ValueError('no sentences: pass --sentences or --input')
-    if os.path.exists(FLAGS.output_dir) and not os.path.isdir(FLAGS.output_dir):  # before any decoding
-      raise ValueError(f'--output_dir {FLAGS.output_dir} is a file, not a directory')
     if lm.task_of(workdir_lib.load_config(FLAGS.workdir)) != 'translation':
       maps = self_attention_maps(FLAGS.workdir, sentences, FLAGS.checkpoint or 'latest')
       for path in write_self_attention_pictures(maps, FLAGS.output_dir):

@@ -103,6 +103,23 @@ def test_the_package_export_reads_the_checkpoint_once(workdir, tmp_path, monkeyp
   assert settings['parameters'] == sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
 
 
+def test_an_interrupted_package_export_leaves_no_partial_package(workdir, package, tmp_path, monkeypatch):
+  # Ctrl-C while the zip is written: the half-written .argosmodel.partial stayed beside the package before.
+  shutil.copy(package, tmp_path / package.name)
+  write = zipfile.ZipFile.write
+
+  def interrupted(archive, filename, *args, **kwargs):
+    if str(filename).endswith(argos.SENTENCEPIECE_FILE):  # the model is in the archive already
+      raise KeyboardInterrupt
+    return write(archive, filename, *args, **kwargs)
+
+  monkeypatch.setattr(zipfile.ZipFile, 'write', interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    argos.export_argos(workdir, tmp_path, 'latest', force=True)
+  assert sorted(p.name for p in tmp_path.iterdir()) == [package.name]
+  assert (tmp_path / package.name).read_bytes() == package.read_bytes()
+
+
 def test_export_refuses_a_package_version_argos_cannot_compare(workdir, tmp_path):
   # Argos Translate orders package versions with packaging.version; a '/' would also put the package in a
   # subdirectory, its zip's top directory nested.

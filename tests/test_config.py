@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from conftest import write_toy_corpus
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -160,6 +162,18 @@ def test_a_config_file_that_cannot_be_opened_is_one_line_naming_it(tmp_path, pat
   assert 'Traceback' not in result.stderr, result.stderr
   assert result.stderr.strip().splitlines()[-1] == f'error: --config {path}: {reason}'
   assert not (tmp_path / 'w').exists()
+
+
+@pytest.mark.parametrize('workdir, where', [('taken', 'is a file'), ('taken/run', 'is under the file {}')])
+def test_a_workdir_that_is_or_is_under_a_file_is_one_line_naming_it(tmp_path, workdir, where):
+  # It was a traceback ending in FileExistsError or NotADirectoryError from the workdir's mkdir.
+  (tmp_path / 'taken').write_text('')
+  result = run_train('--config', 'configs/multi30k_tiny.py', '--workdir', str(tmp_path / workdir),
+                     f'--config.data_dir={write_toy_corpus(tmp_path / "data")}', '--config.data_download=')
+  assert result.returncode == 1 and 'Traceback' not in result.stderr, result.stderr[-3000:]
+  assert result.stderr.strip().splitlines()[-1] == (f'error: --workdir {tmp_path / workdir}: '
+                                                    f'{where.format(tmp_path / "taken")}, not a directory')
+  assert (tmp_path / 'taken').read_text() == ''
 
 
 def test_corpora_names_a_config_file_that_cannot_be_opened(tmp_path):

@@ -281,15 +281,20 @@ def test_visualize_cli_writes_pngs(workdir, tmp_path):
     assert str(path) in result.stdout
 
 
-def test_visualize_refuses_an_output_dir_that_is_a_file_before_decoding(workdir, tmp_path, monkeypatch):
-  # Catches the check left to the pictures' mkdir: the whole translation ran first, then "[Errno 17] File exists".
+@pytest.mark.parametrize('output_dir, where', [('taken', 'is a file'), ('taken/pictures', 'is under the file {}')])
+def test_visualize_refuses_an_output_dir_that_is_a_file_before_decoding(workdir, tmp_path, monkeypatch, output_dir,
+                                                                         where):
+  # Catches the check left to the pictures' mkdir: the whole translation ran first, then "[Errno 17] File exists"
+  # (or "[Errno 20] Not a directory" for a directory under the file).
   from flaxformer_nmt import visualize as visualize_command  # pylint: disable=g-import-not-at-top
   pytest.importorskip('matplotlib')
   (tmp_path / 'taken').write_text('')
   monkeypatch.setattr(visualize_command.decode, 'Translator', lambda *a, **k: pytest.fail('decoded first'))
   result = in_process.run(visualize_command, [f'--workdir={workdir}', '--sentences=a dog runs .',
-                                              f'--output_dir={tmp_path / "taken"}'])
-  assert result.returncode != 0 and 'is a file, not a directory' in result.stderr, result.stderr[-2000:]
+                                              f'--output_dir={tmp_path / output_dir}'])
+  assert result.returncode == 1, result.stderr[-2000:]
+  assert result.stderr.strip().splitlines() == [
+      f'error: --output_dir {tmp_path / output_dir}: {where.format(tmp_path / "taken")}, not a directory']
 
 
 def test_a_source_longer_than_the_positions_is_cut_with_its_line_named(workdir, translator, caplog, monkeypatch):
@@ -481,8 +486,26 @@ def test_cli_never_empties_the_output_for_a_bad_input_or_output(workdir, tmp_pat
     assert result.returncode == 1 and message in result.stderr, result.stderr[-2000:]
     assert out.read_text() == 'earlier translations\n'
   result = run_cli([f'--output={tmp_path / "no_dir" / "out.de"}'], workdir, stdin='a dog .\n')
-  assert result.returncode == 1 and f'error: {tmp_path / "no_dir" / "out.de"}' in result.stderr
-  assert 'Traceback' not in result.stderr
+  assert result.returncode == 1 and 'Traceback' not in result.stderr, result.stderr[-2000:]
+  assert result.stderr.strip().splitlines()[-1] == (f'error: --output {tmp_path / "no_dir" / "out.de"}: No such file '
+                                                    'or directory')
+
+
+def test_an_input_or_output_that_cannot_be_opened_is_one_line_naming_its_flag(workdir, tmp_path):
+  # It was "error: PATH: [Errno 21] Is a directory: 'PATH'": the path twice, the flag not at all.
+  (tmp_path / 'folder').mkdir()
+  (tmp_path / 'taken').write_text('')
+  source = tmp_path / 'in.en'
+  source.write_text('a dog .\n')
+  for args, line in (([f'--input={tmp_path / "folder"}'], f'error: --input {tmp_path / "folder"}: Is a directory'),
+                     ([f'--input={source}', f'--output={tmp_path / "folder"}'],
+                      f'error: --output {tmp_path / "folder"}: Is a directory'),
+                     ([f'--input={source}', f'--output={tmp_path / "taken" / "out.de"}'],
+                      f'error: --output {tmp_path / "taken" / "out.de"}: Not a directory')):
+    result = run_cli(args, workdir)
+    assert result.returncode == 1 and 'Traceback' not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == line
+  assert (tmp_path / 'taken').read_text() == ''
 
 
 def test_bfloat16_decoding_computes_in_bfloat16(workdir, translator, mixed):

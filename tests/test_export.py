@@ -309,6 +309,24 @@ def test_a_forced_export_that_fails_keeps_the_export_before(workdir, tmp_path, m
   assert sorted(p.name for p in tmp_path.iterdir()) == ['ct2']
 
 
+@pytest.mark.parametrize('interruption', [KeyboardInterrupt(), OSError(28, 'No space left on device')])
+def test_an_interrupted_export_leaves_no_partial_model_beside_the_export_before(workdir, tmp_path, monkeypatch,
+                                                                                 interruption):
+  # Ctrl-C or a full disk while the model is written: the half-written .ct2.partial stayed until the next export.
+  output = tmp_path / 'ct2'
+  export.export_ctranslate2(workdir, output, 'latest')
+  before = {p.name: p.read_bytes() for p in output.iterdir()}
+
+  def interrupted(*args, **kwargs):
+    raise interruption
+
+  monkeypatch.setattr(export, 'write_readme', interrupted)
+  with pytest.raises(type(interruption)):
+    export.export_ctranslate2(workdir, output, '300', force=True)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['ct2']
+  assert {p.name: p.read_bytes() for p in output.iterdir()} == before
+
+
 def test_export_defaults_to_the_checkpoint_the_config_chose(workdir, tmp_path):
   # A recipe that chose the average on validation (config.decode_checkpoint) exports it without --checkpoint.
   import shutil  # pylint: disable=g-import-not-at-top
@@ -349,3 +367,17 @@ def test_the_ctranslate2_length_penalty_has_our_penalty_slope_at_the_expected_le
     slope = (ours(n + h, alpha) - ours(n - h, alpha)) / (2 * h)
     penalty = ct2_export.length_penalty_for(alpha, pieces)
     assert penalty * (np.log(n + h) - np.log(n - h)) / (2 * h) == pytest.approx(slope, abs=0.01 / n)
+
+
+@pytest.mark.parametrize('format_', ['ctranslate2', 'argos'])
+def test_an_output_dir_under_a_file_is_refused_before_the_checkpoint_loads(workdir, tmp_path, monkeypatch, format_):
+  # It loaded and converted the model first, then failed with "[Errno 20] Not a directory" naming a
+  # .partial path that the user never gave.
+  from flaxformer_nmt.checkpointing import loader  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(loader, 'load_for_inference', lambda *a, **k: pytest.fail('loaded first'))
+  (tmp_path / 'taken').write_text('')
+  for output, where in ((tmp_path / 'taken', 'is a file'), (tmp_path / 'taken' / 'ct2', f'is under the file '
+                                                                                       f'{tmp_path / "taken"}')):
+    result = in_process.run(export_command, [f'--workdir={workdir}', f'--output_dir={output}', f'--format={format_}'])
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [f'error: --output_dir {output}: {where}, not a directory']

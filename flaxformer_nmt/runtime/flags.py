@@ -62,6 +62,21 @@ def unreadable_config(path):
     return f'error: --config {path}: {e.strerror}'
 
 
+def unmakeable_directory(flag, path):
+  """The error line for a directory given to --flag (an output or a workdir) that cannot be made because a file
+  is there or above it, or None (a URL, gs://..., is not checked): a command checks it before its work, not at
+  the first write after it."""
+  if '://' in str(path):
+    return None
+  here = os.path.abspath(path)
+  while not os.path.isdir(here):
+    if os.path.lexists(here):
+      where = 'is a file' if here == os.path.abspath(path) else f'is under the file {here}'
+      return f'error: --{flag} {path}: {where}, not a directory'
+    here = os.path.dirname(here)
+  return None
+
+
 def parse_flags(argv):
   """absl's flag parsing (`app.parse_flags_with_usage`); a --config file that cannot be opened, or an override of
   a field the config does not have, is one line and exit 1."""

@@ -121,9 +121,13 @@ def export_argos(workdir, output_dir, checkpoint=None, quantization=None, force=
         workdir=workdir, quantization=quantization or 'float32', lowercase=lowercase))
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.parent / f'.{path.name}.partial'
-    with zipfile.ZipFile(partial, 'w', zipfile.ZIP_DEFLATED) as archive:
-      for file in sorted(p for p in root.rglob('*') if p.is_file()):
-        archive.write(file, str(file.relative_to(root.parent)))
+    try:
+      with zipfile.ZipFile(partial, 'w', zipfile.ZIP_DEFLATED) as archive:
+        for file in sorted(p for p in root.rglob('*') if p.is_file()):
+          archive.write(file, str(file.relative_to(root.parent)))
+    except BaseException:  # a failed write, Ctrl-C: the half-written package goes, the package before stays
+      partial.unlink(missing_ok=True)
+      raise
     partial.replace(path)
   return path, description
 

@@ -219,12 +219,16 @@ def write_model(workdir, loaded, output_dir, quantization=None):
   optimize(spec, quantization)
   target = epath.Path(output_dir).resolve()
   staged = target.with_name(f'.{target.name}.partial')
-  staged.rmtree(missing_ok=True)  # what an interrupted export left
-  staged.mkdir(parents=True)
-  spec.save(str(staged))
-  shutil.copyfile(epath.Path(workdir) / tokenizer_lib.VOCAB_FILENAME, staged / tokenizer_lib.VOCAB_FILENAME)
-  write_readme(output_dir, workdir=workdir, checkpoint=loaded.description, config=loaded.config,
-               quantization=quantization, directory=staged)
+  staged.rmtree(missing_ok=True)  # what a killed export left
+  try:
+    staged.mkdir(parents=True)
+    spec.save(str(staged))
+    shutil.copyfile(epath.Path(workdir) / tokenizer_lib.VOCAB_FILENAME, staged / tokenizer_lib.VOCAB_FILENAME)
+    write_readme(output_dir, workdir=workdir, checkpoint=loaded.description, config=loaded.config,
+                 quantization=quantization, directory=staged)
+  except BaseException:  # a failed write, Ctrl-C: the half-written model goes, the export before stays
+    staged.rmtree(missing_ok=True)
+    raise
   checkpoints_lib.replace_directory(staged, target)
 
 
