@@ -235,6 +235,26 @@ def test_an_export_that_fails_midway_leaves_the_files_before_it(toy_corpus, tmp_
   assert not (out / 'valid.de').exists() and (out / 'valid.en').read_text() == 'an earlier export\n'
 
 
+def test_an_export_interrupted_midway_leaves_no_partial_file(toy_corpus, tmp_path, monkeypatch):
+  # Ctrl-C while the second file was written: .valid.en.partial stayed beside the export before.
+  out = tmp_path / 'out'
+  out.mkdir()
+  (out / 'valid.en').write_text('an earlier export\n')
+  path_type = type(corpora.epath.Path(out))
+  write_text = path_type.write_text
+
+  def interrupted(path, *args, **kwargs):
+    if path.name.endswith('.de.partial'):
+      raise KeyboardInterrupt
+    return write_text(path, *args, **kwargs)
+
+  monkeypatch.setattr(path_type, 'write_text', interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    corpora.export_text(corpora.TextPairs(toy_corpus, 'valid', 'en', 'de'), out, 'valid', 'en', 'de')
+  assert sorted(p.name for p in out.iterdir()) == ['valid.en']
+  assert (out / 'valid.en').read_text() == 'an earlier export\n'
+
+
 def test_a_file_rewritten_within_the_same_second_with_the_same_size_is_another_corpus(tmp_path):
   """Wrong rule caught: the fingerprint kept the modification time in whole seconds, so a fix of the same length
   (a typo, `sed -i`) made in the second the file was written kept serving the stale token cache."""

@@ -165,6 +165,19 @@ def test_a_write_that_fails_midway_leaves_no_file(file_server, tmp_path, monkeyp
   assert list((tmp_path / 'm30k').iterdir()) == []
 
 
+def test_a_write_interrupted_before_its_rename_leaves_no_file(tmp_path, monkeypatch):
+  # Ctrl-C between the write and the rename: the .train.en.PID.tmp stayed, under a name no later run reuses.
+  path_type = type(download.epath.Path(tmp_path))
+
+  def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(path_type, 'rename', interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    download.write_atomically(download.epath.Path(tmp_path) / 'train.en', b'a dog .\n')
+  assert list(tmp_path.iterdir()) == []
+
+
 def test_download_cli_fills_both_directories_beside_each_other(tmp_path, monkeypatch, file_server):
   """`--data_dir DIR` writes DIR and DIR_tok (file:// mirror from the environment, as offline copies are served).
   Catches: the tokenized text written elsewhere than where the docs tell --config.eval_bleu_tok_ref_dir to look."""

@@ -243,8 +243,13 @@ def export_text(pairs, output_dir, split, source_lang, target_lang):
                                '--output_dir')
   output_dir.mkdir(parents=True, exist_ok=True)
   partials = [path.with_name(f'.{path.name}.partial') for path in paths]
-  for partial, (_, lines) in zip(partials, sides):  # every file written whole before any is replaced
-    partial.write_text(''.join(line + '\n' for line in lines), encoding='utf-8')
+  try:
+    for partial, (_, lines) in zip(partials, sides):  # every file written whole before any is replaced
+      partial.write_text(''.join(line + '\n' for line in lines), encoding='utf-8')
+  except BaseException:  # a full disk, Ctrl-C: no half-written file stays beside the export before
+    for partial in partials:
+      partial.unlink(missing_ok=True)
+    raise
   for partial, path in zip(partials, paths):
     partial.replace(path)
   return paths

@@ -254,6 +254,9 @@ def write_atomically(path, data):
   except OSError as e:
     tmp.unlink(missing_ok=True)
     raise DownloadError(f'{path}: cannot write ({e.strerror or e})') from None
+  except BaseException:  # Ctrl-C: the temporary name is this process's own, and no later run would reuse it
+    tmp.unlink(missing_ok=True)
+    raise
 
 
 def sha256(data):
