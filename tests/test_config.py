@@ -234,10 +234,14 @@ def test_a_workdir_refuses_a_different_model(tmp_path):
 
 
 @pytest.mark.parametrize('field, value', [('target_right_to_left', True), ('lowercase', True),
-                                          ('prng_impl', 'rbg')])
+                                          ('prng_impl', 'rbg'), ('source_lang', 'fr'), ('target_lang', 'fr'),
+                                          ('task', 'lm'), ('sentencepiece_model_type', 'unigram'),
+                                          ('vocab_size', 8000)])
 def test_a_workdir_refuses_to_resume_with_another_target_order_case_or_key_generator(tmp_path, field, value):
   """A right-to-left model resumed left to right would unlearn what it learnt; a vocabulary learnt on text of one
-  case would meet text it never saw; checkpoints hold the key data of one generator (2 or 4 words)."""
+  case would meet text it never saw; checkpoints hold the key data of one generator (2 or 4 words). A model of
+  one direction (or task) resumed as another has the same shapes, and trains on as the other without a word; the
+  vocabulary's kind and size are those vocab.model was learnt with."""
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
   from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   config = config_lib.base_config()

@@ -395,6 +395,17 @@ def test_ensemble_with_another_vocabulary_names_both_workdirs(workdir, tmp_path)
     decode.ensemble_members(f'{workdir},{other},{other}', '10,20')
 
 
+def test_an_ensemble_of_another_direction_or_target_order_is_refused_naming_both(workdir, tmp_path):
+  """Members that share the vocabulary (a joint one) and the shapes but translate de->en, or write the target right
+  to left, would have their next-token probabilities averaged with the en->de member's: refused, naming them."""
+  reverse = copy_with_config(workdir, tmp_path / 'reverse', lambda c: c.update(source_lang='de', target_lang='en'))
+  with pytest.raises(ValueError, match=re.escape(f'one direction: {reverse} is de->en, {workdir} en->de')):
+    decode.Translator(f'{workdir},{reverse}')
+  backwards = copy_with_config(workdir, tmp_path / 'backwards', lambda c: c.update(target_right_to_left=True))
+  with pytest.raises(ValueError, match=re.escape(f'one order: {backwards} right to left, {workdir} not')):
+    decode.Translator(f'{workdir},{backwards}')
+
+
 def test_a_lowercased_model_lowercases_its_inputs_and_scores_case_insensitively(workdir, translator, tmp_path):
   # The toy corpus is lowercase; the same workdir marked config.lowercase must read 'A BIG Dog' as 'a big dog'
   # (the unmarked one meets capitals its vocabulary never saw), and decode's scores ignore case.

@@ -293,6 +293,21 @@ def fake_params(value):
   return {'w': np.full((2, 3), value, np.float32), 'b': np.arange(3, dtype=np.float32) + value}
 
 
+def test_validation_bleu_falls_on_its_interval_and_at_a_run_s_end_off_it(toy_corpus, tmp_path, monkeypatch):
+  """BLEU every 3 steps of a 7-step run scores steps 3, 6 and 7, the run's end: the parameters it leaves (and a
+  best checkpoint by BLEU) would otherwise never be scored. The decode is replaced by a record of the steps."""
+  from flaxformer_nmt.training import loop as train  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.training import validation  # pylint: disable=g-import-not-at-top
+  scored = []
+  monkeypatch.setattr(validation.ValidationBleu, 'evaluate',
+                      lambda self, step, params: scored.append(step) or {'eval/bleu': float(step)})
+  config = small_config(toy_corpus)
+  config.num_train_steps, config.eval_bleu_every_steps, config.length_buckets = 7, 3, (32,)
+  config.eval_every_steps = config.checkpoint_every_steps = config.log_every_steps = 100
+  train.train_and_evaluate(config, tmp_path / 'run')
+  assert scored == [3, 6, 7]
+
+
 def test_best_is_replaced_only_by_a_better_value_and_survives_a_restart(tmp_path):
   tracker = best_checkpoint.BestCheckpoint(tmp_path, 'bleu')
   assert tracker.update(100, fake_params(1.0), {'eval/bleu': 20.0, 'eval/bleu_signature': 'sig'})
@@ -369,3 +384,28 @@ def test_validation_bleu_decodes_sharded_parameters_like_host_ones():
   assert len(report['1x1']) == 20 and len(set(report['1x1'])) > 1  # random parameters, distinct outputs
   for layout in ('4x1', '1x4'):
     assert report[layout] == report['1x1'], layout
+
+
+def test_each_best_metric_follows_its_own_number_in_its_direction(tmp_path):
+  """The evaluations disagree between BLEU and tokenized BLEU, and between loss and NLL: each tracker keeps the
+  step its own metric prefers. Catches 'tok_bleu' tracking sacreBLEU and 'nll' tracking the label-smoothed loss."""
+  evaluations = {100: {'eval/bleu': 20.0, 'eval/tok_bleu': 25.0, 'eval/loss': 2.0, 'eval/nll': 1.5},
+                 200: {'eval/bleu': 22.0, 'eval/tok_bleu': 24.0, 'eval/loss': 2.1, 'eval/nll': 1.4}}
+  best = {}
+  for metric in ('bleu', 'tok_bleu', 'loss', 'nll'):
+    tracker = best_checkpoint.BestCheckpoint(tmp_path / metric, metric)
+    for step, metrics in evaluations.items():
+      tracker.update(step, fake_params(float(step)), metrics)
+    best[metric] = best_checkpoint.read_info(tmp_path / metric)['step']
+  assert best == {'bleu': 200, 'tok_bleu': 100, 'loss': 100, 'nll': 200}
+
+
+def test_a_best_kept_by_another_metric_is_not_compared_with_this_one(tmp_path):
+  """A run resumed with another config.best_checkpoint_metric (loss, then BLEU) must not compare BLEU against the
+  best loss (a BLEU of 1.5 is not better than a loss of 2.0): its first evaluation becomes the best."""
+  assert best_checkpoint.BestCheckpoint(tmp_path, 'loss').update(100, fake_params(1.0), {'eval/loss': 2.0})
+  tracker = best_checkpoint.BestCheckpoint(tmp_path, 'bleu')
+  assert tracker.best_value is None
+  assert tracker.update(200, fake_params(2.0), {'eval/bleu': 1.5, 'eval/loss': 2.5})
+  assert best_checkpoint.read_info(tmp_path) | {'metrics': None} == {
+      'metric': 'bleu', 'step': 200, 'value': 1.5, 'params': 'params_200', 'metrics': None}

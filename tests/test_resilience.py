@@ -283,11 +283,14 @@ def test_checkpoints_by_elapsed_minutes(toy_corpus, tmp_path):
 def test_a_second_stop_signal_waits_for_the_stop_save(toy_corpus, tmp_path, monkeypatch, caplog):
   """Wrong rule caught: the signal handlers were restored as the loop ended, before the stop's save was waited
   for, so a second Ctrl-C while it was written reached the default handler (KeyboardInterrupt) and killed the run
-  with only the save's temporary folder left. Here the handler found before the run stands for the default one."""
+  with only the save's temporary folder left. Here the handler found before the run stands for the default one.
+  The stopped run is one to resume: it is not evaluated, averaged or marked finished, and the handler found
+  before it is in place again once it returns."""
   config = small_config(toy_corpus)
-  config.eval_every_steps = 100
+  config.eval_every_steps, config.average_last_checkpoints = 100, 1
   reached_default = []
-  previous = signal.signal(signal.SIGINT, lambda signum, frame: reached_default.append(signum))
+  default = lambda signum, frame: reached_default.append(signum)
+  previous = signal.signal(signal.SIGINT, default)
   after_step, wait = preemption.StopDecision.after_step, checkpoints_lib.Checkpoints.wait
   waits = []
 
@@ -305,11 +308,15 @@ def test_a_second_stop_signal_waits_for_the_stop_save(toy_corpus, tmp_path, monk
   monkeypatch.setattr(checkpoints_lib.Checkpoints, 'wait', ctrl_c_while_saving)
   try:
     train.train_and_evaluate(config, tmp_path / 'w')
+    assert signal.getsignal(signal.SIGINT) is default
   finally:
     signal.signal(signal.SIGINT, previous)
   assert not reached_default
   assert any('already stopping' in r.getMessage() for r in caplog.records)
   assert checkpoints_lib.saved_steps(tmp_path / 'w') == [2]
+  logged = [json.loads(line) for line in (tmp_path / 'w' / 'metrics.jsonl').read_text().splitlines()]
+  assert not [r for r in logged if 'eval/loss' in r]
+  assert not (tmp_path / 'w' / 'finished.json').exists() and not (tmp_path / 'w' / 'averaged').exists()
 
 
 def test_an_error_in_the_evaluation_a_resume_catches_up_closes_the_run(toy_corpus, tmp_path, monkeypatch,
@@ -326,3 +333,35 @@ def test_an_error_in_the_evaluation_a_resume_catches_up_closes_the_run(toy_corpu
       train.train_and_evaluate(config, tmp_path / 'w')
     assert len(checkpoint_closes) == len(logs_closed) == launch
   assert checkpoints_lib.saved_steps(tmp_path / 'w') == [10]
+
+
+def test_saves_by_minutes_count_from_the_last_save_and_the_end_and_a_stop_are_saved(monkeypatch):
+  """StopDecision on a clock that advances 25 s a step: saves every 4 steps, every minute since the last save
+  (of either kind), at the end. Catches a time-based save that, once due, falls at every later step (the last
+  save's time not taken), a resumed run whose first step saves at once (its minutes counted from the training's
+  start instead of this launch's), and an end or stop signal that is not saved."""
+  import types  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  clock = {'now': 5000.0}
+  monkeypatch.setattr(preemption, 'time', types.SimpleNamespace(time=lambda: clock['now']))
+  config = ml_collections.ConfigDict(dict(num_train_steps=10, checkpoint_every_steps=4, log_every_steps=5,
+                                          max_train_minutes=0.0, checkpoint_every_minutes=1.0))
+
+  def saves(stop_at=None):
+    stop_signal = types.SimpleNamespace(received=None)
+    decision = preemption.StopDecision(config, start_time=clock['now'] - 3000.0, stop_signal=stop_signal)
+    saved = []
+    for step in range(1, config.num_train_steps + 1):
+      clock['now'] += 25.0
+      stop_signal.received = 'SIGTERM' if step == stop_at else None
+      save, done = decision.after_step(step)
+      if save:
+        decision.saved()
+        saved.append(step)
+      if done:
+        return saved, decision.reason
+    raise AssertionError('never done')
+
+  # 75 s at step 3 (by time), 4 (the grid: the minute starts again), 175 - 100 s at step 7, 8, the end at 10.
+  assert saves() == ([3, 4, 7, 8, 10], 'config.num_train_steps')
+  assert saves(stop_at=6) == ([3, 4, 6], 'a stop signal')

@@ -213,6 +213,48 @@ def test_steps_run_several_a_call_log_save_and_resume_as_steps_run_one_at_a_time
     assert values(many, name) == pytest.approx(want, rel=1e-5), name
 
 
+def test_the_interval_summary_is_per_target_token_and_per_step_whatever_the_calls(monkeypatch):
+  """Three steps in two calls (one alone, then two stacked: config.steps_per_dispatch) of 10, 30 and 60 target
+  tokens, over 6 s. Catches a loss averaged per step or as the mean of the steps' per-token losses (one step an
+  interval, as most tests log, cannot tell them apart), the learning rate or gradient norm of the interval's first
+  step instead of its last, a step time per call instead of per step, tokens/s of the source for the target, an
+  R-Drop divergence per token of both copies, and an interval that keeps the steps of the one before."""
+  import types  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.training import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  clock = {'now': 1000.0}
+  monkeypatch.setattr(metrics_lib, 'time', types.SimpleNamespace(time=lambda: clock['now'],
+                                                                 perf_counter=time.perf_counter))
+  names = ('loss_sum', 'nll_sum', 'target_tokens', 'source_tokens', 'learning_rate', 'grad_norm',
+           'rdrop_divergence_sum', 'nonfinite')
+  steps = [(20.0, 15.0, 10, 12, 1e-4, 3.0, 2.0, 0), (90.0, 60.0, 30, 25, 2e-4, 5.0, 9.0, 1),
+           (60.0, 42.0, 60, 70, 3e-4, 7.0, 12.0, 0), (8.0, 6.0, 4, 5, 4e-4, 1.5, 1.0, 0)]
+  as_metrics = lambda rows: {name: np.asarray([row[i] for row in rows]) for i, name in enumerate(names)}
+  batch = {'src': np.zeros((2, 8), np.int32), 'tgt_in': np.zeros((2, 8), np.int32)}
+  interval = metrics_lib.TrainInterval(None, skip_nonfinite_updates=True)
+  interval.add({name: np.asarray(value) for name, value in zip(names, steps[0])}, [batch])
+  interval.add(as_metrics(steps[1:3]), [batch] * 2)
+  clock['now'] += 6.0
+  first = interval.summarize(start_time=900.0, epoch=2)
+  column = lambda rows, i: np.array([row[i] for row in rows], np.float64)
+  rows = steps[:3]
+  tokens = column(rows, 2).sum()
+  assert first['train/loss'] == pytest.approx(column(rows, 0).sum() / tokens)  # 1.7, not 2.0 nor 56.7
+  assert first['train/nll'] == pytest.approx(column(rows, 1).sum() / tokens)
+  assert (first['train/learning_rate'], first['train/grad_norm']) == pytest.approx((3e-4, 7.0))
+  assert first['train/step_time'] == pytest.approx(6.0 / 3)
+  assert first['train/target_tokens_per_second'] == pytest.approx(tokens / 6.0)
+  assert first['train/source_tokens_per_second'] == pytest.approx(column(rows, 3).sum() / 6.0)
+  assert first['train/rdrop_divergence'] == pytest.approx(column(rows, 6).sum() / (tokens / 2))
+  assert first['train/skipped_updates'] == 1 and first['epoch'] == 2
+  assert first['elapsed_seconds'] == pytest.approx(1006.0 - 900.0)
+  # The next interval holds its own step alone.
+  interval.add({name: np.asarray(value) for name, value in zip(names, steps[3])}, [batch])
+  clock['now'] += 1.0
+  second = interval.summarize(start_time=900.0, epoch=2)
+  assert second['train/loss'] == pytest.approx(8.0 / 4) and second['train/step_time'] == pytest.approx(1.0)
+  assert second['train/target_tokens_per_second'] == pytest.approx(4.0)
+
+
 def test_the_run_records_its_wall_time_by_phase(trained_toy):
   # Catches a phase left out of the clock or counted twice (the steps are the rest: they would come out too
   # long, or negative), and validation or saves timed around nothing.
@@ -226,6 +268,31 @@ def test_the_run_records_its_wall_time_by_phase(trained_toy):
   # Validation (two greedy BLEU decodes of the validation split and two loss passes) takes longer than the
   # four asynchronous saves' share of the loop.
   assert phases['wall/validation'] > phases['wall/saves']
+
+
+def numpy_train_flops(d, f, vocab, enc_layers, dec_layers, source_tokens, target_tokens, src_len, tgt_len):
+  """flops.py's documented count of an encoder-decoder step (3 x forward), written out here."""
+  per_source = enc_layers * (2 * (4 * d * d + 2 * d * f) + 4 * src_len * d) + dec_layers * 2 * (2 * d * d)
+  per_target = dec_layers * (2 * (6 * d * d + 2 * d * f) + 4 * tgt_len * d + 4 * src_len * d) + 2 * d * vocab
+  return 3 * (source_tokens * per_source + target_tokens * per_target)
+
+
+def test_throughput_counts_each_steps_own_tokens_and_lengths_over_all_devices():
+  """Two steps with more source than target tokens and rows of other lengths on each side, on 2 devices. Catches
+  the source and target counts (or the two padded lengths) passed in each other's place, one step's lengths used
+  for another, and an MFU against one device's peak where two ran."""
+  from flaxformer_nmt.training import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  model_config = model_lib.ModelConfig(vocab_size=50, num_encoder_layers=2, num_decoder_layers=3, d_model=16,
+                                       d_ff=40, num_heads=2, max_position=128, dtype='float32')
+  throughput = metrics_lib.Throughput(model_config, vocab_size=50, num_devices=2, peak_per_device=1e9)
+  pending = [{'source_tokens': np.asarray(70), 'target_tokens': np.asarray(30)},
+             {'source_tokens': np.asarray(20), 'target_tokens': np.asarray(45)}]
+  lengths = [(24, 8), (8, 40)]
+  out = throughput.metrics(pending, lengths, seconds=4.0)
+  total = (numpy_train_flops(16, 40, 50, 2, 3, 70, 30, 24, 8) + numpy_train_flops(16, 40, 50, 2, 3, 20, 45, 8, 40))
+  assert out['train/tflops_per_second'] == pytest.approx(total / 4.0 / 1e12, rel=1e-9)
+  assert out['train/tflops_per_second_per_device'] == pytest.approx(total / 4.0 / 1e12 / 2, rel=1e-9)
+  assert out['train/mfu'] == pytest.approx(total / 4.0 / (2 * 1e9), rel=1e-9)
 
 
 def test_a_profile_window_inside_a_call_of_several_steps_is_traced(tmp_path, monkeypatch):
@@ -245,6 +312,20 @@ def test_a_profile_window_inside_a_call_of_several_steps_is_traced(tmp_path, mon
     traced = events[events.index('start') + 1:events.index('stop')]
     assert events.count('start') == events.count('stop') == 1
     assert traced == ([8] if steps == 8 else [10, 11, 12, 13]), events
+
+
+def test_the_validation_loss_is_per_target_token_over_every_batch(monkeypatch):
+  """Two validation batches of 10 and 90 target tokens: the loss, NLL and masked-token accuracy are the sums over
+  both divided by the 100 tokens, perplexity exp(NLL). Catches the mean of the batches' per-token values (a short
+  last batch weighing as much as a full one), and a perplexity of the label-smoothed loss."""
+  sums = [{'loss_sum': 30.0, 'nll_sum': 20.0, 'target_tokens': 10.0, 'correct': 9.0},
+          {'loss_sum': 90.0, 'nll_sum': 45.0, 'target_tokens': 90.0, 'correct': 27.0}]
+  monkeypatch.setattr(train.sharding, 'put_batch', lambda batch, sharding: batch)
+  out = train.evaluate(lambda params, batch: {k: np.float32(v) for k, v in batch.items()}, None, sums, None)
+  assert out['eval/loss'] == pytest.approx(120.0 / 100)  # not (3.0 + 1.0) / 2
+  assert out['eval/nll'] == pytest.approx(65.0 / 100)
+  assert out['eval/perplexity'] == pytest.approx(np.exp(65.0 / 100))
+  assert out['eval/accuracy'] == pytest.approx(36.0 / 100)
 
 
 def test_the_first_call_of_each_batch_shape_is_timed_as_compiling(monkeypatch):
@@ -304,7 +385,7 @@ def test_evaluation_time_is_kept_out_of_the_interval_and_its_steps_are_not(toy_c
   else: every logged interval then lasts 1 s a step. Evaluation at step 6 falls inside the 5..8 interval (eval
   every 6, log every 4): the clock restarted there dropped steps 5 and 6's seconds but kept their tokens (0.5 s a
   step). A resume whose first step catches up a missed evaluation booked that evaluation into its first interval
-  (26 s a step)."""
+  (26 s a step). The resume catches up step 12's evaluation though evaluated.json names an earlier one."""
   evaluate = train.evaluate_step
 
   def timed_evaluation(*args):
@@ -317,7 +398,8 @@ def test_evaluation_time_is_kept_out_of_the_interval_and_its_steps_are_not(toy_c
   config.num_train_steps, config.log_every_steps, config.eval_every_steps, config.checkpoint_every_steps = 12, 4, 6, 6
   workdir = tmp_path / 'run'
   train.train_and_evaluate(config, workdir)
-  (workdir / train.EVALUATED_FILE).unlink()  # as if the run had stopped during step 12's evaluation
+  # As if the run had stopped during step 12's evaluation (step 6's, the one before, ended).
+  (workdir / train.EVALUATED_FILE).write_text(json.dumps({'step': 6}))
   config.num_train_steps = 16
   train.train_and_evaluate(config, workdir)
   logged, intervals = logged_intervals(workdir)
