@@ -179,6 +179,9 @@ def test_one_srun_task_per_node_drives_all_the_nodes_gpus(clean_environment):
   assert initialize_as_jax_would(clean_environment, SRUN_TASK) == ('gpu1:62674', 2, 1, list(range(8)))
   one_per_gpu = dict(SRUN_TASK, SLURM_NTASKS='16', SLURM_PROCID='9', SLURM_LOCALID='1')
   assert initialize_as_jax_would(clean_environment, one_per_gpu) == ('gpu1:62674', 16, 9, [1])
+  for name, value in SRUN_TASK.items():  # one task per node again: the node's GPUs, unless the user chose them
+    clean_environment.setenv(name, value)
+  assert distributed.local_device_ids('slurm') == list(range(8))
   clean_environment.setenv('JAX_LOCAL_DEVICE_IDS', '0,1')  # the user's choice: left to JAX, which reads it
   assert distributed.local_device_ids('slurm') is None
 
@@ -209,6 +212,16 @@ def test_on_in_a_one_process_job_joins_it(clean_environment, environment):
   assert call['coordinator_address'] is None and call['num_processes'] is None and call['process_id'] is None
   if 'SLURM_JOB_ID' in environment:
     assert call['local_device_ids'] == list(range(8))
+
+
+def test_a_one_task_slurm_job_runs_its_process_alone_without_srun(clean_environment):
+  # Catches an sbatch script of one task (--ntasks=1) that runs the trainer directly refused as a job of several
+  # tasks outside its srun step: it is a single process.
+  calls = []
+  clean_environment.setattr(jax.distributed, 'initialize', lambda **kwargs: calls.append(kwargs))
+  clean_environment.setenv('SLURM_JOB_ID', '5')
+  clean_environment.setenv('SLURM_NTASKS', '1')
+  assert distributed.initialize('auto') is False and not calls
 
 
 @pytest.mark.parametrize('mode,environment,message', [

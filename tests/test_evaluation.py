@@ -63,3 +63,16 @@ def test_pictures_put_target_pieces_on_rows_and_draw_each_head_and_the_head_aver
     for (image, rows, columns), want in zip(drawn[name], panels):
       assert rows == target_pieces and columns == source_pieces, name
       np.testing.assert_allclose(image, want, rtol=1e-6, err_msg=name)
+
+
+def test_layers_are_stacked_in_their_numeric_order():
+  """Twelve decoder layers, layer i's weights all i: the stack holds them in the order 0, 1, ..., 11. Catches layers
+  taken in the order of their module names ('decoder_10' before 'decoder_2': a deep model's pictures titled with
+  the wrong layers)."""
+  tree = {f'decoder_{i}': {'cross_attention': {'attention_weights': (np.full((1, 2, 3, 4), i, np.float32),)}}
+          for i in range(12)}
+  found = attention.find_attention_weights(tree)
+  stacked = attention._stack(found, 'decoder', 'cross_attention')  # pylint: disable=protected-access
+  assert stacked.shape == (1, 12, 2, 3, 4)
+  for i in range(12):
+    assert (stacked[:, i] == i).all(), i

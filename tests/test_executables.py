@@ -7,9 +7,12 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 
+import flax
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 import pytest
 from etils import epath
@@ -286,6 +289,29 @@ def test_a_remote_directory_turns_saved_executables_off_and_writes_nothing_here(
   np.testing.assert_allclose(result, loop_in_numpy(x, w, 2), rtol=1e-4, atol=1e-5)
 
 
+def halved_plus_bfloat16(x):
+  return x / 2 + jnp.zeros(3, jnp.bfloat16)
+
+
+def test_the_key_tells_python_number_types_and_weak_types_apart(saved_in):
+  """A Program called with 3 and then 3.5 (Python numbers, as a search's alpha), and with a float32 array and then a
+  weakly typed one (which bfloat16 operands win over, as with jit): each gives what jax.jit gives, in the same
+  Program and in a fresh one. Catches a key that describes a Python number without its type (3.5 run through the
+  int program: 1.5) or an array without its weak type (the float32 program's dtype for the weak one)."""
+  for first, second in ((3, 3.5), (jnp.ones((), jnp.float32), jnp.asarray(1.0))):
+    program = executables.Program(halved_plus_bfloat16)
+    for x in (first, second):
+      want = jax.jit(halved_plus_bfloat16)(x)
+      result = program(x)
+      assert result.dtype == want.dtype
+      np.testing.assert_array_equal(result, want)
+    executables.clear()
+    result, loaded = loads(executables.Program(halved_plus_bfloat16), second)
+    want = np.asarray(jax.jit(halved_plus_bfloat16)(second))
+    assert loaded and result.dtype == want.dtype
+    np.testing.assert_array_equal(result, want)
+
+
 def scaled(k, x):
   return x * k
 
@@ -316,3 +342,39 @@ def test_the_environment_tells_xla_flags_apart(monkeypatch):
   fast = executables.environment.__wrapped__()
   monkeypatch.setenv('XLA_FLAGS', '--xla_cpu_enable_fast_math=false')
   assert executables.environment.__wrapped__() != fast
+
+
+def test_the_environment_tells_versions_source_edits_devices_and_cpus_apart(monkeypatch, tmp_path):
+  """Each thing a saved executable depends on besides its program, changed alone, changes the environment (and
+  with it the folder the executables are saved in and loaded from). Catches an environment that leaves out the jax,
+  jaxlib or flax version (an upgrade would run executables of the old one), an edit of any module of this package,
+  one in a subpackage included (an edited model or search would still run as the saved program), the device kind
+  (another accelerator reading a shared cache) or the CPU's instruction set (a cache on a shared home)."""
+  package = tmp_path / 'flaxformer_nmt'
+  (package / 'decoding').mkdir(parents=True)
+  (package / 'runtime').mkdir()
+  (package / '__init__.py').write_text('')
+  module = package / 'decoding' / 'search.py'
+  module.write_text('STEP = 1\n')
+  monkeypatch.setattr(executables, '__file__', str(package / 'runtime' / 'executables.py'))
+  environment = executables.environment.__wrapped__  # uncached
+  base = environment()
+  changed = {}
+  for library in (jax, jaxlib, flax):
+    with monkeypatch.context() as m:
+      m.setattr(library, '__version__', library.__version__ + '.post1')
+      changed[f'{library.__name__} version'] = environment()
+  module.write_text('STEP = 2\n')
+  changed['an edit in a subpackage'] = environment()
+  module.write_text('STEP = 1\n')
+  device = jax.devices()[0]
+  with monkeypatch.context() as m:
+    other = types.SimpleNamespace(platform=device.platform, device_kind='another kind', client=device.client)
+    m.setattr(jax, 'devices', lambda *unused: [other])
+    changed['device kind'] = environment()
+  with monkeypatch.context() as m:
+    m.setattr(executables, '_cpu_features', lambda: 'flags\t\t: fpu sse2\n')
+    changed['CPU'] = environment()
+  assert environment() == base  # every change undone
+  for what, value in changed.items():
+    assert value != base, what

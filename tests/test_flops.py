@@ -2,6 +2,7 @@
 XLA's own count of the lowered step."""
 import dataclasses
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -100,6 +101,15 @@ def test_nvl_cards_get_their_own_peak():
   assert flops.peak_flops_per_device('NVIDIA H100 NVL') == 835e12
   assert flops.peak_flops_per_device('NVIDIA H200 NVL') == 835e12
   assert flops.peak_flops_per_device('NVIDIA H200') == 989e12
+
+
+def test_matmul_rate_counts_two_flops_per_multiply_add(monkeypatch):
+  """A CPU's stand-in peak: 4096 x 1024 x 1024 multiply-adds a matmul, 2 FLOPs each, times the timed matmuls over the
+  seconds they took (made 4 s here). Catches a multiply-add counted as one FLOP (every CPU MFU the benches report
+  twice too high) and the count of timed matmuls left out."""
+  clock = iter([10.0, 14.0])
+  monkeypatch.setattr(flops, 'time', types.SimpleNamespace(perf_counter=lambda: next(clock)))
+  assert flops.matmul_rate(steps=2) == 2 * 4096 * 1024 * 1024 * 2 / 4.0
 
 
 def xla_flops(lowered):

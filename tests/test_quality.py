@@ -230,6 +230,29 @@ def test_the_moses_recipe_gives_the_official_tokenized_references():
   assert evaluate.moses_lowercase_tokenize(raw, 'de') == list(official)
 
 
+def test_evaluate_lowercase_scores_ignore_case_and_the_tokenized_score_uses_the_language_given(tmp_path):
+  """evaluate on lowercased translations of cased references: cased sacreBLEU and chrF as sacreBLEU's defaults give
+  them, with --lowercase 100 and case:lc; the tokenized score of the raw lines against their official lc.norm.tok
+  form is 100 through the German recipe (--lang de). Catches --lowercase not passed on, or dropped by the BLEU or the
+  chrF scorer, and the recipe run for another language than --lang (English keeps a period before a closing
+  quote)."""
+  raw, official = zip(*OFFICIAL_TOKENIZED)
+  hypotheses = [line.lower() for line in raw]
+  for name, lines in (('hyp.de', hypotheses), ('ref.de', raw), ('tok.de', official)):
+    (tmp_path / name).write_text(''.join(line + '\n' for line in lines))
+  args = [f'--hyp={tmp_path / "hyp.de"}', f'--ref={tmp_path / "ref.de"}', f'--tok_ref={tmp_path / "tok.de"}']
+  cased, lowered = (in_process.run(evaluate_command, args + extra) for extra in ([], ['--lowercase']))
+  assert cased.returncode == 0 and lowered.returncode == 0, cased.stderr[-2000:] + lowered.stderr[-2000:]
+  bleu, chrf = sacrebleu.corpus_bleu(hypotheses, [raw]).score, sacrebleu.corpus_chrf(hypotheses, [raw]).score
+  assert bleu < 90 and chrf < 95  # the capitals count
+  assert f'BLEU = {bleu:.2f}  (nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp' in cased.stdout, cased.stdout
+  assert f'chrF = {chrf:.2f}  (nrefs:1|case:mixed' in cased.stdout, cased.stdout
+  assert 'BLEU = 100.00  (nrefs:1|case:lc|eff:no|tok:13a|smooth:exp' in lowered.stdout, lowered.stdout
+  assert 'chrF = 100.00  (nrefs:1|case:lc' in lowered.stdout, lowered.stdout
+  for result in (cased, lowered):
+    assert 'BLEU = 100.00  (lowercased moses-tokenized (de) |' in result.stdout, result.stdout
+
+
 def test_evaluate_names_the_files_whose_lines_differ_and_refuses_stray_arguments(tmp_path):
   (tmp_path / 'hyp.de').write_text('a\nb\n')
   (tmp_path / 'ref.de').write_text('a\nb\nc\n')
@@ -268,15 +291,38 @@ def test_evaluate_names_the_flag_of_a_file_it_cannot_read_and_a_language_moses_h
 
 def test_compare_rows_take_sacrebleus_length_ratio_and_an_empty_checkpoint_list_is_refused(tmp_path):
   """Wrong rules caught: the length ratio was sys_len / ref_len, so references of blank lines ended compare with a
-  ZeroDivisionError traceback after the whole decode; --checkpoints= printed an empty table and exited 0."""
+  ZeroDivisionError traceback after the whole decode; --checkpoints= printed an empty table and exited 0. The first
+  pair's translations are short: the brevity penalty (0.846) is not the length ratio (0.857)."""
   from flaxformer_nmt.evaluation import compare as compare_lib  # pylint: disable=g-import-not-at-top
   for hypotheses, references in ((['ein hund läuft .', 'zwei katzen'], ['ein hund rennt .', 'zwei katzen schlafen']),
                                  (['ein hund'], [''])):
     bleu = sacrebleu.corpus_bleu(hypotheses, [references])
     cells = [c.strip() for c in compare_lib.table_row('latest', 'x', 1.0, bleu, None, 2.0).strip('|').split('|')]
     assert cells[5] == re.search(r'ratio = ([0-9.]+)', bleu.format()).group(1)  # sacreBLEU's own
+    assert cells[6] == re.search(r'BP = ([0-9.]+)', bleu.format()).group(1)  # not the ratio again
   result = in_process.run(compare_command, [f'--workdir={tmp_path}', '--checkpoints='])
   assert result.returncode != 0 and '--checkpoints is empty' in result.stderr, result.stderr[-2000:]
+
+
+def test_compare_scores_the_configs_split_against_the_tokenized_references_of_its_target_language(tmp_path):
+  # Catches the split or the tokenized references read for the source language (here a file that exists too), the
+  # config's eval_split not the default, and a split without tokenized references given another split's.
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.evaluation import compare as compare_lib  # pylint: disable=g-import-not-at-top
+  data, tok = tmp_path / 'data', tmp_path / 'tok'
+  data.mkdir()
+  tok.mkdir()
+  for split in ('valid', 'dev'):
+    for lang in ('en', 'de'):
+      (data / f'{split}.{lang}').write_text(f'{split} {lang} one\n{split} {lang} two\n')
+  for lang in ('en', 'de'):
+    (tok / f'dev.{lang}').write_text(f'dev tok {lang} one\ndev tok {lang} two\n')
+  config = ml_collections.ConfigDict({'data_dir': str(data), 'eval_split': 'dev', 'source_lang': 'en',
+                                      'target_lang': 'de', 'eval_bleu_tok_ref_dir': str(tok)})
+  assert compare_lib.sentences(config) == (f'dev ({data})', ['dev en one', 'dev en two'],
+                                           ['dev de one', 'dev de two'], ['dev tok de one', 'dev tok de two'])
+  assert compare_lib.sentences(config, 'valid') == (f'valid ({data})', ['valid en one', 'valid en two'],
+                                                    ['valid de one', 'valid de two'], None)
 
 
 def test_compare_names_each_files_line_count_where_they_differ(tmp_path):

@@ -79,6 +79,18 @@ def test_split_host_cpu_after_the_backend_started_keeps_its_devices(monkeypatch,
     sharding.split_host_cpu(-1)
 
 
+def test_local_devices_zero_is_all_of_them_and_too_many_is_refused(monkeypatch):
+  # Catches --devices=0 ('every local device') giving none, and more devices than the process has silently cut.
+  monkeypatch.setenv('XLA_FLAGS', xla_flags_without_device_count())
+  assert sharding.local_devices(0) == jax.local_devices()
+  assert sharding.local_devices(1) == jax.local_devices()[:1]
+  count, platform = len(jax.local_devices()), jax.local_devices()[0].platform
+  with pytest.raises(sharding.MeshError, match=f'devices={count + 1}: this process has {count} {platform} device'):
+    sharding.local_devices(count + 1)
+  with pytest.raises(sharding.MeshError, match='devices=-1'):
+    sharding.local_devices(-1)
+
+
 def test_mesh_shape_fills_minus_one_and_rejects_mismatches():
   assert sharding.mesh_shape(8) == (8, 1)
   assert sharding.mesh_shape(8, -1, 4) == (2, 4)
@@ -101,3 +113,48 @@ def test_fsdp_splits_the_largest_divisible_dimension():
   mesh = sharding.make_mesh(devices=jax.devices()[:1])
   specs = sharding.state_shardings({'w': np.zeros((4, 8)), 'rng': np.zeros(2)}, mesh)
   assert specs['w'].spec == P() and specs['rng'].spec == P()
+
+
+_LAYOUT = '''
+import json, jax, numpy as np
+from flaxformer_nmt.runtime import sharding
+held = lambda array: {s.device.id: np.asarray(s.data).tolist() for s in array.addressable_shards}
+report = {}
+for data, fsdp in ((2, 2), (1, 4)):
+  mesh = sharding.make_mesh(data, fsdp)
+  rows = np.arange(8 * 2).reshape(8, 2)
+  state = jax.device_put(np.arange(6 * 8).reshape(6, 8), sharding.state_shardings(np.zeros((6, 8)), mesh))
+  report[f'{data}x{fsdp}'] = {
+      'mesh': [[d.id for d in line] for line in mesh.devices],
+      'rows_multiple': sharding.rows_multiple(mesh),
+      'batch': held(sharding.put_batch(rows, sharding.batch_sharded(mesh))),
+      'steps': held(sharding.put_batch(np.stack([rows, rows + 100, rows + 200]), sharding.steps_batch_sharded(mesh))),
+      'state': held(state)}
+print('LAYOUT ' + json.dumps(report))
+'''
+
+
+def test_each_device_holds_its_own_rows_and_its_fsdp_share_of_the_weights():
+  """Four CPU devices as meshes (data 2, fsdp 2) and (data 1, fsdp 4): device k (jax.devices() order) holds rows
+  2k and 2k+1 of an 8-row batch, of every stacked step's batch, and the columns of a [6, 8] weight that its place
+  along 'fsdp' gives it. Catches a batch split over 'data' alone (every FSDP device then computes all the rows of
+  its group: the same loss, 2-4x the work), the steps' axis split instead of the rows, the mesh's axes or device
+  order swapped (the FSDP gathers then cross hosts), and a rows multiple of the data axis alone."""
+  flags = xla_flags_without_device_count() + f' {sharding.XLA_DEVICE_COUNT_FLAG}=4'
+  out = subprocess.run([sys.executable, '-c', _LAYOUT], env=subprocess_env(JAX_PLATFORMS='cpu', XLA_FLAGS=flags),
+                       capture_output=True, text=True, timeout=120, check=False)
+  assert out.returncode == 0, out.stderr[-2000:]
+  report = json.loads([l for l in out.stdout.splitlines() if l.startswith('LAYOUT ')][-1][len('LAYOUT '):])
+  rows = np.arange(8 * 2).reshape(8, 2)
+  weight = np.arange(6 * 8).reshape(6, 8)
+  for data, fsdp in ((2, 2), (1, 4)):
+    layout = report[f'{data}x{fsdp}']
+    assert layout['mesh'] == [[d * fsdp + f for f in range(fsdp)] for d in range(data)]
+    assert layout['rows_multiple'] == 4
+    for k in range(4):
+      mine = rows[2 * k:2 * k + 2]
+      assert layout['batch'][str(k)] == mine.tolist(), (data, fsdp, k)
+      assert layout['steps'][str(k)] == [mine.tolist(), (mine + 100).tolist(), (mine + 200).tolist()], (data, fsdp, k)
+      width = 8 // fsdp  # the largest dimension (8 columns) split over 'fsdp', replicated over 'data'
+      place = k % fsdp
+      assert layout['state'][str(k)] == weight[:, place * width:(place + 1) * width].tolist(), (data, fsdp, k)

@@ -293,6 +293,8 @@ def test_throughput_counts_each_steps_own_tokens_and_lengths_over_all_devices():
   assert out['train/tflops_per_second'] == pytest.approx(total / 4.0 / 1e12, rel=1e-9)
   assert out['train/tflops_per_second_per_device'] == pytest.approx(total / 4.0 / 1e12 / 2, rel=1e-9)
   assert out['train/mfu'] == pytest.approx(total / 4.0 / (2 * 1e9), rel=1e-9)
+  no_peak = metrics_lib.Throughput(model_config, vocab_size=50, num_devices=2, peak_per_device=None)
+  assert 'train/mfu' not in no_peak.metrics(pending, lengths, seconds=4.0)  # no MFU of an unknown peak
 
 
 def test_a_profile_window_inside_a_call_of_several_steps_is_traced(tmp_path, monkeypatch):
