@@ -378,3 +378,20 @@ def test_the_environment_tells_versions_source_edits_devices_and_cpus_apart(monk
   assert environment() == base  # every change undone
   for what, value in changed.items():
     assert value != base, what
+
+
+def test_two_functions_of_one_name_in_two_modules_are_two_executables(saved_in):
+  """Catches executables keyed by the function's bare name: a `_segment` of another module with the same
+  signature would load this one's program and return its results."""
+  def double(x):
+    return 2 * x
+
+  def triple(x):
+    return 3 * x
+
+  triple.__name__, triple.__qualname__, triple.__module__ = double.__name__, double.__qualname__, 'another.module'
+  x = np.arange(4, dtype=np.float32)
+  np.testing.assert_array_equal(executables.Program(double)(x), 2 * x)
+  result, loaded = loads(executables.Program(triple), x)
+  assert not loaded and len(saved(saved_in)) == 2
+  np.testing.assert_array_equal(result, 3 * x)

@@ -183,6 +183,7 @@ class Program:
 
   def __init__(self, fun, *, static_argnums=(), static_argnames=(), **jit_options):
     self.name = f'jit({fun.__name__})'  # as jax names the program
+    self._function = f'{fun.__module__}.{fun.__qualname__}'  # on disk: two functions may share a name
     self.static_argnums, self.static_argnames = tuple(static_argnums), tuple(static_argnames)
     self.jitted = jax.jit(fun, static_argnums=static_argnums, static_argnames=static_argnames, **jit_options)
     self._options = repr(sorted(jit_options.items()))
@@ -215,7 +216,7 @@ class Program:
 
   def path(self, description):
     """The file of the executable of this program's call described by `description`."""
-    digest = hashlib.sha256('\n'.join([self.name, self._options, description, environment()]).encode())
+    digest = hashlib.sha256('\n'.join([self._function, self._options, description, environment()]).encode())
     return _set_directory(str(_directory)) / f'{self.name[4:-1]}-{digest.hexdigest()[:40]}.executable'
 
   def _obtain(self, args, kwargs, description):
