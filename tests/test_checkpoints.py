@@ -35,13 +35,14 @@ def test_last_k_of_the_loader_is_the_window_average_takes_and_bad_counts_are_ref
   from flaxformer_nmt.checkpointing import loader  # pylint: disable=g-import-not-at-top
   from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   store = checkpoints_lib.Checkpoints(tmp_path, keep=0)
-  for step in (10, 20, 22):  # 22: an off-interval final save
+  for step in (10, 20, 27):  # 27: an off-interval final save, too far after 20 for the spacing rule to drop it
     save(store, step, {'w': jnp.full((2,), float(step))})
   store.wait()
   config = config_lib.base_config()
   config.checkpoint_every_steps = 10
   workdir_lib.save_or_check_config(config, tmp_path)
-  # The raw newest two (20, 22) would put the final save beside the regular one before it.
+  # The raw newest two (20, 27) would put the final save beside the regular one before it; config.json's
+  # checkpoint_every_steps leaves it out (without it, averaging_window's spacing rule keeps 27).
   params, description = loader.load_params(tmp_path, 'last:2')
   assert description == 'the average of checkpoints [10, 20]'
   np.testing.assert_allclose(params['w'], [15.0, 15.0])
@@ -51,6 +52,40 @@ def test_last_k_of_the_loader_is_the_window_average_takes_and_bad_counts_are_ref
       checkpoints_lib.average_last(tmp_path, last=last)
   with pytest.raises(checkpoints_lib.AveragingError, match='more than once'):
     checkpoints_lib.average_last(tmp_path, steps=['20', '20', '10'])
+
+
+
+def test_best_and_averaged_are_checked_up_front_and_load_their_own_parameters(tmp_path):
+  """compare checks every name it is given before it translates with the first (check_checkpoint); then
+  --checkpoint best of a run whose best evaluation was not its last, and averaged: the parameters they name."""
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import best as best_checkpoint  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import loader  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  store = checkpoints_lib.Checkpoints(tmp_path, keep=0)
+  for step in (10, 20, 30):
+    save(store, step, {'w': jnp.full((2,), float(step))})
+  store.wait()
+  workdir_lib.save_or_check_config(config_lib.base_config(), tmp_path)
+  for name, message in (('best', 'best.json not found'), ('averaged', 'averaged not found'),
+                        ('40', 'no checkpoint 40 in')):
+    with pytest.raises(FileNotFoundError, match=message):
+      loader.check_checkpoint(tmp_path, name)
+  for name in ('latest', '20', 'last:2'):
+    loader.check_checkpoint(tmp_path, name)
+  for name, message in (('latest', 'no checkpoint latest in'), ('last:2', 'no checkpoints to average')):
+    with pytest.raises(FileNotFoundError, match=message):
+      loader.check_checkpoint(tmp_path / 'untrained', name)
+  best_checkpoint.BestCheckpoint(tmp_path, 'bleu').update(10, {'w': np.full((2,), 10.0)}, {'eval/bleu': 5.0})
+  params, description = loader.load_params(tmp_path, 'best')
+  np.testing.assert_allclose(params['w'], [10.0, 10.0])
+  assert description == 'the best checkpoint (step 10, bleu 5)'
+  checkpoints_lib.average_last(tmp_path, steps=[10, 20])
+  params, description = loader.load_params(tmp_path, 'averaged')
+  np.testing.assert_allclose(params['w'], [15.0, 15.0])
+  assert description == 'the average of checkpoints [10, 20]'
+  for name in ('best', 'averaged'):
+    loader.check_checkpoint(tmp_path, name)
 
 
 def test_last_k_with_fewer_regular_checkpoints_says_how_many_it_averaged(tmp_path, caplog):

@@ -227,6 +227,7 @@ def test_a_workdir_refuses_a_different_model(tmp_path):
   (tmp_path / 'vocab.model').write_bytes(b'')  # now it built something for that model
   workdir_lib.save_or_check_config(config, tmp_path)  # the same model is fine
   config.beam_size, config.model.attention_impl = 7, 'einsum'  # decoding and runtime fields may change
+  config.model.dtype, config.model.remat = 'bfloat16', 'full'  # (the parameters stay float32, their shapes alike)
   workdir_lib.save_or_check_config(config, tmp_path)
   config.model.d_model = 64
   with pytest.raises(workdir_lib.ConfigError, match='trained with config.model.d_model=512, now 64'):

@@ -17,7 +17,7 @@ from flaxformer_nmt import compare
 from flaxformer_nmt import config as config_lib
 from flaxformer_nmt import train as train_command
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
-from flaxformer_nmt.checkpointing.workdir import ConfigError, member_workdir, save_or_check_config
+from flaxformer_nmt.checkpointing.workdir import ConfigError, member_workdir, member_workdirs, save_or_check_config
 from flaxformer_nmt.data import tokenizer as tokenizer_lib
 from flaxformer_nmt.decoding import translator as decode
 from flaxformer_nmt.training import ensemble
@@ -28,7 +28,7 @@ def fake_trainer(calls, pause=None):
   trainer does after a stop signal; member0 learns a vocabulary."""
   def train_one(member, member_dir):
     calls.append((member_dir.name, member.seed, member.max_train_minutes))
-    member_dir.mkdir(parents=True, exist_ok=True)
+    save_or_check_config(member, member_dir)  # as the trainer does
     if not (member_dir / 'vocab.model').exists():
       (member_dir / 'vocab.model').write_bytes(f'learnt by {member_dir.name}'.encode())
     if member_dir.name != pause:
@@ -49,6 +49,8 @@ def test_members_train_in_turn_and_a_rerun_resumes_the_paused_one(tmp_path):
   assert calls == [('member1', 8, 30.0), ('member2', 9, 30.0)]  # member0 finished: not trained again
   for k in (1, 2):  # every member reads member0's vocabulary, not one of its own
     assert (member_workdir(workdir, k) / 'vocab.model').read_bytes() == b'learnt by member0'
+  for k in range(3):  # each member's workdir is one run's: decode, average and export take it alone
+    assert member_workdirs(member_workdir(workdir, k)) == [member_workdir(workdir, k)]
   calls.clear()
   ensemble.train_members(config, workdir, fake_trainer(calls))
   assert not calls
@@ -70,6 +72,10 @@ def test_an_ensemble_workdir_is_not_resumed_as_one_run_nor_the_reverse(tmp_path)
   config.ensemble_members = 3
   with pytest.raises(ConfigError, match='ensemble_members=1, now 3'):
     save_or_check_config(config, tmp_path / 'one')
+  saved, calls = (tmp_path / 'one' / 'config.json').read_text(), []
+  with pytest.raises(ConfigError, match='ensemble_members=1, now 3'):  # the command: no member starts
+    ensemble.train_members(config, tmp_path / 'one', fake_trainer(calls))
+  assert not calls and (tmp_path / 'one' / 'config.json').read_text() == saved
   config.ensemble_members = 0
   with pytest.raises(ConfigError, match='config.ensemble_members=0'):
     config_lib.validate(config)
@@ -202,29 +208,46 @@ class CopyingTranslator:
     return list(sources)
 
 
-def scored_by_copying_members(config, workdir, monkeypatch):
-  """ensemble.score_on_validation of a 2-member workdir whose members are marked finished, decoded by a
-  CopyingTranslator."""
+def scored_by_copying_members(config, workdir, monkeypatch, finished=2):
+  """ensemble.score_on_validation of a 2-member workdir whose first `finished` members are marked finished,
+  decoded by a CopyingTranslator."""
   for k in range(2):
     member_workdir(workdir, k).mkdir(parents=True)
-    ensemble.mark_finished(member_workdir(workdir, k), ensemble.member_config(config, k), 20, 'config.num_train_steps')
+    if k < finished:
+      ensemble.mark_finished(member_workdir(workdir, k), ensemble.member_config(config, k), 20,
+                             'config.num_train_steps')
   monkeypatch.setattr(ensemble.decode, 'Translator', CopyingTranslator)
   return ensemble.score_on_validation(config, workdir)
 
 
-def test_the_ensemble_record_counts_the_sentences_it_scored(toy_corpus, tmp_path, monkeypatch):
+@pytest.mark.parametrize('cap, scored', [(500, 20), (7, 7)])
+def test_the_ensemble_record_counts_the_sentences_it_scored(toy_corpus, tmp_path, monkeypatch, cap, scored):
   """eval_bleu_max_sentences above the split's size scores the whole split (20 pairs here), and the record and
-  log say 20 sentences, as a member's validation BLEU does (it recorded the cap). The members are decoded by a
-  stand-in translator that copies its sources."""
+  log say 20 sentences, as a member's validation BLEU does (it recorded the cap); below it, the first `cap`
+  pairs, as the members' validation BLEU took them. The members are decoded by a stand-in translator that
+  copies its sources."""
   config = small_config(toy_corpus)
-  config.ensemble_members, config.eval_bleu_every_steps, config.eval_bleu_max_sentences = 2, 100, 500
+  config.ensemble_members, config.eval_bleu_every_steps, config.eval_bleu_max_sentences = 2, 100, cap
   workdir = tmp_path / 'ens'
   record = scored_by_copying_members(config, workdir, monkeypatch)
   sources = (toy_corpus / 'valid.en').read_text().splitlines()
-  assert (workdir / 'eval' / 'hyp_ensemble.txt').read_text().splitlines() == sources
   assert len(sources) == 20
-  assert record['sentences'] == 20
-  assert json.loads((workdir / ensemble.VALIDATION_FILE).read_text())['sentences'] == 20
+  assert (workdir / 'eval' / 'hyp_ensemble.txt').read_text().splitlines() == sources[:scored]
+  assert record['sentences'] == scored
+  assert json.loads((workdir / ensemble.VALIDATION_FILE).read_text())['sentences'] == scored
+  by_hand = sacrebleu.corpus_bleu(sources[:scored], [(toy_corpus / 'valid.de').read_text().splitlines()[:scored]])
+  assert record['bleu'] == pytest.approx(by_hand.score)
+
+
+def test_an_ensemble_with_a_member_left_to_train_is_not_scored(toy_corpus, tmp_path, monkeypatch):
+  """A stop signal during member1 ends the command after member0 finished: nothing is scored (decoding the
+  members then would read a paused member, or fail on its missing average), and the command exits as a
+  paused run does."""
+  config = small_config(toy_corpus)
+  config.ensemble_members, config.eval_bleu_every_steps = 2, 100
+  workdir = tmp_path / 'ens'
+  assert scored_by_copying_members(config, workdir, monkeypatch, finished=1) is None
+  assert not (workdir / ensemble.VALIDATION_FILE).exists() and not (workdir / 'eval').exists()
 
 
 def test_the_ensemble_record_of_blank_references_is_written_with_sacrebleus_length_ratio(tmp_path, monkeypatch):

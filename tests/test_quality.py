@@ -394,6 +394,9 @@ def test_loss_is_minimized():
   import tempfile  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory() as workdir:
     tracker = best_checkpoint.BestCheckpoint(workdir, 'loss')
+    # A first evaluation that diverged is no best: every comparison with NaN is false, it would stay best.
+    assert not tracker.update(0, fake_params(0.0), {'eval/loss': float('nan')})
+    assert best_checkpoint.read_info(workdir) is None
     assert tracker.update(1, fake_params(1.0), {'eval/loss': 3.0})
     assert not tracker.update(2, fake_params(2.0), {'eval/loss': 3.5})
     assert tracker.update(3, fake_params(3.0), {'eval/loss': 2.5})

@@ -378,6 +378,34 @@ def test_a_new_peak_of_the_paper_schedule_is_a_schedule_change(tmp_path):
   assert workdir_lib.schedule_changes(config, tmp_path) == [('learning_rate_scale', 1.0, 0.5)]
 
 
+@pytest.mark.parametrize('schedule', config_lib.SCHEDULES)
+def test_every_field_that_moves_the_learning_rate_is_named_as_a_schedule_change(tmp_path, schedule):
+  """Each top-level field, changed alone on resume: where the learning rate the trainer computes (make_schedule)
+  moves at some step, schedule_changes names that field (a resume with another warmup, cooldown or schedule said
+  nothing when one was left out)."""
+  saved = config_lib.base_config()
+  saved.learning_rate_schedule, saved.learning_rate, saved.num_train_steps = schedule, 1e-3, 1000
+  saved.warmup_steps, saved.cooldown_steps = 50, 100
+  workdir_lib.write_config(saved, tmp_path)
+  steps = np.arange(0, 1000, 7)
+  before = np.asarray(ts.make_schedule(saved)(steps))
+  moved = []
+  for field, value in saved.items():
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+      continue
+    config = saved.copy_and_resolve_references()
+    if field == 'learning_rate_schedule':
+      config[field] = next(other for other in config_lib.SCHEDULES if other != schedule)
+    elif isinstance(value, str):
+      continue
+    else:
+      config[field] = value * 2 if value else type(value)(1)
+    if not np.allclose(np.asarray(ts.make_schedule(config)(steps)), before, rtol=1e-6, atol=0):
+      moved.append(field)
+      assert field in [name for name, _, _ in workdir_lib.schedule_changes(config, tmp_path)], field
+  assert {'warmup_steps', 'cooldown_steps', 'num_train_steps', 'learning_rate_schedule'} <= set(moved)
+
+
 def truncate_arrays(checkpoint_directory):
   for path in checkpoint_directory.rglob('*'):
     if path.is_file() and 'ocdbt.process' in str(path):

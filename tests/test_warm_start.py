@@ -4,6 +4,7 @@ import json
 import logging
 import shutil
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -79,6 +80,63 @@ def test_resuming_wins_over_init_from(source, tmp_path, caplog):
   assert 'Resuming this workdir; config.init_from=' in caplog.text and 'is ignored' in caplog.text
   assert 'Initialized the parameters from' not in caplog.text
   assert [m['step'] for m in metrics(workdir) if 'train/loss' in m] == [1, 2, 3]
+
+
+def test_a_checkpoint_in_the_workdir_wins_over_init_from_and_only_a_new_run_takes_it(monkeypatch, caplog):
+  """The rule of the slow test above, at restore_or_start with stand-ins: a workdir with a checkpoint resumes from
+  it (its parameters, data position and training time; init_from said to be ignored, never read); one without
+  takes init_from's parameters."""
+  caplog.set_level(logging.INFO)
+  warm_started = []
+  monkeypatch.setattr(warm_start, 'load_params', lambda state, *_: warm_started.append(state) or {'w': np.full(2, 5.0)})
+
+  class Store:
+    def __init__(self, restored):
+      self.restored = restored
+
+    def restore_newest_good(self, abstract, vocab_sha256):
+      del abstract, vocab_sha256
+      return self.restored
+
+  class Batches:
+    data_state = None
+
+    def restore(self, data_state, allow_batching_change):
+      del allow_batching_change
+      self.data_state = data_state
+
+  config = small_config('data')
+  config.init_from = '/runs/source'
+  tokenizer = tokenizer_lib.Tokenizer.__new__(tokenizer_lib.Tokenizer)
+  tokenizer.sha256 = 'abc'
+  fresh, batches = {'w': jnp.zeros(2)}, Batches()
+  saved = ({'w': jnp.ones(2)}, {'epoch': 1, 'batch': 7, 'seed': 0, train.TRAINED_SECONDS: 30.0})
+  state, seconds = train.restore_or_start(config, fresh, None, Store(saved), batches, tokenizer)
+  assert not warm_started
+  np.testing.assert_array_equal(state['w'], [1.0, 1.0])
+  assert seconds == 30.0 and batches.data_state == {'epoch': 1, 'batch': 7, 'seed': 0}
+  assert 'Resuming this workdir; config.init_from=/runs/source is ignored' in caplog.text
+
+  state, seconds = train.restore_or_start(config, fresh, None, Store(None), Batches(), tokenizer)
+  assert warm_started == [fresh] and seconds == 0.0
+  np.testing.assert_array_equal(state['w'], [5.0, 5.0])
+
+
+def test_a_new_fine_tuning_workdir_gets_the_sources_vocabulary_and_one_with_its_own_keeps_it(source, tmp_path):
+  """Before the tokenizer loads, an empty workdir gets the source's vocab.model (also where init_from names one of
+  its checkpoints): one it learnt on its own fine-tuning corpus would not fit the embeddings. A vocab.model put
+  in the workdir beforehand is kept (and checked against the source's when the parameters are read)."""
+  config, source_dir = source
+  config = config.copy_and_resolve_references()
+  for init_from in (source_dir, source_dir / 'checkpoints' / '5'):
+    config.init_from, workdir = str(init_from), tmp_path / init_from.name
+    workdir.mkdir()
+    warm_start.adopt_vocabulary(config, workdir)
+    assert (workdir / 'vocab.model').read_bytes() == (source_dir / 'vocab.model').read_bytes()
+  (tmp_path / 'own').mkdir()
+  (tmp_path / 'own' / 'vocab.model').write_bytes(b'its own')
+  warm_start.adopt_vocabulary(config, tmp_path / 'own')
+  assert (tmp_path / 'own' / 'vocab.model').read_bytes() == b'its own'
 
 
 def test_resolve_names_workdirs_checkpoint_directories_and_their_choices(source, tmp_path):
