@@ -10,13 +10,14 @@ import pytest
 import sentencepiece as spm
 
 import in_process
-from test_serve import SENTENCES, client, trained_workdir
+from test_serve import SENTENCES, client, serve_until_it_would_listen, trained_workdir
 
 ctranslate2 = pytest.importorskip('ctranslate2')
 pytest.importorskip('fastapi')
 
 from flaxformer_nmt import export  # pylint: disable=g-import-not-at-top,wrong-import-position
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib  # pylint: disable=g-import-not-at-top
+from flaxformer_nmt.models.tokens import EOS_ID  # pylint: disable=g-import-not-at-top
 from flaxformer_nmt.serving import argos  # pylint: disable=g-import-not-at-top,wrong-import-position
 from flaxformer_nmt.serving import batcher as batcher_lib  # pylint: disable=g-import-not-at-top
 from flaxformer_nmt.serving import ctranslate2 as ct2_export  # pylint: disable=g-import-not-at-top
@@ -161,6 +162,21 @@ def test_the_server_serves_the_package_through_ctranslate2(package, translator):
   assert not weights[own.shape[0]:].any() and not weights[:, own.shape[1]:].any()
 
 
+def test_the_serve_commands_device_and_threads_reach_ctranslate2(package, monkeypatch):
+  # Wrong rules caught: --device or --threads dropped on the way to ctranslate2.Translator (a --device=cuda server
+  # decoded on the CPU without a word).
+  created, translator_class = [], ctranslate2.Translator
+
+  def translator(path, **options):  # records the options, then loads the model on the CPU
+    created.append(options)
+    return translator_class(path, device='cpu', intra_threads=1)
+  monkeypatch.setattr(ctranslate2, 'Translator', translator)
+  _, config = serve_until_it_would_listen(['--backend=ctranslate2', f'--model=en-de={package}', '--device=cuda',
+                                           '--threads=3', '--warmup=none'], monkeypatch)
+  assert created == [{'device': 'cuda', 'inter_threads': 1, 'intra_threads': 3}]
+  assert config['app'].state.service.backends['en-de'].name == 'ctranslate2'
+
+
 def test_the_ctranslate2_backend_reads_a_plain_export_from_its_readme(workdir, translator, tmp_path):
   ct2_export.export_ctranslate2(workdir, tmp_path / 'ct2')
   backend = argos.CTranslate2Backend(tmp_path / 'ct2', threads=1)
@@ -175,6 +191,22 @@ def test_the_ctranslate2_backend_reads_a_plain_export_from_its_readme(workdir, t
     argos.CTranslate2Backend(tmp_path)
 
 
+def test_the_ctranslate2_backend_lowercases_the_input_of_a_model_that_learnt_lowercased_text(workdir, tmp_path):
+  # A model of config.lowercase reads its input lowercased, as the jax backend reads it (Translator.prepare), told by
+  # a package's flaxformer_nmt.json or a plain export's README. Wrong rules caught: the input passed as sent (pieces
+  # of capitals the model never saw), a plain export's README not read for it.
+  shutil.copytree(workdir, tmp_path / 'run')
+  config = json.loads((tmp_path / 'run' / 'config.json').read_text())
+  config['lowercase'] = True
+  (tmp_path / 'run' / 'config.json').write_text(json.dumps(config))
+  ct2_export.export_ctranslate2(tmp_path / 'run', tmp_path / 'ct2')
+  package, _ = argos.export_argos(tmp_path / 'run', tmp_path / 'packages')
+  sp = spm.SentencePieceProcessor(model_file=str(tmp_path / 'run' / 'vocab.model'))
+  for exported in (tmp_path / 'ct2', package):
+    backend = argos.CTranslate2Backend(exported, threads=1)
+    assert backend.encode(['A Big  DOG runs .']) == [sp.encode('a big dog runs .') + [EOS_ID]], exported
+
+
 def test_a_plain_export_keeps_the_models_positions(workdir, tmp_path):
   # A model of 256 positions (its sinusoids are no parameters: the toy's checkpoint with a changed config) refuses
   # a max_length past them, as the jax backend does, rather than decoding past CTranslate2's position table.
@@ -185,10 +217,13 @@ def test_a_plain_export_keeps_the_models_positions(workdir, tmp_path):
   ct2_export.export_ctranslate2(tmp_path / 'run', tmp_path / 'ct2')
   backend = argos.CTranslate2Backend(tmp_path / 'ct2', threads=1)
   assert backend.max_position == 256
-  with client({'en-de': backend}) as c:
+  with client({'en-de': backend}, max_input_tokens=1000) as c:
     too_long = c.post('/v1/translate', json={'text': ['a dog'], 'max_length': 300})
+    long_source = c.post('/v1/translate', json={'text': ['a big dog runs . ' * 60]})
   assert (too_long.status_code, too_long.json()) == (400, {'detail': 'max_length=300 is over the model\'s limit of '
                                                                      '255 target pieces'})
+  # Sources of 256 - 10 positions, EOS included, as the jax backend's (wrong rule caught: one piece more).
+  assert long_source.status_code == 413 and 'the limit is 245 (--max_input_tokens=1000' in long_source.json()['detail']
 
 
 def test_the_ctranslate2_backend_scores_greedy_search_as_its_log_probability(package, translator):
@@ -201,3 +236,33 @@ def test_the_ctranslate2_backend_scores_greedy_search_as_its_log_probability(pac
   want = translator.translate(SENTENCES[:4], beam_size=0, max_len_a=0, max_len_b=60, return_scores=True)
   assert [t['text'] for t in answer.json()['translations']] == [text for text, _ in want]
   np.testing.assert_allclose([t['score'] for t in answer.json()['translations']], [s for _, s in want], rtol=1e-2)
+
+
+def test_the_ctranslate2_backend_passes_each_requests_search_options_to_ctranslate2(package, tmp_path):
+  # A request's beam size, n best, alpha (as CTranslate2's length penalty for each source length m:
+  # alpha * (m + 1) / (m + 6), rounded to 2 places) and max_length reach CTranslate2: against CTranslate2 called
+  # directly, one sentence at a time. Wrong rules caught: the beam size or n_best dropped (greedy answers, one
+  # translation repeated as the n best), alpha passed unconverted or converted at the wrong length, the sentences
+  # of one length limit decoded with the first one's penalty, max_length ignored.
+  with zipfile.ZipFile(package) as archive:
+    archive.extractall(tmp_path)
+  sp = spm.SentencePieceProcessor(model_file=str(tmp_path / CODE / 'sentencepiece.model'))
+  model = ctranslate2.Translator(str(tmp_path / CODE / 'model'), device='cpu', intra_threads=1)
+  sentences, alpha = SENTENCES[:5], 1.0
+  backend = argos.CTranslate2Backend(package, threads=1)
+  with client({'en-de': backend}) as c:
+    beam = c.post('/v1/translate', json={'text': sentences, 'beam_size': 3, 'n_best': 2, 'alpha': alpha,
+                                         'max_length': 30, 'return_scores': True}).json()['translations']
+    short = c.post('/v1/translate', json={'text': sentences, 'beam_size': 0, 'max_length': 2}).json()['translations']
+  assert len({len(sp.encode(s)) for s in sentences}) >= 3  # several penalties under one length limit
+  for sentence, entry, short_entry in zip(sentences, beam, short):
+    pieces = sp.encode(sentence, out_type=str)
+    m = len(pieces)
+    penalty = round(alpha * (m + 1) / (m + 6), 2)
+    want = model.translate_batch([pieces], beam_size=3, num_hypotheses=2, length_penalty=penalty,
+                                 max_decoding_length=30, return_scores=True, suppress_sequences=SUPPRESS)[0]
+    assert [c['text'] for c in entry['n_best']] == [sp.decode(h) for h in want.hypotheses], sentence
+    np.testing.assert_allclose([c['score'] for c in entry['n_best']], want.scores, atol=1e-4)
+    greedy = model.translate_batch([pieces], beam_size=1, max_decoding_length=2, suppress_sequences=SUPPRESS)[0]
+    assert short_entry['text'] == sp.decode(greedy.hypotheses[0]), sentence
+  assert [e['text'] for e in short] != [e['text'] for e in beam]  # the toy's translations are longer than 2 pieces

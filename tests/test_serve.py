@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -154,6 +155,50 @@ def test_batch_invariant_answers_are_asked_of_the_jax_search_and_refused_where_i
     assert result.returncode != 0 and f'{name} is the {backend} backend\'s: not with --backend {other}' in result.stderr
 
 
+def serve_until_it_would_listen(args, monkeypatch):
+  """The serve command's main on `args` in this process, up to the uvicorn server it would start, which serves
+  nothing: (its CompletedProcess, the uvicorn.Config options it gave, with the app)."""
+  uvicorn = pytest.importorskip('uvicorn')
+  from flaxformer_nmt import serve as serve_command  # pylint: disable=g-import-not-at-top
+  started = []
+
+  class Server:
+    def __init__(self, config):
+      started.append(config)
+
+    def run(self):
+      pass
+  monkeypatch.setattr(uvicorn, 'Config', lambda app, **options: dict(options, app=app))
+  monkeypatch.setattr(uvicorn, 'Server', Server)
+  monkeypatch.setattr(signal, 'signal', lambda *args: None)  # the test process's handlers stay
+  result = in_process.run(serve_command, args)
+  assert result.returncode == 0, result.stderr[-2000:]
+  return result, started[0]
+
+
+def test_the_serve_commands_flags_reach_the_servers_settings(workdir, tmp_path, monkeypatch):
+  # Wrong rules caught: a flag dropped or read into another field (--api_keys_file ignored left the server open to
+  # anyone; --cors_origin, --max_queue, --max_queue_wait_s, --max_beam_size silently at their defaults), a comment
+  # line of the keys file taken as a key, --workdir's model not the default beside --model ones.
+  (tmp_path / 'keys').write_text('# the operators\nfirst-key\n\n  second-key  \n')
+  values = {'max_batch_tokens': 300, 'max_wait_ms': 7.5, 'max_queue': 40, 'max_queue_wait_s': 1.5, 'timeout_s': 12.0,
+            'max_input_tokens': 50, 'max_sentences': 9, 'max_body_bytes': 5000, 'max_beam_size': 3,
+            'warmup': 'none', 'graceful_timeout_s': 4.0, 'keep_alive_s': 9.0}
+  _, config = serve_until_it_would_listen(
+      [f'--workdir={workdir}', f'--model=second={workdir}', f'--api_keys_file={tmp_path / "keys"}',
+       '--cors_origin=http://a.test', '--cors_origin=http://b.test',
+       *(f'--{name}={value}' for name, value in values.items())], monkeypatch)
+  assert list(config['app'].state.service.backends) == ['en-de', 'second']  # --workdir's the default model
+  assert config['app'].state.service.settings == server.Settings(
+      max_batch_tokens=300, max_wait_ms=7.5, max_queue_sentences=40, max_queue_wait_s=1.5, timeout_s=12.0,
+      max_input_tokens=50, max_sentences=9, max_body_bytes=5000, max_beam_size=3, api_keys=('first-key', 'second-key'),
+      cors_origins=('http://a.test', 'http://b.test'), warmup='none')
+  batcher = config['app'].state.service.batcher  # milliseconds to seconds (wrong rule caught: / 100)
+  assert (batcher.max_batch_tokens, batcher.max_wait_s, batcher.max_queue_sentences, batcher.max_queue_wait_s) == (
+      300, 7.5 / 1000, 40, 1.5)
+  assert (config['timeout_graceful_shutdown'], config['timeout_keep_alive']) == (4.0, 9.0)
+
+
 def test_paragraphs_are_split_into_sentences_and_rejoined_and_empty_texts_stay_empty(backend, translator):
   texts = ['a big dog runs . The small cat sleeps .', '', '   ', 'a red ball\nthe cat runs .\n\ndog']
   with client({'en-de': backend}) as c:
@@ -219,12 +264,15 @@ def test_attention_is_the_teacher_forced_cross_attention_of_the_answer(backend, 
     one = c.post('/v1/translate', json={'text': [sentence], 'return_attention': True}).json()['translations'][0]
     two = c.post('/v1/translate', json={'text': ['a red ball . ' + sentence.capitalize()],
                                         'return_attention': True}).json()['translations'][0]
+    # With the n best too, the attention is the best translation's (wrong rule caught: another hypothesis's).
+    n_best = c.post('/v1/translate', json={'text': [sentence], 'return_attention': True, 'n_best': 3}).json()[
+        'translations'][0]
   reference = attention_lib.attention_maps(translator, [sentence])[0]
-  assert one['text'] == reference['translation']
-  attention = one['attention']
-  assert attention['source_tokens'] == reference['source_pieces']
-  assert attention['target_tokens'] == reference['target_pieces']
-  np.testing.assert_allclose(attention['weights'], reference['cross'].mean(axis=1), atol=2e-6)
+  assert one['text'] == reference['translation'] == n_best['text']
+  for attention in (one['attention'], n_best['attention']):
+    assert attention['source_tokens'] == reference['source_pieces']
+    assert attention['target_tokens'] == reference['target_pieces']
+    np.testing.assert_allclose(attention['weights'], reference['cross'].mean(axis=1), atol=2e-6)
   # Two sentences: each one's map on the diagonal, nothing between them.
   first = attention_lib.attention_maps(translator, ['a red ball .'])[0]
   weights = np.asarray(two['attention']['weights'])
@@ -282,6 +330,18 @@ def test_bad_requests_get_one_clear_error(backend, body, status, message):
     assert c.post('/v1/translate', json={'text': ['a dog']}).status_code == 200  # and the server goes on
 
 
+def test_a_request_exactly_at_a_limit_is_served(backend):
+  # The limits are inclusive, as --help says ("at most"). Wrong rules caught: a body of exactly --max_body_bytes
+  # refused (by its Content-Length, or counted as it streams in without one), beam_size=--max_beam_size refused.
+  body = json.dumps({'text': ['a dog'], 'beam_size': 2}).encode()
+  headers = {'Content-Type': 'application/json'}
+  with client({'en-de': backend}, max_body_bytes=len(body), max_beam_size=2) as c:
+    assert c.post('/v1/translate', content=body, headers=headers).status_code == 200
+    assert c.post('/v1/translate', content=iter([body[:9], body[9:]]), headers=headers).status_code == 200  # chunked
+    assert c.post('/v1/translate', content=body + b' ', headers=headers).status_code == 413
+    assert c.post('/v1/translate', content=iter([body, b' ']), headers=headers).status_code == 413
+
+
 def test_bodies_fastapi_cannot_parse_get_an_error_naming_the_problem(backend):
   with client({'en-de': backend}) as c:
     deep = c.post('/v1/translate', content='{"text": ' + '[' * 100_000, headers={'Content-Type': 'application/json'})
@@ -321,6 +381,8 @@ def test_attention_larger_than_the_limit_is_refused_naming_it(backend, monkeypat
         f'return_attention: the attention of this request holds {2 * weights.size} weights; the limit is '
         f'{2 * weights.size - 1} (ask for fewer or shorter texts at a time)')})
     assert c.post('/v1/translate', json={'text': [sentence] * 2}).status_code == 200
+    monkeypatch.setattr(server, 'MAX_ATTENTION_WEIGHTS', 2 * weights.size)  # at the limit: served (not >=)
+    assert c.post('/v1/translate', json={'text': [sentence] * 2, 'return_attention': True}).status_code == 200
 
 
 def test_the_token_limit_counts_the_model_pieces_and_a_longer_sentence_is_refused_not_cut(backend):
@@ -331,6 +393,21 @@ def test_the_token_limit_counts_the_model_pieces_and_a_longer_sentence_is_refuse
   assert (answer.status_code, answer.json()) == (413, {'detail': (
       f'text[1] has a sentence of {pieces + 1} tokens; the limit is {pieces} (--max_input_tokens={pieces}, and what '
       'the model holds)')})
+
+
+def test_a_sentence_longer_than_the_models_positions_allow_is_refused_not_cut(workdir, tmp_path):
+  # A model of 24 positions with max_decode_extra_length 10 translates sources of 24 - 10 = 14 tokens, EOS included,
+  # whole: 13 pieces (the search cuts longer ones to that, fit_to_positions). Wrong rule caught: a limit one piece
+  # over, whose sentences were then cut silently, their last piece untranslated.
+  shutil.copytree(workdir, tmp_path / 'run')
+  config = json.loads((tmp_path / 'run' / 'config.json').read_text())
+  config['model']['max_position'], config['max_length'] = 24, 24  # sinusoids: no parameter changes
+  (tmp_path / 'run' / 'config.json').write_text(json.dumps(config))
+  with client({'en-de': batcher_lib.JaxBackend(tmp_path / 'run')}, max_input_tokens=100) as c:
+    limit = c.get('/v1/models').json()['models'][0]['limits']['max_input_tokens']
+    refused = c.post('/v1/translate', json={'text': ['a big dog runs and the small red cat sleeps near a man .']})
+  assert limit == 24 - 10 - 1
+  assert refused.status_code == 413 and 'the limit is 13 (--max_input_tokens=100' in refused.json()['detail']
 
 
 class Gate:
@@ -433,6 +510,153 @@ def test_a_batch_that_compiles_leaves_the_admission_rate_alone():
   after_cold, after_warm, after_cold_again = asyncio.run(rates())
   assert after_cold is None
   assert 0 < after_warm <= 4 / 0.02 and after_cold_again == after_warm
+
+
+class EchoSearch:
+  """A Batcher's run_batch that records each batch (key, token lists, n_best) and answers each sentence with its
+  own token list; the first batch waits until released (the requests sent meanwhile queue behind it), and with
+  fail=True every batch raises once released."""
+
+  def __init__(self, fail=False):
+    self.batches, self.fail = [], fail
+    self.entered, self.release = threading.Event(), threading.Event()
+
+  def __call__(self, key, token_lists, n_best, attention):
+    del attention
+    self.batches.append((key, [list(t) for t in token_lists], n_best))
+    self.entered.set()
+    assert self.release.wait(30)
+    if self.fail:
+      raise RuntimeError('the device fell over')
+    return [list(t) for t in token_lists], 0
+
+
+async def blocked_first_batch(batcher, search, sentences=((1, 2),)):
+  """Starts `batcher` and submits one request of `sentences`; returns its task once its batch decodes (blocked in
+  `search`)."""
+  import asyncio  # pylint: disable=g-import-not-at-top
+  batcher.start()
+  first = asyncio.ensure_future(batcher.submit('a', [list(s) for s in sentences]))
+  for _ in range(2000):
+    if search.entered.is_set() or first.done():
+      break
+    await asyncio.sleep(0.005)
+  if first.done():
+    first.result()  # raises what refused it
+  assert search.entered.is_set()
+  return first
+
+
+def test_batches_take_the_oldest_keys_requests_in_order_within_the_token_budget():
+  # Wrong rules caught: a batch that stops short of an exactly full budget (< for <=); a request over the whole
+  # budget never taken (it waited for its timeout); the newest key decoded first; a batch asking for the fewest
+  # n_best of its requests (a request's n best then repeated one translation); answers handed to the wrong request.
+  import asyncio  # pylint: disable=g-import-not-at-top
+  search = EchoSearch()
+  requests = [('b', [[3, 4, 5], [6, 2]], 1), ('a', [list(range(7, 17))], 1), ('b', [[17, 18, 2]], 3),
+              ('b', [[19, 2]], 2), ('a', [[20, 2]], 1)]  # (key, sentences, n_best) in order of arrival
+
+  async def scenario():
+    ticks = itertools.count()  # every request arrives after the one before it
+    batcher = batcher_lib.Batcher(search, max_batch_tokens=8, max_wait_s=0, max_queue_sentences=100,
+                                  clock=lambda: float(next(ticks)))
+    first = await blocked_first_batch(batcher, search)
+    queued = [asyncio.ensure_future(batcher.submit(key, lists, n_best=n_best)) for key, lists, n_best in requests]
+    await asyncio.sleep(0.05)
+    search.release.set()
+    answers = await asyncio.wait_for(asyncio.gather(first, *queued), 20)
+    await batcher.close()
+    return answers
+
+  answers = asyncio.run(scenario())
+  assert answers == [[[1, 2]]] + [lists for _, lists, _ in requests]
+  # Key b's oldest request first (5 of 8 tokens), then its next (3 more: exactly 8), not its third (2 more);
+  # then key a's request of 10 tokens alone, then b's and a's last.
+  assert search.batches == [('a', [[1, 2]], 1), ('b', [[3, 4, 5], [6, 2], [17, 18, 2]], 3),
+                            ('a', [list(range(7, 17))], 1), ('b', [[19, 2]], 2), ('a', [[20, 2]], 1)]
+
+
+def test_a_request_waits_for_no_gathering_after_a_lone_request_or_once_the_budget_is_full():
+  # After a batch of several requests the next gathers for max_wait (30 s here); it does not after a batch of one
+  # request, nor once its requests fill the token budget. Wrong rules caught: gathering after every batch (each
+  # client of a quiet server waited max_wait), or until a full budget is exceeded rather than reached.
+  import asyncio  # pylint: disable=g-import-not-at-top
+  search = EchoSearch()
+
+  async def scenario():
+    batcher = batcher_lib.Batcher(search, max_batch_tokens=4, max_wait_s=30, max_queue_sentences=100)
+    first = await blocked_first_batch(batcher, search)
+    pair = [asyncio.ensure_future(batcher.submit('a', [[5, 2]])) for _ in range(2)]
+    await asyncio.sleep(0.05)
+    search.release.set()
+    await asyncio.gather(first, *pair)  # two batches: the lone first request's, then the pair's
+    full = await asyncio.wait_for(batcher.submit('a', [[6, 7, 8, 2]]), 10)  # 4 tokens: the budget, at once
+    lone = await asyncio.wait_for(batcher.submit('a', [[9, 2]]), 10)  # after a batch of one request: at once
+    await batcher.close()
+    return full, lone
+
+  assert asyncio.run(scenario()) == ([[6, 7, 8, 2]], [[9, 2]])
+  assert [len(sentences) for _, sentences, _ in search.batches] == [1, 2, 1, 1]
+
+
+def test_admission_refuses_by_queue_size_and_by_the_wait_within_the_request_timeout():
+  # A request is refused (Overloaded: HTTP 503) where the queue cannot take its sentences, or where the measured
+  # rate would reach it later than its limit: --max_queue_wait_s, or its timeout where that is shorter or
+  # --max_queue_wait_s is 0. Retry-After is the wait past that limit, or the whole wait of a full queue, rounded up.
+  # Wrong rules caught: a queue full one sentence early; the timeout not taken as a limit (with
+  # --max_queue_wait_s=0 nothing was refused by the wait); a full queue's Retry-After of 1 s while its wait is 4;
+  # a Retry-After rounded down (retried too early); an empty queue refusing a request larger than the queue.
+  import asyncio  # pylint: disable=g-import-not-at-top
+  search = EchoSearch()
+
+  async def scenario():
+    batcher = batcher_lib.Batcher(search, max_batch_tokens=100, max_wait_s=0, max_queue_sentences=3,
+                                  max_queue_wait_s=0)
+    first = await blocked_first_batch(batcher, search, [[1, 2]] * 4)  # more sentences than the queue holds
+    batcher.measured_rate(3.0)  # source tokens per second
+    queued = [asyncio.ensure_future(batcher.submit('a', [[3, 4, 2], [5, 6, 2]]))]  # 6 tokens: a wait of 2 s
+    refusals = []
+    for sentences, timeout in (([[7, 8, 9, 2]], 1.0), ([[10, 2]], None), ([[11, 2]], None)):
+      await asyncio.sleep(0.01)
+      queued.append(asyncio.ensure_future(batcher.submit('a', sentences, timeout=timeout)))
+    await asyncio.sleep(0.01)
+    for task in [t for t in queued if t.done()]:
+      refusals.append((str(task.exception()), task.exception().retry_after))
+      queued.remove(task)
+    depth = batcher.queued_sentences
+    search.release.set()
+    answers = await asyncio.gather(first, *queued)
+    await batcher.close()
+    return refusals, depth, answers
+
+  refusals, depth, answers = asyncio.run(scenario())
+  # 6 + 4 tokens at 3 per second: 3.3 s, over the timeout of 1 s by 2.3; then the third sentence fills the queue,
+  # and the fourth finds it full, (6 + 2 + 2) / 3 = 3.3 s from its turn.
+  assert refusals == [('the queue would take about 3.3 s to reach this request, over the limit of 1 s', 3),
+                      ('the queue is full (3 sentences waiting, at most 3)', 4)]
+  assert depth == 3
+  assert answers == [[[1, 2]] * 4, [[3, 4, 2], [5, 6, 2]], [[10, 2]]]
+
+
+def test_a_failed_batch_answers_every_request_in_it():
+  # Wrong rule caught: only the batch's first request got the error; the others waited for their timeout (504).
+  import asyncio  # pylint: disable=g-import-not-at-top
+  search = EchoSearch(fail=True)
+
+  async def scenario():
+    batcher = batcher_lib.Batcher(search, max_batch_tokens=100, max_wait_s=0, max_queue_sentences=100)
+    first = await blocked_first_batch(batcher, search)
+    queued = [asyncio.ensure_future(batcher.submit('a', [[i, 2]], timeout=10)) for i in (3, 4)]
+    await asyncio.sleep(0.05)
+    search.release.set()
+    answers = await asyncio.gather(first, *queued, return_exceptions=True)
+    await batcher.close()
+    return answers
+
+  answers = asyncio.run(scenario())
+  assert [type(a) for a in answers] == [batcher_lib.BatchFailed] * 3
+  assert str(answers[2]) == 'the batch of this request failed: RuntimeError: the device fell over'
+  assert [len(sentences) for _, sentences, _ in search.batches] == [1, 2]
 
 
 def test_a_request_past_the_timeout_gets_504_and_leaves_the_queue(backend):
@@ -563,6 +787,10 @@ def test_api_keys_guard_every_route_but_health_and_the_page(backend):
     assert c.post('/translate', files=dict(multipart, api_key=(None, 'first-key'))).status_code == 200
     assert c.post('/translate', files=multipart).status_code == 401
     assert c.post('/translate?api_key=second-key', data=libre).status_code == 200
+    # The header on LibreTranslate's routes too, its scheme in any case (RFC 9110: case-insensitive). Wrong rules
+    # caught: /translate reading the api_key field only; "bearer KEY" refused.
+    assert c.post('/translate', json=libre, headers={'Authorization': 'Bearer first-key'}).status_code == 200
+    assert c.get('/v1/models', headers={'Authorization': 'bearer second-key'}).status_code == 200
 
 
 def test_keys_compare_in_constant_time_against_every_key(monkeypatch):
@@ -583,6 +811,13 @@ def test_cors_is_off_unless_an_origin_is_given(backend):
     assert c.options('/v1/translate', headers=preflight).headers['access-control-allow-origin'] == 'http://app.test'
     other = c.options('/v1/translate', headers=dict(preflight, Origin='http://other.test'))
     assert other.status_code == 400
+    # A page sending its API key and JSON asks to send both headers first (wrong rule caught: Authorization not
+    # allowed, so that a browser refused to send any request of a server with --api_keys_file).
+    keyed = c.options('/v1/translate', headers=dict(preflight, **{
+        'Access-Control-Request-Headers': 'authorization, content-type'}))
+    assert keyed.status_code == 200, keyed.text
+    assert {'authorization', 'content-type'} <= {
+        h.strip().lower() for h in keyed.headers['access-control-allow-headers'].split(',')}
 
 
 def test_a_page_of_an_allowed_origin_can_read_retry_after_and_www_authenticate(backend):
@@ -598,29 +833,21 @@ def test_a_page_of_an_allowed_origin_can_read_retry_after_and_www_authenticate(b
     assert {'retry-after', 'www-authenticate'} <= exposed
 
 
-def test_libretranslate_routes(backend, translator):
-  texts = ['a big dog runs .', 'the cat runs .']
-  want = [text for text, _ in expected(translator, texts)]
+def test_libretranslate_refusals_are_in_its_shape_and_name_its_fields(backend):
   beam = backend.defaults()['beam_size']
   long_q = 'dog ' * 300
   pieces, limit = len(backend.encode([long_q])[0]) - 1, min(127, backend.max_source_tokens)
   with client({'en-de': backend}) as c:
-    assert c.post('/translate', json={'q': texts[0], 'source': 'en', 'target': 'de', 'format': 'text'}).json() == {
-        'translatedText': want[0]}
-    assert c.post('/translate', json={'q': texts, 'source': 'en', 'target': 'de'}).json() == {
-        'translatedText': want}
-    form = c.post('/translate', data={'q': texts[1], 'source': 'auto', 'target': 'de', 'alternatives': '1'}).json()
-    nbest = expected(translator, [texts[1]], n_best=2)[0]
-    assert form == {'translatedText': nbest[0][0], 'alternatives': [nbest[1][0]],
-                    'detectedLanguage': {'confidence': 100.0, 'language': 'en'}}
-    assert c.get('/languages').json() == [{'code': 'de', 'name': 'German', 'targets': []},
-                                          {'code': 'en', 'name': 'English', 'targets': ['de']}]
     errors = [({'q': 'a', 'source': 'en', 'target': 'fr'}, 404,
                'no model translates en to fr; this server serves en-de (en->de)'),
               ({'source': 'en', 'target': 'de'}, 400, 'Invalid request: missing q parameter'),
+              # An empty q too, as LibreTranslate answers it (wrong rule caught: translated to "").
+              ({'q': '', 'source': 'en', 'target': 'de'}, 400, 'Invalid request: missing q parameter'),
               ({'q': 'a', 'source': 'en', 'target': 'de', 'format': 'html'}, 400,
                'format \'html\' is not supported: only "text"'),
               ({'q': 5, 'source': 'en', 'target': 'de'}, 422, 'q: must be a string or a list of strings'),
+              # (wrong rule caught: a list of anything let in, then a 500 where a text was no string)
+              ({'q': ['a', 5], 'source': 'en', 'target': 'de'}, 422, 'q: must be a string or a list of strings'),
               # Errors name LibreTranslate's fields, not /v1's.
               ({'q': 'a', 'source': 'en', 'target': 'de', 'alternatives': 4}, 400, 'alternatives=4 is over the '
                f'limit of {beam - 1} (the model\'s beam size {beam} less one)'),
@@ -637,6 +864,28 @@ def test_libretranslate_routes(backend, translator):
                     headers={'Content-Type': 'application/x-www-form-urlencoded'})
     assert (answer.status_code, answer.json()) == (400, {'error': 'the form is not valid UTF-8 once unescaped '
                                                                   '(invalid start byte)'})
+
+
+def test_libretranslate_routes(backend, translator):
+  texts = ['a big dog runs .', 'the cat runs .']
+  want = [text for text, _ in expected(translator, texts)]
+  with client({'en-de': backend}) as c:
+    assert c.post('/translate', json={'q': texts[0], 'source': 'en', 'target': 'de', 'format': 'text'}).json() == {
+        'translatedText': want[0]}
+    assert c.post('/translate', json={'q': texts, 'source': 'en', 'target': 'de'}).json() == {
+        'translatedText': want}
+    form = c.post('/translate', data={'q': texts[1], 'source': 'auto', 'target': 'de', 'alternatives': '1'}).json()
+    nbest = expected(translator, [texts[1]], n_best=2)[0]
+    assert form == {'translatedText': nbest[0][0], 'alternatives': [nbest[1][0]],
+                    'detectedLanguage': {'confidence': 100.0, 'language': 'en'}}
+    # A list of texts gets a list of each field (LibreTranslate's shape). Wrong rules caught: only the first
+    # text's alternatives, or one detectedLanguage for all.
+    listed = c.post('/translate', json={'q': texts, 'source': 'auto', 'target': 'de', 'alternatives': 1}).json()
+    nbests = expected(translator, texts, n_best=2)
+    assert listed == {'translatedText': [n[0][0] for n in nbests], 'alternatives': [[n[1][0]] for n in nbests],
+                      'detectedLanguage': [{'confidence': 100.0, 'language': 'en'}] * 2}
+    assert c.get('/languages').json() == [{'code': 'de', 'name': 'German', 'targets': []},
+                                          {'code': 'en', 'name': 'English', 'targets': ['de']}]
     # As LibreTranslate (Flask's request.values): a form's fields from the query string too, the body's first;
     # no format is text; FastAPI's own errors in LibreTranslate's {"error"} shape.
     assert c.post(f'/translate?q={texts[0]}&source=en&target=de').json() == {'translatedText': want[0]}
@@ -686,10 +935,15 @@ def test_metrics_count_requests_batches_and_tokens(backend, translator):
       assert c.post('/v1/translate', json={'text': text}).status_code == 200
     assert c.post('/v1/translate', json={'text': 'not a list', 'n_best': 'x'}).status_code == 422
     assert c.post('/translate', json={'q': 'a dog', 'source': 'en', 'target': 'de'}).status_code == 200
+    for path in ('/nothing', '/v1/nothing/1', '/v1/nothing/2'):  # a client's typos or a scanner's guesses
+      assert c.get(path).status_code == 404
     text = c.get('/metrics').text
   assert metric(text, 'flaxformer_nmt_requests_total', route='/v1/translate', status='200') == 2
   assert metric(text, 'flaxformer_nmt_requests_total', route='/v1/translate', status='422') == 1
   assert metric(text, 'flaxformer_nmt_requests_total', route='/translate', status='200') == 1
+  # Paths no route serves share one label (wrong rule caught: one series per path sent, without bound).
+  assert metric(text, 'flaxformer_nmt_requests_total', route='other', status='404') == 3
+  assert 'nothing' not in text
   assert metric(text, 'flaxformer_nmt_request_seconds_count', route='/v1/translate') == 3
   assert metric(text, 'flaxformer_nmt_batch_sentences_sum') == 4
   sources = ['a big dog runs .', 'the cat runs .', 'a red ball', 'a dog']
@@ -698,11 +952,22 @@ def test_metrics_count_requests_batches_and_tokens(backend, translator):
   assert metric(text, 'flaxformer_nmt_batch_source_tokens_sum') == sum(
       len(t) for t in translator.tokenizer.encode(sources))
   assert metric(text, 'flaxformer_nmt_queue_sentences') == 0
+  # One batch: its seconds observed, and the throughput gauge its target tokens over those seconds (wrong rules
+  # caught: the batch's seconds not observed; the gauge set to the token count).
+  with client({'en-de': backend}) as c:
+    assert c.post('/v1/translate', json={'text': ['a big dog runs .']}).status_code == 200
+    one = c.get('/metrics').text
+  assert metric(one, 'flaxformer_nmt_batch_seconds_count') == 1
+  assert metric(one, 'flaxformer_nmt_target_tokens_per_second') == pytest.approx(
+      metric(one, 'flaxformer_nmt_target_tokens_total') / metric(one, 'flaxformer_nmt_batch_seconds_sum'), rel=1e-6)
 
 
 def test_models_lists_checkpoint_size_settings_and_bleu(backend, translator, workdir):
   with client({'en-de': backend, 'second': backend}) as c:
     models = c.get('/v1/models').json()['models']
+    # A request naming no model gets the first served, as /v1/models lists it (wrong rule caught: another one).
+    assert [c.post('/v1/translate', json=dict({'text': ['dog']}, **name)).json()['model']
+            for name in ({}, {'model': 'second'})] == ['en-de', 'second']
   assert [m['name'] for m in models] == ['en-de', 'second']
   model = models[0]
   assert (model['source_lang'], model['target_lang'], model['checkpoint'], model['checkpoint_steps']) == (
@@ -766,9 +1031,16 @@ def test_sigterm_or_ctrl_c_drains_the_requests_in_flight_then_exits_0(workdir, t
       signalled = time.time()
       process.send_signal(signum)
       want = translator.translate(texts)
+      answered = 0
       for answer in answers:
+        # A request that connects after the signal is refused, as it should be: the wait above sees the queue,
+        # not the connections of all four (on a busy machine the last one may connect after the signal).
+        if isinstance(answer.exception(), httpx.ConnectError):
+          continue
         assert answer.result().status_code == 200
         assert [t['text'] for t in answer.result().json()['translations']] == want
+        answered += 1
+    assert answered >= 2  # the requests decoding and waiting at the signal, at least
     assert max(finished) > signalled  # answered after the signal: drained, not cut off
     assert process.wait(60) == 0
     with pytest.raises(httpx.ConnectError):
