@@ -1,4 +1,6 @@
 """Checkpoint averaging on hand-made checkpoints: the mean, and the refusal of mismatched shapes."""
+import json
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -201,6 +203,31 @@ def test_the_average_command_takes_the_window_the_trainer_averages(tmp_path):
   workdir_lib.write_config(config, tmp_path)
   assert in_process.run(average, [f'--workdir={tmp_path}']).returncode == 0
   assert checkpoints_lib.load_averaged(tmp_path)[1] == {'steps': [10, 20, 30, 40, 50]}
+
+
+def test_the_trainers_end_averages_average_last_checkpoints_and_a_paused_run_neither_averages_nor_finishes(tmp_path):
+  """The trainer's end (loop.finish) on hand-made checkpoints 10..40 kept by config.keep_checkpoints=4 with
+  config.average_last_checkpoints=2: the average is of 30 and 40, and finished.json names the step. A run
+  paused by a stop signal leaves both for the launch that ends it. Catches the window sized by keep_checkpoints."""
+  import types  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.training import loop  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.training import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  config = config_lib.base_config()
+  config.checkpoint_every_steps, config.keep_checkpoints, config.average_last_checkpoints = 10, 4, 2
+  for workdir, signalled in ((tmp_path / 'ended', False), (tmp_path / 'paused', True)):
+    saved_run(workdir, (10, 20, 30, 40), keep=4, every_steps=10)
+    workdir_lib.write_config(config, workdir)
+    run = types.SimpleNamespace(config=config, workdir=workdir, state=None, close=lambda last_state: None,
+                                log=types.SimpleNamespace(write=lambda step, metrics: None))
+    decision = types.SimpleNamespace(signalled=signalled,
+                                     reason='a stop signal' if signalled else 'config.num_train_steps')
+    loop.finish(run, 40, decision, metrics_lib.WallClock())
+  assert checkpoints_lib.load_averaged(tmp_path / 'ended')[1] == {'steps': [30, 40]}
+  finished = json.loads((tmp_path / 'ended' / 'finished.json').read_text())
+  assert (finished['step'], finished['reason']) == (40, 'config.num_train_steps')
+  assert not (tmp_path / 'paused' / 'averaged').exists() and not (tmp_path / 'paused' / 'finished.json').exists()
 
 
 def test_an_empty_steps_flag_is_refused_not_taken_for_the_default_window(tmp_path):

@@ -130,6 +130,38 @@ def test_references_and_checkpoints_are_checked_before_anything_is_translated(tr
     assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
 
 
+def test_validation_scores_and_writes_the_lines_it_is_given_in_the_models_case(trained_toy, tmp_path, monkeypatch):
+  """ValidationBleu.evaluate with the search replaced by given lines: short lines (the brevity penalty is not the
+  length ratio), scored by sacreBLEU here, without tokenized references (no tok_bleu in the metrics: NaN is not
+  JSON); then a model of config.lowercase whose lines come out in capitals scores as if lowercase (case:lc).
+  Catches the length ratio logged as the brevity penalty, a NaN tok_bleu kept and a cased score of such a model."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.checkpointing import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.runtime import sharding  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.training import validation  # pylint: disable=g-import-not-at-top
+  references = (trained_toy.parent / 'data' / 'valid.de').read_text().splitlines()[:5]
+  config = workdir_lib.load_config(trained_toy)
+  config.eval_bleu_max_sentences, config.eval_bleu_tok_ref_dir = 5, ''
+  tokenizer = tokenizer_lib.Tokenizer(trained_toy / 'vocab.model')
+  mesh = sharding.make_mesh(devices=jax.devices()[:1])
+  short = [' '.join(line.split()[:-1]) for line in references]
+  monkeypatch.setattr(validation.ValidationBleu, 'translate', lambda self, params: short)
+  metrics = validation.ValidationBleu(config, tokenizer, tmp_path / 'w', mesh).evaluate(7, params=None)
+  score = sacrebleu.corpus_bleu(short, [references])
+  assert score.bp < 1 and score.bp != pytest.approx(score.sys_len / score.ref_len)
+  assert metrics['eval/bleu'] == pytest.approx(score.score, abs=1e-9)
+  assert metrics['eval/bleu_brevity_penalty'] == pytest.approx(score.bp)
+  assert metrics['eval/bleu_length_ratio'] == pytest.approx(score.sys_len / score.ref_len)
+  assert 'eval/tok_bleu' not in metrics and metrics['eval/bleu_sentences'] == 5
+  assert metrics['eval/bleu_signature'].startswith('nrefs:1|case:mixed|')
+  assert (tmp_path / 'w' / 'eval' / 'hyp_7.txt').read_text() == ''.join(line + '\n' for line in short)
+  config.lowercase = True
+  monkeypatch.setattr(validation.ValidationBleu, 'translate', lambda self, params: [r.upper() for r in references])
+  metrics = validation.ValidationBleu(config, tokenizer, tmp_path / 'w', mesh).evaluate(8, params=None)
+  assert metrics['eval/bleu'] == pytest.approx(100.0) and '|case:lc|' in metrics['eval/bleu_signature']
+
+
 def test_references_are_read_line_for_line_as_the_decode_command_reads_its_input(tmp_path):
   """A lone \\r inside a line is text, not a line end (the decode command splits its input at \\n alone): read
   in text mode, a reference with one gained a line and every later line was scored against the wrong one."""
@@ -377,6 +409,32 @@ def test_best_is_replaced_only_by_a_better_value_and_survives_a_restart(tmp_path
   directory, subtree, _, description = warm_start.resolve(tmp_path, 'best')
   assert description.startswith('best (step 400)') and subtree is None
   np.testing.assert_array_equal(checkpoints_lib.read_params(directory)['w'], fake_params(4.0)['w'])
+
+
+def test_a_best_json_write_cut_short_leaves_the_previous_best_whole(tmp_path, monkeypatch):
+  """best.json was written in place: a process killed (or a disk filled) mid-write left a truncated file that
+  stopped every later resume (BestCheckpoint reads it) and decode --checkpoint best."""
+  import errno  # pylint: disable=g-import-not-at-top
+  tracker = best_checkpoint.BestCheckpoint(tmp_path, 'bleu')
+  assert tracker.update(100, fake_params(1.0), {'eval/bleu': 20.0})
+  before = (tmp_path / 'best' / 'best.json').read_text()
+  path_type = type(best_checkpoint.directory(tmp_path))
+  write_text = path_type.write_text
+
+  def cut_short(path, text, *args, **kwargs):  # the parameters are saved whole; best.json's text is cut
+    if 'best.json' not in path.name:
+      return write_text(path, text, *args, **kwargs)
+    write_text(path, text[:20], *args, **kwargs)
+    raise OSError(errno.ENOSPC, 'No space left on device')
+  monkeypatch.setattr(path_type, 'write_text', cut_short)
+  with pytest.raises(OSError, match='No space left'):
+    tracker.update(200, fake_params(2.0), {'eval/bleu': 21.0})
+  monkeypatch.undo()
+  assert (tmp_path / 'best' / 'best.json').read_text() == before
+  assert best_checkpoint.BestCheckpoint(tmp_path, 'bleu').best_step == 100
+  params, info = best_checkpoint.load_best(tmp_path)
+  assert info['step'] == 100
+  np.testing.assert_array_equal(params['w'], fake_params(1.0)['w'])
 
 
 def test_best_json_is_strict_json_when_another_metric_is_not_finite(tmp_path):

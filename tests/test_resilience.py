@@ -193,6 +193,27 @@ def test_the_trainer_gives_the_nan_error_the_runs_schedule(toy_corpus, tmp_path,
     train.train_and_evaluate(config, tmp_path / 'run')
 
 
+def test_a_nonfinite_last_step_off_the_log_interval_stops_the_run_before_its_final_save(
+    toy_corpus, tmp_path, monkeypatch):
+  """Step 3 of 3 reports NaN (its flag set by hand), and 3 is no logging step: the final save reads the step's flags
+  first, so the run stops naming step 3, keeps checkpoint 2 and is not marked finished. Catches flags read at
+  logging steps only: the run saved step 3 and finished without a word."""
+  call = ts.TrainStep.__call__
+
+  def nan_at_step_3(self, state, batch):
+    new, metrics = call(self, state, batch)
+    return new, {**metrics, 'nonfinite': jnp.asarray(int(new.step) == 3, jnp.int32)}
+  monkeypatch.setattr(ts.TrainStep, '__call__', nan_at_step_3)
+  config = small_config(toy_corpus)
+  config.num_train_steps, config.log_every_steps, config.checkpoint_every_steps = 3, 2, 2
+  config.eval_every_steps, config.length_buckets = 1000, (32,)
+  workdir = tmp_path / 'run'
+  with pytest.raises(metrics_lib.NonFiniteError, match='step 3: '):
+    train.train_and_evaluate(config, workdir)
+  assert checkpoints_lib.saved_steps(workdir) == [2]
+  assert not (workdir / 'finished.json').exists()
+
+
 def test_damaged_and_partial_checkpoints_fall_back_to_the_last_good_one(tmp_path, caplog):
   model, _ = tiny_model()
   tx, _ = ts.make_optimizer(config_lib.base_config())

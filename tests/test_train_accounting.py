@@ -10,6 +10,7 @@ import pytest
 
 import in_process
 from conftest import small_config
+from flaxformer_nmt import config as config_lib
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
 from flaxformer_nmt.models import transformer as model_lib
 from flaxformer_nmt.runtime import flops
@@ -107,6 +108,19 @@ def test_the_time_limit_stops_with_a_final_checkpoint_and_the_average_and_warns_
           'learning-rate cooldown (the last 20 steps) was cut short') in caplog.text
 
 
+def test_a_time_limit_reached_at_the_last_step_cuts_nothing_short(toy_corpus, tmp_path, caplog):
+  """A one-step run whose config.max_train_minutes is spent by its set-up stops at that step, its last: it is
+  finished by the time guard, but trained every step, so no warning says its schedule was cut."""
+  config = small_config(toy_corpus)
+  config.num_train_steps, config.checkpoint_every_steps, config.max_train_minutes = 1, 1, 1e-4
+  config.log_every_steps, config.eval_every_steps, config.length_buckets = 1, 1000, (32,)
+  with caplog.at_level('WARNING'):
+    train.train_and_evaluate(config, tmp_path / 'run')
+  finished = json.loads((tmp_path / 'run' / ensemble.FINISHED_FILE).read_text())
+  assert (finished['step'], finished['reason']) == (1, 'config.max_train_minutes')
+  assert 'stopped the run at step' not in caplog.text
+
+
 def test_max_train_minutes_counts_training_time_across_resumes(toy_corpus, tmp_path):
   """Each checkpoint records the run's training time; a resume continues that clock (fairseq's cumulative
   --stop-time-hours), so a run resumed past its limit takes no step, and later saves add to the earlier time."""
@@ -184,6 +198,24 @@ def test_the_bleu_curve_joins_resumed_launches_minutes_whichever_clock_they_logg
   # Both: this trainer resuming an older checkpoint (no clock saved: starts at 0), then resumed again.
   assert minutes(at(10, 10), at(20, 20), start(20, 0), at(25, 5), start(25, 5), at(28, 8)) == {
       10: 10, 20: 20, 25: 25, 28: 28}
+
+
+def test_a_call_takes_steps_per_dispatch_steps_wherever_that_many_are_left():
+  """The calls of a run of config.steps_per_dispatch=4: 4 steps a call while 4 or more are left, the last of them
+  included, then single steps. Catches the last full call split into single steps (a one-step program compiled
+  for nothing at the run's end)."""
+  def calls(num_train_steps):
+    config = config_lib.base_config()
+    config.steps_per_dispatch, config.num_train_steps = 4, num_train_steps
+    sizes, step = [], 0
+    while step < num_train_steps:
+      sizes.append(train.steps_in_call(config, step))
+      step += sizes[-1]
+    return sizes
+  assert calls(12) == [4, 4, 4]
+  assert calls(14) == [4, 4, 4, 1, 1]
+  assert calls(6) == [4, 1, 1]
+  assert calls(3) == [1, 1, 1]
 
 
 def test_steps_run_several_a_call_log_save_and_resume_as_steps_run_one_at_a_time(toy_corpus, tmp_path):

@@ -137,6 +137,14 @@ def test_a_new_fine_tuning_workdir_gets_the_sources_vocabulary_and_one_with_its_
   (tmp_path / 'own' / 'vocab.model').write_bytes(b'its own')
   warm_start.adopt_vocabulary(config, tmp_path / 'own')
   assert (tmp_path / 'own' / 'vocab.model').read_bytes() == b'its own'
+  # An MLM needs a mask piece, which a translation run's vocabulary lacks: refused before anything is copied (a
+  # vocab.model left behind would be the workdir's vocabulary for every later launch).
+  config.task, config.init_from = 'mlm', str(source_dir)
+  (tmp_path / 'mlm').mkdir()
+  with pytest.raises(warm_start.WarmStartError, match=f'needs a .* piece in its vocabulary and '
+                     f'{source_dir / "vocab.model"} has none'):
+    warm_start.adopt_vocabulary(config, tmp_path / 'mlm')
+  assert not (tmp_path / 'mlm' / 'vocab.model').exists()
 
 
 def test_resolve_names_workdirs_checkpoint_directories_and_their_choices(source, tmp_path):
