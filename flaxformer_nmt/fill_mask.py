@@ -62,7 +62,10 @@ def main(argv):
       filler.check_top_k(FLAGS.top_k)
     except ValueError as e:  # the flag's name on its message
       sys.exit(f'error: --{e}')
-    names, texts = read_texts(argv, FLAGS.input)
+    try:
+      names, texts = read_texts(argv, FLAGS.input)
+    except OSError as e:  # missing, a directory, no permission
+      sys.exit(f'error: --input {FLAGS.input}: {e.strerror or e}')
     token_lists = filler.encode_checked(texts, names)  # every text checked before anything is printed
     for start in range(0, len(texts), 256):
       results = filler.fill_ids(token_lists[start:start + 256], top_k=FLAGS.top_k)

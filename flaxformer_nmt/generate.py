@@ -75,13 +75,15 @@ def main(argv):
                   top_p=FLAGS.top_p, num_samples=FLAGS.num_samples, seed=FLAGS.seed)
   except ValueError as e:  # the flag's name on its message
     sys.exit(f'error: --{e}')
+  try:  # before the model loads
+    prompts = list(FLAGS.prompt) if FLAGS.prompt is not None else [
+        line for chunk in data_lib.read_chunks(FLAGS.input, 1 << 30) for line in chunk]
+  except OSError as e:  # missing, a directory, no permission
+    sys.exit(f'error: --input {FLAGS.input}: {e.strerror or e}')
+  except ValueError as e:  # a line that is not UTF-8, named
+    sys.exit(f'error: {e}')
   try:
     generator = Generator(FLAGS.workdir, FLAGS.checkpoint)
-    if FLAGS.prompt is not None:
-      prompts = list(FLAGS.prompt)
-    else:
-      read = data_lib.read_chunks
-      prompts = [line for chunk in read(FLAGS.input, 1 << 30) for line in chunk]
     prompt_ids = generator.encode_prompt(prompts)
     check_lengths(generator, prompt_ids, FLAGS.max_new_tokens)
     logging.info('Generating from %s of %s', generator.checkpoint, FLAGS.workdir)

@@ -300,3 +300,11 @@ def test_generate_and_fill_mask_stop_quietly_when_the_reader_stops_reading(lm_ru
       fill_mask_command, [f'--workdir={workdir}', '--top_k=1', '--verbosity=-1'], 'ein <mask> .\n' * 300)
   assert first == 'ein <mask> .\n'
   assert returncode == 1 and not re.search('error|Traceback', stderr), stderr[-3000:]
+
+
+def test_generate_and_fill_mask_name_an_input_they_cannot_read_by_its_flag(lm_run, mlm_run, tmp_path):
+  # It was "error: [Errno 21] Is a directory: '...'", naming no flag; generate read it only after loading the model.
+  for command, workdir in ((generate_command, lm_run[0]), (fill_mask_command, mlm_run[0])):
+    for path, reason in ((tmp_path, 'Is a directory'), (tmp_path / 'missing.txt', 'No such file or directory')):
+      result = in_process.run(command, [f'--workdir={workdir}', f'--input={path}'])
+      assert last_error(result) == f'error: --input {path}: {reason}', result.stderr[-2000:]
