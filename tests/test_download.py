@@ -99,6 +99,21 @@ def test_download_writes_raw_and_tokenized_text_from_a_mirror_laid_out_as_upstre
   assert sorted(p.name for p in (tmp_path / 'm30k').iterdir()) == sorted(download.MULTI30K_FILES)
 
 
+def test_a_present_file_that_differs_from_its_checksum_is_fetched_again(file_server, tmp_path, monkeypatch):
+  """The download command keeps only files that match their sha256: a stale or half-copied file under the right
+  name is replaced by the mirror's, the others are left as they are (not fetched: the mirror lacks them)."""
+  root, url, _ = file_server
+  texts = serve_toy_multi30k(root, monkeypatch)
+  download.download_multi30k(tmp_path / 'm30k', tmp_path / 'm30k_tok', url)
+  stale = tmp_path / 'm30k' / 'valid.de'
+  stale.write_bytes(texts[False, 'valid.de'][:10])
+  for tok, name in texts:
+    if (tok, name) != (False, 'valid.de'):
+      (root / (download.MULTI30K_TOK_FILES if tok else download.MULTI30K_FILES)[name][0]).unlink()
+  download.download_multi30k(tmp_path / 'm30k', tmp_path / 'm30k_tok', url)
+  assert stale.read_bytes() == texts[False, 'valid.de']
+
+
 @pytest.mark.parametrize('tok', [False, True])
 def test_a_file_that_differs_from_its_checksum_is_refused_by_name_and_not_written(file_server, tmp_path,
                                                                                    monkeypatch, tok):
@@ -172,7 +187,7 @@ def test_a_write_interrupted_before_its_rename_leaves_no_file(tmp_path, monkeypa
   def interrupted(*args, **kwargs):
     raise KeyboardInterrupt
 
-  monkeypatch.setattr(path_type, 'rename', interrupted)
+  monkeypatch.setattr(path_type, 'replace', interrupted)
   with pytest.raises(KeyboardInterrupt):
     download.write_atomically(download.epath.Path(tmp_path) / 'train.en', b'a dog .\n')
   assert list(tmp_path.iterdir()) == []
@@ -360,6 +375,17 @@ def test_a_damaged_gzip_stream_is_refused_by_name_and_stops_training_with_one_er
   monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / 'cache'))
   with pytest.raises(data_lib.DataError, match=r'val.de.gz: not a valid gzip file.*--config.data_dir=DIR'):
     download.ensure_corpus(load_config())
+
+
+def test_the_default_mirror_is_the_pinned_upstream_commit(monkeypatch):
+  """Without --base_url or $FLAXFORMER_NMT_MULTI30K_URL the files come from multi30k/dataset at the commit whose
+  files the pinned sha256 values describe; a given mirror is used as it is, less a trailing slash."""
+  monkeypatch.delenv(download.URL_ENV, raising=False)
+  assert download.mirror() == ('https://raw.githubusercontent.com/multi30k/dataset/'
+                               'c40b37b23d6387214f8ab37335b5a8672b9745f2')
+  monkeypatch.setenv(download.URL_ENV, 'file:///srv/multi30k/')
+  assert download.mirror() == 'file:///srv/multi30k'
+  assert download.mirror('http://mirror.example/m30k/') == 'http://mirror.example/m30k'
 
 
 def test_a_mirror_given_as_a_bare_path_is_one_error_naming_the_url_form(tmp_path, monkeypatch):

@@ -250,7 +250,7 @@ def write_atomically(path, data):
   tmp = path.parent / f'.{path.name}.{os.getpid()}.tmp'
   try:
     tmp.write_bytes(data)
-    tmp.rename(path)
+    tmp.replace(path)  # over a file that failed its checksum, or one another process wrote meanwhile
   except OSError as e:
     tmp.unlink(missing_ok=True)
     raise DownloadError(f'{path}: cannot write ({e.strerror or e})') from None
