@@ -7,7 +7,7 @@ import pytest
 from flaxformer_nmt.data import batching
 from flaxformer_nmt.data import corpus as data_lib
 from flaxformer_nmt.data import tokenizer as tokenizer_lib
-from flaxformer_nmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from flaxformer_nmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 
 def test_whitespace_is_normalized(tmp_path):
@@ -85,6 +85,21 @@ def test_a_byte_order_mark_is_not_text(tmp_path):
   assert [line for chunk in data_lib.read_chunks(str(path), 1) for line in chunk] == expected
 
 
+def test_a_lone_carriage_return_stays_inside_its_line(tmp_path):
+  """Lines end at \\n alone (a final \\r dropped), for the training text, the references and the decode command's
+  input alike: a \\r, U+0085 or U+2028 inside a line (str.splitlines would split there) keeps the pair on its line
+  number, and the files aligned."""
+  raw = 'one\rtwo\r\nthree\x85four\u2028five\nsix\r\n'
+  (tmp_path / 'train.en').write_bytes(raw.encode('utf-8'))
+  (tmp_path / 'train.de').write_bytes('eins\nzwei\nsechs\n'.encode('utf-8'))
+  expected = ['one\rtwo', 'three\x85four\u2028five', 'six']
+  assert data_lib.read_text_lines(tmp_path / 'train.en') == expected
+  assert [line for chunk in data_lib.read_chunks(str(tmp_path / 'train.en'), 2) for line in chunk] == expected
+  src, tgt, keep, num_lines = data_lib.read_parallel(tmp_path, 'train', 'en', 'de')
+  assert (src, tgt, keep, num_lines) == (['one two', 'three four five', 'six'], ['eins', 'zwei', 'sechs'],
+                                         [0, 1, 2], 3)
+
+
 def test_missing_file_is_named(tmp_path):
   with pytest.raises(data_lib.DataError, match=r'train.en: file not found'):
     data_lib.read_parallel(tmp_path, 'train', 'en', 'de')
@@ -100,6 +115,50 @@ def test_tokenizer_round_trip_and_reserved_ids(toy_corpus, tmp_path):
   # A second call reuses the stored model instead of training again.
   again = tokenizer_lib.load_or_train(tmp_path / 'work', lambda: pytest.fail('retrained'), vocab_size=64)
   assert again.encode(['a big dog runs .'])[0] == ids
+
+
+def test_the_vocabulary_is_learnt_with_the_requested_options(toy_corpus, tmp_path):
+  """The sentencepiece options reach the trainer: the vocabulary has vocab_size pieces; a BPE model scores its
+  merges by rank (whole numbers), a unigram one by log probabilities; character_coverage=1.0 keeps a character
+  seen once (sentencepiece's default, 0.9995, maps it to UNK); a user symbol gets the first id after the reserved
+  ones and is encoded whole."""
+  lines = data_lib.read_lines(toy_corpus / 'train.en') + data_lib.read_lines(toy_corpus / 'train.de')
+  lines.append('ein \u00f8 .')  # one rare character among about 15,000
+  def train(name, **options):
+    return tokenizer_lib.Tokenizer(tokenizer_lib.train_sentencepiece(lines, tmp_path / name, **options))
+  bpe = train('bpe.model', vocab_size=70, model_type='bpe', character_coverage=1.0, user_defined_symbols=('<mask>',))
+  assert bpe.vocab_size == 70
+  scores = [bpe.sp.get_score(i) for i in range(bpe.vocab_size)]
+  assert all(score == int(score) for score in scores)
+  assert UNK_ID not in bpe.encode(['\u00f8'])[0]
+  assert bpe.mask_id == EOS_ID + 1 and bpe.encode(['a <mask> dog'])[0].count(EOS_ID + 1) == 1
+  unigram = train('unigram.model', vocab_size=40, model_type='unigram', character_coverage=0.9995)
+  assert unigram.vocab_size == 40
+  assert any(score != int(score) for score in (unigram.sp.get_score(i) for i in range(unigram.vocab_size)))
+  assert UNK_ID in unigram.encode(['\u00f8'])[0] and unigram.mask_id is None
+
+
+def test_the_pipeline_learns_the_vocabulary_with_the_configs_options(toy_corpus, tmp_path):
+  """config.vocab_size, sentencepiece_model_type and sentencepiece_character_coverage reach the trainer (a
+  unigram model scores pieces by log probability; coverage below 1 maps a character seen twice to UNK), and the
+  vocabulary is learnt from both languages (a German-only word's characters are not UNK); an MLM's has '<mask>'."""
+  from conftest import small_config  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.data import pipeline  # pylint: disable=g-import-not-at-top
+  for lang, line in (('en', 'a \u00f8 .'), ('de', 'ein \u00f8 .')):
+    with open(toy_corpus / f'train.{lang}', 'a', encoding='utf-8') as f:
+      f.write(line + '\n')
+  config = small_config(toy_corpus)
+  config.vocab_size, config.sentencepiece_model_type, config.sentencepiece_character_coverage = 40, 'unigram', 0.9995
+  tokenizer = pipeline.vocabulary_and_tokens(config, tmp_path / 'work')[0]
+  assert tokenizer.vocab_size == 40
+  assert any(score != int(score) for score in (tokenizer.sp.get_score(i) for i in range(tokenizer.vocab_size)))
+  assert UNK_ID in tokenizer.encode(['\u00f8'])[0]
+  german_only = sorted(set(''.join(data_lib.read_lines(toy_corpus / 'train.de'))) - set(
+      ''.join(data_lib.read_lines(toy_corpus / 'train.en'))) - {'\u00f8'})
+  assert german_only and UNK_ID not in tokenizer.encode([''.join(german_only)])[0]
+  assert tokenizer.mask_id is None
+  config.task, config.vocab_size, config.sentencepiece_model_type = 'mlm', 64, 'bpe'  # '<mask>' after the reserved ids
+  assert pipeline.vocabulary_and_tokens(config, tmp_path / 'mlm')[0].mask_id == EOS_ID + 1
 
 
 def corpus_of_lengths(lengths):
@@ -234,6 +293,28 @@ def test_eval_batches_cover_everything_once_in_a_fixed_order():
   assert sum(int((b['src'] != PAD_ID).any(axis=1).sum()) for b in runs[0]) == 100
   for x, y in zip(*runs):
     np.testing.assert_array_equal(x['src'], y['src'])
+
+
+@pytest.mark.parametrize('multiple_of', [1, 3])
+def test_eval_batches_keep_the_token_budget_and_the_smallest_bucket(multiple_of):
+  """Validation batches are planned as training's: rows the largest multiple of `multiple_of` within the budget
+  (written as a loop), each row in the smallest bucket that holds its pair. Catches a validation batch over
+  the token budget (out of memory on the device where training fits), or a bucket chosen by one side."""
+  rng = np.random.default_rng(11)
+  side = lambda token: [[token] * (n - 1) + [EOS_ID] for n in rng.integers(2, 60, size=300)]
+  corpus = data_lib.TokenizedCorpus.from_lists(side(5), side(6))
+  buckets, budget = (8, 16, 24, 32, 48), 200
+  seen = 0
+  for batch in batching.eval_batches(corpus, tokens_per_batch=budget, buckets=buckets, multiple_of=multiple_of):
+    rows, length = batch['src'].shape
+    expected = multiple_of
+    while (expected + multiple_of) * length <= budget:
+      expected += multiple_of
+    assert rows == expected, (length, rows, expected)
+    real = np.maximum((batch['src'] != PAD_ID).sum(axis=1), (batch['tgt_out'] != PAD_ID).sum(axis=1))
+    assert all(length == smallest_bucket(int(n), buckets) for n in real[real > 0])
+    seen += int((real > 0).sum())
+  assert seen == 300
 
 
 def test_length_filter_drops_long_and_empty_pairs(toy_corpus, tmp_path):
@@ -580,6 +661,24 @@ def test_a_corpus_with_no_pair_within_the_length_limit_is_one_clear_error(toy_co
     pipeline.input_pipeline(config, tmp_path, num_devices=1)
 
 
+def test_packed_training_keeps_the_pairs_within_the_shorter_of_max_length_and_packed_length(toy_corpus, tmp_path):
+  """With packed rows shorter than config.max_length, the training pairs are those with both sides non-empty and
+  at most packed_length tokens (EOS included), counted here by a loop over the tokenized lines; a limit taken
+  from the longer setting kept pairs no packed row holds, and planning the batches raised ValueError."""
+  from conftest import small_config  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.data import pipeline  # pylint: disable=g-import-not-at-top
+  config = small_config(toy_corpus)
+  config.max_length, config.packed_length, config.prefetch_batches = 64, 8, 0
+  train_batches, _, tokenizer = pipeline.input_pipeline(config, tmp_path / 'work', num_devices=1)
+  source = tokenizer.encode(data_lib.read_lines(toy_corpus / 'train.en'))
+  target = tokenizer.encode(data_lib.read_lines(toy_corpus / 'train.de'))
+  expected = sum(1 for s, t in zip(source, target) if max(len(s), len(t)) <= 8)
+  assert 0 < expected < len(source)
+  assert train_batches.batching['training_examples'] == expected
+  batch = next(train_batches)
+  assert batch['src'].shape[1] == 8
+
+
 def prefetcher_get_within(prefetcher, seconds=10):
   """What prefetcher.get() returns or raises, from a thread: ('hung', None) where it waits longer than `seconds`."""
   outcome = [('hung', None)]
@@ -612,11 +711,12 @@ def test_an_error_in_the_prefetch_thread_is_raised_by_every_get_and_none_waits(e
 def test_validation_leaves_out_pairs_longer_than_the_models_positions(toy_corpus, tmp_path, caplog):
   """A validation pair with a side of more than config.model.max_position tokens would be scored at positions past
   the sinusoidal table, which the model reads as its last row (a wrong eval/loss, without a word): such pairs are
-  left out, with a warning. The pairs kept are counted from the text tokenized here, written out."""
+  left out, with a warning. The pairs kept are counted from the text tokenized here, written out; training's
+  shorter config.max_length does not apply to them."""
   from conftest import small_config  # pylint: disable=g-import-not-at-top
   from flaxformer_nmt.data import pipeline  # pylint: disable=g-import-not-at-top
   config = small_config(toy_corpus)
-  config.model.max_position = config.max_length = 8
+  config.model.max_position, config.max_length = 8, 6
   config.prefetch_batches = 0
   train_batches, eval_batches, tokenizer = pipeline.input_pipeline(config, tmp_path / 'work', num_devices=1)
   train_batches.close()
@@ -624,5 +724,6 @@ def test_validation_leaves_out_pairs_longer_than_the_models_positions(toy_corpus
   pairs = [(tuple(s), tuple(t)) for s, t in zip(encode('en'), encode('de'))]
   expected = sorted((s, t) for s, t in pairs if max(len(s), len(t)) <= 8)
   assert 0 < len(expected) < len(pairs)  # the toy validation split has pairs on both sides of the limit
+  assert any(max(len(s), len(t)) > 6 for s, t in expected)
   assert sorted(p for batch in eval_batches() for p in _pairs_of(batch)) == expected
   assert f'{len(pairs) - len(expected)} validation pairs' in caplog.text
