@@ -389,6 +389,22 @@ def test_a_sentence_stops_once_k_hypotheses_have_finished():
   assert np.log(0.25) / (8 / 6) ** 3 > found[0][1]  # the longer output would have won
 
 
+def test_the_loop_stops_at_the_step_where_the_last_sentence_finishes_its_kth_hypothesis():
+  """Steps taken after every sentence is done change no output (the finished pool is full), only the time: a
+  sentence done at step 2 of a limit of 6 must not keep the loop running to 6. Hypotheses finish in length
+  order, so the step a sentence is done at is its longest hypothesis's length (EOS included)."""
+  tree = {(): {5: 0.4, EOS_ID: 0.35, 6: 0.25}, (5,): {EOS_ID: 0.9, 7: 0.1}, (6,): {7: 1.0}, (6, 7): {EOS_ID: 1.0}}
+  next_state, logits = trie_automaton(tree, 8)
+  K, limit = 2, 6
+  state = beam_search.beam_start(jnp.zeros(K, jnp.int32), batch_size=1, beam_size=K, max_length=limit,
+                                 max_lengths=jnp.array([limit]), bos_id=BOS_ID)
+  step = functools.partial(beam_search.beam_step, automaton_step_fn(next_state, logits, K), alpha=0.6,
+                           eos_id=EOS_ID, forbidden_ids=FORBIDDEN)
+  state = jax.jit(lambda s: beam_search.staged_search(beam_search.beam_unfinished, step, s, ()))(state)
+  found = hypotheses(*(x[0] for x in jax.device_get(beam_search.beam_output(state))))
+  assert len(found) == K and int(state.index) == max(len(tokens) for tokens, _ in found) == 2, (found, state.index)
+
+
 def test_beam_scores_are_sorted_and_respect_per_sentence_limits():
   model, params = tiny_model()
   sequences, scores = run_search(model, params, True, 4, 12, max_lengths=jnp.array([3, 12]))

@@ -847,6 +847,30 @@ def test_teacher_forced_scores_equal_the_search_and_reverse_for_a_right_to_left_
     rerank.score_pairs(translator, [tokens[0], [5] * positions + tokens[0][-1:]], [pairs[0][1]] * 2)
 
 
+def test_rerank_scores_divide_the_rescore_by_the_gnmt_penalty_of_the_length_with_eos(monkeypatch):
+  """combined = (1 - w) * search score + w * log Q / ((5 + n) / 6)^alpha, n the candidate's tokens with EOS,
+  written out per candidate; the rescores are given (score_pairs is checked above), chosen to flip the choice."""
+  from flaxformer_nmt.decoding import rerank  # pylint: disable=g-import-not-at-top
+  candidates = [[([5, 6, 7, 8, 9, 10, 11, 12, 13, 3], -1.0), ([5, 3], -1.2)], [([], 0.0), ([], 0.0)],
+                [([6, 3], -0.5), ([6, 7, 3], -0.7)]]
+  given = {(5, 6, 7, 8, 9, 10, 11, 12, 13, 3): -2.0, (5, 3): -1.5, (6, 3): -1.7, (6, 7, 3): -1.9}
+  monkeypatch.setattr(rerank, 'score_pairs', lambda _, sources, targets: np.array([given[tuple(t)] for t in targets]))
+  alpha = 1.0
+  reranker = rerank.Reranker(None, [[4, 3], [], [4, 3]], candidates, alpha)
+  for weight in (0.0, 0.3, 0.7, 1.0):
+    expected_choice = []
+    for i, hyps in enumerate(candidates):
+      combined = []
+      for k, (ids, score) in enumerate(hyps):
+        if ids:
+          combined.append((1 - weight) * score + weight * given[tuple(ids)] / ((5 + len(ids)) / 6) ** alpha)
+          np.testing.assert_allclose(rerank.combined_scores(reranker.search_scores, reranker.rescores, reranker.lengths,
+                                                            weight, alpha)[i, k], combined[-1], rtol=1e-12)
+      expected_choice.append(int(np.argmax(combined)) if combined else 0)
+    assert list(reranker.choose(weight)) == expected_choice, weight
+  assert list(reranker.choose(1.0)) == [0, 0, 1]  # the penalty decides sentence 0: -2 / 2.5 beats -1.5 / (7 / 6)
+
+
 def test_reranking_chooses_by_the_weighted_sum_in_the_api_and_compare(workdir, translator, mixed, tmp_path):
   from flaxformer_nmt import compare  # pylint: disable=g-import-not-at-top  (the command)
   from flaxformer_nmt.decoding import rerank  # pylint: disable=g-import-not-at-top
