@@ -19,6 +19,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from flaxformer_nmt.checkpointing import checkpoints as checkpoints_lib
+from flaxformer_nmt.runtime import files
 
 BEST_DIR = 'best'
 INFO_FILENAME = 'best.json'
@@ -94,9 +95,7 @@ class BestCheckpoint:
       numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
       info = {'metric': self.metric, 'step': int(step), 'value': float(value), 'params': name,
               'metrics': numbers}
-      tmp = directory(self.workdir) / f'.{INFO_FILENAME}.tmp'
-      tmp.write_text(json.dumps(info, indent=2))
-      tmp.replace(directory(self.workdir) / INFO_FILENAME)  # overwrites (rename refuses an existing file)
+      files.write_atomically(directory(self.workdir) / INFO_FILENAME, json.dumps(info, indent=2))
       if old is not None and old.get('params') not in (None, name):
         stale = directory(self.workdir) / old['params']
         if stale.exists():

@@ -28,6 +28,7 @@ import zlib
 from absl import logging
 from etils import epath
 
+from flaxformer_nmt.runtime import files as files_lib
 from flaxformer_nmt.runtime.cache import cache_dir
 
 # One commit for both sets: the last commit touching data/task1/raw/.
@@ -245,18 +246,12 @@ def checked_text(url, data, expected, lines):
 
 
 def write_atomically(path, data):
-  """Writes `data` to this process's own temporary name beside `path` and renames it into place: `path` is
-  either absent or whole, even when two processes fetch into one cache together or the disk fills."""
-  tmp = path.parent / f'.{path.name}.{os.getpid()}.tmp'
+  """files_lib.write_atomically: `path` is either absent or whole, even when two processes fetch into one cache
+  together or the disk fills; a file that failed its checksum is replaced."""
   try:
-    tmp.write_bytes(data)
-    tmp.replace(path)  # over a file that failed its checksum, or one another process wrote meanwhile
+    files_lib.write_atomically(path, data)
   except OSError as e:
-    tmp.unlink(missing_ok=True)
     raise DownloadError(f'{path}: cannot write ({e.strerror or e})') from None
-  except BaseException:  # Ctrl-C: the temporary name is this process's own, and no later run would reuse it
-    tmp.unlink(missing_ok=True)
-    raise
 
 
 def sha256(data):

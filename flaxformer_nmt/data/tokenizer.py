@@ -14,6 +14,7 @@ from absl import logging
 from etils import epath
 
 from flaxformer_nmt.models.tokens import BOS_ID, EOS_ID, MASK_PIECE, PAD_ID, UNK_ID
+from flaxformer_nmt.runtime import files
 
 VOCAB_FILENAME = 'vocab.model'
 
@@ -81,10 +82,7 @@ def train_sentencepiece(sentences, model_path, *, vocab_size, model_type='bpe', 
                          f'{str(e).strip()}') from None
   path = epath.Path(model_path)
   path.parent.mkdir(parents=True, exist_ok=True)
-  # Write then rename, so a crash never leaves a half-written vocabulary behind.
-  tmp = path.parent / (path.name + '.tmp')
-  tmp.write_bytes(model.getvalue())
-  tmp.rename(path)
+  files.write_atomically(path, model.getvalue())  # a crash never leaves a half-written vocabulary behind
   logging.info('Trained a %d-piece sentencepiece model on %d sentences: %s', vocab_size, len(sentences), path)
   return path
 

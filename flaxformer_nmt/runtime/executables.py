@@ -26,7 +26,6 @@ import pathlib
 import pickle
 import platform
 import shutil
-import tempfile
 import time
 import weakref
 
@@ -38,6 +37,8 @@ from absl import logging
 from etils import epath
 from jax._src import config as jax_config
 from jax.experimental import serialize_executable
+
+from flaxformer_nmt.runtime import files
 
 # jax.monitoring event for a program loaded from a saved executable, with its seconds and function name.
 LOADED_EVENT = '/flaxformer_nmt/executables/load_duration'
@@ -238,7 +239,7 @@ class Program:
     compiled = _compile_fresh(self.jitted.lower(*args, **kwargs))
     try:
       device_ids = sorted({d.id for s in jax.tree_util.tree_leaves(compiled.input_shardings) for d in s.device_set})
-      _write_atomically(path, _sealed(pickle.dumps((*serialize_executable.serialize(compiled), device_ids))))
+      files.write_atomically(path, _sealed(pickle.dumps((*serialize_executable.serialize(compiled), device_ids))))
     except (OSError, ValueError, TypeError, jax.errors.JaxRuntimeError) as e:  # XLA may not serialize a program
       logging.warning('Executable of %s not saved (%s)', self.name, e)
     return compiled
@@ -270,16 +271,3 @@ def _unsealed(data):
   if hashlib.sha256(payload).digest() != digest:
     raise ValueError('its contents do not match their sha256: the file is damaged')
   return payload
-
-
-def _write_atomically(path, data):
-  """Writes `data` to `path` through a temporary file in its directory, so that a reader (another process
-  decoding at the same time) sees the whole file or none."""
-  handle, temporary = tempfile.mkstemp(dir=str(path.parent), prefix='.tmp-')
-  try:
-    with os.fdopen(handle, 'wb') as f:
-      f.write(data)
-    os.replace(temporary, str(path))
-  except BaseException:
-    os.unlink(temporary)
-    raise

@@ -24,6 +24,7 @@ from flaxformer_nmt.data import batching
 from flaxformer_nmt.data.pipeline import input_pipeline
 from flaxformer_nmt.models import transformer as model_lib
 from flaxformer_nmt.runtime import distributed
+from flaxformer_nmt.runtime import files
 from flaxformer_nmt.runtime import flops as flops_lib
 from flaxformer_nmt.runtime import sharding
 from flaxformer_nmt.runtime.profiler import Profiler
@@ -188,9 +189,7 @@ def evaluate_step(run, step, start_time, done):
   if evaluated and run.best is not None:
     run.best.update(step, run.state.params, evaluated)
   if evaluated and distributed.is_leader():  # written whole, then renamed: a kill leaves the old one or the new
-    tmp = run.workdir / f'.{EVALUATED_FILE}.tmp'
-    tmp.write_text(json.dumps({'step': step}))
-    tmp.replace(run.workdir / EVALUATED_FILE)
+    files.write_atomically(run.workdir / EVALUATED_FILE, json.dumps({'step': step}))
   return evaluated
 
 
