@@ -30,11 +30,12 @@ def main(argv):
              f'{", ".join(moses_languages())})')
   texts = {}
   for flag in ('hyp', 'ref', 'tok_ref'):
+    if not f[flag].value:
+      continue
     try:
-      texts[flag] = read_text(f[flag].value) if f[flag].value else None
+      texts[flag] = read_text(f[flag].value)
     except ValueError as e:  # the file and its reason, or its line
       sys.exit(f'error: --{flag} {e}')
-  texts = {flag: text for flag, text in texts.items() if text is not None}
   for flag, text in texts.items():
     if len(text) != len(texts['hyp']):
       sys.exit(f'error: --{flag} {f[flag].value} has {len(text)} lines but --hyp {f.hyp} has {len(texts["hyp"])}')
