@@ -164,6 +164,21 @@ def test_a_config_file_that_cannot_be_opened_is_one_line_naming_it(tmp_path, pat
   assert not (tmp_path / 'w').exists()
 
 
+@pytest.mark.parametrize('text, line', [
+    ('model:\n  d_model: 256\n', ', line 1: SyntaxError: invalid syntax (a config is Python, as configs/*.py are)'),
+    ('import ml_collections\n\ndef get_config():\n  return ml_collections.ConfigDict(dict(steps=nsteps))\n',
+     ", line 4: NameError: name 'nsteps' is not defined"),
+    ('STEPS = 5\n', ': the file defines no get_config() (a config is Python, as configs/*.py are)')])
+def test_a_config_file_whose_code_fails_is_one_line_naming_its_line(tmp_path, text, line):
+  """A YAML file, a name the file does not define, no get_config: each was a 60-line traceback through absl and
+  ml_collections."""
+  (tmp_path / 'my.cfg').write_text(text)
+  result = run_train('--config', str(tmp_path / 'my.cfg'), '--workdir', str(tmp_path / 'w'))
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines() == [f'error: --config {tmp_path / "my.cfg"}{line}']
+  assert not (tmp_path / 'w').exists()
+
+
 @pytest.mark.parametrize('workdir, where', [('taken', 'is a file'), ('taken/run', 'is under the file {}')])
 def test_a_workdir_that_is_or_is_under_a_file_is_one_line_naming_it(tmp_path, workdir, where):
   # It was a traceback ending in FileExistsError or NotADirectoryError from the workdir's mkdir.

@@ -4,12 +4,14 @@ quiet stop when the reader of their output stops reading.
 ml_collections reports an override of a field the config does not have as a 30-line traceback ending in
 `AttributeError: "'no_such_field'"`. `parse_flags` (for `app.run(main, flags_parser=parse_flags)`) turns it
 into one line naming the override and the nearest valid fields, and exits with status 1; so does a --config file
-that cannot be opened (ml_collections raises that at the config's first use, as a traceback).
+that cannot be opened (ml_collections raises that at the config's first use, as a traceback), and one whose code
+fails (a syntax error, a name it does not define, no get_config): the file's line and Python's message.
 
 """
 import difflib
 import os
 import sys
+import traceback
 
 import ml_collections
 from absl import app
@@ -62,6 +64,23 @@ def unreadable_config(path):
     return f'error: --config {path}: {e.strerror}'
 
 
+def failing_config(path, error):
+  """The error line for a --config file whose code raised `error` (a syntax error, a name it does not define, a
+  module with no get_config), naming the file's line; None where `error` did not come from the file."""
+  target = os.path.abspath(path)
+  if isinstance(error, SyntaxError) and error.filename and os.path.abspath(error.filename) == target:
+    where, message = error.lineno, f'{error.msg} (a config is Python, as configs/*.py are)'
+  else:
+    lines = [f.lineno for f in traceback.extract_tb(error.__traceback__) if os.path.abspath(f.filename) == target]
+    if lines:
+      where, message = lines[-1], str(error)
+    elif isinstance(error, AttributeError) and getattr(error, 'name', None) == 'get_config':
+      return f'error: --config {path}: the file defines no get_config() (a config is Python, as configs/*.py are)'
+    else:
+      return None
+  return f'error: --config {path}, line {where}: {type(error).__name__}: {message}'
+
+
 def unmakeable_directory(flag, path):
   """The error line for a directory given to --flag (an output or a workdir) that cannot be made because a file
   is there or above it, or None (a URL, gs://..., is not checked): a command checks it before its work, not at
@@ -87,7 +106,11 @@ def parse_flags(argv):
     sys.exit(message)
   try:
     return app.parse_flags_with_usage(argv)
-  except (AttributeError, KeyError) as error:
+  except Exception as error:  # pylint: disable=broad-except  (re-raised below unless it is one of these)
+    if path is not None and (message := failing_config(path, error)):
+      sys.exit(message)
+    if not isinstance(error, (AttributeError, KeyError)):
+      raise
     try:
       found = unknown_override(expanded, config_lib.load_config_file(path)) if path else None
     except Exception:  # pylint: disable=broad-except  (the config file's own error is reported below)
