@@ -367,6 +367,25 @@ def test_compare_names_each_files_line_count_where_they_differ(tmp_path):
                           tok_ref_path=str(tmp_path / 'tok'))
 
 
+def test_compare_names_the_flag_or_split_of_a_file_it_cannot_read(tmp_path):
+  # Catches an error naming a path alone (which of the three files?) or the wrong flag for it.
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.evaluation import compare as compare_lib  # pylint: disable=g-import-not-at-top
+  (tmp_path / 'src').write_text('a\n')
+  (tmp_path / 'ref').write_bytes(b'a\n\xff\n')
+  with pytest.raises(ValueError, match=f'^--ref {tmp_path / "ref"}:2: invalid UTF-8'):
+    compare_lib.sentences(None, input_path=str(tmp_path / 'src'), ref_path=str(tmp_path / 'ref'))
+  with pytest.raises(ValueError, match=f'^--input {tmp_path}: '):
+    compare_lib.sentences(None, input_path=str(tmp_path), ref_path=str(tmp_path / 'src'))
+  with pytest.raises(ValueError, match=f'^--tok_ref {tmp_path / "nope"}: file not found'):
+    compare_lib.sentences(None, input_path=str(tmp_path / 'src'), ref_path=str(tmp_path / 'src'),
+                          tok_ref_path=str(tmp_path / 'nope'))
+  config = ml_collections.ConfigDict({'data_dir': str(tmp_path), 'eval_split': 'dev', 'source_lang': 'en',
+                                      'target_lang': 'de'})
+  with pytest.raises(ValueError, match=f'^--split test: {tmp_path / "test.en"}: file not found'):
+    compare_lib.sentences(config, 'test')
+
+
 def fake_params(value):
   return {'w': np.full((2, 3), value, np.float32), 'b': np.arange(3, dtype=np.float32) + value}
 
