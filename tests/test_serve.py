@@ -833,6 +833,16 @@ def test_a_page_of_an_allowed_origin_can_read_retry_after_and_www_authenticate(b
     assert {'retry-after', 'www-authenticate'} <= exposed
 
 
+def test_an_unexpected_error_is_a_500_a_page_of_an_allowed_origin_can_read(backend, monkeypatch):
+  # Catches the 500 answered outside the CORS middleware: the browser then sees a network error, not the message.
+  monkeypatch.setattr(server.Metrics, 'render', lambda self: 1 / 0)
+  with client({'en-de': backend}, cors_origins=('http://app.test',)) as c:
+    failed = c.get('/metrics', headers={'Origin': 'http://app.test'})
+    assert c.get('/health').status_code == 200
+  assert (failed.status_code, failed.json()) == (500, {'detail': 'internal error: ZeroDivisionError'})
+  assert failed.headers['access-control-allow-origin'] == 'http://app.test'
+
+
 def test_libretranslate_refusals_are_in_its_shape_and_name_its_fields(backend):
   beam = backend.defaults()['beam_size']
   long_q = 'dog ' * 300

@@ -224,7 +224,9 @@ async def libre_api_key(scope, body):
 
 
 class Guard:
-  """ASGI middleware in front of every route: the API key, the request body's size limit and its UTF-8."""
+  """ASGI middleware in front of every route: the API key, the request body's size limit and its UTF-8; and a
+  route's unexpected exception answered 500 here, inside the CORS middleware, so that a page can read it (Starlette
+  answers it outside every middleware, with no CORS headers)."""
 
   def __init__(self, app, max_body_bytes, keys):
     self.app, self.max_body_bytes, self.keys = app, max_body_bytes, keys
@@ -246,7 +248,7 @@ class Guard:
     if needs_key and path in LIBRE_PATHS and not (
         self.keys.bearer(headers) or self.keys.accepts(await libre_api_key(scope, body))):
       return await error_response(path, 401, unauthorized, {'WWW-Authenticate': 'Bearer'})(scope, receive, send)
-    replayed = False
+    replayed, started = False, False
 
     async def replay():
       nonlocal replayed
@@ -254,7 +256,18 @@ class Guard:
         replayed = True
         return {'type': 'http.request', 'body': body, 'more_body': False}
       return await receive()
-    return await self.app(scope, replay, send)
+
+    async def send_started(message):
+      nonlocal started
+      started = started or message['type'] == 'http.response.start'
+      await send(message)
+    try:
+      return await self.app(scope, replay, send_started)
+    except Exception as e:  # pylint: disable=broad-except
+      if started:  # too late for a response of its own
+        raise
+      absl_logging.exception('%s %s failed', scope['method'], path)
+      return await error_response(path, 500, f'internal error: {type(e).__name__}')(scope, receive, send)
 
   async def _read_body(self, headers, receive):
     """(the body, None) or (b'', (status, message)) where it is too large or not UTF-8."""
@@ -781,8 +794,6 @@ def create_app(backends, settings=None):
                                                                         e.headers))
   app.add_exception_handler(fastapi_exceptions.RequestValidationError, validation_error)
   app.add_exception_handler(starlette_exceptions.HTTPException, http_error)
-  app.add_exception_handler(Exception, lambda request, e: error_response(
-      request.url.path, 500, f'internal error: {type(e).__name__}'))
   add_api_routes(app, service)
   add_libretranslate_routes(app, service)
   add_status_routes(app, service, metrics)
