@@ -259,6 +259,7 @@ class JaxBackend:
     self.source_lang, self.target_lang = self.config.source_lang, self.config.target_lang
     self.workdir, self.checkpoint = str(workdir), self.translator.checkpoint
     self.max_position = int(self.config.model.max_position)
+    self._description = self._describe()  # read once: the checkpoint served does not change
 
   @property
   def max_source_tokens(self):
@@ -322,7 +323,10 @@ class JaxBackend:
                                    **options)
 
   def describe(self):
-    """What /v1/models tells of the model."""
+    """What /v1/models tells of the model, read at load: no request waits on metrics.jsonl (gs://...)."""
+    return self._description
+
+  def _describe(self):
     c = self.config
     steps = checkpoint_steps(self.checkpoint)
     return {'workdir': self.workdir, 'checkpoint': self.checkpoint, 'checkpoint_steps': steps,
