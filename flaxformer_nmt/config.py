@@ -294,8 +294,9 @@ def _loop_fields(c):
   c.average_last_checkpoints = 5
   # Validation BLEU while training (training/validation.py): every eval_bleu_every_steps (0 = off), translate the first
   # eval_bleu_max_sentences (0 = all) of eval_split with the current parameters, beam eval_bleu_beam_size
-  # (0 = greedy), and log cased sacreBLEU (13a) and, where `{eval_bleu_tok_ref_dir}/{eval_split}.{target_lang}`
-  # exists, lowercased Moses-tokenized BLEU; the translations go to {workdir}/eval/hyp_STEP.txt.
+  # (0 = greedy), and log sacreBLEU (13a; case-insensitive for a config with `lowercase`) and, where
+  # `{eval_bleu_tok_ref_dir}/{eval_split}.{target_lang}` exists, lowercased Moses-tokenized BLEU; the
+  # translations go to {workdir}/eval/hyp_STEP.txt.
   c.eval_bleu_every_steps = 0
   c.eval_bleu_beam_size = 0
   c.eval_bleu_max_sentences = 0

@@ -45,7 +45,7 @@ def define_flags():
                             '(config.task lm/mlm) the text to run (MLM: with <mask>s).')
   flags.DEFINE_string('input', None, 'A file of source sentences, one per line (empty lines skipped).')
   flags.DEFINE_string('output_dir', None, 'Where the PNGs go.')
-  flags.DEFINE_string('checkpoint', None, 'latest, averaged, best or a step (default: the config\'s '
+  flags.DEFINE_string('checkpoint', None, f'{checkpoints_lib.CHECKPOINT_NAMES} (default: the config\'s '
                       'decode_checkpoint for a translation model, latest for a language model).')
   flags.DEFINE_integer('beam_size', None, 'Beam width for the translation (default: the config\'s); 0 is greedy.')
   flags.mark_flags_as_required(['workdir', 'output_dir'])

@@ -4,9 +4,10 @@ Every `config.eval_bleu_every_steps` the trainer calls `ValidationBleu.evaluate(
 `eval_bleu_max_sentences` pairs of `eval_split` are translated with the decode command's batched search (beam
 `eval_bleu_beam_size`, 0 = greedy, the config's length penalty) jitted once over the training parameters as
 they lie on the devices (replicated or FSDP-sharded: no checkpoint is read, no parameter gathered on a host),
-then scored with cased sacreBLEU (13a) and, where `{eval_bleu_tok_ref_dir}/{eval_split}.{target_lang}` exists,
-the lowercased Moses-tokenized BLEU of the Multi30k papers (evaluate.py). The translations are written to
-`{workdir}/eval/hyp_STEP.txt` (one line per validation sentence, in order) so a score can be checked.
+then scored with sacreBLEU (13a; case-insensitive for a config with `lowercase`) and, where
+`{eval_bleu_tok_ref_dir}/{eval_split}.{target_lang}` exists, the lowercased Moses-tokenized BLEU of the Multi30k
+papers (evaluate.py). The translations are written to `{workdir}/eval/hyp_STEP.txt` (one line per validation
+sentence, in order) so a score can be checked.
 
 Several hosts: every host runs the same jitted search on the same batches (a collective when the parameters
 are sharded), so none waits in a collective the others skip; process 0 scores, writes the file, and its
