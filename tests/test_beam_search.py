@@ -569,7 +569,8 @@ def test_a_sample_may_end_right_after_min_length_tokens():
 def test_a_first_step_on_one_row_keeps_a_beam_wider_than_half_the_vocabulary():
   # search.py's beam search takes its first step on one row per sentence (beam_first_step): 2K candidates from
   # a vocabulary of 8 tokens, of which 6 may be generated. Beam 5 and 10 (wider than the vocabulary) find what
-  # the plain reference finds.
+  # the plain reference finds. With min_length 0, EOS is one of the first step's candidates: beam 10 has more
+  # beams than there are other tokens, and an EOS kept alive would come back as extra, wrongly scored empty outputs.
   rng = np.random.default_rng(5)
   batch, vocab, max_length = 12, 8, 5
   next_state, logits = random_automata(rng, batch, 6, vocab)
@@ -582,8 +583,8 @@ def test_a_first_step_on_one_row_keeps_a_beam_wider_than_half_the_vocabulary():
     state = table[sentence, state, tokens]
     return state_logits[sentence, state], state
 
-  for beam_size in (5, 10):
-    rule = dict(alpha=0.6, eos_id=EOS_ID, forbidden_ids=FORBIDDEN, min_length=1)
+  for beam_size, min_length in ((5, 1), (10, 1), (10, 0)):
+    rule = dict(alpha=0.6, eos_id=EOS_ID, forbidden_ids=FORBIDDEN, min_length=min_length)
     state = beam_search.beam_start(jnp.zeros(batch * beam_size, jnp.int32), batch_size=batch, beam_size=beam_size,
                                    max_length=max_length, max_lengths=jnp.asarray(max_lengths), bos_id=BOS_ID)
     state = beam_search.beam_first_step(step_fn, state, **rule)
@@ -592,9 +593,9 @@ def test_a_first_step_on_one_row_keeps_a_beam_wider_than_half_the_vocabulary():
     sequences, scores = jax.device_get(beam_search.beam_output(state))
     for b in range(batch):
       expected = reference_beam_search(automaton_log_probs(next_state, log_probs, b), beam_size,
-                                       int(max_lengths[b]), 0.6, min_length=1)
+                                       int(max_lengths[b]), 0.6, min_length=min_length)
       found = hypotheses(sequences[b], scores[b])
-      assert [tokens for tokens, _ in found] == [tokens for tokens, _ in expected], (beam_size, b)
+      assert [tokens for tokens, _ in found] == [tokens for tokens, _ in expected], (beam_size, min_length, b)
       np.testing.assert_allclose([s for _, s in found], [s for _, s in expected], rtol=1e-5, atol=1e-5)
 
 

@@ -157,7 +157,8 @@ def _device_batch(model, params, src, lines, seed, ladder, options, place, out_s
   length = search_lib.max_steps(src.shape[1], options.get('max_len_a', 1.0), options['extra_length'],
                                 ladder.max_position)
   top = ladder.length_for(length)
-  cache_lengths = tuple(c for c in ladder.lengths if src.shape[1] <= c <= top)
+  # From the source's rung, or the limit's alone where that is shorter (a cache need not hold the source).
+  cache_lengths = tuple(c for c in ladder.lengths if src.shape[1] <= c <= top) or (top,)
   static = _static(options, _DEVICE_STATIC)
   found = _on_device_jit(out_sharding)(model, params, *place((src, lines)), seed, options['alpha'], *_limit(options),
                                        cache_lengths=cache_lengths, **static)
@@ -168,8 +169,9 @@ def _device_batch(model, params, src, lines, seed, ladder, options, place, out_s
 def _segmented_batch(model, params, src, lines, seed, ladder, options, place):
   """[(row, tokens, scores)] of a batch searched in segments (see the module docstring)."""
   rows, length = src.shape
-  begin_length = length if options.get('grow_cache', True) else ladder.length_for(search_lib.max_steps(
-      length, options.get('max_len_a', 1.0), options['extra_length'], ladder.max_position))
+  # Without grow_cache the cache starts at the limit's rung, or at the source's where that is longer.
+  begin_length = length if options.get('grow_cache', True) else max(length, ladder.length_for(search_lib.max_steps(
+      length, options.get('max_len_a', 1.0), options['extra_length'], ladder.max_position)))
   src = beam_search.pad_axis(src, 1, begin_length, search_lib.PAD_ID)
   alpha, rule = options['alpha'], _static(options, RULE_STATIC)
   begin_jit, segment_jit = _programs_for(options)
@@ -256,7 +258,9 @@ def warm_up(model, params, ladder, options, *, max_source_length=None, on_device
   top = ladder.length_for(search_lib.max_steps(source_lengths[-1], options.get('max_len_a', 1.0),
                                                options['extra_length'], ladder.max_position))
   count, (inputs, state) = sum(len(ladder.rows(length)) for length in source_lengths), begun[source_lengths[0]]
-  for length in (c for c in ladder.lengths if c <= top):
+  # Segments run at every cache length up to the longest search's, and at the source lengths above it (a batch's
+  # cache starts at its source's length, however short its searches).
+  for length in (c for c in ladder.lengths if c <= max(top, source_lengths[-1])):
     inputs, state = begun.get(length) or (grow_inputs(inputs, length), beam_search.grow_state(state, length))
     for rows in ladder.rows(length):
       batch_inputs, batch_state = search_lib.take_sentences((inputs, state), np.zeros(rows, np.int64),

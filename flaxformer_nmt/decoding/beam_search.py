@@ -175,8 +175,9 @@ def beam_first_step(step_fn, state, *, alpha, eos_id, forbidden_ids, min_length=
   logits, cache = step_fn(state.sequences[:, 0, state.index], state.index, first_rows)
   scores, tokens = best_extensions(logits, state.alive_log_probs[:, 0], 2 * K, state.index, state.max_lengths,
                                    eos_id, forbidden_ids, min_length)
-  # A vocabulary of fewer than 2K tokens gives fewer candidates: the rest are no hypotheses (NEG_INF).
-  scores, tokens = pad_axis(scores, 1, 2 * K, NEG_INF), pad_axis(tokens, 1, 2 * K, eos_id)
+  # A vocabulary of fewer than 2K tokens gives fewer candidates: the rest are no hypotheses (NEG_INF) of token 0
+  # (PAD), not EOS: K or more EOS candidates would leave the real one among the K alive beams.
+  scores, tokens = pad_axis(scores, 1, 2 * K, NEG_INF), pad_axis(tokens, 1, 2 * K, 0)
   if isinstance(cache, SlotCache):
     cache = cache._replace(ancestry=state.cache.ancestry)
   else:
