@@ -471,6 +471,10 @@ def _validate_model(config):
                        ('num_decoder_layers', 0)):
     if not isinstance(m[field], int) or m[field] < least:
       raise ConfigError(f'config.model.{field}={m[field]!r}: use a whole number >= {least}')
+  stack = {'lm': 'num_decoder_layers', 'mlm': 'num_encoder_layers'}.get(config.task)
+  if stack and m[stack] < 1:  # else the model is the embedding alone, trained without a word
+    raise ConfigError(f'config.model.{stack}={m[stack]}: the {config.task} model (config.task={config.task!r}) is '
+                      'made of these layers: use 1 or more')
   if m.d_model % m.num_heads:
     raise ConfigError(f'config.model.d_model={m.d_model} is not divisible by config.model.num_heads={m.num_heads}: '
                       'each head takes d_model / num_heads features')

@@ -91,6 +91,28 @@ def test_multi30k_tiny_is_the_fairseq_tiny_recipe():
   assert c.cooldown_steps == 0 and c.eval_split == 'valid'
 
 
+def test_the_language_model_recipes_are_the_models_their_docstrings_describe():
+  """configs/lm_multi30k.py: a decoder-only LM of 3 layers, d_model 256, 4 heads, 4.4M parameters with its 8k
+  vocabulary, trained 900 steps in packed 64-token rows on the plain NLL (its perplexity's); mlm_multi30k.py: the
+  same with 3 encoder layers and BERT's head (4.5M), 1,000 steps. Parameters counted off the built model's tree."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.models import lm  # pylint: disable=g-import-not-at-top
+  from flaxformer_nmt.models import transformer as model_lib  # pylint: disable=g-import-not-at-top
+  for name, task, layers, millions, steps in (('lm_multi30k', 'lm', (0, 3), 4.4, 900),
+                                              ('mlm_multi30k', 'mlm', (3, 0), 4.5, 1000)):
+    c = load_config_file(name)
+    m = c.model
+    assert (c.task, (m.num_encoder_layers, m.num_decoder_layers), m.d_model, m.d_ff, m.num_heads) == (
+        task, layers, 256, 1024, 4), name
+    assert (c.label_smoothing, c.num_train_steps, c.vocab_size, c.packed_length) == (0.0, steps, 8000, 64), name
+    model = lm.build(task, model_lib.ModelConfig.from_config(c, c.vocab_size, architecture=lm.ARCHITECTURES[task]),
+                     mask_id=4)
+    dummy = np.ones((1, 4), np.int32)
+    shapes = jax.eval_shape(lambda model=model: model.init(jax.random.PRNGKey(0), dummy))['params']
+    assert round(sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes)) / 1e6, 1) == millions, name
+
+
 def test_multi30k_best_is_the_tiny_recipe_with_a_cooldown_and_trains_from_valid_only():
   from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
   c = load_config_file('multi30k_best')
@@ -482,6 +504,21 @@ def test_out_of_range_values_are_named(field, value, message):
   (c[section] if section else c)[name] = value
   with pytest.raises(config_lib.ConfigError, match=f'config.{re.escape(field)}=.*{message}'):
     config_lib.validate(c)
+
+
+def test_a_language_model_without_its_layers_is_refused_naming_the_field():
+  """Rule: the LM is made of decoder layers, the MLM of encoder layers; a task switched on the other's recipe
+  (--config.task=mlm on configs/lm_multi30k.py, which has no encoder layers) is an error naming the layer count,
+  not a run that trains the embedding alone."""
+  from flaxformer_nmt import config as config_lib  # pylint: disable=g-import-not-at-top
+  for name, task, field in (('lm_multi30k', 'mlm', 'num_encoder_layers'), ('mlm_multi30k', 'lm', 'num_decoder_layers')):
+    c = load_config_file(name)
+    config_lib.validate(c)
+    c.task = task
+    with pytest.raises(config_lib.ConfigError, match=rf"^config.model.{field}=0: the {task} model \(config.task="):
+      config_lib.validate(c)
+  c.model.num_decoder_layers, c.model.num_encoder_layers = 1, 0  # a decoder-only LM needs no encoder layer
+  config_lib.validate(c)
 
 
 def test_packing_with_no_open_row_is_refused_naming_the_field():
