@@ -12,6 +12,7 @@ from conftest import distinct_vectors
 from flaxformer_nmt import config as config_lib
 from flaxformer_nmt.data import batching
 from flaxformer_nmt.data import corpus as data_lib
+from flaxformer_nmt.data import packing
 from flaxformer_nmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from flaxformer_nmt.decoding import generator as generate
 from flaxformer_nmt.models import lm
@@ -254,6 +255,30 @@ def test_the_lm_loss_predicts_each_next_token_of_the_batch_text():
   np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+@pytest.mark.parametrize('task', ['lm', 'mlm'])
+def test_a_packed_row_computes_each_example_as_it_would_alone(task):
+  """Rule (packing.py): examples packed into one row attend only to themselves, positions restarting with each.
+  lm.forward's logits over a row of three packed sentences, at each sentence's positions, against the model run
+  on that sentence alone (its input: BOS + text for the LM, the masked text for the MLM, the masks taken from
+  the packed row's own bert_mask). Catches the packed row's segments or positions not passed to the model."""
+  model, params = tiny(task, sharpen=1.0)
+  rng = np.random.default_rng(15)
+  sentences = [[int(t) for t in rng.integers(5, VOCAB, n)] + [EOS_ID] for n in (3, 6, 2)]
+  batch = {k: jnp.asarray(v) for k, v in packing.make_packed_batch(sentences, sentences, [[0, 1, 2]], 1, 16).items()}
+  logits, _, _ = lm.forward(task, model, params, batch, True)
+  if task == 'lm':
+    row = np.asarray(batch['tgt_in'][0])
+  else:
+    row = np.asarray(lm.bert_mask(lm.eval_mask_rng(batch['src']), batch['src'], mask_id=4, vocab_size=VOCAB)[0][0])
+  offset = 0
+  for sentence in sentences:
+    n = len(sentence)
+    alone = model.apply({'params': params}, jnp.asarray(row[None, offset:offset + n]))
+    np.testing.assert_allclose(np.asarray(logits)[0, offset:offset + n], np.asarray(alone)[0], atol=1e-4)
+    offset += n
+  assert offset < 16  # padding after the examples
+
+
 # --- Generation ----------------------------------------------------------------------------------------------
 
 def _generate(model, params, prompts, seeds, **options):
@@ -395,6 +420,22 @@ def test_sampling_is_reproducible_from_the_seed_and_independent_of_the_batch():
   np.testing.assert_array_equal(alone[0], first[2])
 
 
+def test_sample_j_of_prompt_i_is_the_same_in_any_batch(monkeypatch):
+  """Rule: sample j of prompt i depends on the seed, i and j only: the last two prompts generated on their own
+  (first_prompt=2) give the samples they got after the first two; the same prompt text as prompt 0 and 2 is
+  sampled differently, and so are the samples of one prompt. Prompts of 15 and 16 tokens fill one and two
+  16-position widths with BOS (catches a width rounded without BOS, which cuts the prompt)."""
+  model, params = tiny('lm', sharpen=1.0)
+  generator = tiny_generator(monkeypatch, model, params)
+  rng = np.random.default_rng(8)
+  prompts = [[5, 6], [int(t) for t in rng.integers(5, VOCAB, 15)], [5, 6], [int(t) for t in rng.integers(5, VOCAB, 16)]]
+  options = dict(max_new_tokens=6, temperature=2.0, num_samples=3, seed=4)
+  together = generator.generate_ids(prompts, **options)
+  assert generator.generate_ids(prompts[2:], first_prompt=2, **options) == together[2:]
+  assert together[0] != together[2]  # prompt number 0 and 2: other draws
+  assert all(len({tuple(ids) for ids in samples}) > 1 for samples in together)  # not one sample drawn 3 times
+
+
 def nucleus_numpy(probs, p):
   """The smallest set of most likely tokens with total probability >= p (a loop, as the definition)."""
   order = sorted(range(len(probs)), key=lambda i: -probs[i])
@@ -415,6 +456,49 @@ def test_top_p_keeps_exactly_the_smallest_set_reaching_p(p):
   kept = np.asarray(generate.top_p_filter(jnp.asarray(log_probs, jnp.float32), p)) > generate.NEG_INF / 2
   for row in range(len(logits)):
     assert set(np.flatnonzero(kept[row])) == nucleus_numpy(np.exp(log_probs[row]), p)
+
+
+def sampling_distribution(logits, temperature, top_k, top_p):
+  """The distribution a sampled token is drawn from, by its definition: softmax(logits / temperature) over the
+  allowed tokens (PAD and BOS never), the top_k most likely kept and renormalized, then the smallest most likely
+  set reaching top_p (nucleus_numpy) kept and renormalized."""
+  scaled = np.asarray(logits, np.float64) / temperature
+  allowed = ~np.isin(np.arange(len(scaled)), [PAD_ID, BOS_ID])
+  p = np.where(allowed, np.exp(scaled - scaled[allowed].max()), 0.0)
+  p /= p.sum()
+  if top_k:
+    p = np.where(p >= np.sort(p)[::-1][top_k - 1], p, 0.0)
+    p /= p.sum()
+  p = np.where(np.isin(np.arange(len(p)), list(nucleus_numpy(p, top_p))), p, 0.0)
+  return p / p.sum()
+
+
+@pytest.mark.parametrize('temperature, top_k, top_p', [(0.5, 0, 1.0), (1.0, 3, 0.6), (2.0, 4, 0.9)])
+def test_sampled_tokens_follow_the_tempered_top_k_then_top_p_distribution(monkeypatch, temperature, top_k, top_p):
+  """Rule: a token is drawn from softmax(logits / temperature) cut to the top_k, renormalized, then cut to the
+  top_p nucleus (the order of Hugging Face's sampler), each step with a fresh draw. A model that gives the same
+  logits at every step, 20,000 rows of BOS alone: the frequencies of the first and second tokens against the
+  NumPy distribution, within 5 binomial standard deviations, and the two tokens independent (equal with
+  probability sum p^2). Catches the temperature applied twice or not at all, top-p before top-k (at 0.6 over
+  top-3 here they keep 3 tokens instead of 2), top-p over unnormalized probabilities, the same key at every step."""
+  logits = np.array([2.0, 0.4, 3.0, -1.0, 1.0, 0.8, 0.55, 0.2, -0.3, 0.9])  # no ties; PAD and BOS most likely
+  rows = 20000
+  steps = lambda tokens, index, cache: (jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (rows, len(logits))), cache)
+  monkeypatch.setattr(generate, '_step_functions', lambda *args: (steps, jnp.zeros(())))
+  keys = jax.vmap(jax.random.key)(jnp.arange(rows))
+  out = np.asarray(generate.generate_tokens(
+      None, None, jnp.full((rows, 1), BOS_ID, jnp.int32), jnp.ones(rows, jnp.int32), keys, max_new_tokens=2,
+      greedy=False, temperature=temperature, top_k=top_k, top_p=top_p))
+  expected = sampling_distribution(logits, temperature, top_k, top_p)
+  assert (expected > 0).sum() >= 2  # something to draw from
+  first, second = out[:, 0], out[out[:, 0] != EOS_ID, 1]
+  for tokens in (first, second):
+    counts = np.bincount(tokens, minlength=len(logits))
+    sd = np.sqrt(expected * (1 - expected) / len(tokens))
+    np.testing.assert_array_less(np.abs(counts / len(tokens) - expected), 5 * sd + 1e-9)
+  same = (out[:, 0] == out[:, 1])[out[:, 0] != EOS_ID]
+  repeat = (expected ** 2).sum() / (1 - expected[EOS_ID])  # P(second == first | first is not EOS)
+  assert abs(same.mean() - repeat) < 5 * np.sqrt(repeat * (1 - repeat) / len(same))
 
 
 def test_top_k_keeps_the_k_most_likely():

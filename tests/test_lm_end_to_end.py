@@ -151,6 +151,17 @@ def test_generate_prints_each_prompt_as_given_then_its_continuation(lm_run):
   assert generator.generate(prompts, greedy=True, max_new_tokens=5) == [[line] for line in lines]
 
 
+def test_generate_samples_the_same_lines_whatever_prompts_per_batch(lm_run):
+  """Rule: sample j of prompt i depends only on --seed, i and j, so --prompts_per_batch=1 prints what one batch of
+  all prompts does; the same text as prompt 1 and 3 is sampled differently (its own prompt number)."""
+  workdir, _ = lm_run
+  args = [f'--workdir={workdir}', '--prompt=ein', '--prompt=der', '--prompt=ein', '--num_samples=2',
+          '--max_new_tokens=8', '--seed=5', '--temperature=3.0']
+  lines = run_cli(generate_command, *args)
+  assert len(lines) == 6 and lines[:2] != lines[4:]
+  assert run_cli(generate_command, *args, '--prompts_per_batch=1') == lines
+
+
 def test_generate_refuses_a_too_long_prompt_by_its_line_before_generating(lm_run, tmp_path):
   """Rule: BOS + prompt + --max_new_tokens must fit the model's 1024 positions; the error names the input line
   and the real token count, and nothing is generated first. --prompts_per_batch must be at least 1."""
@@ -191,7 +202,7 @@ def test_fill_mask_checks_every_text_before_printing_and_names_its_line(mlm_run,
   workdir, _ = mlm_run
   filler = fill_mask.FillMask(workdir)
   path = tmp_path / 'texts.txt'
-  path.write_text('ein <mask> hund .\n\n' * 150 + 'ein hund .\n')  # line 301, after 150 good texts
+  path.write_text('ein <mask> hund .\n \t\n' * 150 + 'ein hund .\n')  # line 301, after 150 texts and blanks
   result = in_process.run(fill_mask_command, [f'--workdir={workdir}', f'--input={path}'])
   assert last_error(result) == f"error: {path}:301: no <mask> in 'ein hund .'"
   long = 'ein <mask> ' + 'grosser hund ' * 500
@@ -206,8 +217,21 @@ def test_fill_mask_checks_every_text_before_printing_and_names_its_line(mlm_run,
   # The whole vocabulary: probabilities that sum to one.
   everything = filler.fill(['ein <mask> .'], top_k=vocabulary)[0][0]
   assert len(everything) == vocabulary and abs(sum(p for _, p, _ in everything) - 1) < 1e-4
-  with pytest.raises(ValueError, match=f'^top_k={vocabulary + 1}: give 1 to {vocabulary}'):
-    filler.fill(['ein <mask> .'], top_k=vocabulary + 1)
+  for top_k in (0, vocabulary + 1):
+    with pytest.raises(ValueError, match=f'^top_k={top_k}: give 1 to {vocabulary}'):
+      filler.fill(['ein <mask> .'], top_k=top_k)
+
+
+def test_fill_mask_reads_each_mask_as_one_whole_piece(mlm_run):
+  """Rule: a <mask> stands for one piece, word start included, as the pieces masked in training did: a text's ids
+  are those of its words around the masks, each mask id in its word's place and no lone word-start piece before
+  it (which the model never saw in front of a mask)."""
+  workdir, _ = mlm_run
+  filler = fill_mask.FillMask(workdir)
+  encode = filler.tokenizer.sp.encode
+  expected = encode('ein') + [filler.mask_id] + encode('hund') + [filler.mask_id] + encode('.') + [tokenizer_lib.EOS_ID]
+  assert filler.encode('ein <mask> hund <mask> .') == expected
+  assert filler.encode('<mask> hund .') == [filler.mask_id] + encode('hund .') + [tokenizer_lib.EOS_ID]
 
 
 def test_self_attention_refuses_a_text_over_the_models_positions(lm_run, mlm_run):
