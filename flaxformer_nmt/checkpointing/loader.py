@@ -33,7 +33,7 @@ def default_checkpoint(workdir):
 
 def load_params(workdir, checkpoint=None):
   """(parameters on the default device, description) of checkpoint `latest`, `averaged`, `best` (the best
-  validation metric, best_checkpoint.py), `last:K` (the average of the newest K checkpoints, computed now and
+  validation metric, checkpointing/best.py), `last:K` (the average of the newest K checkpoints, computed now and
   not written) or STEP; None: the workdir's config.decode_checkpoint.
 
   Only the parameters are read: decoding needs neither the optimizer state nor the data position.

@@ -3,7 +3,7 @@
 Requests wait in a bounded queue, grouped by what their search depends on (the model, beam size, length
 penalty, length limits). The batcher takes the group of the oldest waiting request and decodes it: at once
 after a batch of one request (or on an idle server), else as soon as its sentences fill the token budget
-(max_batch_tokens) or max_wait has passed since the last batch ended (the clients it answered send again
+(max_batch_tokens) or max_wait_s has passed since the last batch ended (the clients it answered send again
 then); while a batch decodes, new requests gather for the next one. A batch's sentences are sorted by length
 into the search's ladder of shapes (Translator.search_tokens), decoded with the decode command's search, and
 handed back to each request in its order. Every search runs on one worker thread: one process owns the
@@ -103,7 +103,7 @@ class Batcher:
     self._rate = None  # source tokens per second of the recent batches
     self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix='search')
     self._wakeup, self._task, self._closing = None, None, False
-    # After a batch of several requests, the next gathers for max_wait from the moment the device is free: the
+    # After a batch of several requests, the next gathers for max_wait_s from the moment the device is free: the
     # clients just answered send again then. After a single request's batch, a request is decoded at once: one
     # client waits for nothing, and the requests that come while it decodes gather for the next batch.
     self._gather_from = -math.inf

@@ -58,7 +58,7 @@ def resolve(init_from, init_checkpoint='latest'):
     source = next((p for p in (path, path.parent, path.parent.parent) if (p / VOCAB_FILENAME).exists()), None)
     return directory, subtree, source, str(path)
   which = str(init_checkpoint)
-  if which == 'best':  # best/best.json names the parameters of the best evaluation (best_checkpoint.py)
+  if which == 'best':  # best/best.json names the parameters of the best evaluation (checkpointing/best.py)
     info = best_checkpoint.read_info(path)
     if info is None:
       raise WarmStartError(f'config.init_checkpoint=best: {best_checkpoint.directory(path)} not found (or no '
