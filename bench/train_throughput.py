@@ -126,16 +126,6 @@ _VALID_SENTENCES = flags.DEFINE_integer('valid_sentences', 1014, 'Sentences of t
                                         "--fit_minutes (Multi30k's valid: 1,014).")
 
 
-def time_fn(fn, *args, steps):
-  out = fn(*args)
-  jax.block_until_ready(out)
-  start = time.perf_counter()
-  for _ in range(steps):
-    out = fn(*args)
-  jax.block_until_ready(out)
-  return (time.perf_counter() - start) / steps
-
-
 def xla_flops(compiled):
   analysis = compiled.cost_analysis()
   analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis

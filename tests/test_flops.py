@@ -79,9 +79,13 @@ def test_transformer_big_costs_about_1_26_gflop_per_target_token():
   per_token = flops.train_flops(model_config, 37_000, source_tokens=27, target_tokens=27, src_len=27,
                                 tgt_len=27) / 27
   assert 1.2e9 < per_token < 1.35e9, per_token
-  # Without attention it is the 6 N rule over the weights every token goes through.
-  no_attention = flops.train_flops(model_config, 37_000, 1, 1, 0, 0)
-  assert no_attention == 6 * flops.matmul_params(model_config, 37_000)
+  # Without attention it is the 6 N rule over the weights every token goes through: every kernel of the
+  # parameter tree and the (tied) embedding, which projects the decoder's states onto the vocabulary.
+  tokens = jnp.ones((1, 4), jnp.int32)
+  params = jax.eval_shape(model_lib.Transformer(model_config).init, jax.random.PRNGKey(0), tokens, tokens)['params']
+  weights = sum(math.prod(v.shape) for path, v in jax.tree_util.tree_flatten_with_path(params)[0]
+                if path[-1].key in ('kernel', 'embedding'))
+  assert flops.train_flops(model_config, 37_000, 1, 1, 0, 0) == 6 * weights
 
 
 def test_peak_table_and_override():

@@ -11,6 +11,7 @@ from flaxformer_nmt.data import batching
 from flaxformer_nmt.data import corpus as data_lib
 from flaxformer_nmt.data import packing
 from flaxformer_nmt.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from flaxformer_nmt.models import lm
 from flaxformer_nmt.training import step as ts
 
 
@@ -73,14 +74,14 @@ def test_packed_loss_equals_unpacked_loss(attention_impl):
   model, params = tiny_model()
   model = model.clone(config=dataclasses.replace(model.config, attention_impl=attention_impl))
   src, tgt = examples(12)
-  packed = list(packing.pack_examples(src, tgt, length=16, rows_per_batch=8))
-  assert len(packed) == 1
-  packed = packed[0]
+  rows = packing.plan_rows([len(s) for s in src], [len(t) for t in tgt], length=16)
+  assert len(rows) <= 8
+  packed = packing.make_packed_batch(src, tgt, rows, num_rows=8, length=16)
   assert (packed['src_segments'].max(axis=1) > 1).any()  # some rows really hold several examples
   unpacked = batching.make_batch(src, tgt, rows=len(src), length=8)
 
   def sums(batch):
-    logits = ts.apply_model(model, params, {k: jnp.asarray(v) for k, v in batch.items()}, deterministic=True)
+    logits, _, _ = lm.forward('translation', model, params, {k: jnp.asarray(v) for k, v in batch.items()}, True)
     return [float(x) for x in ts.label_smoothed_cross_entropy(logits, jnp.asarray(batch['tgt_out']), 0.1)]
 
   p_loss, p_nll, p_tokens = sums(packed)
@@ -96,7 +97,8 @@ def test_packed_examples_do_not_see_each_other():
   other_src = [[5, 6, EOS_ID], [12, 13, EOS_ID]]
   a = packing.make_packed_batch(src, tgt, [[0, 1]], num_rows=1, length=8)
   b = packing.make_packed_batch(other_src, tgt, [[0, 1]], num_rows=1, length=8)
-  logits = lambda batch: ts.apply_model(model, params, {k: jnp.asarray(v) for k, v in batch.items()}, True)
+  logits = lambda batch: lm.forward('translation', model, params, {k: jnp.asarray(v) for k, v in batch.items()},
+                                   True)[0]
   la, lb = np.asarray(logits(a)), np.asarray(logits(b))
   # The first example's predictions ignore what the second example's source says...
   np.testing.assert_allclose(la[0, :2], lb[0, :2], atol=1e-5)

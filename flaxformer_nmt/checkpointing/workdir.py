@@ -171,9 +171,9 @@ def single_run(workdir):
                       'take the ensemble\'s workdir)')
 
 
-def build_model(config, tokenizer, platform='auto'):
-  """The model of config.task for `platform` ('auto': this process's backend): the encoder-decoder
-  Transformer, or lm.py's decoder-only or masked language model."""
+def build_model(config, tokenizer):
+  """The model of config.task for this process's backend: the encoder-decoder Transformer, or lm.py's
+  decoder-only or masked language model."""
   task = lm.task_of(config)
-  model_config = model_lib.ModelConfig.from_config(config, tokenizer.vocab_size, platform, lm.ARCHITECTURES[task])
+  model_config = model_lib.ModelConfig.from_config(config, tokenizer.vocab_size, architecture=lm.ARCHITECTURES[task])
   return lm.build(task, model_config, mask_id=tokenizer.mask_id)

@@ -148,16 +148,16 @@ def files_read(config):
   return files
 
 
-def ensure_multi30k(data_dir, tok_dir='', base_url=None):
-  """Downloads the Multi30k files absent from `data_dir` and (when given) `tok_dir`; files present are left as
-  they are."""
+def ensure_multi30k(data_dir, tok_dir=''):
+  """Downloads the Multi30k files absent from `data_dir` and (when given) `tok_dir` from `mirror()`; files present
+  are left as they are."""
   for directory, files in ((data_dir, MULTI30K_FILES), (tok_dir, MULTI30K_TOK_FILES)):
     if not directory:
       continue
     missing = {name: entry for name, entry in files.items() if not (epath.Path(directory) / name).exists()}
     if missing:
       logging.info('Multi30k: %d files absent from %s, downloading them (first use only)', len(missing), directory)
-      download_files(directory, missing, base_url)
+      download_files(directory, missing)
 
 
 def download_multi30k(data_dir, tok_dir, base_url=None):

@@ -73,11 +73,3 @@ def make_packed_batch(src_seqs, tgt_seqs, rows, num_rows, length):
     _fill(r, [tgt_seqs[i] for i in members], batch['tgt_in'], np.zeros_like(batch['tgt_segments']),
           np.zeros_like(batch['tgt_positions']), prefix=BOS_ID)
   return batch
-
-
-def pack_examples(src_seqs, tgt_seqs, *, length, rows_per_batch):
-  """Batches of `rows_per_batch` packed rows of `length` tokens per side, examples taken in order (each
-  sequence ending with EOS, as corpus.tokenize makes them); the last batch is padded with empty rows."""
-  rows = plan_rows([len(s) for s in src_seqs], [len(t) for t in tgt_seqs], length)
-  for start in range(0, len(rows), rows_per_batch):
-    yield make_packed_batch(src_seqs, tgt_seqs, rows[start:start + rows_per_batch], rows_per_batch, length)

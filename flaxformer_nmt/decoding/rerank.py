@@ -41,10 +41,11 @@ def target_log_probs(models, params, src, tgt_in, tgt_out):
   return jnp.sum(jnp.where(tgt_out != PAD_ID, token_log_probs, 0.0), axis=-1)
 
 
-def score_pairs(translator, source_lists, target_lists, tokens_per_batch=None):
+def score_pairs(translator, source_lists, target_lists):
   """[N] float64: log P(target | source) under the translator's model(s), teacher-forced. Sources are token
   ids ending with EOS (translator.tokenizer.encode); targets are in reading order, ending with EOS, and are
-  turned around for a right-to-left model. Pairs are batched by length, in few shapes."""
+  turned around for a right-to-left model. Pairs are batched by length, in few shapes, at most
+  config.decode_tokens_per_batch tokens a batch."""
   if translator.mesh is not None:
     raise ValueError('teacher-forced scoring runs on one device: build its Translator without devices')
   if len(source_lists) != len(target_lists):
@@ -57,10 +58,9 @@ def score_pairs(translator, source_lists, target_lists, tokens_per_batch=None):
     raise ValueError(f'a source or target of {max(lengths)} tokens is longer than the scoring model\'s '
                      f'{positions} positions')
   order = sorted(range(len(lengths)), key=lengths.__getitem__)
-  tokens_per_batch = tokens_per_batch or translator.config.decode_tokens_per_batch
   scores = np.zeros(len(lengths), np.float64)
-  for length, rows, members in batching.plan_batches(lengths, translator.config.length_buckets, tokens_per_batch,
-                                                     1, order):
+  for length, rows, members in batching.plan_batches(lengths, translator.config.length_buckets,
+                                                     translator.config.decode_tokens_per_batch, 1, order):
     rows = min(rows, 1 << (len(members) - 1).bit_length())  # a short batch in a power of two of rows
     batch = batching.make_batch([source_lists[i] for i in members], [targets[i] for i in members], rows, length)
     log_probs = target_log_probs(translator.models, translator.member_params, batch['src'], batch['tgt_in'],
@@ -117,9 +117,9 @@ class Reranker:
     return np.argmax(combined_scores(self.search_scores, self.rescores, self.lengths, weight, self.alpha), axis=1)
 
 
-def rerank_sources(translator, rescorer, sources, beam_size=None, alpha=None, n_best=None, **options):
+def rerank_sources(translator, rescorer, sources, beam_size=None, alpha=None, **options):
   """(Reranker, a function of the weight giving each source's chosen translation as text) of the translator's
-  beam over `sources` (raw lines), its n_best (default: the beam) rescored by `rescorer`."""
+  beam over `sources` (raw lines), its whole n best (n = the beam size) rescored by `rescorer`."""
   check_partners(translator, rescorer)
   alpha = translator.config.length_penalty_alpha if alpha is None else alpha
   beam_size = translator.config.beam_size if beam_size is None else beam_size
@@ -127,8 +127,7 @@ def rerank_sources(translator, rescorer, sources, beam_size=None, alpha=None, n_
     raise ValueError('reranking needs a beam search\'s n best (beam_size >= 1)')
   # Cut to the model's positions here (the search would), so that the rescorer reads what the search read.
   token_lists = translator.fit_to_positions(translator.tokenizer.encode(translator.prepare(sources)))
-  candidates = translator.search_tokens(token_lists, beam_size=beam_size, alpha=alpha, n_best=n_best or beam_size,
-                                        **options)
+  candidates = translator.search_tokens(token_lists, beam_size=beam_size, alpha=alpha, n_best=beam_size, **options)
   reranker = Reranker(rescorer, token_lists, candidates, alpha)
   def translations(weight):
     return [translator.tokenizer.decode(hyps[k][0]) for hyps, k in zip(candidates, reranker.choose(weight))]

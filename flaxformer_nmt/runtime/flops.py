@@ -89,18 +89,6 @@ def train_flops(model_config, vocab_size, source_tokens, target_tokens, src_len,
   return 3 * forward_flops(model_config, vocab_size, source_tokens, target_tokens, src_len, tgt_len)
 
 
-def matmul_params(model_config, vocab_size):
-  """Weights that multiply each token (the '6 N' rule's N, cross keys/values and vocabulary included)."""
-  d, f = model_config.d_model, model_config.d_ff
-  architecture = getattr(model_config, 'architecture', 'encoder_decoder')
-  if architecture == 'decoder_only':
-    return model_config.num_decoder_layers * (4 * d * d + 2 * d * f) + d * vocab_size
-  if architecture == 'encoder_only':
-    return model_config.num_encoder_layers * (4 * d * d + 2 * d * f) + d * d + d * vocab_size
-  return (model_config.num_encoder_layers * (4 * d * d + 2 * d * f)
-          + model_config.num_decoder_layers * (8 * d * d + 2 * d * f) + d * vocab_size)
-
-
 def matmul_rate(dtype=jnp.float32, steps=20):
   """FLOP/s of a 4096x1024x1024 matmul on the default device, measured now (a CPU's practical peak), operands in
   `dtype`, float32 accumulation and result (bfloat16: what model.matmul_precision='bfloat16' runs)."""

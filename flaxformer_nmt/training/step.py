@@ -247,15 +247,6 @@ def duplicate_rows(batch):
 
 # --- Steps -------------------------------------------------------------------------------------------------
 
-# Optional batch keys of packed rows (packing.py), passed to the model as keyword arguments.
-PACKING_KEYS = ('src_segments', 'tgt_segments', 'src_positions', 'tgt_positions')
-
-
-def apply_model(model, params, batch, deterministic, rngs=None):
-  packing = {key: batch[key] for key in PACKING_KEYS if key in batch}
-  return model.apply({'params': params}, batch['src'], batch['tgt_in'], deterministic, rngs=rngs, **packing)
-
-
 def split_microbatches(batch, num_microbatches):
   """[B, T] arrays -> [num_microbatches, B / num_microbatches, T]. Microbatch i takes rows i, i + k, i + 2k, ...
   so that each device's block of rows contributes to every microbatch and no rows move between devices."""
@@ -468,7 +459,8 @@ def create_state(model, config, mesh):
 class TrainStep:
   """The compiled train step with its schedule's numbers (schedule_numbers, an input of the program):
   step(state, batch) -> (state, metrics); step.many(state, batches) runs one step per batch of `batches` (stacked
-  on a new leading axis) in one call, their metrics stacked; lower and trace, as jax.jit's, take (state, batch)."""
+  on a new leading axis) in one call, their metrics stacked; lower and trace, as jax.jit's, take (state, batch),
+  and trace_many takes many's (state, batches)."""
 
   def __init__(self, jitted, many_jitted, options, config, replicated):
     self.jitted, self.options, self.config, self.replicated = jitted, options, config, replicated
