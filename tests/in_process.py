@@ -63,8 +63,10 @@ def run(module, args, stdin=None, as_subprocess=False):
   sys.argv = [module.__name__, *args]  # ml_collections' config flag finds its --config.FIELD overrides there
   sys.stdin = io.TextIOWrapper(io.BytesIO(stdin_bytes), encoding='utf-8')
   sys.stdout, sys.stderr = stdout, stderr
+  parsed = None
   try:
     argv = flags.FLAGS(sys.argv)
+    parsed = set(flags.FLAGS)  # the module's, and those its parsing added (--config.FIELD)
     if flags.FLAGS['verbosity'].using_default_value:  # as app.run: INFO, unless the args chose a level
       flags.FLAGS.verbosity = 0
     module.main(argv)
@@ -90,6 +92,7 @@ def run(module, args, stdin=None, as_subprocess=False):
     absl_logger.removeHandler(log)
     flags.FLAGS.unparse_flags()  # the verbosity too, which sets absl's logger at WARNING:
     absl_logger.setLevel(absl_level)  # as before the run, or a later test's caplog misses INFO lines
-    for name in set(flags.FLAGS) - defined:  # the module's, and those its parsing added (--config.FIELD)
+    # Those a library defines when main first imports it stay, as its module stays imported.
+    for name in (set(flags.FLAGS) if parsed is None else parsed) - defined:
       delattr(flags.FLAGS, name)
   return subprocess.CompletedProcess([module.__name__, *args], returncode, stdout.getvalue(), stderr.getvalue())

@@ -31,7 +31,9 @@ def test_configs_load_with_the_paper_values(name):
   assert not c.model.pre_layer_norm or (name == 'multi30k' and c.model.d_model == 128)
   if name.startswith('wmt14'):
     assert (c.data_source, c.tfds_name, c.source_lang, c.target_lang) == ('tfds', 'wmt14_translate/de-en', 'en', 'de')
-    assert (c.eval_split, c.vocab_size, c.checkpoint_every_minutes) == ('validation', 37_000, 10.0)
+    # TFDS's wmt14_translate/de-en: validation is newstest2013, test newstest2014 (docs/data.md).
+    assert (c.train_split, c.eval_split, c.vocab_size, c.checkpoint_every_minutes) == (
+        'train', 'validation', 37_000, 10.0)
   if name == 'wmt14_ende_base':
     assert (c.num_train_steps, c.average_last_checkpoints) == (100_000, 5)
   if name.endswith('base'):

@@ -2,13 +2,16 @@
 download: test_download.py)."""
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+import in_process
 from flaxformer_nmt import config as config_lib
+from flaxformer_nmt import corpora as corpora_command
 from flaxformer_nmt.data import corpora
 from flaxformer_nmt.data import tokenizer as tokenizer_lib
 from flaxformer_nmt.data.tokenizer import PAD_ID
@@ -86,35 +89,209 @@ def test_wmt_configs_build_their_pipeline_on_mock_data(config_name, tmp_path):
   assert sum(int((b['src'] != PAD_ID).any(axis=1).sum()) for b in eval_batches()) == 60
 
 
-@requires_tensorflow
-def test_export_writes_a_tfds_split_as_text(tmp_path):
+class SplitRecords:
+  """A split's examples as a prepared builder's array_record source serves them (text as bytes, by index or in one
+  batched read), for tfds.testing.mock_data's as_data_source_fn: each split its own text, unlike the random text
+  that mock_data gives every split alike."""
+
+  def __init__(self, examples):
+    self.examples = [{lang: text.encode('utf-8') for lang, text in example.items()} for example in examples]
+
+  def __len__(self):
+    return len(self.examples)
+
+  def __getitem__(self, index):
+    return self.examples[index]
+
+  def __getitems__(self, indices):
+    return [self.examples[i] for i in indices]
+
+
+def mock_splits(splits):
+  """tfds.testing.mock_data serving {split: [{'en': ..., 'de': ...}, ...]} as every builder's splits."""
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  with tfds.testing.mock_data(num_examples=5):
-    pairs = corpora.TfdsPairs('wmt14_translate/de-en', 'test', 'en', 'de')
-    src_path, tgt_path = corpora.export_text(pairs, tmp_path, 'test', 'en', 'de')
-    expected = [pairs[i] for i in range(5)]
-  assert src_path.read_text().splitlines() == [s for s, _ in expected]
-  assert tgt_path.read_text().splitlines() == [t for _, t in expected]
+  return tfds.testing.mock_data(as_data_source_fn=lambda builder, split, **kwargs: SplitRecords(splits[split]))
 
 
-def prepare_translation_builder(class_name, pairs, data_dir, supervised_keys=None):
-  """Prepares, as array_record in data_dir, a TFDS translation builder named after class_name ('ToyTranslate':
-  'toy_translate') whose train split holds the (en, de) pairs."""
+# WMT14 De-En as TFDS splits it (validation: newstest2013, test: newstest2014), each split with its own numbered
+# pairs and whitespace the reader folds.
+WMT_SPLITS = {
+    'train': [{'en': f'a  man walks {i}', 'de': f'ein Mann\tgeht {i}'} for i in range(9)],
+    'validation': [{'en': f'Newstest2013 line {i} .', 'de': f'Zeile\u00a0{i} aus newstest2013 .'} for i in range(7)],
+    'test': [{'en': f' newstest2014 line {i}', 'de': f'Zeile {i}  aus newstest2014 '} for i in range(5)],
+}
+
+
+def plain_lines(split, lang):
+  """The `lang` side of WMT_SPLITS[split] as an export writes it: whitespace folded, one line per example."""
+  return ''.join(' '.join(example[lang].split()) + '\n' for example in WMT_SPLITS[split])
+
+
+@requires_tensorflow
+@pytest.mark.parametrize('source_lang, target_lang', [('en', 'de'), ('de', 'en')])
+def test_export_writes_each_side_of_a_tfds_split_in_order_under_its_language(source_lang, target_lang, tmp_path):
+  """Line i of test.en and test.de is example i's English and German, whichever way the corpus is read: catches
+  sides swapped or written under the other's name, and examples skipped, repeated or reordered."""
+  with mock_splits(WMT_SPLITS):
+    pairs = corpora.TfdsPairs('wmt14_translate/de-en', 'test', source_lang, target_lang)
+    paths = corpora.export_text(pairs, tmp_path, 'test', source_lang, target_lang)
+  assert [p.name for p in paths] == [f'test.{source_lang}', f'test.{target_lang}']
+  plain = lambda i, lang: ' '.join(WMT_SPLITS['test'][i][lang].split())
+  assert pairs.read([3, 0]) == ([plain(3, source_lang), plain(0, source_lang)], [plain(3, target_lang),
+                                                                              plain(0, target_lang)])
+  for lang in ('en', 'de'):
+    assert (tmp_path / f'test.{lang}').read_text(encoding='utf-8') == plain_lines('test', lang)
+
+
+@requires_tensorflow
+@pytest.mark.parametrize('split', ['test', 'validation'])
+def test_the_export_command_writes_the_wmt_split_it_is_asked_for(split, tmp_path):
+  """`corpora export --config configs/wmt14_ende_base.py --split test` writes newstest2014 (TFDS's test split) as
+  test.en and test.de, the English the source side: the split named, not the config's eval_split."""
+  with mock_splits(WMT_SPLITS):
+    result = in_process.run(corpora_command, ['export', '--config', os.path.join(REPO, 'configs', 'wmt14_ende_base.py'),
+                                              '--split', split, '--output_dir', str(tmp_path)])
+  assert result.returncode == 0, result.stderr
+  assert sorted(p.name for p in tmp_path.iterdir()) == [f'{split}.de', f'{split}.en']
+  for lang in ('en', 'de'):
+    assert (tmp_path / f'{split}.{lang}').read_text(encoding='utf-8') == plain_lines(split, lang)
+  count = len(WMT_SPLITS[split])
+  assert result.stdout.splitlines() == [f'wrote {tmp_path / split}.{lang} ({count} lines)' for lang in ('en', 'de')]
+
+
+@requires_tensorflow
+def test_a_wmt_config_reads_its_tfds_splits_as_the_config_says():
+  """open_split on the WMT config: lowercased with config.lowercase, and, for a language model (task lm) on the
+  German text feature, each split's own text (validation is not the training text)."""
+  config = load_config('wmt14_ende_base')
+  config.lowercase = True
+  plain = lambda split, lang: [' '.join(e[lang].split()).lower() for e in WMT_SPLITS[split]]
+  with mock_splits(WMT_SPLITS):
+    assert corpora.open_split(config, 'validation').read(range(7)) == (plain('validation', 'en'),
+                                                                       plain('validation', 'de'))
+    config.lowercase = False
+    config.task, config.tfds_text_feature = 'lm', 'de'
+    text = corpora.open_split(config, 'validation')
+    assert text.read(range(len(text))) == ([' '.join(e['de'].split()) for e in WMT_SPLITS['validation']], None)
+
+
+def test_an_unknown_builder_name_is_one_error_naming_the_field(tmp_path):
+  with pytest.raises(corpora.data_lib.DataError, match=r"config.tfds_name='wmt14_translat/de-en': cannot load"):
+    corpora.TfdsPairs('wmt14_translat/de-en', 'train', 'en', 'de', data_dir=str(tmp_path))
+
+
+@requires_tensorflow
+def test_the_wmt_vocabulary_is_learnt_from_the_training_split_alone(tmp_path):
+  """The vocabulary sample reads the training split only (validation and test text written in other alphabets
+  must give it no piece), and the validation corpus is the validation split (newstest2013), pair for pair."""
+  from flaxformer_nmt.data import pipeline  # pylint: disable=g-import-not-at-top
+  import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  words = lambda letters, n: ' '.join(''.join(rng.choice(list(letters), 4)) for _ in range(n))
+  splits = {'train': [{'en': words('abcdef', 6), 'de': words('ghijkl', 6)} for _ in range(30)],
+            'validation': [{'en': words('\u03b1\u03b2\u03b3', 3), 'de': words('\u03b4\u03b5', 3)} for _ in range(7)],
+            'test': [{'en': words('\u0430\u0431\u0432', 3), 'de': words('\u0433\u0434', 3)} for _ in range(5)]}
+  config = load_config('wmt14_ende_base')
+  config.vocab_size = 40
+  with mock_splits(splits):
+    _, _, train_corpus, eval_corpus = pipeline.vocabulary_and_tokens(config, tmp_path)
+  vocabulary = spm.SentencePieceProcessor(model_file=str(tmp_path / 'vocab.model'))
+  letters = set(''.join(vocabulary.id_to_piece(i) for i in range(vocabulary.get_piece_size())))
+  held_out = {c for split in ('validation', 'test') for e in splits[split] for c in e['en'] + e['de']} - {' '}
+  assert set('abcdefghijkl') <= letters and not letters & held_out
+  assert (len(train_corpus), len(eval_corpus)) == (30, 7)
+
+
+def translation_builder(class_name, splits, supervised_keys=None):
+  """A TFDS translation builder class named after class_name ('ToyTranslate': 'toy_translate') whose splits hold
+  the (en, de) pairs of `splits` ({split: pairs}), not prepared."""
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
   def info(builder):
     return tfds.core.DatasetInfo(builder=builder, features=tfds.features.Translation(languages=('de', 'en')),
                                  supervised_keys=supervised_keys)
 
-  def examples(builder):
+  def examples(builder, pairs):
     del builder
     for i, (en, de) in enumerate(pairs):
       yield i, {'en': en, 'de': de}
 
-  builder_class = type(class_name, (tfds.core.GeneratorBasedBuilder,), {
+  return type(class_name, (tfds.core.GeneratorBasedBuilder,), {
       'VERSION': tfds.core.Version('1.0.0'), '_info': info, '_generate_examples': examples,
-      '_split_generators': lambda builder, dl_manager: {'train': builder._generate_examples()}})
+      '_split_generators': lambda builder, dl_manager: {
+          split: builder._generate_examples(pairs) for split, pairs in splits.items()}})
+
+
+def prepare_translation_builder(class_name, pairs, data_dir, supervised_keys=None):
+  """Prepares, as array_record in data_dir, a TFDS translation builder named after class_name ('ToyTranslate':
+  'toy_translate') whose train split holds the (en, de) pairs."""
+  builder_class = translation_builder(class_name, {'train': pairs}, supervised_keys)
   builder_class(data_dir=data_dir, file_format='array_record').download_and_prepare()
+
+
+def stored_lines(name, data_dir, split, lang):
+  """The `lang` side of a prepared builder's split as an export writes it, read straight from its records."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  records = tfds.builder(name, data_dir=data_dir, file_format='array_record').as_data_source(split=split)
+  return ''.join(' '.join(records[i][lang].decode('utf-8').split()) + '\n' for i in range(len(records)))
+
+
+def test_an_unprepared_builder_is_one_error_naming_how_to_prepare_it(tmp_path):
+  """Reading a builder before it is prepared: a KeyError about `splits` from deep inside TFDS, not a line naming
+  the builder, where it was looked for and the command that prepares it."""
+  translation_builder('UnpreparedTranslate', {'train': [('a dog', 'ein Hund')]})
+  data_dir = str(tmp_path / 'tfds')
+  prepare = r'unprepared_translate is not prepared in .*tfds.*python -m flaxformer_nmt.corpora prepare'
+  with pytest.raises(corpora.data_lib.DataError, match=prepare):
+    corpora.TfdsPairs('unprepared_translate', 'train', 'en', 'de', data_dir=data_dir)
+  with pytest.raises(corpora.data_lib.DataError, match=prepare):
+    corpora.TfdsText('unprepared_translate', 'train', feature='de', data_dir=data_dir)
+
+
+def test_prepare_prepares_a_builder_once(tmp_path, monkeypatch):
+  pairs = [(f'dog {i}', f'Hund {i}') for i in range(6)]
+  builder_class = translation_builder('PreparedOnceTranslate', {'train': pairs, 'test': pairs[:2]})
+  data_dir = str(tmp_path / 'tfds')
+  assert corpora.prepare_tfds('prepared_once_translate', data_dir).is_prepared()
+  assert stored_lines('prepared_once_translate', data_dir, 'train', 'de').count('\n') == 6
+
+  def fails(*args, **kwargs):
+    raise AssertionError('a prepared builder is prepared again')
+
+  monkeypatch.setattr(builder_class, 'download_and_prepare', fails)
+  corpora.prepare_tfds('prepared_once_translate', data_dir)  # left alone
+  shutil.rmtree(data_dir)
+
+  def needs_tensorflow(*args, **kwargs):
+    raise ImportError("No module named 'tensorflow'")
+
+  monkeypatch.setattr(builder_class, 'download_and_prepare', needs_tensorflow)
+  with pytest.raises(corpora.data_lib.DataError, match=r'preparing prepared_once_translate needs TensorFlow.*'
+                     r'pip install "flaxformer_nmt\[tfds\]".*--config.tfds_data_dir'):
+    corpora.prepare_tfds('prepared_once_translate', data_dir)
+
+
+@pytest.mark.parametrize('source_lang, target_lang', [('en', 'de'), ('de', 'en')])
+def test_the_export_command_prepares_the_builder_then_writes_its_split(source_lang, target_lang, tmp_path):
+  """`corpora export` on a builder not prepared yet prepares it (no mocks: array_record files in tfds_data_dir),
+  then writes the split's records in their stored order, each side under its language."""
+  pairs = [(f'sentence  {i}', f'Satz\u00a0{i}') for i in range(8)]
+  class_name = f'Export{source_lang.title()}{target_lang.title()}Translate'
+  name = f'export_{source_lang}_{target_lang}_translate'
+  translation_builder(class_name, {'train': pairs, 'test': pairs[5:]})
+  data_dir, out = str(tmp_path / 'tfds'), tmp_path / 'out'
+  args = ['export', '--config', os.path.join(REPO, 'configs', 'wmt14_ende_base.py'), f'--config.tfds_name={name}',
+          f'--config.tfds_data_dir={data_dir}', f'--config.source_lang={source_lang}',
+          f'--config.target_lang={target_lang}']
+  missing = in_process.run(corpora_command, args + ['--output_dir', str(out)])
+  # A forgotten --split is told before the download, not after it.
+  assert missing.returncode == 1 and 'export needs --split' in missing.stderr and not os.path.exists(data_dir)
+  result = in_process.run(corpora_command, args + ['--split', 'test', '--output_dir', str(out)])
+  assert result.returncode == 0, result.stderr
+  assert sorted(p.name for p in out.iterdir()) == ['test.de', 'test.en']
+  for lang in ('en', 'de'):
+    expected = stored_lines(name, data_dir, 'test', lang)
+    assert (out / f'test.{lang}').read_text(encoding='utf-8') == expected and expected.count('\n') == 3
 
 
 def test_a_prepared_array_record_builder_is_read_without_mocks(toy_corpus, tmp_path):

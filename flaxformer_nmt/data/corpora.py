@@ -99,6 +99,19 @@ def _check_split(builder, name, split):
     raise data_lib.DataError(f'split {split!r} not in {name}: {e.args[0] if e.args else e}') from None
 
 
+def _data_source(builder, name, split):
+  """The records of `split` (checked), or one DataError naming how to prepare a builder not prepared yet."""
+  _check_split(builder, name, split)
+  try:
+    return builder.as_data_source(split=split)
+  except KeyError:  # "`splits` is empty": checked here, not before, as tfds.testing.mock_data reads such builders
+    if builder.info.splits:
+      raise
+    raise data_lib.DataError(
+        f'{name} is not prepared in {builder.data_dir}: python -m flaxformer_nmt.corpora prepare --config CONFIG '
+        '(training prepares it on first use), or point --config.tfds_data_dir at where it was prepared') from None
+
+
 class TfdsPairs:
   """One split of a prepared TFDS translation builder, read as (source, target) by language name."""
 
@@ -108,8 +121,7 @@ class TfdsPairs:
     for field, lang in (('source_lang', source_lang), ('target_lang', target_lang)):
       if lang not in features:
         raise data_lib.DataError(f'config.{field}={lang!r}: {name} has the languages {sorted(features)}')
-    _check_split(builder, name, split)
-    self.records = builder.as_data_source(split=split)
+    self.records = _data_source(builder, name, split)
     self.source_lang, self.target_lang, self.lowercase = source_lang, target_lang, lowercase
     self.fingerprint = {'kind': 'tfds', 'name': name, 'version': str(builder.info.version), 'split': split,
                         'pairs': len(self.records), 'source_lang': source_lang, 'target_lang': target_lang,
@@ -180,8 +192,7 @@ class TfdsText:
     features = set(builder.info.features.keys())
     if feature not in features:
       raise data_lib.DataError(f'config.tfds_text_feature={feature!r}: {name} has the features {sorted(features)}')
-    _check_split(builder, name, split)
-    self.records = builder.as_data_source(split=split)
+    self.records = _data_source(builder, name, split)
     self.feature, self.lowercase = feature, lowercase
     self.fingerprint = {'kind': 'tfds_text', 'name': name, 'version': str(builder.info.version), 'split': split,
                         'examples': len(self.records), 'feature': feature, **_lowercase_stamp(lowercase)}
