@@ -43,6 +43,9 @@ def main(argv):
   try:
     if config.data_source == 'tfds':
       prepare_tfds(config.tfds_name, config.tfds_data_dir)
+    elif argv[1] == 'prepare':
+      print(f'nothing to prepare: the config reads local text (config.data_source={config.data_source!r}, '
+            f'config.data_dir={config.data_dir!r})')
     if argv[1] == 'export':
       pairs = open_split(config, flags.FLAGS.split)
       try:

@@ -159,6 +159,15 @@ def test_the_export_command_writes_the_wmt_split_it_is_asked_for(split, tmp_path
   assert result.stdout.splitlines() == [f'wrote {tmp_path / split}.{lang} ({count} lines)' for lang in ('en', 'de')]
 
 
+def test_prepare_on_a_text_config_says_there_is_nothing_to_prepare(tmp_path):
+  # It exited 0 printing nothing: a user could not tell a prepared corpus from a config that has none to prepare.
+  result = in_process.run(corpora_command, ['prepare', '--config', os.path.join(REPO, 'configs', 'multi30k.py'),
+                                            f'--config.data_dir={tmp_path}'])
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.splitlines() == [
+      f"nothing to prepare: the config reads local text (config.data_source='text', config.data_dir='{tmp_path}')"]
+
+
 @requires_tensorflow
 def test_a_wmt_config_reads_its_tfds_splits_as_the_config_says():
   """open_split on the WMT config: lowercased with config.lowercase, and, for a language model (task lm) on the
