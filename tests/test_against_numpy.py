@@ -39,8 +39,9 @@ def np_layer_norm(x, p, eps=1e-5):
   return (x - mean) / np.sqrt(var + eps) * p['scale'] + p['bias']
 
 
-def np_attention(queries, keys_values, wq, wk, wv, wo, allowed, heads):
-  """Multi-head attention of one sentence: queries [Tq, d], keys_values [Tk, d]; allowed[i, j]: i sees j."""
+def np_attention(queries, keys_values, wq, wk, wv, wo, allowed, heads, record=None):
+  """Multi-head attention of one sentence: queries [Tq, d], keys_values [Tk, d]; allowed[i, j]: i sees j.
+  record: a list that receives each head's weights [Tq, Tk], head 0 first."""
   d = queries.shape[-1]
   dh = d // heads
   q, k, v = queries @ wq, keys_values @ wk, keys_values @ wv
@@ -52,19 +53,23 @@ def np_attention(queries, keys_values, wq, wk, wv, wo, allowed, heads):
     weights = np.exp(scores - scores.max(-1, keepdims=True))
     weights /= weights.sum(-1, keepdims=True)
     out[:, cols] = weights @ v[:, cols]
+    if record is not None:
+      record.append(weights)
   return out @ wo
 
 
-def np_self_attention(x, p, allowed, heads):
+def np_self_attention(x, p, allowed, heads, record=None):
   d = x.shape[-1]
   qkv = p['qkv']['kernel']  # [d, 3d]: query, key, value columns
-  return np_attention(x, x, qkv[:, :d], qkv[:, d:2 * d], qkv[:, 2 * d:], p['output']['kernel'], allowed, heads)
+  return np_attention(x, x, qkv[:, :d], qkv[:, d:2 * d], qkv[:, 2 * d:], p['output']['kernel'], allowed, heads,
+                      record)
 
 
-def np_cross_attention(y, memory, p, allowed, heads):
+def np_cross_attention(y, memory, p, allowed, heads, record=None):
   d = y.shape[-1]
   kv = p['kv']['kernel']  # [d, 2d]: key, value columns
-  return np_attention(y, memory, p['query']['kernel'], kv[:, :d], kv[:, d:], p['output']['kernel'], allowed, heads)
+  return np_attention(y, memory, p['query']['kernel'], kv[:, :d], kv[:, d:], p['output']['kernel'], allowed, heads,
+                      record)
 
 
 def np_feed_forward(x, p):
@@ -76,17 +81,21 @@ def np_sublayer(x, f, norm, pre_ln, drop=1.0):
   return x + drop * f(np_layer_norm(x, norm)) if pre_ln else np_layer_norm(x + drop * f(x), norm)
 
 
-def np_transformer(params, src, tgt_in, heads, pre_ln, drop=1.0):
+def np_transformer(params, src, tgt_in, heads, pre_ln, drop=1.0, weights=None):
   """Logits [T, V] of one sentence pair (without padding). drop: what dropout (P_drop, section 5.4) multiplies
-  the embedding sums and every sub-layer output by (1: evaluation)."""
+  the embedding sums and every sub-layer output by (1: evaluation). weights: a dict that receives every
+  attention's weights, {(stack, layer, kind): [each head's [Tq, Tk]]}, stack 'encoder' or 'decoder' and kind
+  'self_attention' or 'cross_attention'."""
   p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params)
   embedding = p['shared_embedding']['embedding']
   d = embedding.shape[1]
   sublayer = lambda x, f, norm: np_sublayer(x, f, norm, pre_ln, drop)
+  record = lambda *key: None if weights is None else weights.setdefault(key, [])
   x = (embedding[src] * np.sqrt(d) + np_positions(len(src), d)) * drop
   for i in range(sum(k.startswith('encoder_') and k[8:].isdigit() for k in p)):
     layer = p[f'encoder_{i}']
-    x = sublayer(x, lambda z: np_self_attention(z, layer['self_attention'], np.ones((len(src),) * 2, bool), heads),
+    x = sublayer(x, lambda z: np_self_attention(z, layer['self_attention'], np.ones((len(src),) * 2, bool), heads,
+                                                record('encoder', i, 'self_attention')),
                  layer['attention_block']['norm'])
     x = sublayer(x, lambda z: np_feed_forward(z, layer['feed_forward']), layer['feed_forward_block']['norm'])
   if pre_ln:
@@ -95,9 +104,11 @@ def np_transformer(params, src, tgt_in, heads, pre_ln, drop=1.0):
   causal = np.tril(np.ones((len(tgt_in),) * 2, bool))
   for i in range(sum(k.startswith('decoder_') and k[8:].isdigit() for k in p)):
     layer = p[f'decoder_{i}']
-    y = sublayer(y, lambda z: np_self_attention(z, layer['self_attention'], causal, heads), layer['self_block']['norm'])
+    y = sublayer(y, lambda z: np_self_attention(z, layer['self_attention'], causal, heads,
+                                                record('decoder', i, 'self_attention')), layer['self_block']['norm'])
     y = sublayer(y, lambda z: np_cross_attention(z, x, layer['cross_attention'],
-                                                 np.ones((len(tgt_in), len(src)), bool), heads),
+                                                 np.ones((len(tgt_in), len(src)), bool), heads,
+                                                 record('decoder', i, 'cross_attention')),
                  layer['cross_block']['norm'])
     y = sublayer(y, lambda z: np_feed_forward(z, layer['feed_forward']), layer['feed_forward_block']['norm'])
   if pre_ln:
@@ -121,6 +132,33 @@ def test_forward_equals_a_numpy_transformer(pre_layer_norm, attention_impl):
     expected = np_transformer(params, src, tgt_in, heads=model.config.num_heads, pre_ln=pre_layer_norm)
     # Real positions only: padding positions carry no prediction (and the padding shortens nothing here).
     np.testing.assert_allclose(logits[row, :len(tgt_in)], expected, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize('pre_layer_norm', [False, True])
+def test_sown_attention_weights_are_the_numpy_softmax_of_each_layer_head_and_kind(pre_layer_norm):
+  """What the attention pictures draw: every attention layer's sown `attention_weights` [B, H, Tq, Tk] against
+  softmax(q k^T / sqrt(d_k)) of its own q, k projections per head, computed in NumPy along the forward pass.
+  Catches heads in another order, another layer's or kind's weights, scores not scaled, a softmax over the
+  queries, and masked keys (padding, the future) that are not exactly zero."""
+  model, params = tiny_model(pre_layer_norm=pre_layer_norm)
+  params = distinct_vectors(params)
+  _, state = model.apply({'params': params}, jnp.asarray(SRC), jnp.asarray(TGT_IN), mutable=['intermediates'])
+  sown = state['intermediates']
+  for row in range(len(SRC)):
+    src, tgt_in = SRC[row][SRC[row] != 0], TGT_IN[row][TGT_IN[row] != 0]
+    expected = {}
+    np_transformer(params, src, tgt_in, heads=model.config.num_heads, pre_ln=pre_layer_norm, weights=expected)
+    assert len(expected) == 6  # 2 encoder self-attentions, 2 decoder self- and 2 cross-attentions
+    for (stack, layer, kind), heads in expected.items():
+      (got,) = sown[f'{stack}_{layer}'][kind]['attention_weights']
+      want = np.stack(heads)  # [H, Tq, Tk]
+      rows, columns = want.shape[1:]
+      got = np.asarray(got)[row]
+      assert got.dtype == np.float32
+      np.testing.assert_allclose(got[:, :rows, :columns], want, atol=1e-5, err_msg=f'{stack}_{layer} {kind}')
+      assert not got[:, :rows, columns:].any()  # padding keys: exactly zero
+      if kind == 'self_attention' and stack == 'decoder':
+        assert not np.triu(got[:, :rows, :rows], 1).any()  # the future: exactly zero
 
 
 class ExpectedDropout(nn.Module):

@@ -248,6 +248,34 @@ def test_attention_maps_are_softmax_rows_over_the_pieces(translator):
       np.testing.assert_allclose(weights.sum(axis=-1), 1.0, atol=1e-5)
 
 
+def test_attention_maps_are_the_numpy_attention_of_the_translation_as_the_model_wrote_it(workdir, translator,
+                                                                                       tmp_path):
+  """The weights drawn against the NumPy forward pass of the model's parameters (test_against_numpy), teacher-forced
+  on BOS + the translation in the order the model wrote it (right to left: reversed before EOS, as the module
+  says): cross-attention row t is the attention while the model predicted piece t, labelled with that piece; the
+  encoder's rows and columns are the source pieces. Catches BOS left out (every row a piece late), a right-to-left
+  model teacher-forced or labelled in reading order, another stack's or kind's weights, and another sentence's."""
+  from test_against_numpy import np_transformer  # pylint: disable=g-import-not-at-top
+  r2l = decode.Translator(copy_with_config(workdir, tmp_path / 'r2l', lambda c: c.update(target_right_to_left=True)))
+  sentences = ['a big dog runs .', 'the small cat sleeps .']
+  for model, right_to_left in ((translator, False), (r2l, True)):
+    config = model.config.model
+    for m, sentence in zip(visualize.attention_maps(model, sentences, beam_size=0), sentences):
+      source = model.tokenizer.encode([sentence])[0]
+      [[(reading, _)]] = model.search_tokens([source], beam_size=0)
+      written = reading[:-1][::-1] + reading[-1:] if right_to_left else reading
+      assert len(written) > 2 and m['translation'] == model.tokenizer.decode(reading)
+      assert m['source_pieces'] == model.tokenizer.pieces(source)
+      assert m['target_pieces'] == model.tokenizer.pieces(written)
+      found = {}
+      np_transformer(model.params, np.array(source), np.array([BOS_ID] + written[:-1]), heads=config.num_heads,
+                     pre_ln=config.pre_layer_norm, weights=found)
+      for name, stack, kind, layers in (('cross', 'decoder', 'cross_attention', config.num_decoder_layers),
+                                        ('encoder', 'encoder', 'self_attention', config.num_encoder_layers)):
+        want = np.stack([np.stack(found[(stack, layer, kind)]) for layer in range(layers)])  # [L, H, Tq, Tk]
+        np.testing.assert_allclose(m[name], want, atol=1e-5, err_msg=f'{name}, right_to_left={right_to_left}')
+
+
 def test_find_attention_weights_looks_through_any_nesting():
   w = np.full((1, 2, 3, 3), 1 / 3, np.float32)
   tree = {'encoder_0': {'self_attention': {'attention_weights': (w,)}},

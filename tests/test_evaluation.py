@@ -35,16 +35,18 @@ def test_pictures_draw_dollar_signs_as_written(tmp_path, monkeypatch):
 def test_pictures_put_target_pieces_on_rows_and_draw_each_head_and_the_head_averages(tmp_path, monkeypatch):
   """A cross-attention map of 4 target x 5 source pieces: every layer's picture has a panel per head showing that
   head's weights, target pieces down and source pieces across; the average picture has each layer's mean over heads
-  and then the mean over all layers and heads (loops below)."""
+  and then the mean over all layers and heads (loops below). The encoder's picture has its heads' weights with
+  source pieces on both axes."""
   pyplot = pytest.importorskip('matplotlib.pyplot')
   figures, close = [], pyplot.close
   monkeypatch.setattr(pyplot, 'close', lambda fig: (figures.append(fig), close(fig)))
   rng = np.random.default_rng(0)
   layers, heads, t, s = 2, 3, 4, 5
   cross = rng.random((layers, heads, t, s)).astype(np.float32)
+  encoder = rng.random((1, heads, s, s)).astype(np.float32)
   source_pieces, target_pieces = ['▁a', '▁b', '▁c', '▁d', '</s>'], ['▁w', '▁x', '▁y', '</s>']
   maps = [{'source': 'a b c d', 'translation': 'w x y', 'source_pieces': source_pieces,
-           'target_pieces': target_pieces, 'cross': cross, 'encoder': _uniform(1, heads, s, s)}]
+           'target_pieces': target_pieces, 'cross': cross, 'encoder': encoder}]
   paths = attention.write_pictures(maps, tmp_path)
   names = [p.name for p in paths]
   assert names == ['00_cross_layer0.png', '00_cross_layer1.png', '00_cross_average.png', '00_encoder_layer0.png']
@@ -58,10 +60,11 @@ def test_pictures_put_target_pieces_on_rows_and_draw_each_head_and_the_head_aver
   averages.append(sum(cross[layer, h].astype(np.float64) for layer in range(layers) for h in range(heads))
                   / (layers * heads))
   expected['00_cross_average.png'] = averages
+  expected['00_encoder_layer0.png'] = [encoder[0, h] for h in range(heads)]
   for name, panels in expected.items():
     assert len(drawn[name]) == len(panels), name
     for (image, rows, columns), want in zip(drawn[name], panels):
-      assert rows == target_pieces and columns == source_pieces, name
+      assert rows == (source_pieces if 'encoder' in name else target_pieces) and columns == source_pieces, name
       np.testing.assert_allclose(image, want, rtol=1e-6, err_msg=name)
 
 
@@ -76,3 +79,29 @@ def test_layers_are_stacked_in_their_numeric_order():
   assert stacked.shape == (1, 12, 2, 3, 4)
   for i in range(12):
     assert (stacked[:, i] == i).all(), i
+
+
+def test_language_model_pictures_draw_each_layer_and_head_and_the_averages_of_every_layer(tmp_path, monkeypatch):
+  """A language model's self-attention of 2 layers x 3 heads over 4 pieces: a picture per layer with a panel per
+  head, then the average picture with each layer's mean over heads and the mean over all layers and heads (loops
+  below); the pieces on both axes."""
+  pyplot = pytest.importorskip('matplotlib.pyplot')
+  figures, close = [], pyplot.close
+  monkeypatch.setattr(pyplot, 'close', lambda fig: (figures.append(fig), close(fig)))
+  layers, heads, pieces = 2, 3, ['<s>', '▁ein', '▁hund', '▁.']
+  weights = np.random.default_rng(1).random((layers, heads, len(pieces), len(pieces))).astype(np.float32)
+  paths = attention.write_self_attention_pictures(
+      [{'text': 'ein hund .', 'stack': 'decoder', 'pieces': pieces, 'self': weights}], tmp_path)
+  names = [p.name for p in paths]
+  assert names == ['00_decoder_layer0.png', '00_decoder_layer1.png', '00_self_average.png']
+  expected = [[weights[layer, h] for h in range(heads)] for layer in range(layers)]
+  averages = [sum(weights[layer, h].astype(np.float64) for h in range(heads)) / heads for layer in range(layers)]
+  averages.append(sum(weights[layer, h].astype(np.float64) for layer in range(layers) for h in range(heads))
+                  / (layers * heads))
+  for name, fig, panels in zip(names, figures, expected + [averages]):
+    drawn = [ax for ax in fig.axes if ax.get_images()]
+    assert len(drawn) == len(panels), name
+    for ax, want in zip(drawn, panels):
+      assert [label.get_text() for label in ax.get_yticklabels()] == pieces, name
+      assert [label.get_text() for label in ax.get_xticklabels()] == pieces, name
+      np.testing.assert_allclose(np.asarray(ax.get_images()[0].get_array()), want, rtol=1e-6, err_msg=name)

@@ -234,6 +234,43 @@ def test_fill_mask_reads_each_mask_as_one_whole_piece(mlm_run):
   assert filler.encode('<mask> hund .') == [filler.mask_id] + encode('hund .') + [tokenizer_lib.EOS_ID]
 
 
+def np_first_layer_self_attention(params, ids, stack, pre_layer_norm, heads):
+  """Each head's weights [T, T] of layer 0's self-attention over `ids`, in NumPy (test_against_numpy's layers):
+  causal in a decoder, bidirectional in an encoder."""
+  from test_against_numpy import np_layer_norm, np_positions, np_self_attention  # pylint: disable=g-import-not-at-top
+  p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params)
+  embedding = p['shared_embedding']['embedding']
+  x = embedding[ids] * np.sqrt(embedding.shape[1]) + np_positions(len(ids), embedding.shape[1])
+  layer = p[f'{stack}_0']
+  if pre_layer_norm:
+    x = np_layer_norm(x, layer['self_block' if stack == 'decoder' else 'attention_block']['norm'])
+  allowed = np.tril(np.ones((len(ids),) * 2, bool)) if stack == 'decoder' else np.ones((len(ids),) * 2, bool)
+  weights = []
+  np_self_attention(x, layer['self_attention'], allowed, heads, weights)
+  return np.stack(weights)
+
+
+def test_self_attention_maps_are_the_numpy_attention_of_the_text_as_the_model_reads_it(lm_run, mlm_run):
+  """Layer 0's self-attention drawn for a language model against NumPy from its parameters: the LM's over BOS +
+  the text (causal), the MLM's over the text with its <mask>s + EOS; a piece per row and column, padding cropped
+  (two texts of different lengths). Catches BOS left out, labels a piece off, padding rows or columns kept."""
+  for (workdir, _), runner_class, stack, texts in (
+      (lm_run, generate.Generator, 'decoder', ['ein grosser hund', 'der']),
+      (mlm_run, fill_mask.FillMask, 'encoder', ['ein <mask> hund .', 'der <mask>'])):
+    runner = runner_class(workdir)
+    maps = visualize.self_attention_maps(workdir, texts)
+    for m, text in zip(maps, texts):
+      if stack == 'decoder':
+        ids = [tokenizer_lib.BOS_ID] + runner.tokenizer.sp.encode(text)
+      else:
+        ids = runner.encode(text)  # <mask> pieces and EOS, as the fill-mask test checks
+      assert (m['text'], m['stack'], m['pieces']) == (text, stack, [runner.tokenizer.sp.id_to_piece(i) for i in ids])
+      config = runner.config.model
+      want = np_first_layer_self_attention(runner.params, ids, stack, config.pre_layer_norm, config.num_heads)
+      assert m['self'].shape == (1,) + want.shape  # small_config: one layer
+      np.testing.assert_allclose(m['self'][0], want, atol=1e-5, err_msg=stack)
+
+
 def test_self_attention_refuses_a_text_over_the_models_positions(lm_run, mlm_run):
   """Rule: a text longer than max_position (1024) is an error naming it and its token count, never drawn with
   positions clamped to the table's last."""
@@ -332,3 +369,18 @@ def test_generate_and_fill_mask_name_an_input_they_cannot_read_by_its_flag(lm_ru
     for path, reason in ((tmp_path, 'Is a directory'), (tmp_path / 'missing.txt', 'No such file or directory')):
       result = in_process.run(command, [f'--workdir={workdir}', f'--input={path}'])
       assert last_error(result) == f'error: --input {path}: {reason}', result.stderr[-2000:]
+
+
+def test_visualize_draws_a_language_models_self_attention_from_the_checkpoint_asked_for(lm_run, mlm_run, tmp_path):
+  """The visualize command on an LM's and on an MLM's workdir writes the self-attention pictures (no translation);
+  a checkpoint that is not there is an error naming it, not the latest drawn instead."""
+  pytest.importorskip('matplotlib')
+  from flaxformer_nmt import visualize as visualize_command  # pylint: disable=g-import-not-at-top
+  for (workdir, _), stack, text in ((lm_run, 'decoder', 'ein hund'), (mlm_run, 'encoder', 'ein <mask> .')):
+    out = tmp_path / stack
+    lines = run_cli(visualize_command, f'--workdir={workdir}', f'--sentences={text}', f'--output_dir={out}',
+                    '--checkpoint=10')
+    assert lines == [str(out / f'00_{stack}_layer0.png'), str(out / '00_self_average.png')]
+    result = in_process.run(visualize_command, [f'--workdir={workdir}', f'--sentences={text}',
+                                                f'--output_dir={out}', '--checkpoint=7'])
+    assert last_error(result) == f'error: no checkpoint 7 in {workdir}/checkpoints; there are [5, 10, 15]'

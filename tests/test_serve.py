@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -369,6 +370,32 @@ def test_blank_lines_and_empty_texts_count_against_no_limit(backend):
   assert answer.status_code == 200 and [t['text'] for t in answer.json()['translations']][:2] == ['', '\n' * 50]
 
 
+@pytest.mark.parametrize('right_to_left, written, rows', [
+    (False, ([11, 4, 10, 3], [13, 14, 15, 6, 9, 3]), ([0, 1, 2, 3], [0, 1, 2, 3, 4, 5])),
+    # Read "11 4 10 </s>", written "10 4 11 </s>": piece 11 was predicted at step 2, EOS last.
+    (True, ([10, 4, 11, 3], [9, 6, 15, 14, 13, 3]), ([2, 1, 0, 3], [4, 3, 2, 1, 0, 5]))])
+def test_backend_attention_is_the_numpy_head_mean_of_each_layer_in_reading_order(right_to_left, written, rows):
+  """JaxBackend.attention of a 2-layer, 4-head model against the NumPy cross-attention of that model teacher-forced
+  on BOS + the target as the model writes it (right to left: reversed before EOS), averaged over heads, its rows
+  in reading order: row t is the attention while the model predicted piece t of the answer. Catches layers in
+  another order, a mean over layers or over the source instead of the heads, teacher forcing in reading order or
+  without BOS, and rows left in the model's order or turned with EOS."""
+  from test_against_numpy import np_transformer  # pylint: disable=g-import-not-at-top
+  model, params = conftest.tiny_model()
+  params = conftest.distinct_vectors(params)
+  backend = batcher_lib.JaxBackend.__new__(batcher_lib.JaxBackend)  # the model alone, without a workdir
+  backend.config = types.SimpleNamespace(target_right_to_left=right_to_left)
+  backend.translator = types.SimpleNamespace(model=model, params=params)
+  sources, targets = [[5, 9, 7, 12, 3], [8, 6, 3]], [[11, 4, 10, 3], [13, 14, 15, 6, 9, 3]]
+  got = backend.attention(sources, targets)
+  for source, target_in_model_order, order, weights in zip(sources, written, rows, got):
+    found = {}
+    np_transformer(params, np.array(source), np.array([2] + target_in_model_order[:-1]),
+                   heads=model.config.num_heads, pre_ln=False, weights=found)
+    layers = [np.mean(found[('decoder', layer, 'cross_attention')], axis=0) for layer in range(2)]  # [T, S] each
+    np.testing.assert_allclose(weights, np.stack([layer[order] for layer in layers]), atol=1e-5)
+
+
 def test_attention_larger_than_the_limit_is_refused_naming_it(backend, monkeypatch):
   sentence = 'a small man sees a big red dog .'
   with client({'en-de': backend}) as c:
@@ -383,6 +410,20 @@ def test_attention_larger_than_the_limit_is_refused_naming_it(backend, monkeypat
     assert c.post('/v1/translate', json={'text': [sentence] * 2}).status_code == 200
     monkeypatch.setattr(server, 'MAX_ATTENTION_WEIGHTS', 2 * weights.size)  # at the limit: served (not >=)
     assert c.post('/v1/translate', json={'text': [sentence] * 2, 'return_attention': True}).status_code == 200
+
+
+def test_the_attention_limit_counts_every_decoder_layer(monkeypatch):
+  """A text of two sentences from a 6-layer model, [6, 3, 4] and [6, 2, 5]: its picture is 6 layers x (3 + 2)
+  target x (4 + 5) source pieces = 270 weights, refused over a limit of 269 and served at 270. Catches the layers
+  left out of the count (the toy served above has one decoder layer)."""
+  answers = [batcher_lib.Sentence([([7, 3], -1.0)], np.zeros((6, 3, 4), np.float32)),
+             batcher_lib.Sentence([([8, 3], -1.0)], np.zeros((6, 2, 5), np.float32))]
+  monkeypatch.setattr(server, 'MAX_ATTENTION_WEIGHTS', 269)
+  with pytest.raises(server.ApiError, match='holds 270 weights; the limit is 269') as refused:
+    server.check_attention_size([[[0, 1]]], answers)
+  assert refused.value.status == 413
+  monkeypatch.setattr(server, 'MAX_ATTENTION_WEIGHTS', 270)
+  server.check_attention_size([[[0, 1]]], answers)
 
 
 def test_the_token_limit_counts_the_model_pieces_and_a_longer_sentence_is_refused_not_cut(backend):
