@@ -34,6 +34,7 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -279,7 +280,7 @@ def _in_process(kind, *args):
 def split_load(kind, total, per_process, url, seconds, sentences, expected, timeout):
   """closed_loop with `total` clients, or open_loop at `total` requests/s, over processes of at most
   `per_process` each; the merged Tally and the longest elapsed time."""
-  processes = max(1, round(total / per_process))
+  processes = max(1, math.ceil(total / per_process))
   share = total / processes if kind == 'open' else None
   with concurrent.futures.ProcessPoolExecutor(processes) as pool:
     futures = [pool.submit(_in_process, kind, url, share or len(range(k, int(total), processes)), seconds,

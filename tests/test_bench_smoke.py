@@ -1,16 +1,19 @@
 """Every script in bench/ run at tiny sizes, so that none breaks unseen: each exits 0 and prints its numbers.
 
 The numbers themselves are measurements, not checked here (bench/RESULTS.md records them); what is checked is
-that each script still runs against the current library and prints the table or lines it is for. Scripts that
-define their flags in define_flags run in this process (tests/in_process.py); the others, and those that need a
-fresh process (their own devices), as `python bench/NAME.py`.
+that each script still runs against the current library and prints the table or lines it is for, and (the tests
+of their helpers) that what they compute from their measurements (rates, percentiles, ratios, counts) matches
+hand counts. Scripts that define their flags in define_flags run in this process (tests/in_process.py); the
+others, and those that need a fresh process (their own devices), as `python bench/NAME.py`.
 """
+import asyncio
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -243,6 +246,24 @@ def test_serve_load(toy, tmp_path):
   assert not list(toy.glob('serve_load_expected_*'))
 
 
+def test_serve_load_split_load_keeps_each_process_within_its_clients(monkeypatch):
+  """Closed-loop clients spread over as few load processes as hold at most --clients_per_process each (32), every
+  client placed: 1 and 32 in one process, 40 in 2, 70 in 3, 128 in 4. Catches the count of processes rounded to
+  the nearest (40 clients in one process, 70 in 2 of 35, past the limit that keeps a process from falling
+  behind)."""
+  pytest.importorskip('httpx')
+  import concurrent.futures  # pylint: disable=import-outside-toplevel
+  serve_load = _bench_module('serve_load')
+  shares = []
+  monkeypatch.setattr(serve_load, '_in_process',
+                      lambda kind, url, share, *unused: shares.append(share) or (serve_load.Tally(), 1.0))
+  monkeypatch.setattr(serve_load.concurrent.futures, 'ProcessPoolExecutor', concurrent.futures.ThreadPoolExecutor)
+  for clients, processes in ((1, 1), (32, 1), (40, 2), (70, 3), (128, 4)):
+    shares.clear()
+    serve_load.split_load('closed', clients, 32, 'url', 1.0, ['a'], ['b'], 5.0)
+    assert len(shares) == processes and sum(shares) == clients and max(shares) <= 32, (clients, shares)
+
+
 def _bench_module(name):
   """bench/{name}.py imported as a module (its flags not defined), for its pure helpers."""
   import importlib.util  # pylint: disable=import-outside-toplevel
@@ -264,6 +285,160 @@ def test_serve_load_helpers():
   assert '"p50_s": "-"' in serve_load.printable({'client_view': serve_load.percentiles([])})
   assert serve_load.decode_flags(['--dtype=bfloat16', '--max_wait_ms=5', '--batch_invariant']) == [
       '--dtype=bfloat16', '--batch_invariant']
+
+
+def test_serve_load_percentiles_are_of_the_latencies_given():
+  """p50/p95/p99 are the linear-interpolation percentiles of the latencies: 101 shuffled values 0.00-1.00 give
+  0.50, 0.95 and 0.99, and [1, 2, 3, 4] gives 2.5, 3.85 and 3.97 by hand (rank q/100 x (n - 1)). Catches a
+  percentile read one index off, a wrong q, or read from the unsorted list."""
+  pytest.importorskip('httpx')
+  serve_load = _bench_module('serve_load')
+  values = [i / 100 for i in range(101)]
+  shuffled = values[50:] + values[:50]
+  assert serve_load.percentiles(shuffled) == {'p50_s': 0.5, 'p95_s': 0.95, 'p99_s': 0.99}
+  assert serve_load.percentiles([4.0, 1.0, 3.0, 2.0]) == {'p50_s': 2.5, 'p95_s': 3.85, 'p99_s': 3.97}
+
+
+def test_serve_load_summary_counts_by_hand():
+  """A step's summary: the 200 answers over the step's seconds, the percentiles of the latencies from schedule
+  (not those from send), the wrong lines numbered from 1, each once. Catches the rate over another count, the
+  percentiles of tally.from_send, and line numbers one off (RESULTS quotes them: 208, 232)."""
+  pytest.importorskip('httpx')
+  serve_load = _bench_module('serve_load')
+  tally = serve_load.Tally(latencies=[0.1, 0.2, 0.3], from_send=[0.01, 0.02, 0.03], sentences=3, sent=9, wrong=3,
+                           wrong_examples={4: 'x', 0: 'y'}, missing_retry_after=1)
+  tally.statuses.update({200: 3, 503: 2, 'ConnectError': 1})
+  summary = tally.summary(2.0)
+  assert summary['sentences_per_second'] == 1.5
+  assert (summary['p50_s'], summary['p99_s']) == (0.2, 0.298)
+  assert summary['wrong_lines'] == [1, 5] and summary['wrong_translations'] == 3
+  assert summary['statuses'] == {'200': 3, '503': 2, 'ConnectError': 1} and summary['503_without_retry_after'] == 1
+
+
+def test_serve_load_batch_sizes_from_the_server_s_metrics():
+  """The batches a step formed, read from two /metrics texts of the server's own Metrics: 4 batches of 1, 3, 3 and
+  20 sentences before, 3 of 2, 2 and 40 after, so the step formed those 3 (mean 44 / 3 = 14.7, one in (1, 2],
+  one in (32, 64]); the server's own mean time of its /v1/translate requests in the step (0.5 and 2.5 s: 1.5),
+  its other routes left out. Catches the totals or buckets read without the earlier reading subtracted, a bucket
+  counted cumulatively, a metric name the server does not write, another route's time, the mean inverted."""
+  pytest.importorskip('httpx')
+  prometheus_client = pytest.importorskip('prometheus_client')
+  from flaxformer_nmt.serving import server  # pylint: disable=import-outside-toplevel
+  serve_load = _bench_module('serve_load')
+  metrics = server.Metrics()
+  texts = []
+  for batches, requests in (([1, 3, 3, 20], [('/v1/translate', 9.0), ('/ready', 30.0)]),
+                            ([2, 2, 40], [('/v1/translate', 0.5), ('/v1/translate', 2.5), ('/ready', 50.0)])):
+    for sentences in batches:
+      metrics.batch(sentences, 10, 10, 0.1)
+    for route, seconds in requests:
+      metrics.request(route, 200, seconds)
+    texts.append(prometheus_client.generate_latest(metrics.registry).decode())
+  readings = []
+  for text in texts:
+    with pytest.MonkeyPatch.context() as patch:
+      patch.setattr(serve_load.httpx, 'get', lambda *args, text=text, **kwargs: types.SimpleNamespace(text=text))
+      readings.append(serve_load.batch_histogram('http://server'))
+  assert serve_load.batch_sizes(*readings) == {'batches': 3, 'mean_sentences': 14.7,
+                                               'by_size': {'<=2.0': 2, '<=64.0': 1}, 'server_side_mean_s': 1.5}
+
+
+def test_serve_load_split_load_merges_every_process(monkeypatch):
+  """split_load's merged tally: every load process's answers, sends and lines, the longest elapsed time; 96
+  clients in 3 processes of 32; the open loop's rate shared equally over 4. Catches a count kept from one process
+  only (the overload's offered rate), the rate over the shortest process's time."""
+  pytest.importorskip('httpx')
+  import concurrent.futures  # pylint: disable=import-outside-toplevel
+  serve_load = _bench_module('serve_load')
+  calls = []
+
+  def in_process(kind, url, share, *unused):
+    calls.append((kind, share))
+    k = len(calls)
+    tally = serve_load.Tally(latencies=[k], from_send=[k / 10], sentences=k, sent=10 * k, wrong=1,
+                             wrong_examples={k: 'x'}, missing_retry_after=k)
+    tally.statuses.update({200: k})
+    return tally, float(k)
+  monkeypatch.setattr(serve_load, '_in_process', in_process)
+  monkeypatch.setattr(serve_load.concurrent.futures, 'ProcessPoolExecutor', concurrent.futures.ThreadPoolExecutor)
+  merged, elapsed = serve_load.split_load('closed', 96, 32, 'url', 1.0, ['a'], ['b'], 5.0)
+  assert [share for _, share in calls] == [32, 32, 32], calls
+  assert (merged.sentences, merged.sent, merged.wrong, merged.missing_retry_after, elapsed) == (6, 60, 3, 6, 3.0)
+  assert sorted(merged.latencies) == [1, 2, 3] and sorted(merged.wrong_examples) == [1, 2, 3]
+  assert merged.statuses == {200: 6} and sorted(merged.from_send) == [0.1, 0.2, 0.3]
+  calls.clear()
+  serve_load.split_load('open', 100.0, 25.0, 'url', 1.0, ['a'], ['b'], 5.0)
+  assert calls == [('open', 25.0)] * 4
+
+
+def test_serve_load_overload_rates(monkeypatch):
+  """--overload's numbers from a tally of 30 answers and 90 requests sent in a 10 s step that took 12 s to its
+  last answer: the target 4x the best closed-loop rate (4 x 7.5), offered 90 / 10 = 9 per second (sent within
+  the step's seconds), 30 / 12 = 2.5 sentences per second, the percentiles from schedule and from send each of
+  their own list. Catches the offered rate over the elapsed time, the target from the last or the first step,
+  and the two latency lists swapped."""
+  pytest.importorskip('httpx')
+  serve_load = _bench_module('serve_load')
+  tally = serve_load.Tally(latencies=[2.0, 4.0, 6.0], from_send=[1.0, 1.0, 3.0], sentences=30, sent=90)
+  seen = []
+  monkeypatch.setattr(serve_load, 'split_load', lambda *args: seen.append(args[:3]) or (tally, 12.0))
+  monkeypatch.setattr(serve_load, 'batch_histogram', lambda url: (0.0, 0.0, {}, (0.0, 0.0)))
+  closed = {1: {'sentences_per_second': 5.0}, 8: {'sentences_per_second': 7.5}, 32: {'sentences_per_second': 6.0}}
+  result = serve_load.overload(None, 'url', closed, 10.0, ['a'], ['b'], 5.0)
+  assert seen == [('open', 30.0, 7.5)]
+  assert (result['target_per_second'], result['offered_per_second'], result['sent']) == (30.0, 9.0, 90)
+  assert result['sentences_per_second'] == 2.5
+  assert (result['p50_s'], result['from_send']['p50_s']) == (4.0, 1.0)
+
+
+def test_serve_load_latency_runs_from_the_schedule_and_from_the_send():
+  """A 200 answer's latency runs from the time it was due (2 s before it was sent here), its from_send latency
+  from the send; a wrong answer is counted with its line. Catches both timed from the send (an open loop's
+  falling behind hidden) or both from the schedule."""
+  pytest.importorskip('httpx')
+  serve_load = _bench_module('serve_load')
+
+  class Client:
+    async def post(self, url, json):
+      del url
+      await asyncio.sleep(0.05)
+      text = 'b' if json['text'] == ['a'] else 'wrong'
+      return types.SimpleNamespace(status_code=200, headers={}, json=lambda: {'translations': [{'text': text}]})
+  tally = serve_load.Tally()
+  asyncio.run(serve_load.one_request(Client(), 'url', 0, ['a', 'c'], ['b', 'd'], tally,
+                                     start=time.perf_counter() - 2.0))
+  asyncio.run(serve_load.one_request(Client(), 'url', 1, ['a', 'c'], ['b', 'd'], tally))
+  assert tally.latencies[0] >= 2.05 and 0.05 <= tally.from_send[0] < 1.0, tally
+  assert tally.latencies[1] == pytest.approx(tally.from_send[1], abs=0.01), tally
+  assert (tally.sentences, tally.wrong, tally.wrong_examples, tally.statuses) == (2, 1, {1: 'wrong'}, {200: 2})
+
+
+def test_serve_load_kill_test_rate_is_up_to_the_kill(monkeypatch):
+  """--kill_test's sentences/s counts the time up to the kill only: 10 answers, the kill after 0.1 s (its 5 s
+  scaled down), the clients and the restart 1 s more. Catches the rate over the dead time and the restart too
+  (about 10 per second here against about 100)."""
+  pytest.importorskip('httpx')
+  serve_load = _bench_module('serve_load')
+
+  class FastLoop:
+    def __init__(self, loop):
+      self.loop = loop
+
+    def call_later(self, delay, callback):
+      return self.loop.call_later(delay / 50, callback)
+
+  async def closed_loop(*unused):
+    await asyncio.sleep(0.5)
+    return serve_load.Tally(latencies=[0.01] * 10, sentences=10), 0.5
+  monkeypatch.setattr(serve_load, 'asyncio', types.SimpleNamespace(
+      run=asyncio.run, get_running_loop=lambda: FastLoop(asyncio.get_running_loop())))
+  monkeypatch.setattr(serve_load, 'closed_loop', closed_loop)
+  killed = []
+  server = types.SimpleNamespace(url='url', kill=lambda: killed.append(1),
+                                 start=lambda: time.sleep(0.5) or (0.3, 0.5))
+  result = serve_load.kill_test(server, ['a'], ['b'], 5.0)
+  assert killed == [1] and (result['restart_to_ready_s'], result['restart_to_first_answer_s']) == (0.3, 0.5)
+  assert 30 < result['client_view']['sentences_per_second'] <= 100.5, result
 
 
 def test_stop_latency_steady_ms_per_step():
@@ -395,6 +570,132 @@ def test_decode_throughput_s_matmul_reference_has_the_model_s_operands(monkeypat
   decode_throughput.run(flags, translator, 'scratch', 100.0)
   assert [str(dtype) for dtype in rates] == ['bfloat16'], rates
   assert 'matmul operands bfloat16' in capsys.readouterr().out
+
+
+def _toy_model_config():
+  return types.SimpleNamespace(d_model=8, d_ff=16, num_encoder_layers=2, num_decoder_layers=3)
+
+
+def test_decode_throughput_needed_work_counts_each_output_s_tokens(monkeypatch):
+  """The row-steps the translations need: each sentence's beams (one row in greedy search) times its output's
+  tokens, EOS included once (the token lists end with it), an empty source none; the FLOPs asked of
+  flops.forward_flops for each: the encoder once over the source, the target tokens of every beam, attention over
+  (n + 1) / 2 positions on average (1, ..., n over the n steps). Catches EOS counted twice or not at all, the
+  beams left out, the source and target sides swapped."""
+  decode_throughput = _bench_module('decode_throughput')
+  calls = []
+  monkeypatch.setattr(decode_throughput.flops_lib, 'forward_flops',
+                      lambda config, vocab, *args: calls.append(args) or 1000.0)
+  translator = types.SimpleNamespace(model=types.SimpleNamespace(config=_toy_model_config()),
+                                     tokenizer=types.SimpleNamespace(vocab_size=32))
+  eos = 1
+  token_lists = [[5, 6, 7, eos], [eos], [9, eos]]
+  results = [[([4, 4, eos], -1.0)], [([], 0.0)], [([8, 8, 8, 8, eos], -2.0)]]
+  steps, flops = decode_throughput.needed_work(translator, token_lists, results, 4)
+  assert steps == 4 * 3 + 4 * 5 and flops == 2000.0
+  mean_positions = [sum(range(1, n + 1)) / n for n in (3, 5)]
+  assert calls == [(4, 4 * 3, 4, mean_positions[0]), (2, 4 * 5, 2, mean_positions[1])]
+  calls.clear()
+  assert decode_throughput.needed_work(translator, token_lists, results, 0) == (3 + 5, 2000.0)
+  assert [c[1] for c in calls] == [3, 5]
+
+
+def test_decode_throughput_identical_counts_equal_lines_over_ours(tmp_path):
+  """The share of our lines that CTranslate2's equal, line by line: 2 of 4 (its output one line short)."""
+  decode_throughput = _bench_module('decode_throughput')
+  ours, theirs = tmp_path / 'ours.txt', tmp_path / 'theirs.txt'
+  ours.write_text('a b\n\nc\nd\n')
+  theirs.write_text('a b\nx\nc\n')
+  assert decode_throughput.identical(ours, theirs) == 0.5
+  theirs.write_text('c\na b\n\nd\n')
+  assert decode_throughput.identical(ours, theirs) == 0.25
+
+
+def test_decode_throughput_warm_rate_is_over_the_fastest_warm_pass(monkeypatch):
+  """Sentences per second over the fastest of the warm passes (3 s and 2 s: 6 sentences / 2 s), not over the
+  first pass that compiled or the slowest; the work table's seconds the same pass's."""
+  decode_throughput = _bench_module('decode_throughput')
+  passes = iter([3.0, 2.0])
+  monkeypatch.setattr(decode_throughput, 'timed', lambda function: next(passes))
+  monkeypatch.setattr(decode_throughput, 'needed_work', lambda *args: (70, 9e9))
+  sources = ['s'] * 6
+  translator = types.SimpleNamespace(prepare=lambda lines: lines, tokenizer=types.SimpleNamespace(
+      encode=lambda lines: [[5, 1] for _ in lines]), search_tokens=lambda *args, **kwargs: None)
+  flags = types.SimpleNamespace(tokens_per_batch=None, alpha=None, repeats=2)
+  found = decode_throughput.warm_search(flags, translator, sources, 5)
+  assert found['ours'] == 3.0 and found['work'] == (0, 70, 9e9, 2.0)
+
+
+def test_decode_throughput_tables_divide_the_right_way(capsys):
+  """The tables' ratios by hand: time x CT2 is our time over CTranslate2's (its rate over ours: 200 / 100 = 2.00),
+  cold and warm x CT2 our process's seconds over its (12 / 3, 6 / 3), lines identical a percentage; row-steps
+  computed over needed (150 / 120 = 1.25x), GFLOP needed, their rate over the warm pass (60 GFLOP / 2 s = 30.0)
+  and that over the matmul's (30 / 300 = 0.100)."""
+  decode_throughput = _bench_module('decode_throughput')
+  row = {'input': 'in (6)', 'search': 'beam 5', 'programs': '3', 'ours': 100.0, 'theirs': 200.0,
+         'cold': (12.0, 500.0, 'p', 13.0), 'warm': (6.0, 400.0, 'p', 6.5), 'ct2': (3.0, 100.0), 'identical': 0.875,
+         'work': (150, 120, 60e9, 2.0), 'rss': [600.0, 650.0]}
+  decode_throughput.print_table([row])
+  cells = capsys.readouterr().out.strip().splitlines()[-1].strip('| ').split(' | ')
+  assert cells[3:6] == ['100.0', '200.0', '2.00'] and cells[9:12] == ['4.00', '2.00', '87.5%'], cells
+  decode_throughput.print_work_table([row], 300e9)
+  cells = capsys.readouterr().out.strip().splitlines()[-1].strip('| ').split(' | ')
+  assert cells[2:5] == ['150 / 120 (1.25x)', '60.0', '30.0 (0.100)'], cells
+
+
+def test_decode_throughput_process_times(monkeypatch, tmp_path):
+  """The decode command's programs from its log line (compiled; loaded from the cache and as saved executables
+  together) and its seconds to its output's last write; CTranslate2's process's seconds to its output written,
+  not to its exit after the warm passes."""
+  decode_throughput = _bench_module('decode_throughput')
+  output = tmp_path / 'out.de'
+  output.write_text('x\n')
+  os.utime(output, (1000.0, 1004.5))
+  monkeypatch.setattr(decode_throughput.time, 'time', lambda: 1000.0)
+  log = ('I0 decode.py:1] Programs: 7 compiled, 2 loaded from the compilation cache, 3 loaded as saved executables '
+         '(4.3 s)')
+  monkeypatch.setattr(decode_throughput, 'run_process', lambda command, env=None: (9.0, 321.0, log))
+  flags = types.SimpleNamespace(workdir='w', checkpoint='latest', alpha=None, dtype=None, tokens_per_batch=None)
+  found = decode_throughput.decode_command(flags, 'in.en', str(output), 5, str(tmp_path / 'cache'))
+  assert found == (4.5, 321.0, '7 compiled, 5 loaded, 4.3 s', 9.0)
+  ct2_log = 'written at 1002.5\npeak RSS when written 204800 kB\nwarm seconds 0.75\n'
+  monkeypatch.setattr(decode_throughput, 'run_process', lambda command, env=None: (9.0, 999.0, ct2_log))
+  config = types.SimpleNamespace(length_penalty_alpha=1.0, max_decode_extra_length=50, decode_tokens_per_batch=512)
+  translator = types.SimpleNamespace(config=config, lowercase=False)
+  flags = types.SimpleNamespace(alpha=None, threads=1, tokens_per_batch=None, compute_type='float32',
+                                omp_wait_policy=None)
+  assert decode_throughput.ctranslate2_process(flags, translator, 'm', 'in.en', 'out', 5, 1) == (2.5, 200.0, 0.75)
+
+
+def test_decode_throughput_row_steps_count_sentences_beams_and_steps(monkeypatch):
+  """RowSteps counts each program call's sentences x beams (one row in greedy search) x the steps it ran: begin
+  6 x 5 x 3, a segment from step 3 to 7 2 x 5 x 4, a greedy one from 10 to 14 2 x 1 x 4: 138. Catches the beams
+  left out and a segment's steps counted from 0 rather than from where it started."""
+  decode_throughput = _bench_module('decode_throughput')
+  state = lambda index: types.SimpleNamespace(index=index)
+  begin = lambda model, params, src, *args, **options: ('inputs', state(3), 'live')
+  segment = lambda model, params, inputs, begun, *args, **options: (state(begun.index + 4), 'live')
+  monkeypatch.setattr(decode_throughput.batch_search, '_programs_for', lambda options: (begin, segment))
+  with decode_throughput.RowSteps() as counted:
+    counted_begin, counted_segment = decode_throughput.batch_search._programs_for({})
+    counted_begin(None, None, types.SimpleNamespace(shape=(6, 10)), 0, 0, cache_length=10, beam_size=5)
+    counted_segment(None, None, types.SimpleNamespace(src=types.SimpleNamespace(shape=(2, 10))), state(3), 0,
+                    beam_size=5)
+    counted_segment(None, None, types.SimpleNamespace(src=types.SimpleNamespace(shape=(2, 10))), state(10), 0,
+                    beam_size=0)
+  assert counted.count == 6 * 5 * 3 + 2 * 5 * 4 + 2 * 1 * 4
+
+
+def test_decode_throughput_run_process_s_peak_rss_in_megabytes():
+  """A command's peak RSS in MB (of 1,024 KB), as /usr/bin/time reports it, against the peak (VmHWM) the child
+  reads of itself after holding 100 MB; its wall seconds. Catches KB divided by 1,000 (2.4% more MB)."""
+  decode_throughput = _bench_module('decode_throughput')
+  child = ("import sys, time; held = bytearray(100 << 20); time.sleep(0.2); print([l.split()[1] for l in "
+           "open('/proc/self/status') if l.startswith('VmHWM:')][0], file=sys.stderr)")
+  seconds, megabytes, log = decode_throughput.run_process([sys.executable, '-c', child])
+  assert megabytes == pytest.approx(int(log.split()[0]) / 1024, rel=0.005) and megabytes > 100
+  assert seconds >= 0.2
+
 
 
 def test_ctranslate2_export_measures_ctranslate2_in_a_process_of_its_own(tmp_path, monkeypatch):
