@@ -152,13 +152,18 @@ def search_batches(model, params, token_lists, ladder, options, *, lines=None, s
   return results
 
 
+def _top_cache_length(ladder, source_length, options):
+  """The longest cache a batch of sources padded to `source_length` searches in: the rung of its longest output
+  limit, or the source's length where that is longer (a batch's cache starts at its source's length)."""
+  steps = search_lib.max_steps(source_length, options.get('max_len_a', 1.0), options['extra_length'],
+                               ladder.max_position)
+  return max(source_length, ladder.length_for(steps))
+
+
 def _device_batch(model, params, src, lines, seed, ladder, options, place, out_sharding=None):
   """[(row, tokens, scores)] of a batch searched in one program."""
-  length = search_lib.max_steps(src.shape[1], options.get('max_len_a', 1.0), options['extra_length'],
-                                ladder.max_position)
-  top = ladder.length_for(length)
-  # From the source's rung, or the limit's alone where that is shorter (a cache need not hold the source).
-  cache_lengths = tuple(c for c in ladder.lengths if src.shape[1] <= c <= top) or (top,)
+  top = _top_cache_length(ladder, src.shape[1], options)
+  cache_lengths = tuple(c for c in ladder.lengths if src.shape[1] <= c <= top)
   static = _static(options, _DEVICE_STATIC)
   found = _on_device_jit(out_sharding)(model, params, *place((src, lines)), seed, options['alpha'], *_limit(options),
                                        cache_lengths=cache_lengths, **static)
@@ -169,9 +174,7 @@ def _device_batch(model, params, src, lines, seed, ladder, options, place, out_s
 def _segmented_batch(model, params, src, lines, seed, ladder, options, place):
   """[(row, tokens, scores)] of a batch searched in segments (see the module docstring)."""
   rows, length = src.shape
-  # Without grow_cache the cache starts at the limit's rung, or at the source's where that is longer.
-  begin_length = length if options.get('grow_cache', True) else max(length, ladder.length_for(search_lib.max_steps(
-      length, options.get('max_len_a', 1.0), options['extra_length'], ladder.max_position)))
+  begin_length = length if options.get('grow_cache', True) else _top_cache_length(ladder, length, options)
   src = beam_search.pad_axis(src, 1, begin_length, search_lib.PAD_ID)
   alpha, rule = options['alpha'], _static(options, RULE_STATIC)
   begin_jit, segment_jit = _programs_for(options)
@@ -255,12 +258,9 @@ def warm_up(model, params, ladder, options, *, max_source_length=None, on_device
       begun[length] = jax.device_get(begin_jit(
           model, params, *place((_empty_sources(rows, length), np.zeros(rows, np.int32))), 0, 0, options['alpha'],
           *_limit(options), cache_length=length, **_static(options, _BEGIN_STATIC)))[:2]
-  top = ladder.length_for(search_lib.max_steps(source_lengths[-1], options.get('max_len_a', 1.0),
-                                               options['extra_length'], ladder.max_position))
+  top = _top_cache_length(ladder, source_lengths[-1], options)
   count, (inputs, state) = sum(len(ladder.rows(length)) for length in source_lengths), begun[source_lengths[0]]
-  # Segments run at every cache length up to the longest search's, and at the source lengths above it (a batch's
-  # cache starts at its source's length, however short its searches).
-  for length in (c for c in ladder.lengths if c <= max(top, source_lengths[-1])):
+  for length in (c for c in ladder.lengths if c <= top):
     inputs, state = begun.get(length) or (grow_inputs(inputs, length), beam_search.grow_state(state, length))
     for rows in ladder.rows(length):
       batch_inputs, batch_state = search_lib.take_sentences((inputs, state), np.zeros(rows, np.int64),
