@@ -245,9 +245,9 @@ def read_references(FLAGS):  # pylint: disable=invalid-name
   for flag in ('reference', 'tok_reference'):
     path = FLAGS[flag].value
     try:
-      lines[flag] = evaluate.read_text(path) if path else None
+      lines[flag] = evaluate.read_named(f'--{flag}:', path) if path else None
     except (OSError, ValueError) as e:
-      sys.exit(f'error: --{flag}: {e}')
+      sys.exit(f'error: {e}')
   if lines['tok_reference'] is not None and len(lines['tok_reference']) != len(lines['reference']):
     sys.exit(f'error: --tok_reference {FLAGS.tok_reference} has {len(lines["tok_reference"])} lines but --reference '
              f'{FLAGS.reference} has {len(lines["reference"])}')

@@ -8,7 +8,7 @@ import sys
 
 from absl import app, flags
 
-from flaxformer_nmt.evaluation.bleu import moses_languages, read_text, report
+from flaxformer_nmt.evaluation.bleu import moses_languages, read_named, report
 
 
 def define_flags():
@@ -33,9 +33,9 @@ def main(argv):
     if not f[flag].value:
       continue
     try:
-      texts[flag] = read_text(f[flag].value)
-    except ValueError as e:  # the file and its reason, or its line
-      sys.exit(f'error: --{flag} {e}')
+      texts[flag] = read_named(f'--{flag}', f[flag].value)
+    except ValueError as e:
+      sys.exit(f'error: {e}')
   for flag, text in texts.items():
     if len(text) != len(texts['hyp']):
       sys.exit(f'error: --{flag} {f[flag].value} has {len(text)} lines but --hyp {f.hyp} has {len(texts["hyp"])}')

@@ -72,6 +72,14 @@ def read_text(path):
   return corpus.read_text_lines(path)
 
 
+def read_named(name, path):
+  """read_text, its error led by what named the file: `--ref PATH: reason`, `--split test: PATH: line 2 ...`."""
+  try:
+    return read_text(path)
+  except ValueError as e:  # the file and its reason, or its line
+    raise ValueError(f'{name} {e}') from None
+
+
 def report(hypotheses, references, tokenized_references=None, lang='de', lowercase=False):
   """Score lines (text) for console output, plus a dict of the numbers; `lowercase`: sacreBLEU and chrF
   case-insensitive (a model of config.lowercase writes lowercase text)."""

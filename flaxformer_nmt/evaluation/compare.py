@@ -25,9 +25,9 @@ def sentences(config, split=None, input_path=None, ref_path=None, tok_ref_path=N
       candidate = epath.Path(config.eval_bleu_tok_ref_dir) / f'{split}.{config.target_lang}'
       tok_ref_path = candidate if candidate.exists() else None
   # Each file's error names what gave it: the flag, or the split.
-  given = ('--input', '--ref') if description == input_path else (f'--split {split}',) * 2
-  sources, references = _read(given[0], input_path), _read(given[1], ref_path)
-  tok_references = _read('--tok_ref', tok_ref_path) if tok_ref_path else None
+  given = ('--input', '--ref') if description == input_path else (f'--split {split}:',) * 2
+  sources, references = evaluate.read_named(given[0], input_path), evaluate.read_named(given[1], ref_path)
+  tok_references = evaluate.read_named('--tok_ref', tok_ref_path) if tok_ref_path else None
   if len(sources) != len(references) or (tok_references is not None and len(tok_references) != len(sources)):
     counts = [len(sources), len(references)] + ([len(tok_references)] if tok_references is not None else [])
     raise ValueError(f'{input_path}, {ref_path}{", " + str(tok_ref_path) if tok_ref_path else ""}: different '
@@ -35,13 +35,6 @@ def sentences(config, split=None, input_path=None, ref_path=None, tok_ref_path=N
   if not sources:
     raise ValueError(f'{input_path}: no lines to translate and score')
   return description, sources, references, tok_references
-
-
-def _read(source, path):
-  try:
-    return evaluate.read_text(path)
-  except ValueError as e:  # the file and its reason, or its line
-    raise ValueError(f'{source}: {e}' if source.startswith('--split') else f'{source} {e}') from None
 
 
 def scores(translator, sources, references, tok_references, beam_size, alpha, mbr_utility=None, n_best=1):
