@@ -67,18 +67,15 @@ def unreadable_config(path):
 def failing_config(path, error):
   """The error line for a --config file whose code raised `error` (a syntax error, a name it does not define, a
   module with no get_config), naming the file's line; None where `error` did not come from the file."""
-  target = os.path.abspath(path)
+  target, kind, python = os.path.abspath(path), type(error).__name__, 'a config is Python, as configs/*.py are'
   if isinstance(error, SyntaxError) and error.filename and os.path.abspath(error.filename) == target:
-    where, message = error.lineno, f'{error.msg} (a config is Python, as configs/*.py are)'
-  else:
-    lines = [f.lineno for f in traceback.extract_tb(error.__traceback__) if os.path.abspath(f.filename) == target]
-    if lines:
-      where, message = lines[-1], str(error)
-    elif isinstance(error, AttributeError) and getattr(error, 'name', None) == 'get_config':
-      return f'error: --config {path}: the file defines no get_config() (a config is Python, as configs/*.py are)'
-    else:
-      return None
-  return f'error: --config {path}, line {where}: {type(error).__name__}: {message}'
+    return f'error: --config {path}, line {error.lineno}: {kind}: {error.msg} ({python})'
+  lines = [f.lineno for f in traceback.extract_tb(error.__traceback__) if os.path.abspath(f.filename) == target]
+  if lines:
+    return f'error: --config {path}, line {lines[-1]}: {kind}: {error}'
+  if isinstance(error, AttributeError) and getattr(error, 'name', None) == 'get_config':
+    return f'error: --config {path}: the file defines no get_config() ({python})'
+  return None
 
 
 def unmakeable_directory(flag, path):
