@@ -215,7 +215,7 @@ class RowSteps:
   search; the device's, each batch in one program, is not counted)."""
 
   def __init__(self):
-    self.count = 0
+    self._counts = []  # one entry per program call: the search's threads append, never add to a shared total
     self._programs_for = batch_search._programs_for  # pylint: disable=protected-access
 
   def __enter__(self):
@@ -229,15 +229,19 @@ class RowSteps:
   def _counted(self, begin, segment):
     def counted_begin(model, params, src, *args, **options):
       inputs, state, live = begin(model, params, src, *args, **options)
-      self.count += src.shape[0] * max(options.get('beam_size', 0), 1) * int(state.index)
+      self._counts.append(src.shape[0] * max(options.get('beam_size', 0), 1) * int(state.index))
       return inputs, state, live
 
     def counted_segment(model, params, inputs, state, *args, **options):
       start = int(state.index)
       state, live = segment(model, params, inputs, state, *args, **options)
-      self.count += inputs.src.shape[0] * max(options.get('beam_size', 0), 1) * (int(state.index) - start)
+      self._counts.append(inputs.src.shape[0] * max(options.get('beam_size', 0), 1) * (int(state.index) - start))
       return state, live
     return counted_begin, counted_segment
+
+  @property
+  def count(self):
+    return sum(self._counts)
 
 
 def needed_work(translator, token_lists, results, beam_size):

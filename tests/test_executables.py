@@ -1,5 +1,6 @@
 """Saved executables (runtime/executables.py): a later process runs a program without tracing it, and never
 runs another program's executable."""
+import concurrent.futures
 import logging
 import os
 import shutil
@@ -395,3 +396,24 @@ def test_two_functions_of_one_name_in_two_modules_are_two_executables(saved_in):
   result, loaded = loads(executables.Program(triple), x)
   assert not loaded and len(saved(saved_in)) == 2
   np.testing.assert_array_equal(result, 3 * x)
+
+
+def test_threads_asking_for_one_program_at_once_trace_and_compile_it_once(saved_in):
+  """Catches a program obtained without a lock (the CPU search runs two batches at once): the threads'
+  _compile_fresh calls interleave their raise and restore of JAX's persistent-cache floor, one restores the
+  other's raised floor, and JAX's cache stays off for the rest of the process."""
+  traces = []
+
+  def slow_to_trace(x):
+    traces.append(1)
+    time.sleep(0.5)  # at trace time: the other thread asks meanwhile
+    return x + 1
+
+  program, x = executables.Program(slow_to_trace), np.arange(4, dtype=np.float32)
+  floor = jax.config.jax_persistent_cache_min_compile_time_secs
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    results = list(pool.map(lambda _: np.asarray(program(x)), range(2)))
+  assert len(traces) == 1 and len(saved(saved_in)) == 1
+  assert jax.config.jax_persistent_cache_min_compile_time_secs == floor
+  for result in results:
+    np.testing.assert_array_equal(result, x + 1)

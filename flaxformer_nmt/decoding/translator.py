@@ -167,7 +167,8 @@ class Translator:
     ladder, options = self._prepare(n_best=n_best, sampling=sampling, **options)
     lines = [first_line + i for i in range(len(token_lists))]
     found = batch_search.search_batches(self.search_model, self.search_params, token_lists, ladder, options,
-                                        lines=lines, seed=seed, on_device=self.on_device, place=self._place)
+                                        lines=lines, seed=seed, on_device=self.on_device, place=self._place,
+                                        in_flight=None if self.mesh is None else 1)
     empty = [([], 0.0)] * n_best
     return [empty if f is None else [(reading_order(self.config, f[0][k]), float(f[1][k])) for k in range(n_best)]
             for f in found]

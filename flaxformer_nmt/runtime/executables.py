@@ -26,6 +26,7 @@ import pathlib
 import pickle
 import platform
 import shutil
+import threading
 import time
 import weakref
 
@@ -50,6 +51,7 @@ _DIGEST_BYTES = 32  # the sha256 in front of each file's pickle (_sealed)
 
 _directory = None
 _programs = weakref.WeakSet()  # every Program, so that clear() reaches their compiled programs
+_obtaining = threading.Lock()  # one thread at a time loads or compiles (threads may ask for the same program)
 
 
 def enable(directory):
@@ -205,11 +207,20 @@ class Program:
     settings = _trace_settings()
     key = (static, tree, signature, settings)
     compiled = self._compiled.get(key)
-    if compiled is None:  # on disk, the devices by id too (a sharding's repr may not name them)
-      devices = sorted({d.id for x in leaves if isinstance(x, jax.Array) for d in x.sharding.device_set})
-      description = repr((static, str(tree), signature, devices, _described(settings)))
-      compiled = self._compiled[key] = self._obtain(args, kwargs, description)
+    if compiled is None:
+      compiled = self._obtained(key, leaves, args, kwargs)
     return compiled(*dynamic_args, **dynamic_kwargs)
+
+  def _obtained(self, key, leaves, args, kwargs):
+    """The compiled program of a call keyed `key` that this Program does not hold yet, loaded or compiled once
+    whatever the threads asking for it."""
+    with _obtaining:
+      if key not in self._compiled:  # on disk, the devices by id too (a sharding's repr may not name them)
+        static, tree, signature, settings = key
+        devices = sorted({d.id for x in leaves if isinstance(x, jax.Array) for d in x.sharding.device_set})
+        description = repr((static, str(tree), signature, devices, _described(settings)))
+        self._compiled[key] = self._obtain(args, kwargs, description)
+      return self._compiled[key]
 
   def cache_size(self):
     """How many compiled programs this Program holds in memory: jit's and those of saved executables."""

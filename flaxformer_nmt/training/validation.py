@@ -112,7 +112,8 @@ class ValidationBleu:
         lambda x: jax.make_array_from_process_local_data(self.replicated, np.asarray(x)), tree)
     several = jax.process_count() > 1
     found = batch_search.search_batches(self.model, params, self.token_lists, self.ladder, self.options, place=place,
-                                        on_device=True if several else None, out_sharding=self.replicated)
+                                        on_device=True if several else None, out_sharding=self.replicated,
+                                        in_flight=None if len(self.replicated.device_set) == 1 else 1)
     return ['' if f is None else self.tokenizer.decode(translator_lib.reading_order(self.config, f[0][0]))
             for f in found]
 
