@@ -46,6 +46,7 @@ from flaxformer_nmt.decoding.translator import DTYPES, Translator
 from flaxformer_nmt.evaluation import bleu as evaluate
 from flaxformer_nmt.runtime import cache
 from flaxformer_nmt.runtime import flags as cli
+from flaxformer_nmt.runtime import host_memory
 from flaxformer_nmt.runtime import sharding
 
 
@@ -296,6 +297,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   check_flag_combinations(FLAGS)
+  host_memory.few_malloc_arenas()  # before the first computation starts XLA's threads (host_memory.py)
   checkpoints_lib.quiet_orbax_logs()
   cache.use_compilation_cache()
   devices, translator, rescorer = load_translators(FLAGS)

@@ -71,3 +71,40 @@ def test_resident_memory_grows_by_the_pages_a_process_touches():
             'print(host_memory.resident_mb() - before)\n')
   grown = float(subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, check=True).stdout)
   assert 190 < grown < 230, grown
+
+
+ARENAS_PROBE = r'''
+import ctypes, sys, threading
+from flaxformer_nmt.runtime import host_memory
+if sys.argv[1] == 'few':
+  assert host_memory.few_malloc_arenas()
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+held = threading.Barrier(6)
+
+def allocate():  # each thread allocates while the others hold their arenas: glibc gives it a new one if it may
+  libc.malloc(1000)
+  held.wait()
+
+threads = [threading.Thread(target=allocate) for _ in range(5)]
+for thread in threads:
+  thread.start()
+held.wait()
+libc.malloc_stats()  # to stderr: one 'Arena N:' section per arena
+'''
+
+
+@pytest.mark.skipif(platform.system() != 'Linux' or platform.libc_ver()[0] != 'glibc', reason='glibc only')
+def test_the_decode_commands_threads_share_few_malloc_arenas():
+  # Catches the cap not taken (a wrong mallopt parameter: -7 is M_ARENA_TEST) or a wrong count: five threads
+  # allocating at once take arenas of their own by glibc's default, at most DECODE_ARENAS with the cap.
+  from flaxformer_nmt.runtime import host_memory  # pylint: disable=g-import-not-at-top
+  env = dict(os.environ)
+  env.pop('MALLOC_ARENA_MAX', None)
+  arenas = {}
+  for mode in ('few', 'default'):
+    result = subprocess.run([sys.executable, '-c', ARENAS_PROBE, mode], capture_output=True, text=True, timeout=120,
+                            env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    arenas[mode] = result.stderr.count('Arena ')
+  assert arenas == {'few': host_memory.DECODE_ARENAS, 'default': 6}, arenas
