@@ -41,6 +41,8 @@ def define_flags():
   flags.DEFINE_integer('max_batch_tokens', d.max_batch_tokens, 'Source tokens per decoded batch.', lower_bound=1)
   flags.DEFINE_float('max_wait_ms', d.max_wait_ms, 'After a batch of several requests, how long the next one '
                      'gathers before it decodes (a request to an idle server is decoded at once).', lower_bound=0)
+  flags.DEFINE_integer('batches_in_flight', d.batches_in_flight, 'Batches decoding at once, each in a thread of its '
+                       'own (while one waits on the host, another computes).', lower_bound=1)
   flags.DEFINE_integer('max_queue', d.max_queue_sentences, 'Sentences waiting at most; more: 503 + Retry-After.',
                        lower_bound=1)
   flags.DEFINE_float('max_queue_wait_s', d.max_queue_wait_s, 'A request the queue would reach later than this '
@@ -118,7 +120,8 @@ def load_backends(FLAGS):  # pylint: disable=invalid-name
 def settings_of(FLAGS):  # pylint: disable=invalid-name
   from flaxformer_nmt.serving import server  # pylint: disable=g-import-not-at-top
   return server.Settings(
-      max_batch_tokens=FLAGS.max_batch_tokens, max_wait_ms=FLAGS.max_wait_ms, max_queue_sentences=FLAGS.max_queue,
+      max_batch_tokens=FLAGS.max_batch_tokens, max_wait_ms=FLAGS.max_wait_ms,
+      batches_in_flight=FLAGS.batches_in_flight, max_queue_sentences=FLAGS.max_queue,
       max_queue_wait_s=FLAGS.max_queue_wait_s, timeout_s=FLAGS.timeout_s, max_input_tokens=FLAGS.max_input_tokens,
       max_sentences=FLAGS.max_sentences, max_body_bytes=FLAGS.max_body_bytes, max_beam_size=FLAGS.max_beam_size,
       api_keys=read_api_keys(FLAGS.api_keys_file) if FLAGS.api_keys_file else (),

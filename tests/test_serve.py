@@ -483,7 +483,7 @@ def wait_until(condition, timeout=20):
 
 def test_a_full_queue_answers_503_with_retry_after_and_the_queued_requests_still_get_answers(backend, translator):
   gate = Gate(backend)
-  with client({'en-de': gate}, max_queue_sentences=2, max_wait_ms=0) as c, \
+  with client({'en-de': gate}, max_queue_sentences=2, max_wait_ms=0, batches_in_flight=1) as c, \
        concurrent.futures.ThreadPoolExecutor(2) as pool:
     first = pool.submit(c.post, '/v1/translate', json={'text': ['a big dog runs .']})
     assert gate.entered.wait(20)  # decoding, blocked
@@ -502,7 +502,7 @@ def test_a_full_queue_answers_503_with_retry_after_and_the_queued_requests_still
 
 def test_a_queue_that_would_take_too_long_to_reach_a_request_answers_503_at_once(backend):
   gate = Gate(backend)
-  with client({'en-de': gate}, max_queue_wait_s=1.0, max_wait_ms=0) as c, \
+  with client({'en-de': gate}, max_queue_wait_s=1.0, max_wait_ms=0, batches_in_flight=1) as c, \
        concurrent.futures.ThreadPoolExecutor(2) as pool:
     service = c.app.state.service
     decoding = pool.submit(c.post, '/v1/translate', json={'text': ['a big dog runs .']})
@@ -617,6 +617,45 @@ def test_batches_take_the_oldest_keys_requests_in_order_within_the_token_budget(
                             ('a', [list(range(7, 17))], 1), ('b', [[19, 2]], 2), ('a', [[20, 2]], 1)]
 
 
+def test_batches_in_flight_decode_at_once_and_the_rest_gather_until_one_ends():
+  # With in_flight=2 a second request decodes while the first's batch does; the requests after them wait, and
+  # gather into one batch, until a batch ends. Wrong rules caught: in_flight ignored (the second request waited
+  # for the first batch), a third batch started beside the two, answers handed to the wrong request, and close()
+  # returning before the running batches ended (their requests unanswered).
+  import asyncio  # pylint: disable=g-import-not-at-top
+  search, lock, running, most = EchoSearch(), threading.Lock(), [0], [0]
+
+  def counted(*args):
+    with lock:
+      running[0] += 1
+      most[0] = max(most[0], running[0])
+    try:
+      return search(*args)
+    finally:
+      with lock:
+        running[0] -= 1
+
+  async def scenario():
+    batcher = batcher_lib.Batcher(counted, max_batch_tokens=100, max_wait_s=0, max_queue_sentences=100, in_flight=2)
+    requests = [await blocked_first_batch(batcher, search), asyncio.ensure_future(batcher.submit('a', [[3, 2]]))]
+    for _ in range(2000):
+      if len(search.batches) == 2:
+        break
+      await asyncio.sleep(0.005)
+    requests += [asyncio.ensure_future(batcher.submit('a', [[i, 2]])) for i in (4, 5)]
+    await asyncio.sleep(0.05)
+    started, closing = len(search.batches), asyncio.ensure_future(batcher.close())
+    await asyncio.sleep(0.05)
+    search.release.set()
+    await asyncio.wait_for(closing, 20)
+    return started, [r.result() if r.done() else None for r in requests]
+
+  started, answers = asyncio.run(scenario())
+  assert started == 2 and most[0] == 2
+  assert answers == [[[1, 2]], [[3, 2]], [[4, 2]], [[5, 2]]]
+  assert [sentences for _, sentences, _ in search.batches] == [[[1, 2]], [[3, 2]], [[4, 2], [5, 2]]]
+
+
 def test_a_request_waits_for_no_gathering_after_a_lone_request_or_once_the_budget_is_full():
   # After a batch of several requests the next gathers for max_wait (30 s here); it does not after a batch of one
   # request, nor once its requests fill the token budget. Wrong rules caught: gathering after every batch (each
@@ -702,7 +741,8 @@ def test_a_failed_batch_answers_every_request_in_it():
 
 def test_a_request_past_the_timeout_gets_504_and_leaves_the_queue(backend):
   gate = Gate(backend)
-  with client({'en-de': gate}, timeout_s=0.5, max_wait_ms=0) as c, concurrent.futures.ThreadPoolExecutor(1) as pool:
+  with client({'en-de': gate}, timeout_s=0.5, max_wait_ms=0, batches_in_flight=1) as c, \
+       concurrent.futures.ThreadPoolExecutor(1) as pool:
     decoding = pool.submit(c.post, '/v1/translate', json={'text': ['a big dog runs .']})
     assert gate.entered.wait(20)
     queued = c.post('/v1/translate', json={'text': ['the cat runs .']})  # waits behind the blocked batch
@@ -718,7 +758,8 @@ def test_a_request_whose_client_went_away_leaves_the_queue_and_no_batch_decodes_
   # On uvicorn (whose handlers run on after their client has gone), not the TestClient.
   uvicorn = pytest.importorskip('uvicorn')
   gate = Gate(backend)
-  app = server.create_app({'en-de': gate}, server.Settings(warmup='none', max_wait_ms=0, max_batch_tokens=256))
+  app = server.create_app({'en-de': gate}, server.Settings(warmup='none', max_wait_ms=0, max_batch_tokens=256,
+                                                           batches_in_flight=1))  # the blocked batch holds the worker
   port = free_port()
   uvicorn_server = uvicorn.Server(uvicorn.Config(app, host='127.0.0.1', port=port, log_level='warning'))
   thread = threading.Thread(target=uvicorn_server.run, daemon=True)

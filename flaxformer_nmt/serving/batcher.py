@@ -6,8 +6,9 @@ after a batch of one request (or on an idle server), else as soon as its sentenc
 (max_batch_tokens) or max_wait_s has passed since the last batch ended (the clients it answered send again
 then); while a batch decodes, new requests gather for the next one. A batch's sentences are sorted by length
 into the search's ladder of shapes (Translator.search_tokens), decoded with the decode command's search, and
-handed back to each request in its order. Every search runs on one worker thread: one process owns the
-device, and the event loop stays free to answer, queue and refuse.
+handed back to each request in its order. Searches run on the batcher's worker threads, `in_flight` batches at
+once (the server's --batches_in_flight: on a CPU one batch's search keeps about one core busy), and the event loop
+stays free to answer, queue and refuse; requests that come while every worker is busy gather for the next batch.
 
 A request is refused rather than answered late or wrongly: a full queue, or a queue that the measured rate (of the
 batches that compiled no program) would not clear within max_queue_wait_s (or the request's timeout), raises
@@ -89,19 +90,20 @@ class Batcher:
   """Gathers the sentences of concurrent requests into batches for `run_batch` and hands the results back.
 
   run_batch(key, token_lists, n_best, attention) -> (results, target tokens): per sentence, in order, what the
-  request gets back; it runs on the batcher's worker thread. `key` is what the request's search depends on:
-  only requests of one key share a batch.
+  request gets back; it runs on one of the batcher's `in_flight` worker threads (batches decoding at once).
+  `key` is what the request's search depends on: only requests of one key share a batch.
   """
 
   def __init__(self, run_batch: Callable, *, max_batch_tokens, max_wait_s, max_queue_sentences,
-               max_queue_wait_s=None, observer=None, clock=time.monotonic):
+               max_queue_wait_s=None, observer=None, clock=time.monotonic, in_flight=1):
     self.run_batch, self.max_batch_tokens, self.max_wait_s = run_batch, max_batch_tokens, max_wait_s
+    self.in_flight, self._running = in_flight, set()
     self.max_queue_wait_s = max_queue_wait_s
     self.max_queue_sentences, self.observer, self.clock = max_queue_sentences, observer or NoObserver(), clock
     self._pending = collections.OrderedDict()  # key -> deque of Jobs, the key of the oldest job first
     self._queued_sentences = self._queued_tokens = 0
     self._rate = None  # source tokens per second of the recent batches
-    self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix='search')
+    self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix='search')
     self._wakeup, self._task, self._closing = None, None, False
     # After a batch of several requests, the next gathers for max_wait_s from the moment the device is free: the
     # clients just answered send again then. After a single request's batch, a request is decoded at once: one
@@ -112,8 +114,8 @@ class Batcher:
     self._wakeup = asyncio.Event()
     self._task = asyncio.get_running_loop().create_task(self._loop())
 
-  async def run_exclusive(self, fn, *args):
-    """fn(*args) on the worker thread, between batches (the batches themselves)."""
+  async def run_on_worker(self, fn, *args):
+    """fn(*args) on a worker thread (the batches themselves)."""
     return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
 
   def measured_rate(self, tokens_per_second):
@@ -174,8 +176,8 @@ class Batcher:
         del self._pending[job.key]
 
   async def _loop(self):
-    while self._pending or not self._closing:
-      if not self._pending:
+    while self._pending or self._running or not self._closing:
+      if not self._pending or len(self._running) >= self.in_flight:
         self._wakeup.clear()
         await self._wakeup.wait()
         continue
@@ -190,8 +192,15 @@ class Batcher:
           pass
         continue
       jobs = self._take(key)
-      await self._decode(key, jobs)
-      self._gather_from = self.clock() if len(jobs) > 1 else -math.inf
+      task = asyncio.get_running_loop().create_task(self._decode(key, jobs))
+      self._running.add(task)
+      task.add_done_callback(functools.partial(self._decoded, several=len(jobs) > 1))
+
+  def _decoded(self, task, several):
+    """A batch's decode ended: its worker is free for the next batch."""
+    self._running.discard(task)
+    self._gather_from = self.clock() if several else -math.inf
+    self._wakeup.set()
 
   def _take(self, key):
     """The group's oldest jobs within the token budget (at least one), out of the queue."""
@@ -212,7 +221,7 @@ class Batcher:
     start = time.perf_counter()
     try:
       with cache.ProgramCounter() as programs:
-        results, target_tokens = await self.run_exclusive(self.run_batch, key, token_lists, n_best, attention)
+        results, target_tokens = await self.run_on_worker(self.run_batch, key, token_lists, n_best, attention)
     except Exception as e:  # pylint: disable=broad-except  (answered to the batch's requests; serving goes on)
       logging.exception('A batch of %d sentences failed', len(token_lists))
       for job in jobs:

@@ -59,6 +59,7 @@ class Settings:
   """The server's limits and batching (serve.py's flags)."""
   max_batch_tokens: int = 2048
   max_wait_ms: float = 20.0
+  batches_in_flight: int = 2
   max_queue_sentences: int = 2048
   max_queue_wait_s: float = 3.0
   timeout_s: float = 30.0
@@ -328,7 +329,8 @@ class Service:
     self.batcher = batcher_lib.Batcher(self._run_batch, max_batch_tokens=settings.max_batch_tokens,
                                        max_wait_s=settings.max_wait_ms / 1000,
                                        max_queue_sentences=settings.max_queue_sentences,
-                                       max_queue_wait_s=settings.max_queue_wait_s, observer=metrics)
+                                       max_queue_wait_s=settings.max_queue_wait_s, observer=metrics,
+                                       in_flight=settings.batches_in_flight)
     self.ready, self.warmup_error = False, None
     # Never more than the model translates whole: a longer source is refused, not cut.
     self.input_limits = {name: min(settings.max_input_tokens, b.max_source_tokens) for name, b in backends.items()}
