@@ -37,3 +37,23 @@ def test_a_cache_that_cannot_be_made_or_is_turned_off_leaves_the_programs_compil
   monkeypatch.setenv('JAX_COMPILATION_CACHE_DIR', '')
   cache.use_compilation_cache()
   assert executables.directory() == before and sorted(p.name for p in tmp_path.iterdir()) == ['taken']
+
+
+def test_a_counter_that_ends_while_a_program_is_reported_leaves_the_others_counting():
+  # The server decodes two batches at once, each counting its programs (a batch that compiled leaves the admission
+  # rate alone), and the event loop ends one batch's counter while the other's thread reports a program. Catches
+  # counters kept in jax.monitoring's own lists, which jax walks without a copy: a listener removed meanwhile made
+  # it skip the next, and the other batch took its compile's seconds as the decoding rate.
+  older = cache.ProgramCounter()
+
+  def ends_meanwhile(event, duration, **kwargs):  # here the event loop's thread ends the older batch's counter
+    cache.ProgramCounter._program(older, event, duration, **kwargs)  # pylint: disable=protected-access
+    older.__exit__(None, None, None)
+
+  older._program = ends_meanwhile  # pylint: disable=protected-access
+  older.__enter__()
+  with cache.ProgramCounter() as younger:
+    jax.monitoring.record_event_duration_secs(cache.PROGRAM_EVENT, 0.5, fun_name='jit(compiled)')
+    jax.monitoring.record_event_duration_secs(cache.PROGRAM_EVENT, 0.25, fun_name='jit(later)')
+  assert older.names == ['jit(compiled)'] and younger.names == ['jit(compiled)', 'jit(later)']
+  assert younger.seconds == 0.75

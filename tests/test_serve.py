@@ -553,6 +553,41 @@ def test_a_batch_that_compiles_leaves_the_admission_rate_alone():
   assert 0 < after_warm <= 4 / 0.02 and after_cold_again == after_warm
 
 
+def test_batches_in_flight_are_measured_at_the_rate_they_clear_the_queue_together():
+  # Two batches decoding at once clear the queue at both their tokens per second. Wrong rule caught: each batch's
+  # tokens over its own seconds taken as the rate (half the queue's while both workers are busy), which refused
+  # with 503 a request the queue reached within max_queue_wait_s (3 x 10 tokens queued: 0.6 s at 50 tokens/s,
+  # reached after 0.4 s).
+  import asyncio  # pylint: disable=g-import-not-at-top
+
+  def run_batch(key, token_lists, n_best, attention):  # 0.2 s a batch, two at once as fast as one
+    del key, n_best, attention
+    time.sleep(0.2)
+    return [list(t) for t in token_lists], 0
+
+  async def scenario():
+    batcher = batcher_lib.Batcher(run_batch, max_batch_tokens=10, max_wait_s=0, max_queue_sentences=100,
+                                  max_queue_wait_s=0.5, in_flight=2)
+    batcher.start()
+    sentence = lambda i: [[i] * 9 + [2]]  # 10 tokens: one request a batch
+    await asyncio.gather(*[batcher.submit('a', sentence(i)) for i in (3, 4)])
+    rate = batcher.rate
+    decoding = [asyncio.ensure_future(batcher.submit('a', sentence(i))) for i in (5, 6)]
+    await asyncio.sleep(0.05)
+    depth = batcher.queued_sentences
+    queued = []
+    for i in (7, 8, 9):
+      queued.append(asyncio.ensure_future(batcher.submit('a', sentence(i))))
+      await asyncio.sleep(0)
+    answers = await asyncio.gather(*decoding, *queued, return_exceptions=True)
+    await batcher.close()
+    return rate, depth, answers
+
+  rate, depth, answers = asyncio.run(scenario())
+  assert 10 / 0.2 * 1.3 < rate <= 10 / 0.2 * 2 and depth == 0  # a batch alone: 50
+  assert answers == [sentence for sentence in ([[i] * 9 + [2]] for i in (5, 6, 7, 8, 9))]
+
+
 class EchoSearch:
   """A Batcher's run_batch that records each batch (key, token lists, n_best) and answers each sentence with its
   own token list; the first batch waits until released (the requests sent meanwhile queue behind it), and with

@@ -1,5 +1,6 @@
 """Where the toolkit keeps what it can reuse between runs: downloads, tokenized corpora and compiled programs."""
 import os
+import threading
 
 import jax
 from absl import logging
@@ -47,6 +48,32 @@ def use_compilation_cache():
     logging.warning('No saved executables (%s): every run traces the search programs again.', e)
 
 
+_counters = []  # the ProgramCounters entered now
+_listening = threading.Lock()
+_registered = []  # _report and _report_hit, once registered with jax.monitoring
+
+
+def _report(event, duration, **kwargs):
+  for counter in tuple(_counters):  # a copy: another thread may enter or end a counter meanwhile
+    counter._program(event, duration, **kwargs)  # pylint: disable=protected-access
+
+
+def _report_hit(event, **kwargs):
+  for counter in tuple(_counters):
+    counter._hit(event, **kwargs)  # pylint: disable=protected-access
+
+
+def _listen():
+  """Registers _report and _report_hit with jax.monitoring, once per process: counters come and go in _counters,
+  never in jax's lists, which jax walks without a copy (a listener removed by one thread while another reports
+  a program made jax skip the next listener)."""
+  with _listening:
+    if not _registered:
+      jax.monitoring.register_event_duration_secs_listener(_report)
+      jax.monitoring.register_event_listener(_report_hit)
+      _registered.extend([_report, _report_hit])
+
+
 class ProgramCounter:
   """Counts the programs this process obtains while it is entered: compiled, loaded from the persistent
   compilation cache, or loaded as saved executables (a program already in the process's memory is not
@@ -80,10 +107,9 @@ class ProgramCounter:
     return sum(self.durations)
 
   def __enter__(self):
-    jax.monitoring.register_event_duration_secs_listener(self._program)
-    jax.monitoring.register_event_listener(self._hit)
+    _listen()
+    _counters.append(self)
     return self
 
   def __exit__(self, *unused):
-    jax.monitoring.unregister_event_duration_listener(self._program)
-    jax.monitoring.unregister_event_listener(self._hit)
+    _counters.remove(self)

@@ -11,10 +11,10 @@ once (the server's --batches_in_flight: on a CPU one batch's search keeps about 
 stays free to answer, queue and refuse; requests that come while every worker is busy gather for the next batch.
 
 A request is refused rather than answered late or wrongly: a full queue, or a queue that the measured rate (of the
-batches that compiled no program) would not clear within max_queue_wait_s (or the request's timeout), raises
-Overloaded (HTTP 503 with Retry-After); a request still unanswered at its deadline raises DeadlineExceeded (504)
-and is taken out of the queue; a batch whose search raises answers its requests with BatchFailed (500), and the
-next batch decodes as usual.
+batches that compiled no program; batches decoding at once add up) would not clear within max_queue_wait_s (or the
+request's timeout), raises Overloaded (HTTP 503 with Retry-After); a request still unanswered at its deadline raises
+DeadlineExceeded (504) and is taken out of the queue; a batch whose search raises answers its requests with
+BatchFailed (500), and the next batch decodes as usual.
 """
 import asyncio
 import collections
@@ -103,6 +103,7 @@ class Batcher:
     self._pending = collections.OrderedDict()  # key -> deque of Jobs, the key of the oldest job first
     self._queued_sentences = self._queued_tokens = 0
     self._rate = None  # source tokens per second of the recent batches
+    self._shared, self._shared_at = 0.0, time.perf_counter()  # _share_clock's
     self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix='search')
     self._wakeup, self._task, self._closing = None, None, False
     # After a batch of several requests, the next gathers for max_wait_s from the moment the device is free: the
@@ -125,7 +126,8 @@ class Batcher:
 
   @property
   def rate(self):
-    """The admission test's source tokens per second (None before the first batch that compiled nothing)."""
+    """The admission test's source tokens per second (None before the first batch that compiled nothing): each
+    batch's tokens over its share of the time (_share_clock), so that batches decoding at once add up."""
     return self._rate
 
   @property
@@ -193,14 +195,25 @@ class Batcher:
         continue
       jobs = self._take(key)
       task = asyncio.get_running_loop().create_task(self._decode(key, jobs))
+      self._share_clock()  # before the count of running batches changes
       self._running.add(task)
       task.add_done_callback(functools.partial(self._decoded, several=len(jobs) > 1))
 
   def _decoded(self, task, several):
     """A batch's decode ended: its worker is free for the next batch."""
+    self._share_clock()
     self._running.discard(task)
     self._gather_from = self.clock() if several else -math.inf
     self._wakeup.set()
+
+  def _share_clock(self):
+    """Seconds the batcher has decoded, each second split evenly among the batches running in it: a batch's share
+    is each second it ran over the batches running then, and the shares of batches decoding at once add up to the
+    time they took together. Read before each change of the running batches."""
+    now = time.perf_counter()
+    self._shared += (now - self._shared_at) / max(len(self._running), 1)
+    self._shared_at = now
+    return self._shared
 
   def _take(self, key):
     """The group's oldest jobs within the token budget (at least one), out of the queue."""
@@ -218,7 +231,7 @@ class Batcher:
     token_lists = [t for job in jobs for t in job.token_lists]
     attention = [job.attention for job in jobs for _ in job.token_lists]
     n_best = max(job.n_best for job in jobs)
-    start = time.perf_counter()
+    start, shared = time.perf_counter(), self._share_clock()
     try:
       with cache.ProgramCounter() as programs:
         results, target_tokens = await self.run_on_worker(self.run_batch, key, token_lists, n_best, attention)
@@ -228,10 +241,10 @@ class Batcher:
         if not job.future.done():
           job.future.set_exception(BatchFailed(f'the batch of this request failed: {type(e).__name__}: {e}'))
       return
-    seconds = time.perf_counter() - start
+    seconds, share = time.perf_counter() - start, self._share_clock() - shared
     tokens = sum(job.tokens for job in jobs)
     if not programs.names:  # a batch that compiled (or loaded) programs took longer than its decoding
-      rate = tokens / max(seconds, 1e-6)
+      rate = tokens / max(share, 1e-6)
       self._rate = rate if self._rate is None else (1 - RATE_SMOOTHING) * self._rate + RATE_SMOOTHING * rate
     self.observer.batch(len(token_lists), tokens, target_tokens, seconds)
     offset = 0
