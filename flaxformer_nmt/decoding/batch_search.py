@@ -145,7 +145,8 @@ def search_batches(model, params, token_lists, ladder, options, *, lines=None, s
   arrays where the search runs them (data-parallel devices, several hosts' global arrays; default: as jit
   does); out_sharding: the layout of the on-device search's results (replicated, for several hosts).
   in_flight: how many batches are searched at once (None: CPU_BATCHES_IN_FLIGHT for the segmented search, 1 on
-  the device; a batch's translations do not depend on it)."""
+  the device; a batch's translations do not depend on it); a `place` that spreads a batch over several devices
+  takes 1."""
   options = dict(options)
   sort_by_length = options.pop('sort_by_length', True)
   lines = np.arange(len(token_lists), dtype=np.int32) if lines is None else np.asarray(lines, np.int32)
