@@ -1,6 +1,5 @@
 """Where the toolkit keeps what it can reuse between runs: downloads, tokenized corpora and compiled programs."""
 import os
-import threading
 
 import jax
 from absl import logging
@@ -49,8 +48,6 @@ def use_compilation_cache():
 
 
 _counters = []  # the ProgramCounters entered now
-_listening = threading.Lock()
-_registered = []  # _report and _report_hit, once registered with jax.monitoring
 
 
 def _report(event, duration, **kwargs):
@@ -63,15 +60,10 @@ def _report_hit(event, **kwargs):
     counter._hit(event, **kwargs)  # pylint: disable=protected-access
 
 
-def _listen():
-  """Registers _report and _report_hit with jax.monitoring, once per process: counters come and go in _counters,
-  never in jax's lists, which jax walks without a copy (a listener removed by one thread while another reports
-  a program made jax skip the next listener)."""
-  with _listening:
-    if not _registered:
-      jax.monitoring.register_event_duration_secs_listener(_report)
-      jax.monitoring.register_event_listener(_report_hit)
-      _registered.extend([_report, _report_hit])
+# Registered once: counters come and go in _counters, never in jax.monitoring's lists, which jax walks without a
+# copy (a listener removed by one thread while another reports a program made jax skip the next listener).
+jax.monitoring.register_event_duration_secs_listener(_report)
+jax.monitoring.register_event_listener(_report_hit)
 
 
 class ProgramCounter:
@@ -107,7 +99,6 @@ class ProgramCounter:
     return sum(self.durations)
 
   def __enter__(self):
-    _listen()
     _counters.append(self)
     return self
 

@@ -43,7 +43,7 @@ def _accelerator_plugins():
 
 def keep_freed_memory():
   """Sets glibc's malloc to keep freed memory for reuse (see above); True where it did."""
-  if os.environ.get(ENV, '1') == '0' or platform.system() != 'Linux' or platform.libc_ver()[0] != 'glibc':
+  if os.environ.get(ENV, '1') == '0':
     return False
   if os.environ.get('JAX_PLATFORMS', '').lower() != 'cpu' and _accelerator_plugins():
     return False
@@ -62,13 +62,16 @@ DECODE_ARENAS = 2
 def few_malloc_arenas():
   """Caps glibc's malloc arenas at DECODE_ARENAS (the decode command, before the backend starts, as
   keep_freed_memory); not where $MALLOC_ARENA_MAX says otherwise. True where it did."""
-  if os.environ.get('MALLOC_ARENA_MAX') or platform.system() != 'Linux' or platform.libc_ver()[0] != 'glibc':
+  if os.environ.get('MALLOC_ARENA_MAX'):
     return False
   return _mallopt(((_M_ARENA_MAX, DECODE_ARENAS),))
 
 
 def _mallopt(settings):
-  """glibc's mallopt(parameter, value) for each of `settings`; True where every one was taken."""
+  """glibc's mallopt(parameter, value) for each of `settings`; True where every one was taken (False under other C
+  libraries)."""
+  if platform.system() != 'Linux' or platform.libc_ver()[0] != 'glibc':
+    return False
   try:
     mallopt = ctypes.CDLL(None).mallopt
   except (OSError, AttributeError):
