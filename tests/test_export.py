@@ -193,11 +193,12 @@ def test_int8_export_loads_and_scores_close_to_float32(workdir, tmp_path):
   difference = np.abs(log_probs['int8'] - log_probs['float32'])
   # CTranslate2's int8 GEMM here is oneDNN's u8s8. With VNNI (vpdpbusd) it accumulates in int32; on a CPU with
   # only AVX2 its vpmaddubsw sums pairs of products into saturating int16 first, which costs accuracy that is
-  # CTranslate2's, not the export's: the same export measured 0.062 mean / 0.82 max there (AMD Zen 3,
-  # 2026-11-26; the same with CT2_FORCE_CPU_ISA=GENERIC, since oneDNN picks its own kernels) against under
-  # 0.01 / 0.04 with VNNI. A wrong scale moves them by nats, an unquantized copy not at all.
+  # CTranslate2's, not the export's: the same export measured 0.062-0.065 mean there, its largest difference 0.82
+  # nats on a Zen 3 and 2.7 on a Zen 1 where a sum saturates (the same with CT2_FORCE_CPU_ISA=GENERIC, since oneDNN
+  # picks its own kernels), against under 0.01 / 0.04 with VNNI. A wrong scale moves them all by nats (the mean),
+  # an unquantized copy not at all.
   int8_dot = {'avx512_vnni', 'avx_vnni', 'amx_int8'} & model_lib.cpu_flags()  # VNNI or AMX-INT8
-  mean_bound, max_bound = (0.05, 0.25) if int8_dot else (0.1, 1.0)
+  mean_bound, max_bound = (0.05, 0.25) if int8_dot else (0.1, np.inf)
   assert difference.mean() < mean_bound and difference.max() < max_bound, (difference.mean(), difference.max())
   assert difference.max() > 0  # it did quantize
 
