@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny random Transformer, a small synthetic parallel corpus and a toy model trained on it
 once per session."""
+import fcntl
 import functools
 import gc
 import json
@@ -205,21 +206,40 @@ def trained_toy_config(root):
   return config
 
 
+def built_once(tmp_path_factory, name, build):
+  """The directory `name`, made by build(directory) once per test session: under pytest-xdist in the directory its
+  workers share, by the first worker to ask for it while the others wait."""
+  shared = tmp_path_factory.getbasetemp()
+  if os.environ.get('PYTEST_XDIST_WORKER'):
+    shared = shared.parent  # this session's, above each worker's own
+  root = shared / name
+  with open(shared / f'{name}.lock', 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not (root / 'built').exists():
+      shutil.rmtree(root, ignore_errors=True)  # a worker that failed part-way
+      root.mkdir()
+      build(root)
+      (root / 'built').touch()
+  return root
+
+
 @pytest.fixture(scope='session')
 def trained_toy(tmp_path_factory):
   """The workdir of a toy model trained once per test session (trained_toy_config): it translates the toy
   corpus partly (validation BLEU 20-30, a quarter of the test lines exactly), with outputs of 2 to 20-odd
   pieces. Checkpoints 300 and 400, their average, the best; the corpus in workdir.parent / 'data'. Shared by
   every test that reads a trained workdir: a test that changes it works on a copy (shutil.copytree)."""
+  return built_once(tmp_path_factory, 'trained_toy', _train_toy) / 'run'
+
+
+def _train_toy(root):
   from flaxformer_nmt.evaluation import bleu  # pylint: disable=g-import-not-at-top
   from flaxformer_nmt.training import loop  # pylint: disable=g-import-not-at-top
-  root = tmp_path_factory.mktemp('trained_toy')
   write_toy_corpus(root / 'data')
   (root / 'tok').mkdir()
   references = (root / 'data' / 'valid.de').read_text().splitlines()
   (root / 'tok' / 'valid.de').write_text('\n'.join(bleu.moses_lowercase_tokenize(references, 'de')) + '\n')
   loop.train_and_evaluate(trained_toy_config(root), root / 'run')
-  return root / 'run'
 
 
 def copy_of_trained_toy(trained_toy, directory, **config_fields):

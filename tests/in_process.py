@@ -19,6 +19,7 @@ from absl import app, flags
 from absl import logging as absl_logging  # defines --verbosity
 
 from flaxformer_nmt.runtime import executables
+from flaxformer_nmt.runtime import flags as cli
 from flaxformer_nmt.runtime import host_memory
 
 
@@ -65,7 +66,7 @@ def run(module, args, stdin=None, as_subprocess=False):
   sys.stdout, sys.stderr = stdout, stderr
   parsed = None
   try:
-    argv = flags.FLAGS(sys.argv)
+    argv = cli.parse_flags(sys.argv)  # what app.run calls for train and corpora; absl's own parsing within it
     parsed = set(flags.FLAGS)  # the module's, and those its parsing added (--config.FIELD)
     if flags.FLAGS['verbosity'].using_default_value:  # as app.run: INFO, unless the args chose a level
       flags.FLAGS.verbosity = 0
@@ -89,6 +90,7 @@ def run(module, args, stdin=None, as_subprocess=False):
       else:
         os.environ[name] = value
     executables.enable(executables_directory)
+    sys.modules.pop('config_config', None)  # ml_collections loads a --config file into this module, reusing it
     absl_logger.removeHandler(log)
     flags.FLAGS.unparse_flags()  # the verbosity too, which sets absl's logger at WARNING:
     absl_logger.setLevel(absl_level)  # as before the run, or a later test's caplog misses INFO lines

@@ -129,15 +129,6 @@ def test_gpu_attention_check():
   assert re.search(r'\| float32 \| highest \| xla \| [\d.e+-]+ \|', out), out
 
 
-def test_train_throughput(tmp_path):
-  """A tiny step timed, and traced with --profile_dir (bench/op_profile.py). A process of its own: the config
-  splits the CPU into devices."""
-  out = run_script('train_throughput', '--configs', 'multi30k_tiny', '--lengths', '16', '--tokens_per_batch',
-                   '256', '--steps', '2', '--vocab_size', '64', '--nocheck_xla_flops', '--profile_dir',
-                   str(tmp_path / 'profile'), '--profile_top', '3')
-  assert 'multi30k_tiny' in out and '# profile of' in out, out
-
-
 def test_train_throughput_alternates_over_several_shapes():
   """--alternate over two lengths: each variant's steps at the second shape go on from the state its steps at
   the first returned. Catches the second shape handed the state the first shape's steps donated ('Array has been
@@ -148,14 +139,16 @@ def test_train_throughput_alternates_over_several_shapes():
   assert rows == ['16', '32'], out
 
 
-def test_train_throughput_counts_xla_flops_over_every_device_and_microbatch():
-  """On 2 CPU devices with 2 microbatches, XLA's FLOP count of the step (one device's program, the microbatches'
-  loop body counted once) is set against the analytic FLOPs of the whole batch. Catches the check reading one
-  device's half, or one microbatch, as the whole step's (a ratio near 0.5 or 0.25)."""
+def test_train_throughput(tmp_path):
+  """A tiny step timed on 2 CPU devices with 2 microbatches, and traced with --profile_dir (bench/op_profile.py).
+  XLA's FLOP count of the step (one device's program, the microbatches' loop body counted once) is set against the
+  analytic FLOPs of the whole batch. Catches the check reading one device's half, or one microbatch, as the whole
+  step's (a ratio near 0.5 or 0.25)."""
   flags = f'{xla_flags_without_device_count()} --xla_force_host_platform_device_count=2'.strip()
   out = run_script('train_throughput', '--configs', 'multi30k_tiny', '--lengths', '16', '--tokens_per_batch', '256',
-                   '--steps', '1', '--vocab_size', '64', '--grad_accumulation_steps', '2', XLA_FLAGS=flags)
-  assert "'data': 2" in out, out
+                   '--steps', '1', '--vocab_size', '64', '--grad_accumulation_steps', '2', '--profile_dir',
+                   str(tmp_path / 'profile'), '--profile_top', '3', XLA_FLAGS=flags)
+  assert "'data': 2" in out and '# profile of 3 steps' in out and '# the 3 costliest operations:' in out, out
   ratio = float(re.search(r'XLA cost analysis / analytic FLOPs: ([\d.]+)', out)[1])
   assert 0.8 < ratio < 1.3, out
 

@@ -1,4 +1,5 @@
 """Config files, command-line overrides and their errors, through the real entry point."""
+import contextlib
 import os
 import re
 import subprocess
@@ -6,14 +7,17 @@ import sys
 
 import pytest
 
+import in_process
 from conftest import write_toy_corpus
+from flaxformer_nmt import train as train_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_train(*args, cwd=REPO):
-  return subprocess.run([sys.executable, '-m', 'flaxformer_nmt.train', *args], cwd=cwd, capture_output=True,
-                        text=True, timeout=120)
+def run_train(*args, as_subprocess=False):
+  """The train command's result on `args`, run from the repository's root (in this process unless as_subprocess)."""
+  with contextlib.chdir(REPO):
+    return in_process.run(train_command, list(args), as_subprocess=as_subprocess)
 
 
 @pytest.mark.parametrize('name', ['base', 'big', 'multi30k', 'wmt14_ende_base', 'wmt14_ende_big'])
@@ -359,7 +363,7 @@ def test_cudnn_attention_where_cudnn_cannot_run_stops_before_any_work(tmp_path):
   # float32 is refused by cuDNN on every machine (and on this CPU there is no cuDNN at all): one line naming the
   # field, before the vocabulary or the data are touched.
   result = run_train('--config', 'configs/multi30k.py', '--workdir', str(tmp_path / 'w'),
-                     '--config.model.attention_impl=cudnn', '--config.model.dtype=float32')
+                     '--config.model.attention_impl=cudnn', '--config.model.dtype=float32', as_subprocess=True)
   assert result.returncode == 1
   assert "config.model.attention_impl='cudnn' needs" in result.stderr and 'Traceback' not in result.stderr
   assert not (tmp_path / 'w' / 'vocab.model').exists()

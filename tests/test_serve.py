@@ -20,7 +20,7 @@ import pytest
 
 import conftest
 import in_process
-from conftest import small_config, write_toy_corpus
+from conftest import built_once, small_config, write_toy_corpus
 
 fastapi = pytest.importorskip('fastapi')
 httpx = pytest.importorskip('httpx')
@@ -41,13 +41,14 @@ SENTENCES = ['a big dog runs .', 'the small red cat sleeps .', 'a man sees the b
 def trained_workdir(tmp_path_factory):
   """A toy model trained long enough that different sentences translate differently; trained once per pytest
   run (test_argos.py and test_serve_browser.py serve it too)."""
-  root = tmp_path_factory.getbasetemp() / 'served_model'
-  if not (root / 'run' / 'finished.json').exists():
-    config = small_config(write_toy_corpus(root / 'data'))
-    config.num_train_steps = config.checkpoint_every_steps = config.eval_every_steps = 60
-    config.learning_rate_scale = 0.5  # at 2.0 the toy stalls at one output on some stacks (jax 0.10.2)
-    train.train_and_evaluate(config, str(root / 'run'))
-  return root / 'run'
+  return built_once(tmp_path_factory, 'served_model', _train_served_model) / 'run'
+
+
+def _train_served_model(root):
+  config = small_config(write_toy_corpus(root / 'data'))
+  config.num_train_steps = config.checkpoint_every_steps = config.eval_every_steps = 60
+  config.learning_rate_scale = 0.5  # at 2.0 the toy stalls at one output on some stacks (jax 0.10.2)
+  train.train_and_evaluate(config, str(root / 'run'))
 
 
 @pytest.fixture(scope='module')
