@@ -115,6 +115,9 @@ def test_stop_latency():
   assert len(row) == 1, out  # the trial's row: it stopped cleanly after the signal
 
 
+# Each part of the reliability bench is a case of tests/test_resilience.py and tests/test_restore.py; its smoke run
+# starts the trainer six times as a subprocess (100 s of CI on a Zen 1's 2 cores): -m slow.
+@pytest.mark.slow
 def test_reliability():
   out = run_script('reliability', '--smoke', timeout=600)
   table = out[out.index('| case |'):]
@@ -123,6 +126,7 @@ def test_reliability():
   assert not [r for r in rows if 'UNEXPECTED' in r or 'NOT MEASURED' in r or 'DIFFERENT' in r], table
 
 
+@pytest.mark.slow  # on a CPU its rows are tests/test_model.py's comparison of the XLA and einsum attention paths
 def test_gpu_attention_check():
   """On a CPU it compares the einsum and XLA attention paths (the cuDNN rows need a GPU)."""
   out = run_script('gpu_attention_check', '--smoke')
