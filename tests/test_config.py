@@ -1,4 +1,5 @@
-"""Config files, command-line overrides and their errors, through the real entry point."""
+"""Config files, command-line overrides and their errors, through the train command's flag parsing (its main run
+in this process, as tests/in_process.py runs it, and once as `python -m flaxformer_nmt.train`)."""
 import contextlib
 import os
 import re
