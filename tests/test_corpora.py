@@ -280,6 +280,42 @@ def test_prepare_prepares_a_builder_once(tmp_path, monkeypatch):
     corpora.prepare_tfds('prepared_once_translate', data_dir)
 
 
+def _connection_error(url):
+  import requests  # pylint: disable=g-import-not-at-top
+  return requests.exceptions.ConnectionError('Max retries exceeded (Caused by NameResolutionError)',
+                                             request=requests.Request('GET', url))
+
+
+_EUROPARL = 'http://www.statmt.org/wmt13/europarl.tgz'
+
+
+@pytest.mark.parametrize('name, failure, named', [
+    ('offline_translate', lambda: _connection_error(_EUROPARL), _EUROPARL),
+    ('moved_translate', lambda: corpora._import_tfds().download.DownloadError('Failed to get url: HTTP code 404'),
+     'its files')])
+def test_a_download_that_fails_is_one_line_naming_the_builder_and_the_copy_to_make(tmp_path, monkeypatch, name,
+                                                                                   failure, named):
+  """Offline, TFDS retries its download, then lets the requests library's ConnectionError through (a 404 ends in
+  its own DownloadError): the prepare command and training must end in one line naming the builder, what failed
+  and --config.tfds_data_dir, not a traceback from a download thread. Catches either exception let through."""
+  class_name = ''.join(word.title() for word in name.split('_'))  # 'offline_translate': 'OfflineTranslate'
+  builder_class = translation_builder(class_name, {'train': [('a dog', 'ein Hund')]})
+
+  def fails(*args, **kwargs):
+    raise failure()
+
+  monkeypatch.setattr(builder_class, 'download_and_prepare', fails)
+  data_dir = str(tmp_path / 'tfds')
+  args = ['prepare', '--config', os.path.join(REPO, 'configs', 'wmt14_ende_base.py'),
+          f'--config.tfds_name={name}', f'--config.tfds_data_dir={data_dir}']
+  result = in_process.run(corpora_command, args)
+  assert result.returncode == 1, result.stderr
+  [line] = [l for l in result.stderr.splitlines() if l.startswith('error:')]
+  assert 'Traceback' not in result.stderr
+  assert line.startswith(f'error: preparing {name} could not download {named} (')
+  assert line.endswith(f'point --config.tfds_data_dir at the copy (now {data_dir})')
+
+
 @pytest.mark.parametrize('source_lang, target_lang', [('en', 'de'), ('de', 'en')])
 def test_the_export_command_prepares_the_builder_then_writes_its_split(source_lang, target_lang, tmp_path):
   """`corpora export` on a builder not prepared yet prepares it (no mocks: array_record files in tfds_data_dir),

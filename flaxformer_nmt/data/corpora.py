@@ -85,7 +85,24 @@ def prepare_tfds(name, data_dir=None):
       raise data_lib.DataError(
           f'preparing {name} needs TensorFlow ({e}): pip install "flaxformer_nmt[tfds]", or prepare it on '
           'another machine and point --config.tfds_data_dir at the result') from None
+    except _download_errors() as e:  # TFDS has retried by now: offline, a host down, a file moved
+      raise data_lib.DataError(
+          f'preparing {name} could not download {_failed_url(e)} ({type(e).__name__}: {str(e)[:300]}). '
+          'Prepare it once where its hosts can be reached, copy the TFDS data directory it was prepared in '
+          f'here and point --config.tfds_data_dir at the copy (now {builder.data_dir_root})') from None
   return builder
+
+
+def _download_errors():
+  """The exceptions TFDS's downloads end in: its DownloadError and the requests library's errors (TFDS fetches
+  with requests and lets its ConnectionError through once its retries are spent)."""
+  import requests  # pylint: disable=g-import-not-at-top  (a dependency of tensorflow-datasets)
+  return (_import_tfds().download.DownloadError, requests.exceptions.RequestException)
+
+
+def _failed_url(error):
+  request = getattr(error, 'request', None)
+  return getattr(request, 'url', None) or 'its files'
 
 
 def _check_split(builder, name, split):
