@@ -8,7 +8,8 @@
 # node reads: shared filesystem or gs://), the first node alone installs the [tfds] extra (TensorFlow) and
 # prepares the config's TFDS builder into it before training starts; every node trains with that directory.
 # Over ssh, Ctrl-C (or SIGTERM, SIGHUP) stops every node's process: each runs in a terminal of its own
-# (ssh -tt) that sshd hangs up when its ssh ends. The status is the last failing node's, else 0.
+# (ssh -tt) that sshd hangs up when its ssh ends. A node whose process fails stops the others' (fail fast), and the
+# status is its, else 0.
 #
 #   launch/gpu_multinode.sh --hosts node1,node2 --gpus-per-node 8 --tfds-data-dir /shared/tensorflow_datasets \
 #       -- --config configs/wmt14_ende_big.py --workdir /shared/runs/big
@@ -85,9 +86,13 @@ on_host() {  # on_host HOST COMMAND: prints the ssh command; unless --dry-run, s
   quote "${SSH[@]}" "$1" "$2"; echo
   if [[ "$DRY_RUN" == 0 ]]; then "${SSH[@]}" "$1" "$2" < /dev/null & PIDS+=($!); fi
 }
-wait_all() {  # waits for every ssh started; returns the last failing one's status, else 0
-  local status=0 pid
-  for pid in "${PIDS[@]}"; do wait "$pid" || status=$?; done
+# Waits for every ssh started. The first to fail stops the others (their trainers would otherwise wait on the lost
+# process in a collective until JAX's timeout) and gives its status; else 0.
+wait_all() {
+  local status=0 _
+  for _ in "${PIDS[@]}"; do
+    wait -n || { status=$?; kill "${PIDS[@]}" 2>/dev/null || true; wait; break; }
+  done
   PIDS=()
   return "$status"
 }

@@ -292,10 +292,14 @@ setsid bash -c "$command" & remote=$!
 [[ "$tty" == 0 ]] || trap 'kill -HUP -- -$remote; exit 255' INT TERM HUP
 wait "$remote"
 '''
-# The remote python: notes its process id, then runs until stopped (or exits 3 as the process FAKE_FAIL names).
+# The remote python: notes its process id, then runs until stopped; with FAKE_FAIL, exits 3 as the process it names
+# (after FAKE_FAIL_AFTER seconds), and the others exit 0 unless FAKE_OTHERS_RUN is set.
 FAKE_PYTHON = r'''#!/bin/bash
 echo $$ > "$FAKE_STARTED/$$"
-if [[ -n "${FAKE_FAIL:-}" ]]; then [[ "${JAX_PROCESS_ID:-prepare}" == "$FAKE_FAIL" ]] && exit 3; exit 0; fi
+if [[ -n "${FAKE_FAIL:-}" ]]; then
+  [[ "${JAX_PROCESS_ID:-prepare}" == "$FAKE_FAIL" ]] && { sleep "${FAKE_FAIL_AFTER:-0}"; exit 3; }
+  [[ -n "${FAKE_OTHERS_RUN:-}" ]] || exit 0
+fi
 exec sleep 600
 '''
 
@@ -370,7 +374,8 @@ def test_stopping_the_launcher_stops_every_remote_process(tmp_path, script, step
     os.close(stdin)
 
 
-@pytest.mark.parametrize('fail,status,processes', [('none', 0, 5), ('1', 3, 5), ('prepare', 3, 1)])
+# processes: the fake pythons that start, at least and at most (a failing node stops the nodes that have not yet).
+@pytest.mark.parametrize('fail,status,processes', [('none', 0, (5, 5)), ('1', 3, (3, 5)), ('prepare', 3, (1, 1))])
 def test_gpu_multinode_exits_with_a_failing_process_status(tmp_path, fail, status, processes):
   """A failing node (or a failing preparation, after which no node trains) makes the launcher fail."""
   env, started = fake_hosts(tmp_path, fail)
@@ -379,4 +384,25 @@ def test_gpu_multinode_exits_with_a_failing_process_status(tmp_path, fail, statu
                         '--config', 'c'], env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                        timeout=60, check=False)
   assert out.returncode == status, out.stderr
-  assert len(os.listdir(started)) == processes  # preparation's pip and corpora, then one per node
+  assert processes[0] <= len(os.listdir(started)) <= processes[1]  # preparation's pip and corpora, then the nodes
+
+
+@pytest.mark.skipif(not sys.platform.startswith('linux'), reason='reads /proc')
+def test_a_failing_node_stops_the_others_at_once(tmp_path):
+  """Fail fast, as torchrun does: a node's trainer that dies leaves its peers waiting in a collective until JAX's
+  timeout (minutes), holding their GPUs. Catches a launcher that waits for the nodes in order: it would wait on
+  node 0, which runs until stopped."""
+  env, started = fake_hosts(tmp_path, fail='1')
+  env.update(FAKE_OTHERS_RUN='1', FAKE_FAIL_AFTER='1')  # the others have started when node 1 fails
+  pids = lambda: [int(name) for name in os.listdir(started)]
+  try:
+    out = subprocess.run(['bash', os.path.join(LAUNCH, 'gpu_multinode.sh'), '--hosts', 'gpu1,gpu2,gpu3', '--repo',
+                          str(tmp_path), '--python', str(tmp_path / 'python'), '--', '--config', 'c'], env=env,
+                         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 3, out.stderr
+    assert len(pids()) == 3
+    assert wait_until(lambda: not any(running(pid) for pid in pids()), 10), 'a node goes on running'
+  finally:
+    for pid in pids():
+      if running(pid):
+        os.kill(pid, signal.SIGKILL)
