@@ -246,7 +246,7 @@ def read_references(FLAGS):  # pylint: disable=invalid-name
   for flag in ('reference', 'tok_reference'):
     path = FLAGS[flag].value
     try:
-      lines[flag] = evaluate.read_named(f'--{flag}:', path) if path else None
+      lines[flag] = evaluate.read_named(f'--{flag}', path) if path else None
     except (OSError, ValueError) as e:
       sys.exit(f'error: {e}')
   if lines['tok_reference'] is not None and len(lines['tok_reference']) != len(lines['reference']):

@@ -107,11 +107,11 @@ def test_references_and_checkpoints_are_checked_before_anything_is_translated(tr
   (tmp_path / 'three.de').write_text('a\nb\nc\n')
   (tmp_path / 'bad.de').write_bytes(b'ein hund .\nzwei \xff katzen .\n')
   out = tmp_path / 'out.de'
-  for reference, message in ((tmp_path / 'missing.de', f'error: --reference: {tmp_path / "missing.de"}: file not '
+  for reference, message in ((tmp_path / 'missing.de', f'error: --reference {tmp_path / "missing.de"}: file not '
                               'found'),
                              (tmp_path / 'three.de', f'error: --reference {tmp_path / "three.de"} has 3 lines but '
                               f'--input {tmp_path / "in.en"} has 2'),
-                             (tmp_path / 'bad.de', f'error: --reference: {tmp_path / "bad.de"}:2: invalid UTF-8')):
+                             (tmp_path / 'bad.de', f'error: --reference {tmp_path / "bad.de"}:2: invalid UTF-8')):
     result = in_process.run(decode_command, [f'--workdir={workdir}', '--checkpoint=latest', '--greedy',
                                              f'--input={tmp_path / "in.en"}', f'--output={out}',
                                              f'--reference={reference}'])
