@@ -68,7 +68,7 @@ def main(argv):
       sys.exit(f'error: --input {FLAGS.input}: {e.strerror or e}')
     token_lists = filler.encode_checked(texts, names)  # every text checked before anything is printed
     for start in range(0, len(texts), 256):
-      results = filler.fill_ids(token_lists[start:start + 256], top_k=FLAGS.top_k)
+      results = filler.fill_ids(texts[start:start + 256], token_lists[start:start + 256], top_k=FLAGS.top_k)
       for text, per_mask in zip(texts[start:start + 256], results):
         print('\n'.join(format_results(text, per_mask)), flush=True)
   except BrokenPipeError:  # a reader that stopped reading (`| head`)

@@ -222,6 +222,23 @@ def test_fill_mask_checks_every_text_before_printing_and_names_its_line(mlm_run,
       filler.fill(['ein <mask> .'], top_k=top_k)
 
 
+def test_fill_mask_writes_the_text_around_each_mask_as_given(mlm_run):
+  """The filled text keeps the text's own characters around the mask: written back from its ids, a character the
+  vocabulary lacks (here a snowman) came back as ⁇. A piece that starts a word follows a space; any other piece
+  continues the word before the mask."""
+  workdir, _ = mlm_run
+  filler = fill_mask.FillMask(workdir)
+  text = 'ein \u2603 <mask> hund <mask> .'
+  assert filler.tokenizer.sp.unk_id() in filler.encode(text)  # the snowman is not in the vocabulary
+  candidates = filler.predict_ids([filler.encode(text)], top_k=8)[0]
+  result = filler.fill([text], top_k=8)[0]
+  for m, (before, after) in enumerate([('ein \u2603', ' hund <mask> .'), ('ein \u2603 <mask> hund', ' .')]):
+    for (piece, _), (_, _, filled) in zip(candidates[m], result[m]):
+      raw = filler.tokenizer.sp.id_to_piece(piece)
+      word = ' ' + raw[1:] if raw.startswith('\u2581') else filler.tokenizer.decode([piece])
+      assert filled == before + word + after, (raw, filled)
+
+
 def test_fill_mask_reads_each_mask_as_one_whole_piece(mlm_run):
   """Rule: a <mask> stands for one piece, word start included, as the pieces masked in training did: a text's ids
   are those of its words around the masks, each mask id in its word's place and no lone word-start piece before

@@ -31,9 +31,12 @@ class FillMask:
     """Token ids of a text with `<mask>`s (EOS appended). sentencepiece writes a lone word-start piece '▁'
     before a mask that follows a space; the mask stands for a whole piece, word start included, as the
     masked pieces in training did, so that lone piece is dropped."""
-    ids = self.tokenizer.encode([tokenizer_lib.prepare_text(text, tokenizer_lib.lowercase_of(self.config))])[0]
+    ids = self.tokenizer.encode([self._prepared(text)])[0]
     space = self.tokenizer.sp.piece_to_id('\u2581')
     return [t for i, t in enumerate(ids) if not (t == space and i + 1 < len(ids) and ids[i + 1] == self.mask_id)]
+
+  def _prepared(self, text):
+    return tokenizer_lib.prepare_text(text, tokenizer_lib.lowercase_of(self.config))
 
   @property
   def vocab_size(self):
@@ -78,26 +81,27 @@ class FillMask:
   def fill(self, texts, top_k=5):
     """For each text (str with `<mask>`s), per mask, the top_k (piece as text, probability, the text with
     this mask filled by the piece and the other masks left as they are)."""
-    return self.fill_ids(self.encode_checked(texts), top_k)
+    return self.fill_ids(texts, self.encode_checked(texts), top_k)
 
-  def fill_ids(self, token_lists, top_k=5):
-    """`fill` of texts already through encode_checked."""
+  def fill_ids(self, texts, token_lists, top_k=5):
+    """`fill` of texts whose `encode_checked` ids are token_lists."""
     results = []
-    for ids, masks in zip(token_lists, self.predict_ids(token_lists, top_k)):
-      positions = [t for t, token in enumerate(ids) if token == self.mask_id]
-      per_mask = []
-      for position, candidates in zip(positions, masks):
-        per_mask.append([(self.tokenizer.decode([piece]), prob, self._text(ids, position, piece))
-                         for piece, prob in candidates])
-      results.append(per_mask)
+    for text, masks in zip(texts, self.predict_ids(token_lists, top_k)):
+      results.append([[(self.tokenizer.decode([piece]), prob, self._text(text, m, piece)) for piece, prob in candidates]
+                      for m, candidates in enumerate(masks)])
     return results
 
-  def _text(self, ids, position, piece):
-    """The text of `ids` with `piece` at `position`, the other masks written as <mask>."""
-    filled = list(ids)
-    filled[position] = piece
-    text = [self.tokenizer.sp.id_to_piece(t) for t in filled if t != tokenizer_lib.EOS_ID]
-    return self.tokenizer.sp.decode_pieces(text).replace(MASK, f' {MASK}').strip().replace('  ', ' ')
+  def _text(self, text, m, piece):
+    """The text (as the model reads it: lowercased for a lowercasing model) with its mask m filled by `piece`,
+    its other masks left as <mask>: its own characters around the mask, characters the vocabulary lacks included
+    (written from ids, they came back as ⁇). A piece that starts a word follows a space; any other continues
+    the word before the mask."""
+    parts = self._prepared(text).split(MASK)
+    before, after = MASK.join(parts[:m + 1]).rstrip(), MASK.join(parts[m + 1:])
+    word = self.tokenizer.sp.id_to_piece(piece)
+    if word.startswith('\u2581'):
+      return (before + ' ' if before else '') + word[1:].replace('\u2581', ' ') + after
+    return before + self.tokenizer.decode([piece]) + after
 
 
 def format_results(text, per_mask):
