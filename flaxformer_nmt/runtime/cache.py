@@ -28,7 +28,10 @@ def use_compilation_cache():
   search's) also as whole executables in its `executables` folder, which a later run loads without tracing
   them (executables.py). JAX keys each entry by the program, the jaxlib version, the platform and devices, the
   XLA flags and the compile options, so one directory serves every model, version and device without mixing
-  them up; the executables' keys add the package's source and the CPU's instruction set."""
+  them up; the executables' keys add the package's source and the CPU's instruction set. Nothing where the cache
+  is off (distributed.initialize turns it off for processes joined on CPUs)."""
+  if not jax.config.jax_enable_compilation_cache:
+    return
   directory = os.environ.get('JAX_COMPILATION_CACHE_DIR')  # JAX reads it itself
   if directory is None:
     directory = cache_dir() / 'jax_compilation'

@@ -163,6 +163,11 @@ def initialize(mode='auto', coordinator_address=None, num_processes=None, proces
     raise DistributedError(f'joining the distributed runtime ({cluster or "explicit"}) failed: {e}') from e
   logging.info('Process %d of %d: %d local devices, %d in all', jax.process_index(), jax.process_count(),
                jax.local_device_count(), jax.device_count())
+  if jax.process_count() > 1 and jax.default_backend() == 'cpu':
+    # A cross-process CPU program that JAX loads from its persistent compilation cache waits forever in its first
+    # collective (jax 0.12.1: a resumed two-process run hung in its first step; compiled afresh, it ran).
+    jax.config.update('jax_enable_compilation_cache', False)
+    logging.info('Processes joined on CPUs compile their programs afresh: no persistent compilation cache')
   return True
 
 
