@@ -94,7 +94,7 @@ class FillMask:
   def _text(self, text, m, piece):
     """The text (as the model reads it: lowercased for a lowercasing model) with its mask m filled by `piece`,
     its other masks left as <mask>: its own characters around the mask, characters the vocabulary lacks included
-    (written from ids, they came back as ⁇). A piece that starts a word follows a space; any other continues
+    (text written back from ids shows them as ⁇). A piece that starts a word follows a space; any other continues
     the word before the mask."""
     parts = self._prepared(text).split(MASK)
     before, after = MASK.join(parts[:m + 1]).rstrip(), MASK.join(parts[m + 1:])
