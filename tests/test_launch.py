@@ -273,7 +273,9 @@ def test_tpu_vm_remote_dir_reaches_every_step():
 
 # Stands in for ssh and for `gcloud compute tpus tpu-vm ssh|scp|create`. It runs the remote command here, in a session
 # of its own as on another machine, and models what sshd does when the connection closes: it hangs up a remote
-# terminal (-tt), which sends SIGHUP to the command in it; a command without one goes on running.
+# terminal (-tt), which sends SIGHUP to the command in it; a command without one goes on running. Like sshd's, its
+# remote command starts with every signal's default action, whatever the local side ignores (`nohup`, a background
+# job's SIGINT).
 FAKE_REMOTE_CLIENT = r'''#!/bin/bash
 tty=0 command=
 if [[ "$(basename "$0")" == gcloud ]]; then
@@ -288,7 +290,7 @@ else
   command="${!#}"
 fi
 if [[ "$tty" == 1 && -t 0 ]]; then echo "ssh -tt would put the local terminal in raw mode" >&2; exit 97; fi
-setsid bash -c "$command" & remote=$!
+setsid env --default-signal bash -c "$command" & remote=$!
 [[ "$tty" == 0 ]] || trap 'kill -HUP -- -$remote; exit 255' INT TERM HUP
 wait "$remote"
 '''
@@ -318,6 +320,13 @@ def fake_hosts(tmp_path, fail=None):
   if fail is not None:
     env['FAKE_FAIL'] = fail
   return env, started
+
+
+def as_a_foreground_job():
+  """In the launcher's process: the signal actions of a command a terminal's shell runs in the foreground, also where
+  the tests run with SIGHUP or SIGINT ignored (under `nohup`, in a background job), which it would inherit."""
+  for signum in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM):
+    signal.signal(signum, signal.SIG_DFL)
 
 
 def running(pid):
@@ -356,7 +365,8 @@ def test_stopping_the_launcher_stops_every_remote_process(tmp_path, script, step
   terminal, stdin = os.openpty()  # started from a shell: the input is a terminal
   with open(tmp_path / 'out', 'w') as out:
     launcher = subprocess.Popen(['bash', os.path.join(LAUNCH, script), *options, '--', '--config', 'c'], env=env,
-                                stdin=stdin, stdout=out, stderr=out, process_group=0)
+                                stdin=stdin, stdout=out, stderr=out, process_group=0,
+                                preexec_fn=as_a_foreground_job)
   pids = lambda: [int(name) for name in os.listdir(started)]
   try:
     assert wait_until(lambda: len(pids()) == processes, 30), (tmp_path / 'out').read_text()
