@@ -26,13 +26,30 @@ def free_port():
     return s.getsockname()[1]
 
 
+@pytest.fixture(autouse=True)
+def _stop_started_processes():
+  """Kills the trainers a test started that still run when it ends: a test that fails, or that pytest-timeout stops,
+  does not leave its processes waiting in a collective."""
+  yield
+  while _STARTED:
+    proc = _STARTED.pop()
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+
+
+_STARTED = []
+
+
 def start_processes(data_dir, workdir, num_steps, num_processes=2, overrides=()):
   port = free_port()
   env = subprocess_env(JAX_PLATFORMS='cpu', XLA_FLAGS=xla_flags_without_device_count())  # one CPU device a process
-  return [subprocess.Popen([sys.executable, os.path.join(HERE, 'multiprocess_train.py'), str(port), str(i),
-                            str(num_processes), str(data_dir), str(workdir), str(num_steps), *overrides],
-                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-          for i in range(num_processes)]
+  procs = [subprocess.Popen([sys.executable, os.path.join(HERE, 'multiprocess_train.py'), str(port), str(i),
+                             str(num_processes), str(data_dir), str(workdir), str(num_steps), *overrides],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(num_processes)]
+  _STARTED.extend(procs)
+  return procs
 
 
 def run_processes(data_dir, workdir, num_steps, num_processes=2, overrides=(), procs=None, timeout=900):
@@ -41,12 +58,7 @@ def run_processes(data_dir, workdir, num_steps, num_processes=2, overrides=(), p
   procs = procs or start_processes(data_dir, workdir, num_steps, num_processes, overrides)
   outputs = []
   for proc in procs:
-    try:
-      out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-      for p in procs:
-        p.kill()
-      raise
+    out, _ = proc.communicate(timeout=timeout)  # on a timeout the test fails and its fixture kills them all
     outputs.append(out)
   for i, (proc, out) in enumerate(zip(procs, outputs)):
     assert proc.returncode == 0, f'process {i} failed:\n{out[-4000:]}'
