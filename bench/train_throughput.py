@@ -93,6 +93,7 @@ _ATTENTION = flags.DEFINE_list('attention_impl', [''], 'Override config.model.at
                                'in turn.')
 _REMAT = flags.DEFINE_list('remat', [''], 'Override config.model.remat; several are timed in turn.')
 _MATMUL = flags.DEFINE_string('matmul_precision', '', "Override config.model.matmul_precision ('bfloat16').")
+_MATMUL_STEPS = flags.DEFINE_integer('matmul_steps', 20, 'Timed runs of the reference matmul on a CPU (/matmul).')
 _DROPOUT = flags.DEFINE_float('dropout_rate', -1.0, "Override config.model.dropout_rate (-1: the config's).")
 _PRNG = flags.DEFINE_list('prng_impl', [''], "Override config.prng_impl ('rbg': the dropout masks' keys from XLA's "
                           'RngBitGenerator instead of threefry); several are timed in turn.')
@@ -452,7 +453,8 @@ def main(argv):
     checkpoints_lib.quiet_orbax_logs()
   backend = jax.default_backend()
   peak = flops_lib.peak_flops_per_device(override=_PEAK.value)
-  matmul = {jnp.dtype(d): flops_lib.matmul_rate(d) for d in (jnp.float32, jnp.bfloat16)} if backend == 'cpu' else None
+  matmul = ({jnp.dtype(d): flops_lib.matmul_rate(d, _MATMUL_STEPS.value) for d in (jnp.float32, jnp.bfloat16)}
+            if backend == 'cpu' else None)
   print(f'# backend {backend}, {jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}, '
         f'peak {peak / 1e12 if peak else "-"} TFLOP/s per device, {",".join(_TOKENS.value)} tokens per side per step')
   if matmul:

@@ -138,7 +138,7 @@ def test_train_throughput_alternates_over_several_shapes():
   the first returned. Catches the second shape handed the state the first shape's steps donated ('Array has been
   deleted')."""
   out = run_script('train_throughput', '--configs', 'multi30k_tiny', '--lengths', '16,32', '--tokens_per_batch',
-                   '256', '--steps', '1', '--vocab_size', '64', '--nocheck_xla_flops', '--alternate')
+                   '256', '--steps', '1', '--vocab_size', '64', '--nocheck_xla_flops', '--alternate', '--matmul_steps', '1')
   rows = re.findall(r'^\s*-/- +(\d+) +\d+ ', out, re.M)
   assert rows == ['16', '32'], out
 
@@ -151,7 +151,7 @@ def test_train_throughput(tmp_path):
   flags = f'{xla_flags_without_device_count()} --xla_force_host_platform_device_count=2'.strip()
   out = run_script('train_throughput', '--configs', 'multi30k_tiny', '--lengths', '16', '--tokens_per_batch', '256',
                    '--steps', '1', '--vocab_size', '64', '--grad_accumulation_steps', '2', '--profile_dir',
-                   str(tmp_path / 'profile'), '--profile_top', '3', XLA_FLAGS=flags)
+                   str(tmp_path / 'profile'), '--profile_top', '3', '--matmul_steps', '1', XLA_FLAGS=flags)
   assert "'data': 2" in out and '# profile of 3 steps' in out and '# the 3 costliest operations:' in out, out
   ratio = float(re.search(r'XLA cost analysis / analytic FLOPs: ([\d.]+)', out)[1])
   assert 0.8 < ratio < 1.3, out
