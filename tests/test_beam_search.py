@@ -605,14 +605,16 @@ def test_search_takes_a_beam_wider_than_half_the_vocabulary():
   # its teacher-forced log P / lp(n) under the full decoder; the n best are sorted.
   model, params = tiny_model()
   src = jnp.array([[5, EOS_ID]])
+  search = jitted_search(model, beam_size=None, extra_length=None)
   for beam_size in (9, 20):
-    tokens, scores = jax.device_get(search_lib.search(model, params, src, beam_size=beam_size, alpha=0.6,
-                                                      extra_length=1))
+    tokens, scores = jax.device_get(search(params, src, beam_size=beam_size, alpha=0.6, extra_length=1))
     found = hypotheses(tokens[0], scores[0])
     assert len(found) == beam_size and np.all(np.diff([s for _, s in found]) <= 1e-6)
-    for output, score in found:
-      assert 2 <= len(output) <= 3 and output[-1] == EOS_ID, output
-      tgt_in = jnp.array([(BOS_ID,) + output[:-1]])
-      log_probs = np.asarray(jax.nn.log_softmax(model.apply({'params': params}, src, tgt_in)[0]), np.float64)
-      log_p = sum(log_probs[t, token] for t, token in enumerate(output))
+    assert all(2 <= len(output) <= 3 and output[-1] == EOS_ID for output, _ in found), found
+    # Every hypothesis teacher-forced in one pass, padded after its EOS (no position attends to a later one).
+    tgt_in = jnp.array([(BOS_ID,) + output[:-1] + (PAD_ID,) * (3 - len(output)) for output, _ in found])
+    logits = jax.jit(model.apply)({'params': params}, jnp.repeat(src, beam_size, 0), tgt_in)
+    log_probs = np.asarray(jax.nn.log_softmax(logits), np.float64)
+    for row, (output, score) in zip(log_probs, found):
+      log_p = sum(row[t, token] for t, token in enumerate(output))
       np.testing.assert_allclose(score, log_p / ((5 + len(output)) / 6) ** 0.6, rtol=1e-5, atol=1e-5)
