@@ -124,8 +124,9 @@ def test_a_beam_holding_every_hypothesis_finds_the_exhaustive_optimum():
   model, params = tiny_model(vocab_size=vocab)
   for max_length, beam_size in ((2, 6), (3, 31)):  # 1 + 5 and 1 + 5 + 25 outputs (5 allowed tokens)
     outputs = [every_output(model, params, SRC[b], max_length, vocab) for b in range(SRC.shape[0])]
+    search = jax.jit(lambda alpha: run_search(model, params, True, beam_size, max_length, alpha))
     for alpha in (0.0, 0.6, 2.0):
-      sequences, scores = run_search(model, params, True, beam_size, max_length, alpha)
+      sequences, scores = search(alpha)
       for b in range(SRC.shape[0]):
         best_score, best_sequence = exhaustive_best(*outputs[b], alpha)
         found = [int(t) for t in sequences[b, 0]]
