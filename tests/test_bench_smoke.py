@@ -138,7 +138,8 @@ def test_train_throughput_alternates_over_several_shapes():
   the first returned. Catches the second shape handed the state the first shape's steps donated ('Array has been
   deleted')."""
   out = run_script('train_throughput', '--configs', 'multi30k_tiny', '--lengths', '16,32', '--tokens_per_batch',
-                   '256', '--steps', '1', '--vocab_size', '64', '--nocheck_xla_flops', '--alternate', '--matmul_steps', '1')
+                   '256', '--steps', '1', '--vocab_size', '64', '--nocheck_xla_flops', '--alternate',
+                   '--matmul_steps', '1')
   rows = re.findall(r'^\s*-/- +(\d+) +\d+ ', out, re.M)
   assert rows == ['16', '32'], out
 
