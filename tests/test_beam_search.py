@@ -25,8 +25,8 @@ def cached_step_fn(model, params, src):
   of a sentence sharing its encoder-decoder keys/values (as search_lib.search runs it). A beam_search.SlotCache
   is read through its ancestry."""
   variables = {'params': params}
-  encoded = model.apply(variables, src, method=Transformer.encode)
-  cross = model.apply(variables, encoded, method=Transformer.decoding_cross_kv)
+  cross = jax.jit(lambda src: model.apply(variables, model.apply(variables, src, method=Transformer.encode),
+                                          method=Transformer.decoding_cross_kv))(src)
 
   @jax.jit
   def step(tokens, index, cache):
@@ -76,7 +76,7 @@ def run_search(model, params, cached, beam_size, max_length, alpha=0.6, max_leng
 def test_cached_decoder_step_equals_full_decoder():
   model, params = tiny_model()
   tgt = jnp.array([[2, 10, 11, 12, 13, 14], [2, 15, 4, 5, 6, 7]])
-  full = model.apply({'params': params}, SRC, tgt)
+  full = jax.jit(model.apply)({'params': params}, SRC, tgt)
   step_fn = cached_step_fn(model, params, SRC)
   cache = model.apply({'params': params}, 2, 6, method=Transformer.init_cache)
   for index in range(6):
@@ -461,13 +461,14 @@ def test_samples_use_only_the_top_k_tokens_of_the_full_decoder():
   tokens, scores = jitted_search(model, **options)(params, SRC, keys, **options)
   tokens, scores = np.asarray(tokens), np.asarray(scores)
   # Re-score every sample with the whole (uncached) decoder run on its prefix; rank the tokens it chose.
+  full_decoder = jax.jit(lambda src, tgt_in: jax.nn.log_softmax(model.apply({'params': params}, src, tgt_in)))
   ranks = []
   for b in range(SRC.shape[0]):
     limit = int((SRC[b] != PAD_ID).sum()) - 1 + extra + 1  # generated tokens allowed, EOS included
     targets = tokens[b]
     tgt_in = np.concatenate([np.full((len(targets), 1), BOS_ID), targets[:, :-1]], axis=1)
     src = jnp.repeat(SRC[b:b + 1], len(targets), axis=0)
-    log_probs = np.array(jax.nn.log_softmax(model.apply({'params': params}, src, jnp.asarray(tgt_in))))
+    log_probs = np.array(full_decoder(src, jnp.asarray(tgt_in)))
     log_probs[:, :, [PAD_ID, BOS_ID]] = -np.inf
     for k, sample in enumerate(targets):
       length = list(sample).index(EOS_ID) + 1
