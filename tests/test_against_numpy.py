@@ -250,10 +250,10 @@ def test_the_gradient_reaches_the_embedding_from_the_output_side():
     logits = model.apply({'params': p}, src, tgt_in)
     return ts.label_smoothed_cross_entropy(logits, tgt_out, 0.1)[0]
 
-  grads = np.asarray(jax.grad(loss)(params)['shared_embedding']['embedding'])
+  grads = np.asarray(jax.jit(jax.grad(loss))(params)['shared_embedding']['embedding'])
   assert np.abs(grads[unseen]).min() > 1e-6
   # ... and equals the output side's own gradient there: d loss / d E[v] = sum_t dL/dlogit[t, v] * y[t].
-  _, state = model.apply({'params': params}, src, tgt_in, capture_intermediates=True)
+  _, state = jax.jit(lambda p: model.apply({'params': p}, src, tgt_in, capture_intermediates=True))(params)
   y = state['intermediates'][f'decoder_{model.config.num_decoder_layers - 1}']['__call__'][0][0]
   embedding = params['shared_embedding']['embedding']
   dlogits = jax.grad(lambda logits: ts.label_smoothed_cross_entropy(logits, tgt_out, 0.1)[0])(
@@ -297,9 +297,9 @@ def test_the_loss_is_normalized_by_the_global_target_count_on_two_devices():
   loss_sum = numpy_smoothed_loss_sum(logits, batch['tgt_out'], 0.1)
   np.testing.assert_allclose(report['loss_sum'], loss_sum, rtol=1e-5)
   # The gradient the step applied: that of the global sum over the global count (its norm, returned by the step).
-  grads = jax.grad(lambda p: ts.label_smoothed_cross_entropy(
+  grads = jax.jit(jax.grad(lambda p: ts.label_smoothed_cross_entropy(
       model.apply({'params': p}, jnp.asarray(batch['src']), jnp.asarray(batch['tgt_in'])),
-      jnp.asarray(batch['tgt_out']), 0.1)[0])(params)
+      jnp.asarray(batch['tgt_out']), 0.1)[0]))(params)
   norm = np.sqrt(sum(float((np.asarray(g, np.float64) ** 2).sum()) for g in jax.tree_util.tree_leaves(grads)))
   np.testing.assert_allclose(report['grad_norm'], norm / count, rtol=1e-4)
   per_device_mean = [numpy_smoothed_loss_sum(logits[rows], batch['tgt_out'][rows], 0.1)
