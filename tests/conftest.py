@@ -7,6 +7,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -98,6 +99,14 @@ def subprocess_env(**variables):
   `variables` set."""
   path = os.pathsep.join(p for p in (os.path.dirname(_TESTS), _TESTS, os.environ.get('PYTHONPATH', '')) if p)
   return dict(os.environ, PYTHONPATH=path, **variables)
+
+
+def as_a_foreground_job():
+  """A subprocess's preexec_fn: the signal actions of a command a terminal's shell runs in the foreground (Ctrl-C,
+  hang-up, kill), also where the tests run with SIGHUP or SIGINT ignored (under `nohup`, as a shell's background
+  job), which the child would otherwise inherit."""
+  for signum in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM):
+    signal.signal(signum, signal.SIG_DFL)
 
 
 def first_line_then_close(module, args, stdin):

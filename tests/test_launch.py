@@ -10,6 +10,8 @@ import tomllib
 
 import pytest
 
+from conftest import as_a_foreground_job
+
 LAUNCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'launch')
 TRAIN_ARGS = ['--config', 'configs/wmt14_ende_big.py', '--workdir', 'gs://bucket/runs/big',
               '--config.model.remat', 'full', '--config.seed=3']
@@ -320,13 +322,6 @@ def fake_hosts(tmp_path, fail=None):
   if fail is not None:
     env['FAKE_FAIL'] = fail
   return env, started
-
-
-def as_a_foreground_job():
-  """In the launcher's process: the signal actions of a command a terminal's shell runs in the foreground, also where
-  the tests run with SIGHUP or SIGINT ignored (under `nohup`, in a background job), which it would inherit."""
-  for signum in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM):
-    signal.signal(signum, signal.SIG_DFL)
 
 
 def running(pid):

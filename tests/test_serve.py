@@ -1132,12 +1132,6 @@ def free_port():
     return s.getsockname()[1]
 
 
-def default_sigint():
-  """In a child process: SIGINT delivered as a terminal's Ctrl-C delivers it, also where the test runs with SIGINT
-  ignored (a shell's background job), which the child would inherit."""
-  signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 # Ctrl-C exited 130 with a KeyboardInterrupt's traceback after the drain (uvicorn raises the signal again).
 @pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT], ids=['sigterm', 'ctrl_c'])
 def test_sigterm_or_ctrl_c_drains_the_requests_in_flight_then_exits_0(workdir, translator, tmp_path, signum):
@@ -1145,7 +1139,7 @@ def test_sigterm_or_ctrl_c_drains_the_requests_in_flight_then_exits_0(workdir, t
   with open(tmp_path / 'server.log', 'w', encoding='utf-8') as log:
     process = subprocess.Popen([sys.executable, '-m', 'flaxformer_nmt.serve', f'--workdir={workdir}',
                                 f'--port={port}', '--warmup=none'], env=conftest.subprocess_env(), stdout=log,
-                               stderr=subprocess.STDOUT, preexec_fn=default_sigint)
+                               stderr=subprocess.STDOUT, preexec_fn=conftest.as_a_foreground_job)
   url, finished = f'http://127.0.0.1:{port}', []
 
   def post(texts):
