@@ -93,7 +93,8 @@ _ATTENTION = flags.DEFINE_list('attention_impl', [''], 'Override config.model.at
                                'in turn.')
 _REMAT = flags.DEFINE_list('remat', [''], 'Override config.model.remat; several are timed in turn.')
 _MATMUL = flags.DEFINE_string('matmul_precision', '', "Override config.model.matmul_precision ('bfloat16').")
-_MATMUL_STEPS = flags.DEFINE_integer('matmul_steps', 20, 'Timed runs of the reference matmul on a CPU (/matmul).')
+_MATMUL_STEPS = flags.DEFINE_integer('matmul_steps', 20, 'Timed runs of the reference matmul on a CPU (/matmul).',
+                                     lower_bound=1)
 _DROPOUT = flags.DEFINE_float('dropout_rate', -1.0, "Override config.model.dropout_rate (-1: the config's).")
 _PRNG = flags.DEFINE_list('prng_impl', [''], "Override config.prng_impl ('rbg': the dropout masks' keys from XLA's "
                           'RngBitGenerator instead of threefry); several are timed in turn.')

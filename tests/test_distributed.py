@@ -26,6 +26,9 @@ def free_port():
     return s.getsockname()[1]
 
 
+_STARTED = []  # every trainer start_processes started, for the fixture below
+
+
 @pytest.fixture(autouse=True)
 def _stop_started_processes():
   """Kills the trainers a test started that still run when it ends: a test that fails, or that pytest-timeout stops,
@@ -36,9 +39,6 @@ def _stop_started_processes():
     if proc.poll() is None:
       proc.kill()
       proc.wait()
-
-
-_STARTED = []
 
 
 def start_processes(data_dir, workdir, num_steps, num_processes=2, overrides=()):
