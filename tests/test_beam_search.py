@@ -25,8 +25,12 @@ def cached_step_fn(model, params, src):
   of a sentence sharing its encoder-decoder keys/values (as search_lib.search runs it). A beam_search.SlotCache
   is read through its ancestry."""
   variables = {'params': params}
-  cross = jax.jit(lambda src: model.apply(variables, model.apply(variables, src, method=Transformer.encode),
-                                          method=Transformer.decoding_cross_kv))(src)
+
+  @jax.jit
+  def cross_kv(src):
+    encoded = model.apply(variables, src, method=Transformer.encode)
+    return model.apply(variables, encoded, method=Transformer.decoding_cross_kv)
+  cross = cross_kv(src)
 
   @jax.jit
   def step(tokens, index, cache):
@@ -607,7 +611,7 @@ def test_search_takes_a_beam_wider_than_half_the_vocabulary():
   # its teacher-forced log P / lp(n) under the full decoder; the n best are sorted.
   model, params = tiny_model()
   src = jnp.array([[5, EOS_ID]])
-  search = jitted_search(model, beam_size=None, extra_length=None)
+  search = jax.jit(functools.partial(search_lib.search, model), static_argnames=('beam_size', 'extra_length'))
   for beam_size in (9, 20):
     tokens, scores = jax.device_get(search(params, src, beam_size=beam_size, alpha=0.6, extra_length=1))
     found = hypotheses(tokens[0], scores[0])
